@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The checksum definition's constants and the records workers and scheduler share.
+
+A checksum covers one block position of one KV cache group over the unsharded
+model (SPEC section 4). Workers report partial sums in a `KVChecksumRecord`; the
+scheduler tells workers what to checksum with a `KVChecksumScheduled`.
+"""
+
+import enum
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# H of the definition: slice factors are m = 2 * (layer * H + head) + 1.
+MAX_KV_HEADS_PER_LAYER = 1 << 16
+H = MAX_KV_HEADS_PER_LAYER
+
+# The kv_transfer_params key that carries the base64 payload.
+KV_TRANSFER_PARAMS_KEY = "kv_checksums"
+
+U64_MASK = (1 << 64) - 1
+
+
+class KVChecksumCarrier(enum.Enum):
+    """How a connector moves a request's checksum bytes to the consumer (R97)."""
+
+    # Generic code adds and reads kv_transfer_params["kv_checksums"].
+    KV_TRANSFER_PARAMS = "kv_transfer_params"
+    # The connector moves opaque bytes in its own messages.
+    CONNECTOR = "connector"
+
+
+def num_valid_tokens(position: int, block_size: int, num_tokens: int) -> int:
+    """Tokens of a `num_tokens` prefix held by block `position` (R90)."""
+    return max(0, min(num_tokens - position * block_size, block_size))
+
+
+def layer_fingerprint(identity: tuple) -> int:
+    """First 8 bytes, little-endian, of SHA-256 over repr(identity) (R42)."""
+    digest = hashlib.sha256(repr(identity).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def sum_fingerprints(identities: Sequence[tuple]) -> int:
+    """A group's fingerprint on one worker: the layer fingerprints mod 2^64."""
+    return sum(layer_fingerprint(identity) for identity in identities) & U64_MASK
+
+
+def block_checksum_tags(block_hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
+    """Per block, a uint64 binding a stored checksum to its block and group (R116)."""
+    prefix = (fingerprint & U64_MASK).to_bytes(8, "little")
+    tags = np.empty(len(block_hashes), dtype=np.uint64)
+    for i, block_hash in enumerate(block_hashes):
+        digest = hashlib.sha256(prefix + bytes(block_hash)).digest()
+        tags[i] = int.from_bytes(digest[:8], "little")
+    return tags
+
+
+@dataclass
+class KVChecksumBlocks:
+    """Blocks of one request to checksum: per group, a start position and block ids.
+
+    `num_tokens` is the end token of the range: the tokens whose KV the blocks hold.
+    Block i of a group holds request tokens [(start + i) * bs, (start + i + 1) * bs).
+    """
+
+    num_tokens: int
+    # group id -> (start position, block ids at consecutive positions)
+    groups: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
+
+
+@dataclass
+class KVChecksumScheduled:
+    """What workers checksum in a step (attached to the SchedulerOutput, R71)."""
+
+    reqs_to_send: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+    reqs_to_recv: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+    reqs_to_load: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not (self.reqs_to_send or self.reqs_to_recv or self.reqs_to_load)
+
+
+ReplicaKey = tuple[int, int]  # (replica count R, replica index r mod R)
+
+
+@dataclass
+class KVChecksumGroup:
+    """One worker's partial checksums of one request's group (R54).
+
+    `values[i, k]` is the partial sum of position `start + i` over the views with
+    replica key `replica_keys[k]`. `stored` holds offloaded block entries (R117).
+    """
+
+    start: int
+    replica_keys: tuple[ReplicaKey, ...]
+    values: np.ndarray  # uint64 [rows, len(replica_keys)]
+    stored: np.ndarray | None = None  # uint64 [rows]
+
+
+@dataclass
+class KVChecksumRecord:
+    """One worker's report for one step (R54); aggregated over all workers."""
+
+    pp_rank: int
+    tp_rank: int
+    # request id -> group id -> partial checksums
+    checksums: dict[str, dict[int, KVChecksumGroup]] = field(default_factory=dict)
+    # groups this worker cannot checksum (R34)
+    skipped_groups: tuple[int, ...] = ()
+    # group id -> sum of this worker's layer fingerprints (R42)
+    fingerprints: dict[int, int] = field(default_factory=dict)
+    # request id -> producer checksum bytes the connector received (R50)
+    received: dict[str, bytes] = field(default_factory=dict)

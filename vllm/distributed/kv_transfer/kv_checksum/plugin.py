@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The vLLM general plugin that wires KV checksums into the engine (R7).
+
+vLLM calls `register()` in every process it starts (API server, engine core,
+workers), possibly more than once. It checks the vLLM version and installs the
+hooks of :mod:`.wiring` once; it never raises, so it cannot break start-up.
+"""
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+SUPPORTED_VLLM_VERSION = "0.33.0"
+
+_registered = False
+
+
+def _installed_vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def register() -> None:
+    """Install the checksum hooks into vLLM, once per process."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    try:
+        version = _installed_vllm_version()
+        if version != SUPPORTED_VLLM_VERSION:
+            logger.error(
+                "vllm-kv-checksum supports vLLM %s only, found %s: KV checksums "
+                "are not available and nothing was patched.",
+                SUPPORTED_VLLM_VERSION,
+                version,
+            )
+            return
+        from vllm.distributed.kv_transfer.kv_checksum import wiring
+
+        wiring.install()
+        logger.debug("vllm-kv-checksum hooks installed.")
+    except Exception:
+        logger.exception("vllm-kv-checksum failed to install its hooks; disabled.")
