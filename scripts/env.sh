@@ -22,8 +22,7 @@ if [ ! -f "$venv/.complete" ]; then
         "$venv/bin/pip" install -e "$repo[test]"
     } >"$log" 2>&1 || { tail -n 30 "$log" >&2; echo "[env] install failed, see $log" >&2; exit 1; }
     touch "$venv/.complete"
-elif ! "$venv/bin/python" -c "import vllm.distributed.kv_transfer.kv_checksum" 2>/dev/null \
-    || [ "$("$venv/bin/python" -c 'import importlib.metadata as m, json; d = m.distribution("vllm-kv-checksum"); print(json.loads(d.read_text("direct_url.json") or "{}").get("url", ""))' 2>/dev/null)" != "file://$repo" ]; then
+elif [ "$(cd / && "$venv/bin/python" -c 'import importlib.metadata as m, json; d = m.distribution("vllm-kv-checksum"); print(json.loads(d.read_text("direct_url.json") or "{}").get("url", ""))' 2>/dev/null)" != "file://$repo" ]; then
     # Same dependencies, but this clone is not the one installed editable.
     "$venv/bin/pip" install -q --no-deps -e "$repo" >&2
 fi
