@@ -1,0 +1,706 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tests of the KV checksum payload and its wire format (SPEC R76-R81, R129, R132).
+
+Each test's docstring names the requirement and the bug it catches.
+"""
+
+import base64
+import re
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm.distributed.kv_transfer.kv_checksum.__main__ import main
+from vllm.distributed.kv_transfer.kv_checksum.payload import (
+    DEFAULT_MAX_ENCODED_BYTES,
+    KVChecksumPayload,
+    KVChecksumPayloadGroup,
+    KVChecksumPayloadLimits,
+    decode_kv_checksums_param,
+    inspect_payload,
+)
+
+pytestmark = pytest.mark.cpu
+
+U64_MAX = 2**64 - 1
+INVALID = "invalid KV checksums"
+
+
+def u64(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.uint64)
+
+
+def tiny_payload() -> KVChecksumPayload:
+    """Two groups covering the int and bin encodings the layout test spells out."""
+    return KVChecksumPayload(
+        version=1,
+        tp_size=2,
+        num_tokens=300,
+        groups=[
+            KVChecksumPayloadGroup(3, U64_MAX, 16, 1, u64(1, 2**63)),
+            KVChecksumPayloadGroup(0, 0x1234, 200, 0, u64()),
+        ],
+    )
+
+
+def padded_payload() -> KVChecksumPayload:
+    """28 bytes: base64 ends in "=="."""
+    return KVChecksumPayload(
+        1, 1, 16, [KVChecksumPayloadGroup(0, U64_MAX, 16, 0, u64(U64_MAX))]
+    )
+
+
+def valid_bytes() -> bytes:
+    return tiny_payload().to_bytes()
+
+
+def assert_invalid(data: object, *, base64_text: bool = False, **limits) -> None:
+    """Decoding `data` raises exactly ValueError("invalid KV checksums: ...")."""
+    decode = KVChecksumPayload.from_bytes
+    if base64_text:
+        decode = KVChecksumPayload.from_base64
+    with pytest.raises(ValueError, match=f"^{INVALID}: ") as info:
+        decode(data, KVChecksumPayloadLimits(**limits))
+    assert type(info.value) is ValueError
+
+
+def decode_or_value_error(decode, data: object) -> None:
+    """Decode; only ValueError with one of the two documented messages may escape."""
+    try:
+        payload = decode(data)
+    except ValueError as exc:
+        assert type(exc) is ValueError
+        message = str(exc)
+        assert message.startswith(INVALID) or re.fullmatch(
+            r"unsupported version -?\d+", message
+        ), message
+    else:
+        assert isinstance(payload, KVChecksumPayload)
+
+
+# ---------------------------------------------------------------------------
+# Byte layout (R77, R78, R81)
+
+
+def test_exact_byte_layout_matches_hand_built_msgpack():
+    """R77: the bytes are msgpack of [1, tp, tokens, [[id, fp, bs, start, bin]]].
+
+    Expected bytes are built by hand from the msgpack spec. Catches a map instead
+    of an array, another field order, values as an array of ints instead of a bin,
+    big-endian values, or a signed fingerprint encoding.
+    """
+    expected = (
+        b"\x94"  # fixarray of 4
+        + b"\x01"  # version 1
+        + b"\x02"  # tp_size 2
+        + b"\xcd\x01\x2c"  # num_tokens 300 as uint16
+        + b"\x92"  # two groups
+        + b"\x95"  # group: fixarray of 5
+        + b"\x03"  # group_id 3
+        + b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff"  # fingerprint 2^64 - 1
+        + b"\x10"  # block_size 16
+        + b"\x01"  # start 1
+        + b"\xc4\x10"  # bin8 of 16 bytes
+        + (1).to_bytes(8, "little")
+        + (2**63).to_bytes(8, "little")
+        + b"\x95"
+        + b"\x00"  # group_id 0
+        + b"\xcd\x12\x34"  # fingerprint 0x1234 as uint16
+        + b"\xcc\xc8"  # block_size 200 as uint8
+        + b"\x00"  # start 0
+        + b"\xc4\x00"  # empty bin8
+    )
+    assert tiny_payload().to_bytes() == expected
+
+
+def test_large_values_use_bin16():
+    """R77: 32 values are one bin16 of 256 bytes, little-endian, in order.
+
+    Catches values encoded from a copy in another byte order or truncated.
+    """
+    values = np.arange(32, dtype=np.uint64) * 0x0101010101010101
+    payload = KVChecksumPayload(
+        1, 1, 512, [KVChecksumPayloadGroup(0, 0, 16, 0, values)]
+    )
+    data = payload.to_bytes()
+    header = b"\x94\x01\x01\xcd\x02\x00\x91\x95\x00\x00\x10\x00\xc5\x01\x00"
+    assert data == header + values.astype("<u8").tobytes()
+
+
+def test_base64_is_padded_standard_alphabet():
+    """R78: the carrier value is RFC 4648 base64 with padding, as a str.
+
+    Catches the URL-safe alphabet, stripped padding, or bytes instead of str.
+    """
+    payload = padded_payload()
+    text = payload.to_base64()
+    assert isinstance(text, str)
+    assert len(text) % 4 == 0
+    assert re.fullmatch(r"[A-Za-z0-9+/]*={0,2}", text)
+    assert text == base64.b64encode(payload.to_bytes()).decode("ascii")
+    assert len(payload.to_bytes()) == 28  # one byte past a 3-byte quantum
+    assert text.endswith("==")
+    assert "/" in text  # 0xff bytes use the standard alphabet's "/", not "_"
+
+
+def test_payload_size_for_128k_tokens():
+    """R81: 128K tokens, one group, 16-token blocks: ~64 KB raw, ~87 KB base64.
+
+    Catches per-value overhead (e.g. values as msgpack ints: ~9 bytes each).
+    """
+    values = np.full(128 * 1024 // 16, U64_MAX, dtype=np.uint64)
+    payload = KVChecksumPayload(
+        1, 8, 128 * 1024, [KVChecksumPayloadGroup(0, U64_MAX, 16, 0, values)]
+    )
+    raw = payload.to_bytes()
+    text = payload.to_base64()
+    assert abs(len(raw) - 64 * 1024) <= 0.02 * 64 * 1024
+    assert abs(len(text) - 87_000) <= 0.02 * 87_000
+
+
+# ---------------------------------------------------------------------------
+# Round trip and zero copy (R76, R77)
+
+
+@st.composite
+def payloads(draw) -> KVChecksumPayload:
+    group_ids = draw(st.lists(st.integers(0, 2**63 - 1), unique=True, max_size=5))
+    groups = [
+        KVChecksumPayloadGroup(
+            group_id=group_id,
+            fingerprint=draw(st.integers(0, U64_MAX)),
+            block_size=draw(st.integers(1, 2**63 - 1)),
+            start=draw(st.integers(0, 2**63 - 1)),
+            values=np.array(
+                draw(st.lists(st.integers(0, U64_MAX), max_size=40)), dtype=np.uint64
+            ),
+        )
+        for group_id in group_ids
+    ]
+    return KVChecksumPayload(
+        version=1,
+        tp_size=draw(st.integers(1, U64_MAX)),
+        num_tokens=draw(st.integers(0, U64_MAX)),
+        groups=groups,
+    )
+
+
+def assert_same(decoded: KVChecksumPayload, payload: KVChecksumPayload) -> None:
+    assert decoded.version == payload.version
+    assert decoded.tp_size == payload.tp_size
+    assert decoded.num_tokens == payload.num_tokens
+    assert len(decoded.groups) == len(payload.groups)
+    for got, want in zip(decoded.groups, payload.groups, strict=True):
+        assert got.group_id == want.group_id
+        assert got.fingerprint == want.fingerprint
+        assert got.block_size == want.block_size
+        assert got.start == want.start
+        assert got.values.dtype == np.dtype("<u8")
+        np.testing.assert_array_equal(got.values, want.values)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payloads())
+def test_round_trip(payload: KVChecksumPayload):
+    """R76/R77: decode(encode(p)) == p for any valid payload, base64 or raw.
+
+    Catches lost groups, swapped fields, signed or truncated fingerprints and
+    values at 2^64 - 1, and int64 overflow of large counts.
+    """
+    assert_same(KVChecksumPayload.from_base64(payload.to_base64()), payload)
+    assert_same(KVChecksumPayload.from_bytes(payload.to_bytes()), payload)
+    assert_same(decode_kv_checksums_param(payload.to_base64()), payload)
+
+
+def test_decoded_values_are_zero_copy_views():
+    """R77: decoded values are views of the input bytes, not copies.
+
+    Catches a per-value decode or a copy that makes decoding cost O(values)
+    Python work.
+    """
+    data = valid_bytes()
+    decoded = KVChecksumPayload.from_bytes(data)
+    values = decoded.groups[0].values
+    assert np.shares_memory(values, np.frombuffer(data, dtype=np.uint8))
+    assert not values.flags.owndata
+    assert not values.flags.writeable  # a view of immutable bytes
+    from_text = KVChecksumPayload.from_base64(base64.b64encode(data).decode())
+    assert not from_text.groups[0].values.flags.owndata
+
+
+def test_encode_accepts_narrower_unsigned_and_non_contiguous_values():
+    """R77: values of any unsigned dtype or stride encode as uint64 bytes.
+
+    Catches encoding a strided array's raw memory (wrong values).
+    """
+    values = np.arange(10, dtype=np.uint64)[::2]
+    small = np.array([1, 2], dtype=np.uint8)
+    payload = KVChecksumPayload(
+        1,
+        1,
+        0,
+        [
+            KVChecksumPayloadGroup(0, 0, 1, 0, values),
+            KVChecksumPayloadGroup(1, 0, 1, 0, small),
+        ],
+    )
+    decoded = KVChecksumPayload.from_bytes(payload.to_bytes())
+    np.testing.assert_array_equal(decoded.groups[0].values, [0, 2, 4, 6, 8])
+    np.testing.assert_array_equal(decoded.groups[1].values, [1, 2])
+
+
+@pytest.mark.parametrize(
+    "group, tp_size",
+    [
+        (KVChecksumPayloadGroup(0, -1, 16, 0, u64()), 1),
+        (KVChecksumPayloadGroup(0, 2**64, 16, 0, u64()), 1),
+        (KVChecksumPayloadGroup(0, 0, 0, 0, u64()), 1),
+        (KVChecksumPayloadGroup(0, 0, 16, -1, u64()), 1),
+        (KVChecksumPayloadGroup(-1, 0, 16, 0, u64()), 1),
+        (KVChecksumPayloadGroup(0, 0, True, 0, u64()), 1),
+        (KVChecksumPayloadGroup(0, 0, 16, 0, np.array([-1], dtype=np.int64)), 1),
+        (KVChecksumPayloadGroup(0, 0, 16, 0, np.zeros((2, 2), np.uint64)), 1),
+        (KVChecksumPayloadGroup(0, 0, 16, 0, u64()), 0),
+    ],
+)
+def test_encode_rejects_invalid_fields(group, tp_size):
+    """R79: what to_bytes encodes, from_bytes accepts.
+
+    Catches a producer sending a payload every consumer rejects (negative or
+    out-of-range ints, bools, signed or 2-D values).
+    """
+    payload = KVChecksumPayload(1, tp_size, 16, [group])
+    with pytest.raises(ValueError, match=INVALID):
+        payload.to_bytes()
+
+
+def test_encode_rejects_duplicate_groups_and_other_versions():
+    """R77: one entry per group, version 1 only.
+
+    Catches a duplicated group id, which a consumer would have to resolve.
+    """
+    group = KVChecksumPayloadGroup(0, 0, 16, 0, u64())
+    with pytest.raises(ValueError, match="appears twice"):
+        KVChecksumPayload(1, 1, 16, [group, group]).to_bytes()
+    with pytest.raises(ValueError, match="unsupported version 2"):
+        KVChecksumPayload(2, 1, 16, [group]).to_bytes()
+
+
+# ---------------------------------------------------------------------------
+# Hostile input (R79, R129)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "!!!!",
+        "AAA",  # missing padding
+        "AA==AA==",  # excess data after padding
+        " AAAA",
+        "AAAA\n",
+        "AA-_",  # URL-safe alphabet
+        "A===",
+        "éééé",  # non-ASCII
+        "\ud800AAA",  # lone surrogate
+        b"\xff\xfe\xfd\xfc",
+    ],
+)
+def test_bad_base64_is_invalid(text):
+    """R78/R79: malformed base64 is "invalid KV checksums".
+
+    Catches binascii.Error or UnicodeEncodeError escaping, or lenient decoding
+    that silently drops characters.
+    """
+    assert_invalid(text, base64_text=True)
+
+
+def test_lenient_base64_of_a_valid_payload_is_invalid():
+    """R78: only canonical padded base64 is accepted, even if the bytes are fine.
+
+    Catches a lenient decoder that skips whitespace or other characters, or reads
+    past the padding, and so accepts values a strict peer rejects.
+    """
+    text = padded_payload().to_base64()
+    KVChecksumPayload.from_base64(text)
+    assert text.endswith("==")
+    for variant in [
+        text[:8] + "\n" + text[8:],
+        text[:8] + " " + text[8:],
+        text[:8] + "*" + text[8:],
+        text + "AAAA",
+        text + "=",
+        "\n" + text,
+    ]:
+        assert_invalid(variant, base64_text=True)
+
+
+@pytest.mark.parametrize(
+    "value", [None, 1, 1.5, [], {}, object(), bytearray(b"AAAA"), ["AAAA"]]
+)
+def test_non_string_carrier_value_is_invalid(value):
+    """R79: a kv_checksums value of another JSON or Python type is invalid.
+
+    Catches TypeError or AttributeError escaping for a proxy that rewrites the
+    value as a number, list or object.
+    """
+    assert_invalid(value, base64_text=True)
+
+
+@pytest.mark.parametrize("value", [None, "AAAA", 7, [1, 2]])
+def test_non_bytes_input_is_invalid(value):
+    """R79: from_bytes of a non-buffer is invalid, not TypeError."""
+    assert_invalid(value)
+
+
+def test_truncation_at_every_offset_is_invalid():
+    """R79: every proper prefix of a valid payload is invalid.
+
+    Catches a decoder that accepts a short bin or a missing group.
+    """
+    data = valid_bytes()
+    for end in range(len(data)):
+        assert_invalid(data[:end])
+        assert_invalid(base64.b64encode(data[:end]).decode(), base64_text=True)
+
+
+def test_trailing_bytes_are_invalid():
+    """R79: extra bytes after the payload are invalid, not ignored."""
+    assert_invalid(valid_bytes() + b"\x00")
+
+
+DEEP = 200_000
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x91" * DEEP + b"\x01",  # nested at the top
+        b"\x94" + b"\x91" * DEEP + b"\x01",  # nested in place of the version
+        b"\x94\x01" + b"\x91" * DEEP + b"\x01",  # ... of tp_size
+        b"\x94\x01\x01\x01" + b"\x91" * DEEP,  # ... of the groups
+        b"\x94\x01\x01\x01\x91\x95" + b"\x91" * DEEP,  # ... of a group id
+        b"\x94\x01\x01\x01\x91\x95\x00\x00\x01\x00" + b"\x91" * DEEP,  # of values
+        b"\x81\x01" * DEEP + b"\x01",  # nested maps
+    ],
+)
+def test_deeply_nested_msgpack_is_invalid(data):
+    """R79: 200000-deep nesting is invalid, without RecursionError.
+
+    Catches an untyped (recursive) decode of the whole input.
+    """
+    assert_invalid(data)
+    assert_invalid(base64.b64encode(data).decode(), base64_text=True)
+
+
+def test_nested_other_version_is_unsupported_not_recursion():
+    """R79: another version's tail is not decoded, so deep nesting there is fine.
+
+    Catches a version check that walks (and recurses into) the whole payload.
+    """
+    data = b"\x94\x02" + b"\x91" * DEEP + b"\x01"
+    with pytest.raises(ValueError, match="^unsupported version 2$"):
+        KVChecksumPayload.from_bytes(data)
+
+
+def encode(obj: object) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+GOOD_VALUES = u64(5).tobytes()
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        None,
+        1,
+        "payload",
+        {"version": 1},
+        [],
+        [1],
+        [1, 1, 1],
+        [1, 1, 1, [], []],
+        ["1", 1, 1, []],
+        [1.0, 1, 1, []],
+        [True, 1, 1, []],
+        [1, True, 1, []],
+        [1, 1, None, []],
+        [1, 1, 1, {}],
+        [1, 1, 1, [None]],
+        [1, 1, 1, [[0, 0, 16, 0]]],
+        [1, 1, 1, [[0, 0, 16, 0, GOOD_VALUES, 1]]],
+        [1, 1, 1, [[0, 0, 16, 0, "AAAAAAAA"]]],
+        [1, 1, 1, [[0, 0, 16, 0, [5]]]],
+        [1, 1, 1, [[0, 0, 16.0, 0, GOOD_VALUES]]],
+        [1, 1, 1, [[False, 0, 16, 0, GOOD_VALUES]]],
+        [1, 0, 1, []],  # tp_size 0
+        [1, -3, 1, []],
+        [1, 1, -1, []],  # negative num_tokens
+        [1, 1, 1, [[-1, 0, 16, 0, GOOD_VALUES]]],  # negative group id
+        [1, 1, 1, [[0, -1, 16, 0, GOOD_VALUES]]],  # fingerprint below 0
+        [1, 1, 1, [[0, -(2**63), 16, 0, GOOD_VALUES]]],
+        [1, 1, 1, [[0, 0, 0, 0, GOOD_VALUES]]],  # block size 0
+        [1, 1, 1, [[0, 0, -16, 0, GOOD_VALUES]]],
+        [1, 1, 1, [[0, 0, 16, -1, GOOD_VALUES]]],  # negative start
+        [1, 1, 1, [[0, 0, 16, 0, b"\x00" * 7]]],  # not a multiple of 8
+        [1, 1, 1, [[0, 0, 16, 0, b"\x00" * 17]]],
+        [1, 1, 1, [[0, 0, 16, 0, GOOD_VALUES], [0, 1, 16, 0, GOOD_VALUES]]],
+    ],
+)
+def test_wrong_structure_or_ranges_are_invalid(obj):
+    """R79: wrong types, bools for ints, out-of-range ints, bad bins are invalid.
+
+    Catches TypeError/OverflowError escaping, bools accepted as ints, negative
+    counts reaching verification, and duplicate group ids.
+    """
+    assert_invalid(encode(obj))
+    assert_invalid(base64.b64encode(encode(obj)).decode(), base64_text=True)
+
+
+def test_huge_lengths_in_headers_are_invalid_without_allocation():
+    """R129: a header claiming 2^32 elements or bytes does not allocate them.
+
+    Catches MemoryError or a decode that trusts declared lengths.
+    """
+    for data in [
+        b"\xdd\xff\xff\xff\xff",
+        b"\x94\x01\x01\x01\xdd\xff\xff\xff\xff",
+        b"\x94\x01\x01\x01\x91\x95\x00\x00\x01\x00\xc6\xff\xff\xff\xff",
+        b"\x94\x01\x01\x01\x91\x95\x00\x00\x01\x00\xdb\xff\xff\xff\xff",
+    ]:
+        assert_invalid(data)
+
+
+def test_other_version_is_unsupported():
+    """R79: a well-formed payload of another version names that version.
+
+    Catches reporting a version-2 payload (even with another layout) as merely
+    malformed, or accepting it as version 1.
+    """
+    group = [0, 0, 16, 0, GOOD_VALUES]
+    for obj, version in [
+        ([2, 1, 1, [group]], 2),  # version-1 layout
+        ([2, "new", {"groups": []}], 2),  # another layout
+        ([0, 1, 1, []], 0),
+        ([-5, 1, 1, []], -5),
+        ([300, 1], 300),
+        ([2**64 - 1], 2**64 - 1),
+    ]:
+        text = base64.b64encode(encode(obj)).decode()
+        with pytest.raises(ValueError) as info:
+            KVChecksumPayload.from_base64(text)
+        assert type(info.value) is ValueError
+        assert str(info.value) == f"unsupported version {version}"
+
+
+def test_group_and_position_limits():
+    """R129: more groups or positions than the consumer's config allows are invalid.
+
+    Catches a consumer allocating or summing for a producer-chosen size.
+    """
+    values = np.zeros(10, dtype=np.uint64)
+    groups = [KVChecksumPayloadGroup(i, 0, 16, 0, values) for i in range(3)]
+    data = KVChecksumPayload(1, 1, 160, groups).to_bytes()
+    KVChecksumPayload.from_bytes(
+        data, KVChecksumPayloadLimits(max_groups=3, max_positions=10)
+    )
+    assert_invalid(data, max_groups=2)  # too many groups
+    assert_invalid(data, max_positions=9)  # too many positions
+    one = KVChecksumPayload(1, 1, 160, [groups[2]]).to_bytes()
+    KVChecksumPayload.from_bytes(one, KVChecksumPayloadLimits(max_groups=3))
+    assert_invalid(one, max_groups=2)  # group id 2 of groups 0 and 1
+
+
+def test_group_flood_is_rejected_from_the_array_header():
+    """R129: with max_groups, a million tiny groups fail before being decoded.
+
+    Catches decoding every group (hundreds of MB of Python objects for a few MB
+    of input) before counting them.
+    """
+    data = encode([1, 1, 1, [[0, 0, 1, 0, b""]] * 1_000_000])
+    with pytest.raises(ValueError, match=f"{INVALID}: .*length <= 4"):
+        KVChecksumPayload.from_bytes(data, KVChecksumPayloadLimits(max_groups=4))
+
+
+def test_max_model_len_caps_positions_by_the_groups_block_size():
+    """R129: ⌈max_model_len / block size⌉ + 1 positions, per group block size.
+
+    A producer with 16-token blocks may send twice the positions of a consumer
+    with 32-token blocks (R88). Catches either accepting 1 more or rejecting it.
+    """
+    for block_size, positions in [(16, 9), (32, 5), (100, 3)]:
+        values = np.zeros(positions, dtype=np.uint64)
+        group = KVChecksumPayloadGroup(0, 0, block_size, 0, values)
+        data = KVChecksumPayload(1, 1, 128, [group]).to_bytes()
+        KVChecksumPayload.from_bytes(data, KVChecksumPayloadLimits(max_model_len=128))
+        longer = np.zeros(positions + 1, dtype=np.uint64)
+        group = KVChecksumPayloadGroup(0, 0, block_size, 0, longer)
+        data = KVChecksumPayload(1, 1, 128, [group]).to_bytes()
+        assert_invalid(data, max_model_len=128)
+
+
+def test_oversized_value_is_rejected_before_decoding():
+    """R129: a value longer than the cap is invalid before base64 or msgpack.
+
+    The oversized text is not even valid base64, so only an early length check
+    yields the "exceed" message. Catches decoding unbounded input first.
+    """
+    huge = "!" * (DEFAULT_MAX_ENCODED_BYTES + 1)
+    with pytest.raises(ValueError, match=f"{INVALID}: .*exceed"):
+        KVChecksumPayload.from_base64(huge)
+    with pytest.raises(ValueError, match=f"{INVALID}: .*exceed"):
+        KVChecksumPayload.from_bytes(b"\xc1" * (DEFAULT_MAX_ENCODED_BYTES + 1))
+    text = tiny_payload().to_base64()
+    assert_invalid(text, base64_text=True, max_encoded_bytes=len(text) - 1)
+    KVChecksumPayload.from_base64(
+        text, KVChecksumPayloadLimits(max_encoded_bytes=len(text))
+    )
+
+
+def test_oversized_string_inside_msgpack_is_invalid():
+    """R79: a msgpack str or bin longer than the input is invalid (truncated)."""
+    assert_invalid(b"\x94\x01\x01\x01\x91\x95\x00\x00\x01\x00\xc6\x00\x10\x00\x00")
+    assert_invalid(encode([1, 1, 1, [[0, 0, 16, 0, "x" * 100_000]]]))
+
+
+msgpack_objects = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), U64_MAX)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=10)
+    | st.binary(max_size=40),
+    lambda children: (
+        st.lists(children, max_size=6)
+        | st.dictionaries(st.text(max_size=5), children, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+near_payloads = st.lists(
+    st.one_of(
+        st.integers(-2, 3),
+        st.lists(st.lists(st.integers(-2, 20) | st.binary(max_size=24), max_size=6)),
+        msgpack_objects,
+    ),
+    max_size=6,
+)
+
+FUZZ = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@FUZZ
+@given(st.binary(max_size=200))
+def test_fuzz_random_bytes(data):
+    """R79: random bytes give a payload or ValueError, nothing else."""
+    decode_or_value_error(KVChecksumPayload.from_bytes, data)
+    text = base64.b64encode(data).decode()
+    decode_or_value_error(KVChecksumPayload.from_base64, text)
+
+
+@FUZZ
+@given(st.text(max_size=100))
+def test_fuzz_random_text(text):
+    """R79: random (mostly non-base64) strings give only ValueError."""
+    decode_or_value_error(KVChecksumPayload.from_base64, text)
+
+
+@FUZZ
+@given(msgpack_objects | near_payloads)
+def test_fuzz_random_msgpack_objects(obj):
+    """R79: any msgpack value, including payload-shaped ones, decodes or fails
+    with ValueError only. Catches exceptions escaping field validation."""
+    decode_or_value_error(KVChecksumPayload.from_bytes, encode(obj))
+
+
+@FUZZ
+@given(payloads(), st.integers(0, 10_000), st.integers(0, 255))
+def test_fuzz_corrupted_valid_payload(payload, where, byte):
+    """R79: a valid payload with one byte replaced decodes or fails cleanly."""
+    data = bytearray(payload.to_bytes())
+    data[where % len(data)] = byte
+    decode_or_value_error(KVChecksumPayload.from_bytes, bytes(data))
+
+
+# ---------------------------------------------------------------------------
+# Inspect tool (R132)
+
+
+def sample_text() -> str:
+    values = np.arange(1, 11, dtype=np.uint64) * 0x1111
+    groups = [
+        KVChecksumPayloadGroup(0, 0xDEADBEEF, 16, 2, values),
+        KVChecksumPayloadGroup(4, U64_MAX, 1, 0, u64(U64_MAX)),
+    ]
+    return KVChecksumPayload(1, 4, 160, groups).to_base64()
+
+
+def test_inspect_prints_every_field():
+    """R132: version, TP size, tokens and per group fingerprint, block size,
+    start, positions and the first 8 values in hex. Catches missing fields."""
+    out = inspect_payload(sample_text())
+    assert "version: 1" in out
+    assert "producer TP size: 4" in out
+    assert "tokens: 160" in out
+    assert (
+        "group 0: fingerprint 0x00000000deadbeef, block size 16, start 2, "
+        "positions 10" in out
+    )
+    assert "0x0000000000001111 0x0000000000002222" in out
+    assert "0x0000000000008888" in out
+    assert "0x0000000000009999" not in out  # only the first 8 values
+    assert "group 4: fingerprint 0xffffffffffffffff, block size 1, start 0" in out
+    assert "0xffffffffffffffff" in out.splitlines()[-1]
+
+
+def test_inspect_main_in_process(capsys, monkeypatch):
+    """R132: `inspect VALUE` and `inspect -` print; invalid input exits 1.
+
+    Catches the error going to stdout or a zero exit status on bad input.
+    """
+    assert main(["inspect", sample_text()]) == 0
+    assert "producer TP size: 4" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", _StringStdin(sample_text() + "\n"))
+    assert main(["inspect", "-"]) == 0
+    assert "tokens: 160" in capsys.readouterr().out
+    assert main(["inspect", "!!!"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert INVALID in captured.err
+
+
+class _StringStdin:
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def read(self) -> str:
+        return self._text
+
+
+CLI = [sys.executable, "-m", "vllm.distributed.kv_transfer.kv_checksum", "inspect"]
+
+
+def test_inspect_cli_subprocess():
+    """R132: `python -m vllm.distributed.kv_transfer.kv_checksum inspect -` runs as
+    a module, reads standard input, and exits 1 with the decode error on stderr.
+
+    Catches a missing __main__, or main's status not reaching the exit code. One
+    process only: importing vLLM takes tens of seconds; main's valid output is
+    covered in process above.
+    """
+    bad = base64.b64encode(encode([1, 1, 1, [[0, 0, 16, 0, b"\x00" * 7]]])).decode()
+    done = subprocess.run(
+        [*CLI, "-"], input=bad, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 1, done.stderr
+    assert "invalid KV checksums" in done.stderr
+    assert "not a multiple of 8" in done.stderr
+    assert done.stdout == ""

@@ -1,0 +1,385 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The producer's checksums of one request as sent to the consumer (SPEC section 11).
+
+Version 1 bytes (R77) are the msgpack array
+``[1, tp_size, num_tokens, [[group_id, fingerprint, block_size, start, values]]]``
+with ``values`` a bin of little-endian uint64, one per block position from
+``start``. The kv_transfer_params carrier sends them as padded standard base64
+(R78).
+
+Decoding is total (R79, R129): whatever the input, it returns a valid payload or
+raises ``ValueError`` ("invalid KV checksums: ..." or "unsupported version N").
+The input length is capped before anything is decoded, the msgpack decoder is
+typed (a nested array where an int belongs fails validation at once rather than
+recursing), and the values are zero-copy views of the decoded bytes, so time and
+memory are linear in the input length.
+"""
+
+import base64
+import binascii
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+KV_CHECKSUM_PAYLOAD_VERSION = 1
+
+# R129: default cap on the base64 text (and the raw bytes) of one payload.
+DEFAULT_MAX_ENCODED_BYTES = 16 * 1024 * 1024
+
+_U64_LIMIT = 1 << 64
+_VALUE_DTYPE = np.dtype("<u8")
+
+# A version 1 group: [group_id, fingerprint, block_size, start, values]. A
+# memoryview field decodes as a view of the input.
+_RawGroup = tuple[int, int, int, int, memoryview]
+_ENCODER = msgspec.msgpack.Encoder()
+
+# What msgspec may raise on hostile input besides its own errors.
+_DECODE_ERRORS = (
+    msgspec.MsgspecError,
+    RecursionError,
+    MemoryError,
+    OverflowError,
+    BufferError,
+    TypeError,
+)
+
+
+@dataclass(frozen=True)
+class KVChecksumPayloadLimits:
+    """Bounds a consumer puts on a received payload (R129).
+
+    `max_positions` caps the positions of any group; `max_model_len` caps them
+    per group by the group's own block size, ⌈max_model_len / block_size⌉ + 1,
+    which still admits a producer with smaller blocks than the consumer's.
+    """
+
+    # Cap on the base64 text length and on the raw bytes, checked first.
+    max_encoded_bytes: int = DEFAULT_MAX_ENCODED_BYTES
+    # The consumer's number of KV cache groups: group ids must be below it.
+    max_groups: int | None = None
+    # ⌈max_model_len / min block size⌉ + 1.
+    max_positions: int | None = None
+    # The consumer's max_model_len, for the per-block-size position cap.
+    max_model_len: int | None = None
+
+
+@dataclass
+class KVChecksumPayloadGroup:
+    """The producer's checksums of one KV cache group of one request (R76)."""
+
+    group_id: int
+    # Sum of one TP rank's layer fingerprints over PP stages (R87), uint64.
+    fingerprint: int
+    block_size: int
+    # Block position of values[0].
+    start: int
+    # uint64 [positions], one checksum per block position from `start`.
+    values: np.ndarray
+
+
+@dataclass
+class KVChecksumPayload:
+    """The producer's checksums of one request (R76) and their wire format."""
+
+    version: int
+    # The producer's TP size (R85).
+    tp_size: int
+    # The tokens whose KV the checksummed blocks hold.
+    num_tokens: int
+    groups: list[KVChecksumPayloadGroup]
+
+    def to_bytes(self) -> bytes:
+        """Version 1 msgpack bytes (R77); raises ValueError on invalid fields."""
+        _check_payload(self, None)
+        groups = [
+            [
+                int(group.group_id),
+                int(group.fingerprint),
+                int(group.block_size),
+                int(group.start),
+                _values_buffer(group.values),
+            ]
+            for group in self.groups
+        ]
+        header = [int(self.version), int(self.tp_size), int(self.num_tokens)]
+        return _ENCODER.encode([*header, groups])
+
+    def to_base64(self) -> str:
+        """The kv_transfer_params value: padded standard base64 (R78)."""
+        return base64.b64encode(self.to_bytes()).decode("ascii")
+
+    @classmethod
+    def from_bytes(
+        cls, data: object, limits: KVChecksumPayloadLimits | None = None
+    ) -> "KVChecksumPayload":
+        """Decode version 1 bytes; values are views of `data` (R77, R79, R129)."""
+        if limits is None:
+            limits = KVChecksumPayloadLimits()
+        buffer = _as_bytes_like(data)
+        if buffer.nbytes > limits.max_encoded_bytes:
+            raise _invalid(
+                f"{buffer.nbytes} bytes exceed the limit of {limits.max_encoded_bytes}"
+            )
+        payload = _decode_v1(buffer, limits.max_groups)
+        _check_payload(payload, limits)
+        return payload
+
+    @classmethod
+    def from_base64(
+        cls, text: object, limits: KVChecksumPayloadLimits | None = None
+    ) -> "KVChecksumPayload":
+        """Decode a kv_transfer_params value (R78, R79, R129)."""
+        if limits is None:
+            limits = KVChecksumPayloadLimits()
+        if not isinstance(text, (str, bytes)):
+            raise _invalid(f"expected a base64 string, got {type(text).__name__}")
+        if len(text) > limits.max_encoded_bytes:
+            raise _invalid(
+                f"{len(text)} base64 characters exceed the limit of "
+                f"{limits.max_encoded_bytes}"
+            )
+        return cls.from_bytes(_b64decode(text), limits)
+
+
+def decode_kv_checksums_param(
+    value: object, limits: KVChecksumPayloadLimits | None = None
+) -> KVChecksumPayload:
+    """Decode the kv_transfer_params["kv_checksums"] value (R78, R79)."""
+    return KVChecksumPayload.from_base64(value, limits)
+
+
+def inspect_payload(text: str) -> str:
+    """Human-readable summary of a base64 payload (R132); ValueError if invalid."""
+    payload = KVChecksumPayload.from_base64(text)
+    lines = [
+        f"version: {payload.version}",
+        f"producer TP size: {payload.tp_size}",
+        f"tokens: {payload.num_tokens}",
+        f"groups: {len(payload.groups)}",
+    ]
+    for group in payload.groups:
+        lines.extend(_describe_group(group))
+    return "\n".join(lines)
+
+
+_INSPECT_MAX_VALUES = 8
+
+
+def _describe_group(group: KVChecksumPayloadGroup) -> list[str]:
+    """Lines of `inspect_payload` for one group."""
+    num_values = len(group.values)
+    shown = " ".join(
+        f"0x{int(value):016x}" for value in group.values[:_INSPECT_MAX_VALUES]
+    )
+    more = f" ... ({num_values} values)" if num_values > _INSPECT_MAX_VALUES else ""
+    return [
+        f"group {group.group_id}: fingerprint 0x{group.fingerprint:016x}, "
+        f"block size {group.block_size}, start {group.start}, "
+        f"positions {num_values}",
+        f"  values: {shown or '(none)'}{more}",
+    ]
+
+
+def _invalid(why: str) -> ValueError:
+    return ValueError(f"invalid KV checksums: {why}")
+
+
+def _as_bytes_like(data: object) -> memoryview:
+    """A flat byte view of `data`, which must be bytes, bytearray or memoryview."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise _invalid(f"expected bytes, got {type(data).__name__}")
+    try:
+        return memoryview(data).cast("B")
+    except (TypeError, ValueError) as exc:
+        raise _invalid(f"not a contiguous buffer ({exc})") from None
+
+
+def _b64decode(text: str | bytes) -> bytes:
+    """Strict padded standard base64 (R78): no whitespace, no excess data."""
+    try:
+        if sys.version_info >= (3, 11):
+            return binascii.a2b_base64(text, strict_mode=True)
+        return base64.b64decode(text, validate=True)
+    except ValueError as exc:  # binascii.Error, or non-ASCII str
+        raise _invalid(f"bad base64 ({exc})") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _v1_decoder(max_groups: int | None) -> msgspec.msgpack.Decoder:
+    """The typed decoder of [version, tp_size, num_tokens, [group, ...]].
+
+    With `max_groups`, msgspec checks the groups' array header before decoding
+    any group, so a flood of tiny groups costs nothing (R129).
+    """
+    if max_groups is None:
+        return msgspec.msgpack.Decoder(tuple[int, int, int, list[_RawGroup]])
+    bounded = msgspec.Meta(max_length=max_groups)
+    return msgspec.msgpack.Decoder(
+        tuple[int, int, int, Annotated[list[_RawGroup], bounded]]
+    )
+
+
+def _decode_v1(buffer: memoryview, max_groups: int | None) -> KVChecksumPayload:
+    """Decode version 1 msgpack; other versions raise "unsupported version N"."""
+    try:
+        decoded = _v1_decoder(max_groups).decode(buffer)
+        version, tp_size, num_tokens, raw_groups = decoded
+    except _DECODE_ERRORS as exc:
+        other = _peek_version(buffer)
+        if other is not None and other != KV_CHECKSUM_PAYLOAD_VERSION:
+            raise _unsupported(other) from None
+        raise _invalid(str(exc) or type(exc).__name__) from None
+    if version != KV_CHECKSUM_PAYLOAD_VERSION:
+        raise _unsupported(version)
+    groups = [_decode_group(*raw_group) for raw_group in raw_groups]
+    return KVChecksumPayload(version, tp_size, num_tokens, groups)
+
+
+def _decode_group(
+    group_id: int, fingerprint: int, block_size: int, start: int, values: memoryview
+) -> KVChecksumPayloadGroup:
+    """One decoded group; its values are a view of the input bytes."""
+    if values.nbytes % _VALUE_DTYPE.itemsize:
+        raise _invalid(
+            f"group {group_id}: {values.nbytes} value bytes are not a multiple of 8"
+        )
+    array = np.frombuffer(values, dtype=_VALUE_DTYPE)
+    return KVChecksumPayloadGroup(group_id, fingerprint, block_size, start, array)
+
+
+def _unsupported(version: int) -> ValueError:
+    return ValueError(f"unsupported version {version}")
+
+
+def _peek_version(buffer: memoryview) -> int | None:
+    """The first element of a msgpack array if it is an int, else None.
+
+    Reads only the array header and that int: the rest of another version's
+    payload may have any layout, and skipping it could recurse.
+    """
+    data = bytes(buffer[:10])
+    if not data:
+        return None
+    head = data[0]
+    if 0x90 <= head <= 0x9F:
+        offset = 1
+    elif head == 0xDC:
+        offset = 3
+    elif head == 0xDD:
+        offset = 5
+    else:
+        return None
+    return _peek_int(data[offset:])
+
+
+# msgpack int formats after the first byte: (byte count, signed).
+_MSGPACK_INTS = {
+    0xCC: (1, False),
+    0xCD: (2, False),
+    0xCE: (4, False),
+    0xCF: (8, False),
+    0xD0: (1, True),
+    0xD1: (2, True),
+    0xD2: (4, True),
+    0xD3: (8, True),
+}
+
+
+def _peek_int(data: bytes) -> int | None:
+    """The msgpack int at the start of `data`, or None if there is none."""
+    if not data:
+        return None
+    head = data[0]
+    if head <= 0x7F:
+        return head
+    if head >= 0xE0:
+        return head - 0x100
+    if head not in _MSGPACK_INTS:
+        return None
+    size, signed = _MSGPACK_INTS[head]
+    if len(data) < 1 + size:
+        return None
+    return int.from_bytes(data[1 : 1 + size], "big", signed=signed)
+
+
+def _check_payload(
+    payload: KVChecksumPayload, limits: KVChecksumPayloadLimits | None
+) -> None:
+    """Raise "invalid KV checksums" unless every field is in range (R79, R129)."""
+    version = _as_int(payload.version, "version")
+    if version != KV_CHECKSUM_PAYLOAD_VERSION:
+        raise _unsupported(version)
+    _check_min(_as_int(payload.tp_size, "TP size"), 1, "TP size")
+    _check_min(_as_int(payload.num_tokens, "num_tokens"), 0, "num_tokens")
+    if not isinstance(payload.groups, list):
+        raise _invalid("groups must be a list")
+    max_groups = limits.max_groups if limits else None
+    if max_groups is not None and len(payload.groups) > max_groups:
+        raise _invalid(f"{len(payload.groups)} groups exceed {max_groups}")
+    seen: set[int] = set()
+    for group in payload.groups:
+        group_id = _check_group(group, limits)
+        if group_id in seen:
+            raise _invalid(f"group {group_id} appears twice")
+        seen.add(group_id)
+
+
+def _check_group(
+    group: KVChecksumPayloadGroup, limits: KVChecksumPayloadLimits | None
+) -> int:
+    """Check one group's fields; returns its group id."""
+    group_id = _check_min(_as_int(group.group_id, "group id"), 0, "group id")
+    where = f"group {group_id}"
+    fingerprint = _as_int(group.fingerprint, f"{where} fingerprint")
+    if not 0 <= fingerprint < _U64_LIMIT:
+        raise _invalid(f"{where} fingerprint {fingerprint} is not a uint64")
+    block_size = _as_int(group.block_size, f"{where} block size")
+    _check_min(block_size, 1, f"{where} block size")
+    _check_min(_as_int(group.start, f"{where} start"), 0, f"{where} start")
+    values = group.values
+    if not isinstance(values, np.ndarray) or values.ndim != 1:
+        raise _invalid(f"{where} values must be a 1-D array")
+    if values.dtype.kind != "u" or values.dtype.itemsize > 8:
+        raise _invalid(f"{where} values have dtype {values.dtype}, not uint64")
+    if limits is not None:
+        _check_group_limits(group_id, block_size, len(values), limits)
+    return group_id
+
+
+def _check_group_limits(
+    group_id: int, block_size: int, positions: int, limits: KVChecksumPayloadLimits
+) -> None:
+    """Bound a group's id and positions by the consumer's config (R129)."""
+    if limits.max_groups is not None and group_id >= limits.max_groups:
+        raise _invalid(f"group {group_id} >= the {limits.max_groups} groups")
+    caps = []
+    if limits.max_positions is not None:
+        caps.append(limits.max_positions)
+    if limits.max_model_len is not None:
+        caps.append(-(-limits.max_model_len // block_size) + 1)
+    if caps and positions > min(caps):
+        raise _invalid(f"group {group_id}: {positions} positions exceed {min(caps)}")
+
+
+def _as_int(value: object, name: str) -> int:
+    """`value` as an int; bools and non-integers are invalid."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise _invalid(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _check_min(value: int, minimum: int, name: str) -> int:
+    if value < minimum:
+        raise _invalid(f"{name} {value} < {minimum}")
+    return value
+
+
+def _values_buffer(values: np.ndarray) -> memoryview:
+    """The values as little-endian uint64 bytes, without a copy when possible."""
+    return np.ascontiguousarray(values, dtype=_VALUE_DTYPE).data
