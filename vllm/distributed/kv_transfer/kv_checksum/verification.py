@@ -1,0 +1,551 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Building the producer payload and verifying a load against it (SPEC 11-12).
+
+Pure functions over plain inputs: the scheduler gathers every worker's report
+for a request, calls these and logs the outcome. All checksum arithmetic is
+uint64 with wrap-around (mod 2^64, R23); loops run over groups, workers and
+replica keys only, never over block positions.
+"""
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+    U64_MASK,
+    KVChecksumBlocks,
+    KVChecksumGroup,
+    KVChecksumRecord,
+    ReplicaKey,
+)
+from vllm.distributed.kv_transfer.kv_checksum.payload import (
+    KV_CHECKSUM_PAYLOAD_VERSION,
+    KVChecksumPayload,
+    KVChecksumPayloadGroup,
+)
+
+WorkerKey = tuple[int, int]  # (pp_rank, tp_rank)
+
+
+class UnverifiedReason(enum.Enum):
+    """The fixed reasons of SPEC section 12, each logged once (R96)."""
+
+    NOT_ALL_WORKERS = "not every worker reported its checksums"
+    NO_CHECKSUMS = "the producer sent no checksums"
+    INVALID_CHECKSUMS = "the producer's checksums are invalid"
+    NO_LOADED_GROUP = "no loaded group can be checksummed"
+    OTHER_BLOCKS = "a worker checksummed other blocks than scheduled"
+    ONE_SIDE_ONLY = "a group is checksummed by one side only"
+    OTHER_LAYERS = "a group holds other layers or dtype on the producer"
+    BLOCK_SIZES = "block sizes are not multiples of each other"
+    UNALIGNED_START = "the first loaded block starts inside a producer block"
+    NO_COMMON_BLOCK = "a group has no block in common"
+    REPLICA_MISSING = "a replica was not checksummed"
+
+
+class KVChecksumStatus(enum.Enum):
+    """Outcome of verifying one load (R93)."""
+
+    VERIFIED = "verified"
+    MISMATCH = "mismatch"
+    UNVERIFIED = "unverified"
+
+
+@dataclass
+class KVChecksumWorkerReport:
+    """What one worker reported for one request (taken from its KVChecksumRecord)."""
+
+    # group id -> partial checksums
+    groups: dict[int, KVChecksumGroup]
+    # groups this worker cannot checksum (R34)
+    skipped_groups: tuple[int, ...] = ()
+    # group id -> sum of this worker's layer fingerprints (R42)
+    fingerprints: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_record(
+        cls, record: KVChecksumRecord, req_id: str
+    ) -> "KVChecksumWorkerReport | None":
+        """The record's report for `req_id`, None if the record does not list it.
+
+        Every request asked for in a step appears in the record, even without a
+        checksummed group (R51), so absence means the worker did not report it.
+        """
+        groups = record.checksums.get(req_id)
+        if groups is None:
+            return None
+        return cls(groups, record.skipped_groups, record.fingerprints)
+
+
+@dataclass(frozen=True)
+class KVChecksumGroupInfo:
+    """The consumer's (or producer's) view of one KV cache group."""
+
+    block_size: int
+    # Mamba: one state per block on both sides, no token check (R88, R90).
+    is_mamba: bool = False
+    # False for Mamba without state splits and not tp_replicated (R85): its
+    # checksums only compare between equal TP sizes.
+    tp_comparable: bool = True
+
+
+@dataclass
+class KVChecksumVerdict:
+    """The result of verifying one load (R93)."""
+
+    status: KVChecksumStatus
+    # group id -> mismatching consumer block positions, sorted (R92)
+    mismatches: dict[int, list[int]] = field(default_factory=dict)
+    # (fixed reason, per-request detail), in the order found
+    reasons: list[tuple[UnverifiedReason, str]] = field(default_factory=list)
+    # groups whose chunks were compared (including mismatching ones)
+    compared_groups: list[int] = field(default_factory=list)
+    # groups left out because their checksums differ between TP sizes (R85);
+    # the caller warns once about them
+    tp_incomparable_groups: list[int] = field(default_factory=list)
+
+
+class _GroupUnverified(Exception):
+    """Internal: a group's comparison stops with a fixed reason (R83)."""
+
+    def __init__(self, reason: UnverifiedReason, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class _ChunkSums:
+    """Sums of `n` consecutive block values per chunk k in [first, last) (R89)."""
+
+    first: int
+    last: int
+    # uint64 [..., last - first]
+    sums: np.ndarray
+
+
+# --------------------------------------------------------------------------
+# Fingerprints and the producer payload
+# --------------------------------------------------------------------------
+
+
+def whole_model_fingerprints(
+    reports: Mapping[WorkerKey, KVChecksumWorkerReport],
+) -> dict[int, int]:
+    """Per group, the whole model's fingerprint, independent of TP and PP (R87).
+
+    TP ranks of one PP stage hold the same layers, so one rank per stage (the
+    lowest tp_rank reporting) counts; summing every worker would multiply the
+    fingerprint by TP. The stages' fingerprints add up mod 2^64.
+    """
+    stage_ranks: dict[int, int] = {}
+    for pp_rank, tp_rank in reports:
+        if pp_rank not in stage_ranks or tp_rank < stage_ranks[pp_rank]:
+            stage_ranks[pp_rank] = tp_rank
+    totals: dict[int, int] = {}
+    for pp_rank, tp_rank in stage_ranks.items():
+        for group_id, fingerprint in reports[(pp_rank, tp_rank)].fingerprints.items():
+            totals[group_id] = (totals.get(group_id, 0) + fingerprint) & U64_MASK
+    return totals
+
+
+def _completeness_detail(num_reported: int, num_workers: int) -> str | None:
+    """The detail "k of W workers reported" if fewer than W reported (R80, R82)."""
+    if num_reported >= num_workers:
+        return None
+    return f"{num_reported} of {num_workers} workers reported"
+
+
+def _other_blocks_detail(
+    reports: Mapping[WorkerKey, KVChecksumWorkerReport],
+    group_id: int,
+    start: int,
+    num_positions: int,
+) -> str | None:
+    """Describes the first worker whose group entry is not the scheduled range."""
+    for key in sorted(reports):
+        entry = reports[key].groups.get(group_id)
+        if entry is None:
+            continue
+        rows = entry.values.shape[0]
+        if entry.start != start or rows != num_positions:
+            return (
+                f"worker (pp {key[0]}, tp {key[1]}) reported positions "
+                f"[{entry.start}, {entry.start + rows}), scheduled "
+                f"[{start}, {start + num_positions})"
+            )
+    return None
+
+
+def _sum_columns(entries: list[KVChecksumGroup], num_positions: int) -> np.ndarray:
+    """Σ over workers and over columns of their values, uint64 [positions]."""
+    total = np.zeros(num_positions, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for entry in entries:
+            total += entry.values.sum(axis=1, dtype=np.uint64)
+    return total
+
+
+def build_producer_payload(
+    reports: Mapping[WorkerKey, KVChecksumWorkerReport],
+    scheduled: KVChecksumBlocks,
+    num_workers: int,
+    tp_size: int,
+    groups: Mapping[int, KVChecksumGroupInfo],
+) -> KVChecksumPayload | str:
+    """The payload a producer sends, or why nothing may be sent (R80).
+
+    Nothing is sent unless all `num_workers` workers reported and every reported
+    entry of a scheduled group covers the scheduled start and length (an entry
+    of an earlier prefill of a preempted request must not be sent). Groups
+    skipped by any worker, or checksummed by none, are omitted. Producer workers
+    checksum replica-0 views only, so every column is summed.
+    """
+    detail = _completeness_detail(len(reports), num_workers)
+    if detail is not None:
+        return detail
+    skipped = {gid for report in reports.values() for gid in report.skipped_groups}
+    fingerprints = whole_model_fingerprints(reports)
+    payload_groups: list[KVChecksumPayloadGroup] = []
+    for group_id in sorted(scheduled.groups):
+        start, block_ids = scheduled.groups[group_id]
+        detail = _other_blocks_detail(reports, group_id, start, len(block_ids))
+        if detail is not None:
+            return f"group {group_id}: {detail}"
+        entries = [
+            report.groups[group_id]
+            for _, report in sorted(reports.items())
+            if group_id in report.groups
+        ]
+        if group_id in skipped or not entries:
+            continue
+        payload_groups.append(
+            KVChecksumPayloadGroup(
+                group_id=group_id,
+                fingerprint=fingerprints.get(group_id, 0),
+                block_size=groups[group_id].block_size,
+                start=start,
+                values=_sum_columns(entries, len(block_ids)),
+            )
+        )
+    return KVChecksumPayload(
+        version=KV_CHECKSUM_PAYLOAD_VERSION,
+        tp_size=tp_size,
+        num_tokens=scheduled.num_tokens,
+        groups=payload_groups,
+    )
+
+
+# --------------------------------------------------------------------------
+# Verification
+# --------------------------------------------------------------------------
+
+
+def _chunk_sums(
+    values: np.ndarray, start: int, block_size: int, num_tokens: int, n: int
+) -> _ChunkSums:
+    """Chunk sums of one side's block values along the last axis (R89).
+
+    If the values reach the last token's block, missing blocks of the last
+    chunk count as zero (they hold no tokens); otherwise a trailing partial
+    chunk is left out, as is a leading one that starts before `start`.
+    """
+    end = start + values.shape[-1]
+    if n > 1 and end >= -(-num_tokens // block_size):
+        padded_end = -(-end // n) * n
+        if padded_end > end:
+            pad = np.zeros(values.shape[:-1] + (padded_end - end,), dtype=np.uint64)
+            values = np.concatenate([values, pad], axis=-1)
+            end = padded_end
+    first = -(-start // n)
+    last = max(first, end // n)
+    window = values[..., first * n - start : last * n - start]
+    if n == 1:
+        return _ChunkSums(first, last, window)
+    shape = window.shape[:-1] + (last - first, n)
+    with np.errstate(over="ignore"):
+        sums = window.reshape(shape).sum(axis=-1, dtype=np.uint64)
+    return _ChunkSums(first, last, sums)
+
+
+def _valid_tokens(chunks: np.ndarray, chunk_size: int, num_tokens: int) -> np.ndarray:
+    """`num_valid_tokens` for an array of chunk indices (R90)."""
+    # Clamping N to the end of the last chunk keeps a hostile token count in
+    # int64 range without changing any result.
+    end = int(chunks[-1]) + 1 if chunks.size else 0
+    n_tokens = min(max(num_tokens, 0), end * chunk_size)
+    return np.minimum(np.maximum(n_tokens - chunks * chunk_size, 0), chunk_size)
+
+
+def _replica_totals(entries: list[KVChecksumGroup]) -> dict[ReplicaKey, np.ndarray]:
+    """T[(R, r)]: per replica key, the workers' columns summed (R91)."""
+    totals: dict[ReplicaKey, np.ndarray] = {}
+    with np.errstate(over="ignore"):
+        for entry in entries:
+            for column, key in enumerate(entry.replica_keys):
+                if key in totals:
+                    totals[key] += entry.values[:, column]
+                else:
+                    totals[key] = entry.values[:, column].astype(np.uint64, copy=True)
+    return totals
+
+
+def _replica_checks(entries: list[KVChecksumGroup], num_positions: int) -> np.ndarray:
+    """check_k = Σ_{R present} T[(R, k mod R)] for k < max R, uint64 [k, pos] (R91).
+
+    Each check covers every layer once; together they cover every copy, so a
+    corrupted copy on one rank fails its replica's check.
+    """
+    totals = _replica_totals(entries)
+    if not totals:
+        raise _GroupUnverified(UnverifiedReason.REPLICA_MISSING, "no replica columns")
+    counts = sorted({count for count, _ in totals})
+    checks = np.zeros((counts[-1], num_positions), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k in range(counts[-1]):
+            for count in counts:
+                key = (count, k % count)
+                if key not in totals:
+                    raise _GroupUnverified(
+                        UnverifiedReason.REPLICA_MISSING, f"replica key {key} missing"
+                    )
+                checks[k] += totals[key]
+    return checks
+
+
+def _block_sizes(
+    info: KVChecksumGroupInfo, producer: KVChecksumPayloadGroup
+) -> tuple[int, int]:
+    """(b_D, b_P); Mamba holds one state per block on both sides (R88)."""
+    if info.is_mamba:
+        return 1, 1
+    b_d, b_p = info.block_size, producer.block_size
+    if b_d <= 0 or b_p <= 0 or max(b_d, b_p) % min(b_d, b_p) != 0:
+        raise _GroupUnverified(
+            UnverifiedReason.BLOCK_SIZES,
+            f"consumer block size {b_d}, producer block size {b_p}",
+        )
+    return b_d, b_p
+
+
+def _consumer_side(
+    reports: Mapping[WorkerKey, KVChecksumWorkerReport], group_id: int
+) -> list[KVChecksumGroup] | None:
+    """The consumer workers' entries, None if the consumer left the group out."""
+    entries = [
+        report.groups[group_id]
+        for _, report in sorted(reports.items())
+        if group_id in report.groups
+    ]
+    skipped = any(group_id in report.skipped_groups for report in reports.values())
+    return None if skipped or not entries else entries
+
+
+def _both_sides(
+    consumer: list[KVChecksumGroup] | None,
+    producer: KVChecksumPayloadGroup | None,
+) -> tuple[list[KVChecksumGroup], KVChecksumPayloadGroup] | None:
+    """Both sides' checksums of a group, None if neither side has them (R86).
+
+    Neither side: not compared, no reason. One side only: unverified.
+    """
+    if consumer is None and producer is None:
+        return None
+    if producer is None:
+        raise _GroupUnverified(
+            UnverifiedReason.ONE_SIDE_ONLY, "checksummed by the consumer only"
+        )
+    if consumer is None:
+        raise _GroupUnverified(
+            UnverifiedReason.ONE_SIDE_ONLY, "checksummed by the producer only"
+        )
+    return consumer, producer
+
+
+def _check_fingerprint(producer: KVChecksumPayloadGroup, consumer: int) -> None:
+    """Another fingerprint means other layers or dtypes: unverified (R87)."""
+    fingerprint = producer.fingerprint & U64_MASK
+    if fingerprint != consumer:
+        raise _GroupUnverified(
+            UnverifiedReason.OTHER_LAYERS,
+            f"producer fingerprint {fingerprint:#018x}, consumer {consumer:#018x}",
+        )
+
+
+def _equal_token_counts(
+    chunks: range, chunk_size: int, tokens: tuple[int, int]
+) -> np.ndarray | None:
+    """Which chunks hold as many tokens on both sides, None if all do (R90).
+
+    Chunks before the shorter side's last full chunk hold `chunk_size` tokens on
+    both sides, so only the tail needs counting.
+    """
+    tail = max(chunks.start, min(min(tokens) // chunk_size, chunks.stop))
+    if tail >= chunks.stop:
+        return None
+    ks = np.arange(tail, chunks.stop, dtype=np.int64)
+    equal = np.ones(len(chunks), dtype=bool)
+    equal[tail - chunks.start :] = _valid_tokens(
+        ks, chunk_size, tokens[0]
+    ) == _valid_tokens(ks, chunk_size, tokens[1])
+    return equal
+
+
+def _bad_chunks(
+    ours: _ChunkSums,
+    theirs: _ChunkSums,
+    chunk_size: int,
+    tokens: tuple[int, int],
+    is_mamba: bool,
+) -> np.ndarray:
+    """Compared chunks where a replica check differs from the producer (R90-R91).
+
+    Compared are the chunks both sides summed that hold as many tokens on each
+    side; Mamba states hold no tokens and skip that count.
+    """
+    chunks = range(max(ours.first, theirs.first), min(ours.last, theirs.last))
+    equal = None if is_mamba else _equal_token_counts(chunks, chunk_size, tokens)
+    if not chunks or (equal is not None and not equal.any()):
+        raise _GroupUnverified(
+            UnverifiedReason.NO_COMMON_BLOCK,
+            f"consumer chunks [{ours.first}, {ours.last}), producer chunks "
+            f"[{theirs.first}, {theirs.last}) of {chunk_size} tokens",
+        )
+    checks = ours.sums[:, chunks.start - ours.first : chunks.stop - ours.first]
+    expected = theirs.sums[chunks.start - theirs.first : chunks.stop - theirs.first]
+    bad = (checks != expected).any(axis=0)
+    if equal is not None:
+        bad &= equal
+    return np.flatnonzero(bad) + chunks.start
+
+
+def _compare_group(
+    info: KVChecksumGroupInfo,
+    consumer: list[KVChecksumGroup],
+    producer: KVChecksumPayloadGroup,
+    blocks: tuple[int, int, int],
+    producer_tokens: int,
+) -> np.ndarray:
+    """Mismatching consumer positions of a group both sides checksummed.
+
+    `blocks` is the consumer's (start, number of positions, tokens). Raises
+    _GroupUnverified when the group cannot be compared (R88-R91).
+    """
+    start, num_positions, num_tokens = blocks
+    b_d, b_p = _block_sizes(info, producer)
+    chunk_size = max(b_d, b_p)
+    n_d, n_p = chunk_size // b_d, chunk_size // b_p
+    if start % n_d != 0:
+        raise _GroupUnverified(
+            UnverifiedReason.UNALIGNED_START,
+            f"consumer position {start} of block size {b_d}, producer block size {b_p}",
+        )
+    checks = _replica_checks(consumer, num_positions)
+    ours = _chunk_sums(checks, start, b_d, num_tokens, n_d)
+    values = np.asarray(producer.values, dtype=np.uint64)
+    theirs = _chunk_sums(values, producer.start, b_p, producer_tokens, n_p)
+    bad_chunks = _bad_chunks(
+        ours, theirs, chunk_size, (num_tokens, producer_tokens), info.is_mamba
+    )
+    # Every loaded consumer position of a bad chunk is reported (R92).
+    positions = (bad_chunks[:, None] * n_d + np.arange(n_d)).ravel()
+    return positions[positions < start + num_positions]
+
+
+def verify_load(
+    expected: KVChecksumPayload | None,
+    expected_error: UnverifiedReason | None,
+    reports: Mapping[WorkerKey, KVChecksumWorkerReport],
+    scheduled: KVChecksumBlocks,
+    num_workers: int,
+    tp_size: int,
+    groups: Mapping[int, KVChecksumGroupInfo],
+    expected_detail: str = "",
+) -> KVChecksumVerdict:
+    """Verifies a P/D load's consumer reports against the producer's payload.
+
+    `expected` is the decoded payload, None when there is none; then
+    `expected_error` (default NO_CHECKSUMS) and `expected_detail` say why.
+    `scheduled` is the consumer's loaded blocks, `tp_size` its own TP size and
+    `groups` its group specs. Groups are compared one by one; one failing with
+    a reason leaves the others to continue (R82-R93).
+    """
+    verdict = KVChecksumVerdict(KVChecksumStatus.UNVERIFIED)
+    detail = _completeness_detail(len(reports), num_workers)
+    if detail is not None:
+        verdict.reasons.append((UnverifiedReason.NOT_ALL_WORKERS, detail))
+        return verdict
+    if expected is None:
+        reason = expected_error or UnverifiedReason.NO_CHECKSUMS
+        verdict.reasons.append((reason, expected_detail))
+        return verdict
+    producer_groups = {group.group_id: group for group in expected.groups}
+    fingerprints = whole_model_fingerprints(reports)
+    for group_id in sorted(scheduled.groups):
+        try:
+            _verify_group(
+                verdict,
+                group_id,
+                groups[group_id],
+                expected,
+                producer_groups.get(group_id),
+                reports,
+                fingerprints.get(group_id, 0),
+                scheduled,
+                tp_size,
+            )
+        except _GroupUnverified as unverified:
+            verdict.reasons.append(
+                (unverified.reason, f"group {group_id}: {unverified.detail}")
+            )
+    verdict.status = _final_status(verdict)
+    return verdict
+
+
+def _verify_group(
+    verdict: KVChecksumVerdict,
+    group_id: int,
+    info: KVChecksumGroupInfo,
+    expected: KVChecksumPayload,
+    producer: KVChecksumPayloadGroup | None,
+    reports: Mapping[WorkerKey, KVChecksumWorkerReport],
+    consumer_fingerprint: int,
+    scheduled: KVChecksumBlocks,
+    tp_size: int,
+) -> None:
+    """Compares one group, recording the outcome in `verdict` (R83-R92)."""
+    if not info.tp_comparable and expected.tp_size != tp_size:
+        verdict.tp_incomparable_groups.append(group_id)
+        return
+    start, block_ids = scheduled.groups[group_id]
+    detail = _other_blocks_detail(reports, group_id, start, len(block_ids))
+    if detail is not None:
+        raise _GroupUnverified(UnverifiedReason.OTHER_BLOCKS, detail)
+    sides = _both_sides(_consumer_side(reports, group_id), producer)
+    if sides is None:
+        return
+    _check_fingerprint(sides[1], consumer_fingerprint)
+    blocks = (start, len(block_ids), scheduled.num_tokens)
+    positions = _compare_group(info, *sides, blocks, expected.num_tokens)
+    verdict.compared_groups.append(group_id)
+    if positions.size:
+        verdict.mismatches[group_id] = positions.tolist()
+
+
+def _final_status(verdict: KVChecksumVerdict) -> KVChecksumStatus:
+    """Mismatch beats unverified beats verified (R93).
+
+    A P/D load with no group compared and no other reason gets NO_LOADED_GROUP.
+    """
+    if verdict.mismatches:
+        return KVChecksumStatus.MISMATCH
+    if not verdict.compared_groups and not verdict.reasons:
+        verdict.reasons.append(
+            (UnverifiedReason.NO_LOADED_GROUP, "no group was compared")
+        )
+    if verdict.reasons:
+        return KVChecksumStatus.UNVERIFIED
+    return KVChecksumStatus.VERIFIED
