@@ -1,0 +1,821 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tests of the block checksum kernels (SPEC R17-R26, R56-R63).
+
+Every case runs the PyTorch path (whole and in tiny gather chunks) and the
+Triton kernel under Triton's CPU interpreter (default tiles, and tiny tiles and
+chunks that force the head-tile path and multi-chunk rows), and compares them
+with an independent NumPy reference of the per-row definition written here.
+
+kernels.py imports no vLLM, so it is loaded by file path: this module (and
+test_kv_checksum_cuda.py, which reuses its cases) runs without vLLM installed.
+Run as a script (`--interpret`), it prints the Triton results of every case as
+JSON; the interpreter tests run it in a subprocess with TRITON_INTERPRET=1,
+which must be set before Triton is imported.
+
+Each test's docstring names the bug it catches.
+"""
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.cpu
+
+H = 1 << 16  # heads per layer in the definition: slice = layer * H + head
+KERNELS_PATH = (
+    Path(__file__).resolve().parents[4]
+    / "vllm/distributed/kv_transfer/kv_checksum/kernels.py"
+)
+
+
+def load_kernels() -> ModuleType:
+    """kernels.py by file path (it must not need vLLM), loaded once."""
+    name = "_kv_checksum_kernels_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, KERNELS_PATH)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+kernels = load_kernels()
+
+
+# --------------------------------------------------------------------------
+# Cases: launches over strided views, rows and output regions.
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class LaunchSpec:
+    """One KVChecksumLaunch, its rows and where its output matrix lies."""
+
+    views: list[torch.Tensor]
+    first_slices: list[int]
+    columns: list[int]
+    rows: np.ndarray  # int64 [3, R]: block id, first token, valid tokens
+    rows_offset: int = 0  # column of the wide rows tensor holding row 0
+    out_origin: tuple[int, int] = (0, 0)  # (row, column) of out in the wide matrix
+    out_width: int | None = None  # columns of out (default max(columns) + 1)
+
+
+@dataclass
+class Case:
+    launches: list[LaunchSpec]
+    out_shape: tuple[int, int]
+    rows_width: int
+    # Known values of the wide matrix (definition test vectors, R26).
+    expected: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+def random_buffer(rng: np.random.Generator, nbytes: int, device: str) -> torch.Tensor:
+    """Random bytes (int8, so every high bit occurs) on `device`."""
+    data = rng.integers(-128, 128, size=nbytes, dtype=np.int8)
+    return torch.from_numpy(data).to(device)
+
+
+def make_views(
+    rng: np.random.Generator,
+    device: str,
+    *,
+    num_layers: int = 1,
+    blocks: int,
+    kernel_blocks: int = 1,
+    heads: int,
+    tokens: int,
+    pieces: int,
+    dtype: torch.dtype = torch.int64,
+    layout: str = "head",
+    pad: int = 0,
+    offset: int = 2,
+) -> list[torch.Tensor]:
+    """Per-layer 5-D views [B, KB, H, T, P] over one random int8 buffer.
+
+    Kernel blocks subdivide a block contiguously (the cache's first axis has
+    B * KB kernel blocks); `layout` "head" stores a kernel block as [H, T, P],
+    "token" as [T, H, P]; each kernel block is followed by `pad` unused
+    pieces; layers lie one after another from piece `offset` on.
+    """
+    kernel_stride = heads * tokens * pieces + pad
+    block_stride = kernel_blocks * kernel_stride
+    if layout == "head":
+        strides = (block_stride, kernel_stride, tokens * pieces, pieces, 1)
+    else:
+        assert layout == "token"
+        strides = (block_stride, kernel_stride, pieces, heads * pieces, 1)
+    layer_pieces = blocks * block_stride
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffer = random_buffer(
+        rng, (offset + num_layers * layer_pieces) * itemsize, device
+    ).view(dtype)
+    shape = (blocks, kernel_blocks, heads, tokens, pieces)
+    return [
+        torch.as_strided(buffer, shape, strides, offset + layer * layer_pieces)
+        for layer in range(num_layers)
+    ]
+
+
+def make_rows(blocks: list[int], first: list[int], valid: list[int]) -> np.ndarray:
+    return np.array([blocks, first, valid], dtype=np.int64)
+
+
+def single(spec: LaunchSpec) -> Case:
+    """A case of one launch writing into a matrix of exactly its own size."""
+    width = max(spec.columns) + 1
+    return Case([spec], (spec.rows.shape[1], width), spec.rows.shape[1])
+
+
+def case_head_major(device: str) -> Case:
+    rng = np.random.default_rng(1)
+    views = make_views(rng, device, blocks=7, heads=2, tokens=4, pieces=4)
+    rows = make_rows([3, 0, 6, 3], [0, 4, 8, 100], [4, 4, 4, 4])
+    return single(LaunchSpec(views, [0], [0], rows))
+
+
+def case_token_major(device: str) -> Case:
+    rng = np.random.default_rng(2)
+    views = make_views(
+        rng, device, blocks=7, heads=2, tokens=4, pieces=4, layout="token"
+    )
+    rows = make_rows([3, 0, 6, 3], [0, 4, 8, 100], [4, 4, 4, 4])
+    return single(LaunchSpec(views, [1], [0], rows))
+
+
+def case_kernel_blocks(device: str, layout: str) -> Case:
+    rng = np.random.default_rng(3)
+    views = make_views(
+        rng,
+        device,
+        blocks=5,
+        kernel_blocks=2,
+        heads=2,
+        tokens=2,
+        pieces=4,
+        layout=layout,
+    )
+    rows = make_rows([4, 1, 2, 0], [0, 4, 8, 12], [4, 3, 2, 1])
+    return single(LaunchSpec(views, [2 * H + 1], [0], rows))
+
+
+def case_kernel_blocks_head_tiles(device: str, layout: str) -> Case:
+    """Kernel-block splits of 256-piece slices: the head-tile path."""
+    rng = np.random.default_rng(18)
+    views = make_views(
+        rng,
+        device,
+        blocks=3,
+        kernel_blocks=2,
+        heads=2,
+        tokens=4,
+        pieces=64,
+        layout=layout,
+    )
+    rows = make_rows([2, 0, 1], [0, 8, 16], [8, 6, 3])
+    return single(LaunchSpec(views, [H + 3], [0], rows))
+
+
+def case_partial_and_empty(device: str) -> Case:
+    rng = np.random.default_rng(4)
+    views = make_views(rng, device, blocks=6, heads=2, tokens=4, pieces=4)
+    rows = make_rows([5, 2, 2, 0, 1, 3], [16, 20, 24, 0, 4, 8], [0, 1, 3, 4, 0, 2])
+    return single(LaunchSpec(views, [3], [0], rows))
+
+
+def case_large_first_slice(device: str) -> Case:
+    rng = np.random.default_rng(5)
+    views = make_views(rng, device, blocks=4, heads=3, tokens=4, pieces=2)
+    rows = make_rows([1, 3, 0], [131056, 131060, 0], [4, 3, 4])
+    return single(LaunchSpec(views, [2 * H * 40 + 3], [0], rows))
+
+
+def case_huge_first_slice(device: str) -> Case:
+    rng = np.random.default_rng(6)
+    views = make_views(rng, device, blocks=3, heads=2, tokens=2, pieces=2)
+    rows = make_rows([2, 0], [(1 << 40) + 2, 6], [2, 1])
+    # m = 2 * slice + 1 >= 2^63: factors and weights must wrap as uint64.
+    return single(LaunchSpec(views, [(1 << 62) + 5], [0], rows))
+
+
+def case_weight_width_boundaries(device: str, tokens: int, pieces: int) -> Case:
+    """Factors m and odd weights 2j + 1 just below and just above 2^32.
+
+    The kernel multiplies 32-bit halves when a row's factors and weights fit
+    in 32 bits; the first layer and the first two rows sit at that bound,
+    the rest just past it.
+    """
+    rng = np.random.default_rng(17)
+    heads = 2
+    views = make_views(
+        rng, device, num_layers=2, blocks=4, heads=heads, tokens=tokens, pieces=pieces
+    )
+    last_narrow = ((1 << 32) - 2 * tokens * pieces) // (2 * pieces)
+    rows = make_rows(
+        [3, 0, 1, 2],
+        [0, last_narrow, last_narrow + 1, 1 << 33],
+        [tokens, tokens, tokens - 1, tokens],
+    )
+    slices = [(1 << 31) - heads, (1 << 31) - heads + 1]
+    return single(LaunchSpec(views, slices, [0, 1], rows))
+
+
+def case_one_head_32x36(device: str) -> Case:
+    rng = np.random.default_rng(7)
+    views = make_views(rng, device, blocks=3, heads=1, tokens=32, pieces=36)
+    rows = make_rows([2, 0, 1, 2], [0, 32, 64, 96], [32, 17, 0, 31])
+    return single(LaunchSpec(views, [9], [0], rows))
+
+
+def case_vllm_block(device: str, layout: str) -> Case:
+    """16 tokens x 64 pieces (bf16 K and V, head size 128): the head-tile path."""
+    rng = np.random.default_rng(8)
+    views = make_views(
+        rng, device, blocks=5, heads=2, tokens=16, pieces=64, layout=layout
+    )
+    rows = make_rows([4, 2, 3], [0, 32, 48], [16, 9, 0])
+    return single(LaunchSpec(views, [4 * H + 2], [0], rows))
+
+
+def case_narrow_pieces(device: str, dtype: torch.dtype) -> Case:
+    rng = np.random.default_rng(9)
+    views = make_views(
+        rng, device, blocks=4, heads=2, tokens=4, pieces=6, dtype=dtype, offset=1
+    )
+    rows = make_rows([3, 1, 0], [0, 4, 12], [4, 4, 3])
+    return single(LaunchSpec(views, [H + 1], [0], rows))
+
+
+def case_split_rows(device: str, dtype: torch.dtype) -> Case:
+    """Mamba-like split state rows: [blocks, 1, rows, 1, elements], t = 0."""
+    rng = np.random.default_rng(10)
+    views = make_views(
+        rng, device, blocks=3, heads=3, tokens=1, pieces=10, dtype=dtype, pad=6
+    )
+    rows = make_rows([2, 0], [0, 0], [1, 1])
+    return single(LaunchSpec(views, [3 * H + 7], [0], rows))
+
+
+def case_padded_unaligned(device: str) -> Case:
+    """Pages with padding after each kernel block and a 8-byte-aligned start."""
+    rng = np.random.default_rng(11)
+    views = make_views(
+        rng,
+        device,
+        blocks=4,
+        kernel_blocks=2,
+        heads=2,
+        tokens=2,
+        pieces=3,
+        layout="token",
+        pad=5,
+        offset=3,
+    )
+    rows = make_rows([3, 0, 1], [8, 0, 4], [4, 4, 3])
+    return single(LaunchSpec(views, [11], [0], rows))
+
+
+def case_wide_matrix_column(device: str) -> Case:
+    rng = np.random.default_rng(12)
+    views = make_views(rng, device, blocks=5, heads=2, tokens=4, pieces=4)
+    rows = make_rows([4, 2, 0], [0, 4, 8], [4, 4, 2])
+    spec = LaunchSpec(
+        views, [5], [1], rows, rows_offset=2, out_origin=(1, 2), out_width=2
+    )
+    return Case([spec], out_shape=(5, 6), rows_width=7)
+
+
+def case_fused_layers(device: str) -> Case:
+    rng = np.random.default_rng(13)
+    views = make_views(rng, device, num_layers=3, blocks=5, heads=2, tokens=4, pieces=4)
+    rows = make_rows([1, 4, 0, 2], [0, 4, 8, 12], [4, 4, 4, 1])
+    slices = [0 * H + 2, 5 * H + 2, 7 * H]
+    return single(LaunchSpec(views, slices, [0, 1, 0], rows))
+
+
+def case_multi_group(device: str) -> Case:
+    """Two launches (groups) into column ranges of one rows tensor and matrix."""
+    rng = np.random.default_rng(14)
+    group_a = make_views(
+        rng, device, num_layers=2, blocks=6, heads=2, tokens=4, pieces=4
+    )
+    group_b = make_views(
+        rng,
+        device,
+        blocks=4,
+        kernel_blocks=2,
+        heads=1,
+        tokens=4,
+        pieces=2,
+        layout="token",
+    )
+    spec_a = LaunchSpec(
+        group_a, [0, H], [0, 1], make_rows([5, 1, 3], [0, 4, 8], [4, 4, 3])
+    )
+    spec_b = LaunchSpec(
+        group_b,
+        [2 * H],
+        [0],
+        make_rows([3, 0], [16, 24], [8, 5]),
+        rows_offset=4,
+        out_origin=(0, 2),
+    )
+    return Case([spec_a, spec_b], out_shape=(3, 3), rows_width=6)
+
+
+def case_multi_chunk_row(device: str) -> Case:
+    """A 24K-piece row (a Mamba state) spread over two 16K-piece chunks."""
+    rng = np.random.default_rng(15)
+    views = make_views(rng, device, blocks=3, heads=1, tokens=1, pieces=24576)
+    rows = make_rows([2, 0], [0, 0], [1, 1])
+    return single(LaunchSpec(views, [6 * H], [0], rows))
+
+
+def tv4_cells(num_tokens: int = 10) -> np.ndarray:
+    """TV4 truth: byte k of cell (L, h, t) = (31L + 17h + 7t + k) mod 256."""
+    layer, head, token, k = np.meshgrid(
+        np.arange(2), np.arange(2), np.arange(num_tokens), np.arange(16), indexing="ij"
+    )
+    cells = (31 * layer + 17 * head + 7 * token + k) % 256
+    return cells.astype(np.uint8)  # [layers, heads, tokens, 16 bytes]
+
+
+def case_tv4(device: str, kernel_blocks: int, heads: list[int]) -> Case:
+    """TV4 (R26) in 4-token kernel blocks; block ids permuted, layers fused."""
+    cells = tv4_cells()
+    block_size = 4 * kernel_blocks
+    positions = -(-10 // block_size)
+    block_ids = list(range(positions))[::-1]
+    rng = np.random.default_rng(16)
+    views = make_views(
+        rng,
+        device,
+        num_layers=2,
+        blocks=positions,
+        kernel_blocks=kernel_blocks,
+        heads=len(heads),
+        tokens=4,
+        pieces=2,
+    )
+    for layer, view in enumerate(views):
+        padded = np.zeros((len(heads), positions * block_size, 16), dtype=np.uint8)
+        padded[:, :10] = cells[layer][heads]
+        pieces = padded.view(np.int64).reshape(
+            len(heads), positions, kernel_blocks, 4, 2
+        )
+        stored = np.empty_like(pieces.transpose(1, 2, 0, 3, 4))
+        stored[block_ids] = pieces.transpose(1, 2, 0, 3, 4)
+        view.copy_(torch.from_numpy(stored))
+    rows = make_rows(
+        block_ids,
+        [p * block_size for p in range(positions)],
+        [min(block_size, 10 - p * block_size) for p in range(positions)],
+    )
+    slices = [layer * H + heads[0] for layer in range(2)]
+    return single(LaunchSpec(views, slices, [0, 0], rows))
+
+
+def with_expected(case: Case, values: list[int]) -> Case:
+    case.expected = {(row, 0): value for row, value in enumerate(values)}
+    return case
+
+
+def case_tv5(device: str) -> Case:
+    """TV5 (R26): bf16 elements 0xFFFF, 0x0001, 0x8000 of layer 2, row 5."""
+    view = torch.tensor([-1, 1, -0x8000], dtype=torch.int16, device=device)
+    view = view.view(1, 1, 1, 1, 3)
+    rows = make_rows([0], [0], [1])
+    return with_expected(
+        single(LaunchSpec([view], [2 * H + 5], [0], rows)), [0xE002E8016]
+    )
+
+
+CASES: dict[str, Callable[[str], Case]] = {
+    "head_major": case_head_major,
+    "token_major": case_token_major,
+    "kernel_blocks_head_major": functools.partial(case_kernel_blocks, layout="head"),
+    "kernel_blocks_token_major": functools.partial(case_kernel_blocks, layout="token"),
+    "kernel_blocks_head_tiles_head_major": functools.partial(
+        case_kernel_blocks_head_tiles, layout="head"
+    ),
+    "kernel_blocks_head_tiles_token_major": functools.partial(
+        case_kernel_blocks_head_tiles, layout="token"
+    ),
+    "partial_and_empty": case_partial_and_empty,
+    "large_first_slice": case_large_first_slice,
+    "huge_first_slice": case_huge_first_slice,
+    "weight_width_head_tiles": functools.partial(
+        case_weight_width_boundaries, tokens=4, pieces=64
+    ),
+    "weight_width_flat": functools.partial(
+        case_weight_width_boundaries, tokens=3, pieces=5
+    ),
+    "one_head_32x36": case_one_head_32x36,
+    "vllm_block_head_major": functools.partial(case_vllm_block, layout="head"),
+    "vllm_block_token_major": functools.partial(case_vllm_block, layout="token"),
+    "int16_pieces": functools.partial(case_narrow_pieces, dtype=torch.int16),
+    "int32_pieces": functools.partial(case_narrow_pieces, dtype=torch.int32),
+    "split_rows_int16": functools.partial(case_split_rows, dtype=torch.int16),
+    "split_rows_int32": functools.partial(case_split_rows, dtype=torch.int32),
+    "padded_unaligned": case_padded_unaligned,
+    "wide_matrix_column": case_wide_matrix_column,
+    "fused_layers": case_fused_layers,
+    "multi_group": case_multi_group,
+    "multi_chunk_row": case_multi_chunk_row,
+    "tv4_4_token_blocks": lambda device: with_expected(
+        case_tv4(device, 1, [0, 1]),
+        [0xCAC7C4C1BE819F40, 0xFFF6EDE4DAD9F240, 0x1D568FC901545E40],
+    ),
+    "tv4_8_token_blocks": lambda device: with_expected(
+        case_tv4(device, 2, [0, 1]), [0xCABEB2A6995B9180, 0x1D568FC901545E40]
+    ),
+    "tv4_tp2_rank0": lambda device: with_expected(
+        case_tv4(device, 1, [0]),
+        [0xCFCECDCCCBB20170, 0xF9F6F3F0ED7B4970, 0x2FEDAB69267AB138],
+    ),
+    "tv4_tp2_rank1": lambda device: with_expected(
+        case_tv4(device, 1, [1]),
+        [0xFAF8F6F4F2CF9DD0, 0x05FFF9F3ED5EA8D0, 0xED68E45FDAD9AD08],
+    ),
+    "tv5_split_row": case_tv5,
+}
+
+
+# --------------------------------------------------------------------------
+# The independent NumPy reference and the runner.
+# --------------------------------------------------------------------------
+
+
+def unsigned_pieces(view: torch.Tensor) -> np.ndarray:
+    """A view's pieces as uint64, narrow ones zero-extended."""
+    array = view.detach().cpu().contiguous().numpy()
+    unsigned = {np.int64: np.uint64, np.int32: np.uint32, np.int16: np.uint16}
+    return array.view(unsigned[array.dtype.type]).astype(np.uint64)
+
+
+def reference_row(x: np.ndarray, first_slice: int, first: int, valid: int) -> int:
+    """One block's checksum over one layer view, straight from the definition.
+
+    x: uint64 [KB, H, T, P]. Adds x * m * (2j + 1) over valid slots, with
+    m = 2 (first_slice + h) + 1 and j = (first + kb * T + t) * P + p (R17-R20).
+    """
+    u64 = np.uint64
+    kernel_blocks, heads, tokens, pieces = x.shape
+    with np.errstate(over="ignore"):
+        slot = np.arange(kernel_blocks * tokens, dtype=u64).reshape(
+            kernel_blocks, 1, tokens, 1
+        )
+        j = (u64(first) + slot) * u64(pieces) + np.arange(pieces, dtype=u64)
+        m = u64(2) * (u64(first_slice) + np.arange(heads, dtype=u64)) + u64(1)
+        weight = m.reshape(1, heads, 1, 1) * (u64(2) * j + u64(1))
+        terms = np.where(slot < u64(valid), x * weight, u64(0))
+        return int(np.sum(terms, dtype=u64))
+
+
+def reference(case: Case) -> np.ndarray:
+    """The wide output matrix as uint64, per row and layer from the definition."""
+    out = [[0] * case.out_shape[1] for _ in range(case.out_shape[0])]
+    for spec in case.launches:
+        row0, col0 = spec.out_origin
+        for view, first_slice, column in zip(
+            spec.views, spec.first_slices, spec.columns
+        ):
+            pieces = unsigned_pieces(view)
+            for r, (block, first, valid) in enumerate(spec.rows.T.tolist()):
+                value = reference_row(pieces[block], first_slice, first, valid)
+                out[row0 + r][col0 + column] = (
+                    out[row0 + r][col0 + column] + value
+                ) % (1 << 64)
+    return np.array(out, dtype=np.uint64).reshape(case.out_shape)
+
+
+def run_case(case: Case, backend: str, warm_up: bool = True) -> np.ndarray:
+    """Run a case's launches on `backend`; the wide matrix as uint64."""
+    device = case.launches[0].views[0].device
+    wide_rows = torch.full((3, case.rows_width), -7, dtype=torch.int64, device=device)
+    wide_out = torch.zeros(case.out_shape, dtype=torch.int64, device=device)
+    for spec in case.launches:
+        count = spec.rows.shape[1]
+        wide_rows[:, spec.rows_offset : spec.rows_offset + count] = torch.from_numpy(
+            spec.rows
+        ).to(device)
+    for spec in case.launches:
+        launch = kernels.KVChecksumLaunch(
+            spec.views, spec.first_slices, spec.columns, backend=backend
+        )
+        assert launch.backend == backend
+        if warm_up:
+            launch.warm_up()
+        count = spec.rows.shape[1]
+        row0, col0 = spec.out_origin
+        width = spec.out_width or max(spec.columns) + 1
+        rows = wide_rows[:, spec.rows_offset : spec.rows_offset + count]
+        launch(rows, wide_out[row0 : row0 + count, col0 : col0 + width])
+    return wide_out.cpu().numpy().view(np.uint64)
+
+
+def assert_matches(actual: np.ndarray, case: Case, path: str) -> None:
+    expected = reference(case)
+    for (row, column), value in case.expected.items():
+        assert int(expected[row, column]) == value, "reference != test vector"
+    mismatch = [tuple(index) for index in np.argwhere(actual != expected)]
+    assert not mismatch, (
+        f"{path}: {len(mismatch)} wrong sums, first at {mismatch[0]}: "
+        f"{int(actual[mismatch[0]]):#x} != {int(expected[mismatch[0]]):#x}"
+    )
+
+
+@contextlib.contextmanager
+def patched(module: ModuleType, **values: int) -> Iterator[None]:
+    old = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(module, name, value)
+
+
+# Interpreter configurations: (MAX_TILE_PIECES, CHUNK_PIECES). Tiny tiles
+# and chunks make the small blocks of these cases take the head-tile path
+# and span several chunks. The 24K-piece row would take 1536 interpreted tiles
+# per row there; the default configuration covers it (two chunks).
+INTERPRETER_CONFIGS = {"interpreter": (1024, 16384), "interpreter_small": (16, 64)}
+INTERPRETER_SKIPS = {"interpreter_small": {"multi_chunk_row"}}
+
+
+@functools.cache
+def interpreter_runs() -> dict[str, subprocess.Popen]:
+    """Start one interpreter subprocess per configuration, all at once."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    runs = {}
+    for config, (max_tile, chunk) in INTERPRETER_CONFIGS.items():
+        command = [sys.executable, str(Path(__file__).resolve()), "--interpret"]
+        command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
+        for name in INTERPRETER_SKIPS.get(config, ()):
+            command += ["--skip", name]
+        runs[config] = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    return runs
+
+
+@functools.cache
+def interpreter_results(config: str) -> dict[str, list[list[int]]]:
+    """Every case's Triton result under TRITON_INTERPRET=1 (one subprocess)."""
+    stdout, stderr = interpreter_runs()[config].communicate(timeout=900)
+    assert interpreter_runs()[config].returncode == 0, stderr[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def check_case(name: str, path: str) -> None:
+    """Compare one case on one path with the reference."""
+    case = CASES[name]("cpu")
+    if path == "torch":
+        actual = run_case(case, "torch")
+    elif path == "torch_chunked":
+        # One row per gather: chunking must not change any sum.
+        with patched(kernels, GATHER_CHUNK_BYTES=1):
+            actual = run_case(case, "torch")
+    else:
+        if name in INTERPRETER_SKIPS.get(path, ()):
+            pytest.skip(f"too slow for the interpreter with {path} tiles")
+        values = interpreter_results(path)[name]
+        actual = np.array(values, dtype=np.uint64).reshape(case.out_shape)
+    assert_matches(actual, case, path)
+
+
+PATHS = ["torch", "torch_chunked", *INTERPRETER_CONFIGS]
+
+
+# --------------------------------------------------------------------------
+# Tests.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_head_major(path: str) -> None:
+    """Wrong weights or factors on the plain [B, H, N, C] layout (R17-R19, R58)."""
+    check_case("head_major", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_token_major(path: str) -> None:
+    """Assuming head-major memory instead of using strides (R22, R60)."""
+    check_case("token_major", path)
+
+
+@pytest.mark.parametrize("loop", ["", "head_tiles_"])
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_block_splits(path: str, layout: str, loop: str) -> None:
+    """Numbering tokens per kernel block or ignoring its stride (R22, R31, R60)."""
+    check_case(f"kernel_blocks_{loop}{layout}", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_partial_and_empty_blocks(path: str) -> None:
+    """Counting slots at or past the valid count, or empty rows (R20, R58)."""
+    check_case("partial_and_empty", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_large_first_slice(path: str) -> None:
+    """Truncating slice numbers or token positions to 32 bits (R19, R58)."""
+    check_case("large_first_slice", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_factor_wraps_mod_2_64(path: str) -> None:
+    """Signed or saturating factor arithmetic when m >= 2^63 (R18, R23)."""
+    check_case("huge_first_slice", path)
+
+
+@pytest.mark.parametrize("loop", ["head_tiles", "flat"])
+@pytest.mark.parametrize("path", PATHS)
+def test_weight_width_boundaries(path: str, loop: str) -> None:
+    """Taking the 32-bit weight shortcut one factor or token too far (R23, R58)."""
+    check_case(f"weight_width_{loop}", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_head_32x36(path: str) -> None:
+    """Tiles of a block whose piece count is no power of two (R58, R124)."""
+    check_case("one_head_32x36", path)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+@pytest.mark.parametrize("path", PATHS)
+def test_vllm_blocks(path: str, layout: str) -> None:
+    """Wrong per-tile offsets or weights in the head-tile path (R58, R60)."""
+    check_case(f"vllm_block_{layout}", path)
+
+
+@pytest.mark.parametrize("bits", [16, 32])
+@pytest.mark.parametrize("path", PATHS)
+def test_narrow_pieces_zero_extended(path: str, bits: int) -> None:
+    """Sign-extending 2- or 4-byte pieces with the high bit set (R21, R23)."""
+    case = CASES[f"int{bits}_pieces"]("cpu")
+    high = unsigned_pieces(case.launches[0].views[0]) >= 1 << (bits - 1)
+    assert high.any()
+    check_case(f"int{bits}_pieces", path)
+
+
+@pytest.mark.parametrize("bits", [16, 32])
+@pytest.mark.parametrize("path", PATHS)
+def test_split_state_rows(path: str, bits: int) -> None:
+    """Mis-numbering rows or elements of padded split Mamba pages (R21, R38)."""
+    check_case(f"split_rows_int{bits}", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_padded_unaligned_pages(path: str) -> None:
+    """Assuming dense or 16-byte-aligned pages (R60, R61 aligned flag)."""
+    check_case("padded_unaligned", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_column_of_wider_matrix(path: str) -> None:
+    """Ignoring the row stride / offset of sliced rows and outputs (R52, R53)."""
+    check_case("wide_matrix_column", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fused_layers(path: str) -> None:
+    """Mixing up table entries of fused layers: slices or columns (R61)."""
+    check_case("fused_layers", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_multi_group_rows(path: str) -> None:
+    """Launches of several groups writing outside their column ranges (R52)."""
+    check_case("multi_group", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_row_over_two_chunks(path: str) -> None:
+    """Dropping or double counting pieces across program chunks (R57)."""
+    check_case("multi_chunk_row", path)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["tv4_4_token_blocks", "tv4_8_token_blocks", "tv4_tp2_rank0", "tv4_tp2_rank1"],
+)
+@pytest.mark.parametrize("path", PATHS)
+def test_definition_vector_tv4(path: str, name: str) -> None:
+    """Any deviation from the published definition vectors TV4 (R26)."""
+    check_case(name, path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_definition_vector_tv5(path: str) -> None:
+    """Reading bf16 state elements signed (TV5, R26)."""
+    check_case("tv5_split_row", path)
+
+
+def test_tv4_shards_sum_to_whole() -> None:
+    """The reference's TP shards not adding up to the TP1 checksum (R22, R26)."""
+    whole = reference(CASES["tv4_4_token_blocks"]("cpu"))
+    shards = reference(CASES["tv4_tp2_rank0"]("cpu"))
+    with np.errstate(over="ignore"):
+        shards = shards + reference(CASES["tv4_tp2_rank1"]("cpu"))
+    assert np.array_equal(whole, shards)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunked_gather_equals_whole(name: str) -> None:
+    """Gather chunking changing a result (R27 chunked gathers, R63)."""
+    case = CASES[name]("cpu")
+    whole = run_case(case, "torch")
+    for limit in (1, 3 * 8 * 16):
+        with patched(kernels, GATHER_CHUNK_BYTES=limit):
+            assert np.array_equal(run_case(case, "torch"), whole)
+
+
+def test_no_rows_is_a_no_op() -> None:
+    """A launch failing or writing on an empty batch (R == 0)."""
+    case = CASES["head_major"]("cpu")
+    spec = case.launches[0]
+    launch = kernels.KVChecksumLaunch(spec.views, [0], [0], backend="torch")
+    out = torch.full((0, 1), 5, dtype=torch.int64)
+    launch(torch.zeros((3, 0), dtype=torch.int64), out)
+    assert out.numel() == 0
+
+
+def test_warm_up_is_all_masked() -> None:
+    """Warm-up reading real data or writing outside its own output (R62)."""
+    views = make_views(
+        np.random.default_rng(20), "cpu", blocks=2, heads=2, tokens=4, pieces=4
+    )
+    before = views[0].clone()
+    launch = kernels.KVChecksumLaunch(views, [0], [3], backend="torch")
+    launch.warm_up()
+    assert torch.equal(views[0], before)
+
+
+def test_backend_choice() -> None:
+    """Picking Triton for CPU views or accepting unknown backends (R56)."""
+    views = make_views(
+        np.random.default_rng(21), "cpu", blocks=2, heads=1, tokens=2, pieces=2
+    )
+    assert kernels.KVChecksumLaunch(views, [0], [0]).backend == "torch"
+    with pytest.raises(ValueError):
+        kernels.KVChecksumLaunch(views, [0], [0], backend="cuda")
+
+
+def test_mixed_layouts_rejected() -> None:
+    """Fusing views of different strides into one launch (R46, R61)."""
+    rng = np.random.default_rng(22)
+    head = make_views(rng, "cpu", blocks=2, heads=2, tokens=2, pieces=2)
+    token = make_views(
+        rng, "cpu", blocks=2, heads=2, tokens=2, pieces=2, layout="token"
+    )
+    with pytest.raises(ValueError):
+        kernels.KVChecksumLaunch(head + token, [0, 2], [0, 0])
+
+
+# --------------------------------------------------------------------------
+# Script mode: the Triton results of every case, under the interpreter.
+# --------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--interpret", action="store_true", required=True)
+    parser.add_argument("--max-tile", type=int, default=kernels.MAX_TILE_PIECES)
+    parser.add_argument("--chunk", type=int, default=kernels.CHUNK_PIECES)
+    parser.add_argument("--skip", action="append", default=[])
+    args = parser.parse_args()
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    with patched(kernels, MAX_TILE_PIECES=args.max_tile, CHUNK_PIECES=args.chunk):
+        results = {
+            name: run_case(build("cpu"), "triton").tolist()
+            for name, build in CASES.items()
+            if name not in args.skip
+        }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

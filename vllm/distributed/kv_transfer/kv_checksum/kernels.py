@@ -1,0 +1,541 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Block checksum kernels: one fused Triton launch per layout, and a PyTorch path.
+
+For a row (block id, first token f of the block in the request, valid token
+count v) and a layer view ``[blocks, kernel_blocks, heads, tokens, pieces]``,
+a launch adds into ``out[row, column]``, mod 2^64::
+
+    sum over kb, h, t, p with tt = kb * tokens + t < v of
+        x[block, kb, h, t, p] * (2 * (first_slice + h) + 1) * (2 * j + 1),
+    j = (f + tt) * pieces + p
+
+where x is the piece read as an unsigned integer (SPEC sections 4 and 8).
+
+This module imports only torch, the standard library and, optionally, Triton
+(no vLLM), so it can be tested and benchmarked standalone on any CUDA host.
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the installation
+    HAS_TRITON = False
+
+# Piece width in bits of each supported view dtype; narrower pieces are
+# zero-extended to 64 bits (R21, R23).
+PIECE_BITS: dict[torch.dtype, int] = {torch.int64: 64, torch.int32: 32, torch.int16: 16}
+
+# Pieces of one block that one Triton program covers (R57): an attention
+# block is one program, a multi-megabyte Mamba row spreads over many SMs.
+CHUNK_PIECES = 16384
+# Largest tile of pieces a program loads per loop iteration (R58).
+MAX_TILE_PIECES = 1024
+# Warps per program; a 1024-piece tile gives each thread 8 pieces.
+NUM_WARPS = 4
+# Upper bound of the data one gather of the PyTorch path materializes, counted
+# as widened int64 pieces (R63). Read at call time so tests can shrink it.
+GATHER_CHUNK_BYTES = 64 << 20
+
+_U64 = 1 << 64
+
+
+def _wrap_int64(value: int) -> int:
+    """`value` mod 2^64 as a signed int64 (the stored form of a uint64)."""
+    value %= _U64
+    return value - _U64 if value >= 1 << 63 else value
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _as_piece_pointer(addr, PIECE_BITS: tl.constexpr, ALIGNED: tl.constexpr):
+        """Cast an absolute int64 address from the layer table to a piece pointer."""
+        if PIECE_BITS == 64:
+            ptr = addr.to(tl.pointer_type(tl.int64))
+        elif PIECE_BITS == 32:
+            ptr = addr.to(tl.pointer_type(tl.int32))
+        else:
+            ptr = addr.to(tl.pointer_type(tl.int16))
+        if ALIGNED:
+            ptr = tl.multiple_of(ptr, 16)
+        return ptr
+
+    @triton.jit
+    def _widen(x, PIECE_BITS: tl.constexpr):
+        """Loaded pieces as uint64, narrow ones zero-extended (never sign-extended)."""
+        if PIECE_BITS == 64:
+            wide = x.to(tl.uint64, bitcast=True)
+        elif PIECE_BITS == 32:
+            wide = x.to(tl.uint32, bitcast=True).to(tl.uint64)
+        else:
+            wide = x.to(tl.uint16, bitcast=True).to(tl.uint64)
+        return wide
+
+    @triton.jit
+    def _below_2_32(value, span: tl.constexpr):
+        """Whether value, ..., value + span (uint64, no wrap-around) are < 2^32."""
+        return ((value >> 32) == 0) & (((value + span) >> 32) == 0)
+
+    @triton.jit
+    def _u32_to_u64(value):
+        """A value known to be below 2^32 as a zero-extended uint64.
+
+        The explicit 32-bit round trip lets the compiler use one 32 x 32 -> 64
+        multiply-add instead of a 64 x 64 multiply.
+        """
+        return value.to(tl.uint32).to(tl.uint64)
+
+    @triton.jit
+    def _head_tiles_sum(
+        work,
+        strides,
+        HEADS: tl.constexpr,
+        TOKENS: tl.constexpr,
+        PIECES: tl.constexpr,
+        PIECE_BITS: tl.constexpr,
+        TILE: tl.constexpr,
+        NARROW: tl.constexpr,
+    ):
+        """Sum of a chunk whose tiles each lie in one (kernel block, head).
+
+        A tile is whole tokens (TILE a multiple of PIECES) or part of one token
+        (PIECES a multiple of TILE), so per-lane offsets, token numbers and
+        weight increments are loop-invariant vectors and the rest are scalars
+        of the tile: weight = m * (c0 + 2 * first_j) + m * 2 * lane.
+        """
+        base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
+        kernel_block_stride, head_stride, token_stride, piece_stride = strides
+        SLICE_PIECES: tl.constexpr = TOKENS * PIECES
+        lane = tl.arange(0, TILE)
+        lane_token = lane // PIECES
+        lane_offset = (
+            lane_token.to(tl.int64) * token_stride
+            + (lane % PIECES).to(tl.int64) * piece_stride
+        )
+        lane_weight = _u32_to_u64(lane * 2)
+        acc = tl.zeros([TILE], dtype=tl.uint64)
+        for tile in range(num_tiles):
+            start = chunk_start + tile * TILE
+            slice_index = start // SLICE_PIECES
+            head = slice_index % HEADS
+            kernel_block = slice_index // HEADS
+            token = (start % SLICE_PIECES) // PIECES
+            slot = kernel_block * TOKENS + token
+            tile_offset = (
+                block_offset
+                + kernel_block.to(tl.int64) * kernel_block_stride
+                + head.to(tl.int64) * head_stride
+                + token.to(tl.int64) * token_stride
+            )
+            first_j = slot * PIECES
+            if PIECES > TILE:
+                # Part of one token: the tile starts inside it, TILE-aligned.
+                piece = tl.multiple_of(start % PIECES, TILE)
+                tile_offset += piece.to(tl.int64) * piece_stride
+                first_j += piece
+            x = tl.load(
+                base + tile_offset + lane_offset,
+                mask=lane_token < valid - slot,
+                other=0,
+            )
+            m = m0 + head.to(tl.uint64) * 2
+            tile_weight = m * (c0 + first_j.to(tl.uint64) * 2)
+            m_lane = _u32_to_u64(m) if NARROW else m
+            acc += _widen(x, PIECE_BITS) * (tile_weight + m_lane * lane_weight)
+        return tl.sum(acc, axis=0)
+
+    @triton.jit
+    def _flat_tiles_sum(
+        work,
+        strides,
+        HEADS: tl.constexpr,
+        TOKENS: tl.constexpr,
+        PIECES: tl.constexpr,
+        PIECE_BITS: tl.constexpr,
+        TILE: tl.constexpr,
+        NARROW: tl.constexpr,
+    ):
+        """Sum of a chunk of any block shape: each lane decodes its own piece."""
+        base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
+        kernel_block_stride, head_stride, token_stride, piece_stride = strides
+        SLICE_PIECES: tl.constexpr = TOKENS * PIECES
+        lane = tl.arange(0, TILE)
+        limit = valid * PIECES
+        acc = tl.zeros([TILE], dtype=tl.uint64)
+        for tile in range(num_tiles):
+            index = chunk_start + tile * TILE + lane
+            slice_index = index // SLICE_PIECES
+            in_slice = index % SLICE_PIECES
+            head = slice_index % HEADS
+            kernel_block = slice_index // HEADS
+            # j - first_token * PIECES: (kernel_block * TOKENS + t) * PIECES + p.
+            local = kernel_block * SLICE_PIECES + in_slice
+            offset = (
+                block_offset
+                + kernel_block.to(tl.int64) * kernel_block_stride
+                + head.to(tl.int64) * head_stride
+                + (in_slice // PIECES).to(tl.int64) * token_stride
+                + (in_slice % PIECES).to(tl.int64) * piece_stride
+            )
+            # Lanes past the block decode to kernel_block >= KERNEL_BLOCKS, so
+            # local >= limit masks them too.
+            x = tl.load(base + offset, mask=local < limit, other=0)
+            m = m0 + head.to(tl.uint64) * 2
+            odd = c0 + local.to(tl.uint64) * 2
+            weight = _u32_to_u64(m) * _u32_to_u64(odd) if NARROW else m * odd
+            acc += _widen(x, PIECE_BITS) * weight
+        return tl.sum(acc, axis=0)
+
+    @triton.jit
+    def _chunk_sum(
+        work,
+        strides,
+        HEADS: tl.constexpr,
+        TOKENS: tl.constexpr,
+        PIECES: tl.constexpr,
+        PIECE_BITS: tl.constexpr,
+        TILE: tl.constexpr,
+        HEAD_TILES: tl.constexpr,
+        NARROW: tl.constexpr,
+    ):
+        """One program's uint64 sum, by the loop its block shape allows."""
+        if HEAD_TILES:
+            total = _head_tiles_sum(
+                work, strides, HEADS, TOKENS, PIECES, PIECE_BITS, TILE, NARROW
+            )
+        else:
+            total = _flat_tiles_sum(
+                work, strides, HEADS, TOKENS, PIECES, PIECE_BITS, TILE, NARROW
+            )
+        return total
+
+    @triton.jit(
+        do_not_specialize=[
+            "rows_ptr",
+            "rows_field_stride",
+            "rows_row_stride",
+            "out_ptr",
+            "out_row_stride",
+            "out_col_stride",
+        ]
+    )
+    def _kv_checksum_kernel(
+        table_ptr,
+        rows_ptr,
+        rows_field_stride,
+        rows_row_stride,
+        out_ptr,
+        out_row_stride,
+        out_col_stride,
+        block_stride,
+        kernel_block_stride,
+        head_stride,
+        token_stride,
+        piece_stride,
+        KERNEL_BLOCKS: tl.constexpr,
+        HEADS: tl.constexpr,
+        TOKENS: tl.constexpr,
+        PIECES: tl.constexpr,
+        PIECE_BITS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        TILE: tl.constexpr,
+        HEAD_TILES: tl.constexpr,
+        ALIGNED: tl.constexpr,
+    ):
+        """Add the checksums of block rows into their output columns, all layers.
+
+        Grid: (row, chunk, layer). Program (r, c, l) reads row r of `rows`
+        (block id, first token of the block in the request, valid token count)
+        and entry l of the layer table (absolute data address, first slice,
+        output column). It walks pieces [c * CHUNK, (c + 1) * CHUNK) of the
+        block in the flat order [kernel block, head, token, piece], TILE pieces
+        per iteration, addressing them through the view strides, so head-major,
+        token-major and kernel-split layouts need no copy. It computes each
+        weight m * (2j + 1) in place, masks slots at or past the valid count,
+        accumulates in uint64 (wrap-around is the mod 2^64) and adds its sum to
+        out[r, column] with one atomic, so programs may finish in any order.
+
+        Rows, outputs and their strides are not specialized (nor are slices and
+        columns, read from the table), so the variant compiled at warm-up
+        serves every call of a launch.
+        """
+        SLOT_PIECES: tl.constexpr = KERNEL_BLOCKS * TOKENS * PIECES
+        BLOCK_PIECES: tl.constexpr = SLOT_PIECES * HEADS
+        row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        layer = tl.program_id(2)
+
+        row_ptr = rows_ptr + row * rows_row_stride
+        valid = tl.load(row_ptr + 2 * rows_field_stride)
+        if valid <= 0:
+            return
+        block = tl.load(row_ptr)
+        first_token = tl.load(row_ptr + rows_field_stride)
+        addr = tl.load(table_ptr + layer * 3)
+        first_slice = tl.load(table_ptr + layer * 3 + 1)
+        column = tl.load(table_ptr + layer * 3 + 2)
+
+        base = _as_piece_pointer(addr, PIECE_BITS, ALIGNED)
+        block_offset = block * block_stride
+        valid = tl.minimum(valid, KERNEL_BLOCKS * TOKENS).to(tl.int32)
+        # m = 2 * (first_slice + h) + 1 = m0 + 2h and, with the piece's local
+        # index lj = (kernel_block * TOKENS + t) * PIECES + p, 2j + 1 = c0 + 2lj.
+        m0 = first_slice.to(tl.uint64, bitcast=True) * 2 + 1
+        c0 = first_token.to(tl.uint64, bitcast=True) * (2 * PIECES) + 1
+        # Every factor and odd weight of the row below 2^32 (always, in
+        # practice): 32 x 32 -> 64-bit weight products suffice.
+        narrow = _below_2_32(m0, 2 * (HEADS - 1)) & _below_2_32(
+            c0, 2 * (SLOT_PIECES - 1)
+        )
+        chunk_start = chunk * CHUNK
+        chunk_end = tl.minimum(chunk_start + CHUNK, BLOCK_PIECES)
+        num_tiles = tl.cdiv(chunk_end - chunk_start, TILE)
+        work = (base, block_offset, valid, m0, c0, chunk_start, num_tiles)
+        strides = (kernel_block_stride, head_stride, token_stride, piece_stride)
+        if narrow:
+            total = _chunk_sum(
+                work, strides, HEADS, TOKENS, PIECES, PIECE_BITS, TILE, HEAD_TILES, True
+            )
+        else:
+            total = _chunk_sum(
+                work,
+                strides,
+                HEADS,
+                TOKENS,
+                PIECES,
+                PIECE_BITS,
+                TILE,
+                HEAD_TILES,
+                False,
+            )
+        tl.atomic_add(
+            out_ptr + row * out_row_stride + column * out_col_stride,
+            total.to(tl.int64, bitcast=True),
+            sem="relaxed",
+        )
+
+
+class KVChecksumLaunch:
+    """One fused launch: every layer view sharing one layout (R61).
+
+    Construct once at start-up from the layer views (strided int64, int32 or
+    int16 views over the KV cache, never copied); each call adds the checksums
+    of a batch of block rows into an output matrix. The Triton backend reads a
+    device table of (data address, first slice, output column) per layer built
+    here, so one launch serves all layers; the PyTorch backend is the
+    reference and the CPU path (R56). `backend` says which one runs.
+    """
+
+    def __init__(
+        self,
+        views: Sequence[torch.Tensor],
+        first_slices: Sequence[int],
+        columns: Sequence[int],
+        backend: str | None = None,
+    ) -> None:
+        _check_views(views)
+        if not len(views) == len(first_slices) == len(columns):
+            raise ValueError("views, first_slices and columns differ in length")
+        if min(columns) < 0:
+            raise ValueError("output columns must be non-negative")
+        self.views = list(views)
+        self.first_slices = [int(s) for s in first_slices]
+        self.columns = [int(c) for c in columns]
+        self.device = views[0].device
+        kernel_blocks, heads, tokens, pieces = (int(d) for d in views[0].shape[1:])
+        self.shape = (kernel_blocks, heads, tokens, pieces)
+        self.piece_bits = PIECE_BITS[views[0].dtype]
+        self.backend = _pick_backend(backend, self.device)
+        if self.backend == "triton":
+            self._init_triton()
+        else:
+            self._init_torch()
+
+    def __call__(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Add each row's checksum of every layer into out[row, column] (R53).
+
+        `rows` is int64 [3, R] (block id, first token, valid tokens) and `out`
+        int64 [R, C], both on the views' device; either may be a slice of a
+        wider tensor. Sums wrap mod 2^64. R == 0 does nothing.
+        """
+        if rows.shape[1] == 0:
+            return
+        if self.backend == "triton":
+            self._call_triton(rows, out)
+        else:
+            self._call_torch(rows, out)
+
+    def warm_up(self) -> None:
+        """Run the launch once on an all-masked row so Triton compiles now (R62)."""
+        rows = torch.zeros((3, 1), dtype=torch.int64, device=self.device)
+        out = torch.zeros(
+            (1, max(self.columns) + 1), dtype=torch.int64, device=self.device
+        )
+        self(rows, out)
+
+    # Triton backend.
+
+    def _init_triton(self) -> None:
+        """Build the layer table and the compile-time constants of the launch."""
+        kernel_blocks, heads, tokens, pieces = self.shape
+        tile, head_tiles = pick_tile(self.shape)
+        self._table = torch.tensor(
+            [
+                [view.data_ptr(), _wrap_int64(first_slice), column]
+                for view, first_slice, column in zip(
+                    self.views, self.first_slices, self.columns
+                )
+            ],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        self._strides = tuple(self.views[0].stride())
+        self._num_chunks = math.ceil(math.prod(self.shape) / CHUNK_PIECES)
+        self._constants = dict(
+            KERNEL_BLOCKS=kernel_blocks,
+            HEADS=heads,
+            TOKENS=tokens,
+            PIECES=pieces,
+            PIECE_BITS=self.piece_bits,
+            CHUNK=CHUNK_PIECES,
+            TILE=tile,
+            HEAD_TILES=head_tiles,
+            ALIGNED=all(view.data_ptr() % 16 == 0 for view in self.views),
+            num_warps=max(1, min(NUM_WARPS, tile // 256)),
+        )
+
+    def _call_triton(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        grid = (rows.shape[1], self._num_chunks, len(self.views))
+        _kv_checksum_kernel[grid](
+            self._table,
+            rows,
+            rows.stride(0),
+            rows.stride(1),
+            out,
+            out.stride(0),
+            out.stride(1),
+            *self._strides,
+            **self._constants,
+        )
+
+    # PyTorch backend.
+
+    def _init_torch(self) -> None:
+        """Precompute per-layer weights of a block at the request start (R63).
+
+        w[kb, h, t, p] = m_h * (2 * (tt * P + p) + 1) with m folded in; a block
+        at first token f adds f * sum(x * 2 * P * m_h) on top (block-start term).
+        """
+        kernel_blocks, heads, tokens, pieces = self.shape
+        device = self.device
+        slots = torch.arange(kernel_blocks * tokens, dtype=torch.int64, device=device)
+        local = slots.view(kernel_blocks, 1, tokens, 1) * pieces + torch.arange(
+            pieces, dtype=torch.int64, device=device
+        )
+        self._slots = slots.view(1, kernel_blocks, 1, tokens, 1)
+        self._weights: list[torch.Tensor] = []
+        self._start_factors: list[torch.Tensor] = []
+        for first_slice in self.first_slices:
+            factors = torch.tensor(
+                [_wrap_int64(2 * (first_slice + h) + 1) for h in range(heads)],
+                dtype=torch.int64,
+                device=device,
+            )
+            self._weights.append(factors.view(1, heads, 1, 1) * (2 * local + 1))
+            self._start_factors.append(factors * (2 * pieces))
+
+    def _call_torch(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Gather rows in bounded chunks and reduce them, layer by layer."""
+        num_rows = rows.shape[1]
+        block_bytes = 8 * math.prod(self.shape)
+        chunk_rows = max(1, GATHER_CHUNK_BYTES // block_bytes)
+        for start in range(0, num_rows, chunk_rows):
+            chunk = rows[:, start : start + chunk_rows]
+            valid = self._slots < chunk[2].reshape(-1, 1, 1, 1, 1)
+            for layer in range(len(self.views)):
+                sums = self._layer_sums(layer, chunk[0], chunk[1], valid)
+                out[start : start + chunk.shape[1], self.columns[layer]] += sums
+
+    def _layer_sums(
+        self,
+        layer: int,
+        blocks: torch.Tensor,
+        first_tokens: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer's checksums of gathered blocks, as wrapping int64 [rows]."""
+        pieces = self.views[layer].index_select(0, blocks).to(torch.int64)
+        if self.piece_bits < 64:
+            pieces &= (1 << self.piece_bits) - 1
+        pieces = torch.where(valid, pieces, 0)
+        at_start = (pieces * self._weights[layer]).sum(dim=(1, 2, 3, 4))
+        per_head = pieces.sum(dim=(1, 3, 4))
+        start_term = (per_head * self._start_factors[layer]).sum(dim=1)
+        return at_start + first_tokens * start_term
+
+
+def pick_tile(shape: Sequence[int]) -> tuple[int, bool]:
+    """The Triton tile (pieces per iteration) and whether it uses head tiles.
+
+    Head tiles (a power of two dividing tokens * pieces, holding whole tokens
+    or lying inside one) make offsets and weights loop-invariant vectors plus
+    tile scalars and allow vector loads; used unless they would be smaller
+    than min(tile, 256) pieces. Otherwise each lane decodes its own piece.
+    """
+    kernel_blocks, heads, tokens, pieces = shape
+    slice_pieces = tokens * pieces
+    tile = min(
+        MAX_TILE_PIECES,
+        CHUNK_PIECES,
+        _next_power_of_2(kernel_blocks * heads * slice_pieces),
+    )
+    head_tile = min(tile, slice_pieces & -slice_pieces)
+    if head_tile >= min(tile, 256) and (
+        head_tile % pieces == 0 or pieces % head_tile == 0
+    ):
+        return head_tile, True
+    return tile, False
+
+
+def _check_views(views: Sequence[torch.Tensor]) -> None:
+    """Views of one launch must share dtype, device, shape and strides (R61)."""
+    if not views:
+        raise ValueError("a launch needs at least one view")
+    first = views[0]
+    if first.dim() != 5:
+        raise ValueError(f"views must be 5-D, got shape {tuple(first.shape)}")
+    if first.dtype not in PIECE_BITS:
+        raise ValueError(f"unsupported piece dtype {first.dtype}")
+    if math.prod(first.shape[1:]) >= 1 << 31:
+        raise ValueError("a block must have fewer than 2^31 pieces")
+    for view in views[1:]:
+        if (view.dtype, view.device, view.shape, view.stride()) != (
+            first.dtype,
+            first.device,
+            first.shape,
+            first.stride(),
+        ):
+            raise ValueError("views of one launch must share one layout")
+
+
+def _pick_backend(backend: str | None, device: torch.device) -> str:
+    """Triton when the views are on CUDA and Triton imports, else PyTorch (R56)."""
+    if backend is None:
+        return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"unknown backend {backend!r}")
+    if backend == "triton" and not HAS_TRITON:
+        raise RuntimeError("the triton backend needs Triton")
+    return backend
