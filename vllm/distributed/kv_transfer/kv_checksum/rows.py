@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Row building: the (block id, first token, valid tokens) of every block to checksum.
+
+All rows of a worker call are built with vectorized NumPy into one [3, width]
+int64 array; each group segment starts at an even column so every kernel slice
+is 16-byte aligned like the warm-up slices (R52).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+
+
+@dataclass(frozen=True)
+class RowSegment:
+    """The rows of one (pass, group): requests in order, with their row counts."""
+
+    group_id: int
+    column: int  # first column in the row array (even)
+    req_ids: tuple[str, ...]
+    starts: np.ndarray  # first position per request
+    counts: np.ndarray  # rows per request
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.counts.sum())
+
+
+def segment_rows(
+    requests: Sequence[tuple[str, KVChecksumBlocks]], group_id: int, block_size: int
+) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of every request's blocks of one group: (req ids, starts, counts, rows)."""
+    req_ids: list[str] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    ids: list[np.ndarray] = []
+    for req_id, blocks in requests:
+        entry = blocks.groups.get(group_id)
+        if entry is None:
+            continue
+        start, block_ids = entry
+        req_ids.append(req_id)
+        starts.append(start)
+        ends.append(blocks.num_tokens)
+        ids.append(np.asarray(block_ids, dtype=np.int64))
+    counts = np.fromiter((len(a) for a in ids), dtype=np.int64, count=len(ids))
+    start_arr = np.asarray(starts, dtype=np.int64)
+    total = int(counts.sum())
+    rows = np.empty((3, total), dtype=np.int64)
+    if total:
+        rows[0] = np.concatenate(ids)
+        # Position of each row: its request's start plus its index in the request.
+        offsets = np.cumsum(counts) - counts
+        index = np.arange(total, dtype=np.int64) - np.repeat(offsets, counts)
+        first = (np.repeat(start_arr, counts) + index) * block_size
+        rows[1] = first
+        num_tokens = np.repeat(np.asarray(ends, dtype=np.int64), counts)
+        rows[2] = np.clip(num_tokens - first, 0, block_size)
+    return tuple(req_ids), start_arr, counts, rows
+
+
+def pack_segments(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """Lay row arrays side by side, each at an even column; return the columns."""
+    columns: list[int] = []
+    width = 0
+    for part in parts:
+        columns.append(width)
+        width += part.shape[1] + (part.shape[1] & 1)
+    packed = np.zeros((3, max(width, 2)), dtype=np.int64)
+    for column, part in zip(columns, parts):
+        packed[:, column : column + part.shape[1]] = part
+    return packed, columns

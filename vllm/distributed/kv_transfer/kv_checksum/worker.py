@@ -1,0 +1,400 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The worker side: checksums of the blocks the scheduler asks for, each step.
+
+A `KVChecksumWorker` knows, per KV cache group, which caches it covers (see
+:mod:`.views`) and fuses views sharing a layout into one launch. Each step it
+is bound to the scheduler's `KVChecksumScheduled`; after the forward it queues
+the checksum kernels on the compute stream and copies the results to pinned
+host memory on a side stream, so the engine step never waits on the device
+(R55). `KVChecksumPendingRecord.finalize()` waits for that copy only when the
+record is read.
+"""
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+    KVChecksumBlocks,
+    KVChecksumGroup,
+    KVChecksumRecord,
+    KVChecksumScheduled,
+    ReplicaKey,
+)
+from vllm.distributed.kv_transfer.kv_checksum.kernels import KVChecksumLaunch
+from vllm.distributed.kv_transfer.kv_checksum.rows import (
+    RowSegment,
+    pack_segments,
+    segment_rows,
+)
+from vllm.distributed.kv_transfer.kv_checksum.views import (
+    ChecksumView,
+    GroupViews,
+    UncoveredGroup,
+    WorkerTopology,
+    plan_group_views,
+)
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "KVChecksumGroup",
+    "KVChecksumPendingRecord",
+    "KVChecksumRecord",
+    "KVChecksumWorker",
+    "WorkerTopology",
+]
+
+
+@dataclass(frozen=True)
+class ChecksumPlan:
+    """The launches of one group pass and the replica key of each output column."""
+
+    replica_keys: tuple[ReplicaKey, ...]
+    launches: tuple[KVChecksumLaunch, ...]
+
+    @classmethod
+    def build(cls, views: Sequence[ChecksumView]) -> "ChecksumPlan":
+        """Fuse views sharing one layout into one launch each (R46, R61)."""
+        keys = tuple(sorted({view.replica_key for view in views}))
+        column = {key: i for i, key in enumerate(keys)}
+        by_layout: dict[tuple, list[ChecksumView]] = {}
+        for view in views:
+            by_layout.setdefault(view.layout_key, []).append(view)
+        launches = tuple(
+            KVChecksumLaunch(
+                [v.pieces for v in same],
+                [v.first_slice for v in same],
+                [column[v.replica_key] for v in same],
+            )
+            for same in by_layout.values()
+        )
+        return cls(keys, launches)
+
+    def run(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        for launch in self.launches:
+            launch(rows, out)
+
+
+@dataclass(frozen=True)
+class GroupPlans:
+    """A covered group: a receive plan over every view, a send plan over replica 0."""
+
+    group_id: int
+    block_size: int
+    fingerprint: int
+    recv: ChecksumPlan
+    send: ChecksumPlan
+    # One layer per distinct cache the group's checksums cover, in view order.
+    layer_names: tuple[str, ...] = ()
+
+    @classmethod
+    def build(cls, group: GroupViews) -> "GroupPlans":
+        send_views = [v for v in group.views if v.replica_key[1] == 0]
+        return cls(
+            group.group_id,
+            group.block_size,
+            group.fingerprint,
+            ChecksumPlan.build(group.views),
+            ChecksumPlan.build(send_views),
+            tuple(v.layer_name for v in group.views),
+        )
+
+
+@dataclass
+class _PassResult:
+    """Device output of one (pass, group) and the host copy it lands in."""
+
+    segment: RowSegment
+    replica_keys: tuple[ReplicaKey, ...]
+    device: torch.Tensor
+    host: torch.Tensor | None = None
+
+
+@dataclass
+class KVChecksumPendingRecord:
+    """A step's record whose values are still on their way to host memory (R55)."""
+
+    pp_rank: int
+    tp_rank: int
+    req_ids: tuple[str, ...]
+    results: list[_PassResult]
+    skipped_groups: tuple[int, ...]
+    fingerprints: dict[int, int]
+    received: dict[str, bytes]
+    event: object | None = None
+    _record: KVChecksumRecord | None = field(default=None, repr=False)
+
+    def __reduce__(self) -> tuple:
+        """Serialized for the scheduler as the finished host record (R55)."""
+        return (_same, (self.finalize(),))
+
+    def finalize(self) -> KVChecksumRecord:
+        """Wait for the side-stream copy and build the host record (idempotent)."""
+        if self._record is not None:
+            return self._record
+        if self.event is not None:
+            self.event.synchronize()  # type: ignore[attr-defined]
+        checksums: dict[str, dict[int, KVChecksumGroup]] = {r: {} for r in self.req_ids}
+        for result in self.results:
+            assert result.host is not None
+            values = result.host.numpy().view(np.uint64)
+            seg = result.segment
+            bounds = np.cumsum(seg.counts)
+            for i, req_id in enumerate(seg.req_ids):
+                end = int(bounds[i])
+                begin = end - int(seg.counts[i])
+                checksums[req_id][seg.group_id] = KVChecksumGroup(
+                    start=int(seg.starts[i]),
+                    replica_keys=result.replica_keys,
+                    values=values[begin:end].copy(),
+                )
+        self._record = KVChecksumRecord(
+            pp_rank=self.pp_rank,
+            tp_rank=self.tp_rank,
+            checksums=checksums,
+            skipped_groups=self.skipped_groups,
+            fingerprints=dict(self.fingerprints),
+            received=dict(self.received),
+        )
+        self.results = []
+        return self._record
+
+
+def _same(record: KVChecksumRecord) -> KVChecksumRecord:
+    return record
+
+
+def finalize_records(items: Iterable[object] | None) -> list[KVChecksumRecord]:
+    """Host records of pending or finished records, in order."""
+    records = []
+    for item in items or ():
+        if isinstance(item, KVChecksumPendingRecord):
+            records.append(item.finalize())
+        elif isinstance(item, KVChecksumRecord):
+            records.append(item)
+    return records
+
+
+class KVChecksumWorker:
+    """Computes one worker's partial checksums of sent and received blocks."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        kv_caches: Mapping[str, torch.Tensor],
+        topology: WorkerTopology,
+        drafter_layer_names: Iterable[str] = (),
+    ) -> None:
+        self.topology = topology
+        self.kv_caches = kv_caches
+        self.groups: dict[int, GroupPlans] = {}
+        skipped: list[int] = []
+        drafters = set(drafter_layer_names)
+        for group_id in kv_cache_config.transfer_group_ids:
+            group = kv_cache_config.kv_cache_groups[group_id]
+            names = [n for n in group.layer_names if n not in drafters]
+            if not names:
+                continue  # R28: drafter-only groups are neither covered nor skipped
+            try:
+                views = plan_group_views(group_id, group, names, kv_caches, topology)
+            except UncoveredGroup as reason:
+                logger.warning(
+                    "KV cache group %d is not covered by KV checksums: %s.",
+                    group_id,
+                    reason,
+                )
+                skipped.append(group_id)
+                continue
+            self.groups[group_id] = GroupPlans.build(views)
+        self.skipped_groups = tuple(skipped)
+        self.fingerprints = {g: p.fingerprint for g, p in self.groups.items()}
+        self._to_send: dict[str, KVChecksumBlocks] = {}
+        self._to_recv: dict[str, KVChecksumBlocks] = {}
+        self._to_load: dict[str, KVChecksumBlocks] = {}
+        self._side_stream: torch.cuda.Stream | None = None
+
+    def warm_up(self) -> None:
+        """Compile every launch at start-up so no compilation lands in a step (R62)."""
+        for plans in self.groups.values():
+            for plan in (plans.recv, plans.send):
+                for launch in plan.launches:
+                    launch.warm_up()
+
+    def bind(self, scheduled: KVChecksumScheduled | None) -> None:
+        """Take this step's requests: sends replace, receives and loads accumulate."""
+        self._to_send = dict(scheduled.reqs_to_send) if scheduled else {}
+        if scheduled:
+            self._to_recv.update(scheduled.reqs_to_recv)
+            self._to_load.update(scheduled.reqs_to_load)
+
+    def pending_load_blocks(
+        self, req_ids: Iterable[str]
+    ) -> dict[str, KVChecksumBlocks]:
+        """The blocks `post_forward` would checksum for these finished loads."""
+        pending = {}
+        for req_id in req_ids:
+            blocks = self._to_load.get(req_id) or self._to_recv.get(req_id)
+            if blocks is not None:
+                pending[req_id] = blocks
+        return pending
+
+    def group_layer_names(self) -> dict[int, list[str]]:
+        """Per covered group, the layers (one per distinct cache) it checksums."""
+        return {g: list(plans.layer_names) for g, plans in self.groups.items()}
+
+    def post_forward(
+        self,
+        finished_recving: Iterable[str] | None,
+        failed_recving: Iterable[str] | None = None,
+        received: Mapping[str, bytes] | None = None,
+        finished_req_ids: Iterable[str] = (),
+    ) -> KVChecksumPendingRecord | None:
+        """Queue the checksums of finished loads and this step's sends (R48)."""
+        for req_id in finished_req_ids:
+            self._to_recv.pop(req_id, None)
+            self._to_load.pop(req_id, None)
+        failed = set(failed_recving or ())
+        loads: list[tuple[str, KVChecksumBlocks]] = []
+        for req_id in finished_recving or ():
+            blocks = self._to_recv.pop(req_id, None)
+            blocks = self._to_load.pop(req_id, None) or blocks
+            if blocks is not None and req_id not in failed:
+                loads.append((req_id, blocks))
+        for req_id in failed:
+            self._to_recv.pop(req_id, None)
+            self._to_load.pop(req_id, None)
+        sends = list(self._to_send.items())
+        self._to_send = {}
+        keep_received = self.topology.pp_rank == 0 and self.topology.tp_rank == 0
+        received = dict(received or {}) if keep_received else {}
+        if not loads and not sends and not received:
+            return None
+        results = self._launch(loads, sends)
+        pending = KVChecksumPendingRecord(
+            pp_rank=self.topology.pp_rank,
+            tp_rank=self.topology.tp_rank,
+            req_ids=tuple(dict.fromkeys(r for r, _ in loads + sends)),
+            results=results,
+            skipped_groups=self.skipped_groups,
+            fingerprints=self.fingerprints,
+            received=received,
+        )
+        self._copy_to_host(pending)
+        return pending
+
+    def _launch(
+        self,
+        loads: list[tuple[str, KVChecksumBlocks]],
+        sends: list[tuple[str, KVChecksumBlocks]],
+    ) -> list[_PassResult]:
+        """Build all rows, copy them once to the device and queue every launch."""
+        passes: list[tuple[GroupPlans, ChecksumPlan, tuple, np.ndarray, np.ndarray]]
+        passes = []
+        parts: list[np.ndarray] = []
+        for requests, is_recv in ((loads, True), (sends, False)):
+            if not requests:
+                continue
+            for plans in self.groups.values():
+                req_ids, starts, counts, rows = segment_rows(
+                    requests, plans.group_id, plans.block_size
+                )
+                if req_ids:
+                    plan = plans.recv if is_recv else plans.send
+                    passes.append((plans, plan, req_ids, starts, counts))
+                    parts.append(rows)
+        if not passes:
+            return []
+        packed, columns = pack_segments(parts)
+        rows_dev = self._to_device(packed)
+        results = []
+        for (plans, plan, req_ids, starts, counts), part, column in zip(
+            passes, parts, columns
+        ):
+            segment = RowSegment(plans.group_id, column, req_ids, starts, counts)
+            n = part.shape[1]
+            out = torch.zeros(
+                (n, len(plan.replica_keys)), dtype=torch.int64, device=rows_dev.device
+            )
+            plan.run(rows_dev[:, column : column + n], out)
+            results.append(_PassResult(segment, plan.replica_keys, out))
+        return results
+
+    def _to_device(self, packed: np.ndarray) -> torch.Tensor:
+        """One non-blocking host-to-device copy of all rows, from pinned memory."""
+        host = torch.from_numpy(packed)
+        device = self.topology.device
+        if device.type == "cpu":
+            return host
+        return host.pin_memory().to(device, non_blocking=True)
+
+    def _copy_to_host(self, pending: KVChecksumPendingRecord) -> None:
+        """Copy results to pinned host memory on a side stream; record an event."""
+        if not pending.results:
+            return
+        on_device = self.topology.device.type != "cpu"
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for result in pending.results:
+                result.host = torch.empty(
+                    result.device.shape, dtype=torch.int64, pin_memory=on_device
+                )
+                result.host.copy_(result.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        pending.event = event
+
+
+def drafter_layer_names(vllm_config: object) -> set[str]:
+    """Attention layers marked as draft layers (R28), from the forward context."""
+    context = vllm_config.compilation_config.static_forward_context  # type: ignore[attr-defined]
+    names: set[str] = set()
+    for name, layer in context.items():
+        get_spec = getattr(layer, "get_kv_cache_spec", None)
+        if get_spec is None:
+            continue
+        try:
+            spec = get_spec(vllm_config)
+        except Exception:
+            continue
+        if spec is not None and getattr(spec, "is_draft", False):
+            names.add(name)
+    return names
+
+
+def create_kv_checksum_worker(
+    vllm_config: object,
+    kv_cache_config: KVCacheConfig,
+    kv_caches: Mapping[str, torch.Tensor],
+    device: torch.device,
+    tp_rank: int,
+    pp_rank: int,
+) -> KVChecksumWorker | None:
+    """The checksum worker of one model runner, None when checksums are off."""
+    from vllm.distributed.kv_transfer.kv_checksum.config import kv_checksum_enabled
+
+    if not kv_checksum_enabled(vllm_config):
+        return None
+    model_config = vllm_config.model_config  # type: ignore[attr-defined]
+    parallel = vllm_config.parallel_config  # type: ignore[attr-defined]
+    topology = WorkerTopology(
+        tp_rank=tp_rank,
+        tp_size=parallel.tensor_parallel_size,
+        pp_rank=pp_rank,
+        num_blocks=kv_cache_config.num_blocks,
+        uniform_model_kv_heads=model_config.get_total_num_kv_heads(),
+        device=device,
+    )
+    worker = KVChecksumWorker(
+        kv_cache_config, kv_caches, topology, drafter_layer_names(vllm_config)
+    )
+    worker.warm_up()
+    return worker
