@@ -1,17 +1,70 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""All wiring of KV checksums into vLLM 0.33.0 internals.
+"""All wiring of KV checksums into vLLM 0.33.0 internals (R9, R10).
 
-Each hook is a thin wrapper around one vLLM method that calls the original and
-then a short call into the core modules; with checksums disabled every hook is
-a pass-through. The hooks are listed in docs/features/kv_checksum.md.
+Every hook is a thin wrapper that calls the original vLLM method and then a
+short call into the core modules. With checksums disabled the scheduler's
+`kv_checksum_scheduler` and the connector's `kv_checksum_worker` are None and
+every hook is a pass-through. Each hook is documented as:
+
+- Target: the vLLM 0.33.0 method wrapped.
+- Why: what checksums need there.
+- How: what the wrapper adds around the original.
+- Upstream: the vLLM change that would let the hook go.
+
+The list is repeated in docs/features/kv_checksum.md ("vLLM internals").
 """
 
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_checksum import connectors
+from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+from vllm.distributed.kv_transfer.kv_checksum.config import (
+    kv_checksum_enabled,
+    read_flags,
+)
+from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
+    create_fault_injector,
+)
+from vllm.distributed.kv_transfer.kv_checksum.metrics import STATS_KEY, split_stats
+from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
+    KVChecksumPromMetrics,
+)
+from vllm.distributed.kv_transfer.kv_checksum.scheduler import KVChecksumScheduler
+from vllm.distributed.kv_transfer.kv_checksum.worker import (
+    create_kv_checksum_worker,
+    finalize_records,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 _installed = False
+_kv_cache_config: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "kv_checksum_kv_cache_config", default=None
+)
+
+
+def _wrap(cls: type, name: str) -> Callable[[Callable], Callable]:
+    """Install `hook(original, self, *args, **kwargs)` as `cls.name`."""
+
+    def decorator(hook: Callable) -> Callable:
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return hook(original, self, *args, **kwargs)
+
+        wrapper.__kv_checksum_original__ = original  # type: ignore[attr-defined]
+        setattr(cls, name, wrapper)
+        return hook
+
+    return decorator
 
 
 def install() -> None:
@@ -20,3 +73,474 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    _install_records()
+    _install_connector_api()
+    _install_scheduler_hooks()
+    _install_worker_hooks()
+    _install_config_hooks()
+    _install_metrics_hooks()
+
+
+# ----------------------------------------------------------------------
+# Records on vLLM dataclasses (R9): absent by default, tolerated when absent.
+# ----------------------------------------------------------------------
+
+
+def _install_records() -> None:
+    """Target: SchedulerOutput, KVConnectorOutput, KVConnectorTransferResults.
+
+    Why: the step's scheduled blocks travel to workers on the SchedulerOutput;
+    worker records travel back on the KVConnectorOutput; connectors report
+    received producer bytes on their transfer results.
+    How: class attributes defaulting to None, so instances without them read
+    None and vLLM's constructors are unchanged.
+    Upstream: optional dataclass fields `kv_checksum_scheduled`,
+    `kv_checksums` in vLLM.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    SchedulerOutput.kv_checksum_scheduled = None  # type: ignore[attr-defined]
+    KVConnectorOutput.kv_checksums = None  # type: ignore[attr-defined]
+    KVConnectorTransferResults.kv_checksums = None  # type: ignore[attr-defined]
+
+    @_wrap(KVConnectorOutput, "is_empty")
+    def is_empty(original: Callable, self: Any) -> bool:
+        """R10 (i): an output holding only checksum records is not empty."""
+        return original(self) and not getattr(self, "kv_checksums", None)
+
+
+# ----------------------------------------------------------------------
+# Carrier API (R97-R102)
+# ----------------------------------------------------------------------
+
+
+def _install_connector_api() -> None:
+    """Target: KVConnectorBase_V1, NixlPullConnector, MultiConnector.
+
+    Why: generic code asks each connector how it carries checksums.
+    How: default methods added to the base class (never overriding one a
+    connector already has); NIXL pull declares the kv_transfer_params carrier;
+    MultiConnector delegates and merges its children's received bytes.
+    Upstream: the carrier methods on KVConnectorBase_V1 and in each connector.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+        NixlPullConnector,
+    )
+
+    mixin = connectors.KVChecksumConnectorMixin
+    for name in (
+        "kv_checksum_carrier",
+        "send_kv_checksums",
+        "get_kv_checksum_sources",
+        "on_kv_checksum_failure",
+        "register_kv_checksum_worker",
+    ):
+        if name not in KVConnectorBase_V1.__dict__:
+            setattr(KVConnectorBase_V1, name, mixin.__dict__[name])
+
+    def nixl_pull_carrier(
+        self: Any, request: Any, receiving: bool
+    ) -> KVChecksumCarrier | None:
+        return connectors.nixl_pull_carrier(request, receiving)
+
+    NixlPullConnector.kv_checksum_carrier = nixl_pull_carrier  # type: ignore[attr-defined]
+    _install_multi_connector(MultiConnector)
+
+
+def _install_multi_connector(multi: type) -> None:
+    def kv_checksum_carrier(
+        self: Any, request: Any, receiving: bool
+    ) -> KVChecksumCarrier | None:
+        chosen = self._requests_to_connector.get(request.request_id)
+        return connectors.multi_carrier(self._connectors, chosen, request, receiving)
+
+    def send_kv_checksums(self: Any, request: Any, checksums: bytes) -> None:
+        sender = connectors.multi_sender(self._connectors, request)
+        if sender is not None:
+            sender.send_kv_checksums(request, checksums)
+
+    multi.kv_checksum_carrier = kv_checksum_carrier  # type: ignore[attr-defined]
+    multi.send_kv_checksums = send_kv_checksums  # type: ignore[attr-defined]
+
+    @_wrap(multi, "get_transfer_results")
+    def get_transfer_results(original: Callable, self: Any, *args: Any) -> Any:
+        """R101: the children's received checksums, first copy winning."""
+        merged: dict[str, bytes] = {}
+        children = self._connectors
+        originals = [c.get_transfer_results for c in children]
+
+        def capture(child_original: Callable) -> Callable:
+            def call(*a: Any) -> Any:
+                result = child_original(*a)
+                connectors.merge_received(merged, getattr(result, "kv_checksums", None))
+                return result
+
+            return call
+
+        own = [c.__dict__.get("get_transfer_results") for c in children]
+        for child, child_original in zip(children, originals):
+            child.get_transfer_results = capture(child_original)
+        try:
+            results = original(self, *args)
+        finally:
+            for child, previous in zip(children, own):
+                if previous is None:
+                    del child.get_transfer_results
+                else:
+                    child.get_transfer_results = previous
+        if merged:
+            results.kv_checksums = merged
+        return results
+
+
+# ----------------------------------------------------------------------
+# Scheduler hooks (R10 a-f, R73)
+# ----------------------------------------------------------------------
+
+
+def _create_scheduler(scheduler: Any) -> KVChecksumScheduler | None:
+    connector = scheduler.connector
+    vllm_config = scheduler.vllm_config
+    if connector is None or not kv_checksum_enabled(vllm_config):
+        return None
+    flags = read_flags(vllm_config.kv_transfer_config)
+    parallel = vllm_config.parallel_config
+    return KVChecksumScheduler.create(
+        scheduler.kv_cache_config,
+        num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        tp_size=parallel.tensor_parallel_size,
+        fail_closed=flags.fail_closed,
+        carrier=connector.kv_checksum_carrier,
+        hit_sources=lambda request, n: {
+            getattr(s, "value", s)
+            for s in connector.get_external_cache_hit_sources(request, n)
+        },
+        max_model_len=vllm_config.model_config.max_model_len,
+        max_payload_bytes=flags.max_payload_bytes,
+    )
+
+
+def _install_scheduler_hooks() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    @_wrap(Scheduler, "__init__")
+    def init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
+        """R10 (a): Target Scheduler.__init__. Why: one checksum scheduler per
+        engine. How: created after vLLM's init; loads starting inside the
+        connector's update_state_after_alloc are noted by an instance wrapper.
+        Upstream: construct it next to the connector."""
+        original(self, *args, **kwargs)
+        self.kv_checksum_scheduler = _create_scheduler(self)
+        self._kv_checksum_starting_loads = []
+        if self.kv_checksum_scheduler is not None:
+            _note_starting_loads(self)
+
+    @_wrap(Scheduler, "add_request")
+    def add_request(original: Callable, self: Any, request: Any) -> None:
+        """R10 (b): note a consumer request before its load clears the flag."""
+        original(self, request)
+        if getattr(self, "kv_checksum_scheduler", None) is not None:
+            self.kv_checksum_scheduler.on_new_request(request)
+
+    @_wrap(Scheduler, "_update_after_schedule")
+    def update_after_schedule(original: Callable, self: Any, output: Any) -> None:
+        """R10 (c, d): register starting loads and finished prompts, then
+        attach this step's blocks to the SchedulerOutput."""
+        original(self, output)
+        kcs = getattr(self, "kv_checksum_scheduler", None)
+        if kcs is None:
+            return
+        starting, self._kv_checksum_starting_loads = (
+            self._kv_checksum_starting_loads,
+            [],
+        )
+        for request, blocks, num_external in starting:
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                local = request.num_computed_tokens - num_external
+                kcs.add_recv(request, blocks, local)
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            kcs.add_send(self.requests[req_id], num_tokens, self.kv_cache_manager)
+        output.kv_checksum_scheduled = kcs.build_checksum_meta()
+
+    @_wrap(Scheduler, "update_from_output")
+    def update_from_output(
+        original: Callable, self: Any, scheduler_output: Any, model_output: Any
+    ) -> Any:
+        """R10 (e), R73: verify finished loads before vLLM releases them;
+        fail-closed failures join the connector-reported failures, so
+        `_handle_failed_recving` and kv_load_failure_policy decide (R4)."""
+        kcs = getattr(self, "kv_checksum_scheduler", None)
+        kv_output = model_output.kv_connector_output
+        if kcs is not None and kv_output is not None:
+            failed = set(kv_output.failed_recving or ())
+            failing = kcs.update_from_output(
+                finalize_records(getattr(kv_output, "kv_checksums", None)),
+                kv_output.finished_recving,
+                skip_req_ids=failed | self.failed_recving_kv_req_ids,
+                invalid_block_ids=kv_output.invalid_block_ids,
+            )
+            if failing:
+                kv_output.failed_recving = failed | failing
+        return original(self, scheduler_output, model_output)
+
+    @_wrap(Scheduler, "_connector_finished")
+    def connector_finished(
+        original: Callable, self: Any, request: Any
+    ) -> tuple[bool, Any]:
+        """R10 (f): after the connector's request_finished, add the payload to
+        the returned kv_transfer_params or hand its bytes to the connector."""
+        delay_free, params = original(self, request)
+        kcs = getattr(self, "kv_checksum_scheduler", None)
+        if kcs is None:
+            return delay_free, params
+        params = kcs.request_finished(request, params)
+        data = kcs.take_kv_checksums_to_send(request.request_id)
+        if data is not None:
+            self.connector.send_kv_checksums(request, data)
+        return delay_free, params
+
+
+def _note_starting_loads(scheduler: Any) -> None:
+    """R10 (d): remember loads the connector starts, for `_update_after_schedule`."""
+    connector = scheduler.connector
+    original = connector.update_state_after_alloc
+
+    def update_state_after_alloc(request: Any, blocks: Any, num_external: int) -> Any:
+        result = original(request, blocks, num_external)
+        if num_external > 0:
+            scheduler._kv_checksum_starting_loads.append(
+                (request, blocks, num_external)
+            )
+        return result
+
+    connector.update_state_after_alloc = update_state_after_alloc
+
+
+# ----------------------------------------------------------------------
+# Worker hooks (R10 g, h)
+# ----------------------------------------------------------------------
+
+
+def _install_worker_hooks() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.worker.gpu import kv_connector as gpu_kv_connector
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    active = gpu_kv_connector.ActiveKVConnector
+
+    @_wrap(GPUModelRunner, "initialize_kv_cache")
+    def initialize_kv_cache(
+        original: Callable, self: Any, kv_cache_config: Any, *args: Any, **kw: Any
+    ) -> None:
+        """R10 (g): 0.33.0 does not pass the KVCacheConfig to get_kv_connector;
+        expose it to ActiveKVConnector.__init__ for the duration of the call."""
+        token = _kv_cache_config.set(kv_cache_config)
+        try:
+            original(self, kv_cache_config, *args, **kw)
+        finally:
+            _kv_cache_config.reset(token)
+
+    @_wrap(active, "__init__")
+    def init(original: Callable, self: Any, vllm_config: Any, kv_caches: Any) -> None:
+        """R10 (g): the connector holds the checksum worker as a field."""
+        original(self, vllm_config, kv_caches)
+        self.kv_checksum_worker = _create_worker(vllm_config, kv_caches)
+        self._kv_checksum_results = None
+        self.kv_checksum_fault_injector = None
+        if self.kv_checksum_worker is not None:
+            topology = self.kv_checksum_worker.topology
+            self.kv_checksum_fault_injector = create_fault_injector(
+                vllm_config, topology.tp_rank, topology.pp_rank
+            )
+            self.kv_connector.register_kv_checksum_worker(self.kv_checksum_worker)
+            _remember_transfer_results(self)
+
+    @_wrap(active, "pre_forward")
+    def pre_forward(
+        original: Callable, self: Any, scheduler_output: Any, *args: Any, **kw: Any
+    ) -> None:
+        """R10 (g): bind the step's blocks, no-forward steps included (R47)."""
+        original(self, scheduler_output, *args, **kw)
+        worker = getattr(self, "kv_checksum_worker", None)
+        if worker is not None and not self._disabled:
+            worker.bind(getattr(scheduler_output, "kv_checksum_scheduled", None))
+
+    @_wrap(active, "post_forward")
+    def post_forward(
+        original: Callable, self: Any, finished_req_ids: set[str], *args: Any, **kw: Any
+    ) -> Any:
+        """R10 (g): checksum after the forward and the connector's results."""
+        output = original(self, finished_req_ids, *args, **kw)
+        worker = getattr(self, "kv_checksum_worker", None)
+        results, self._kv_checksum_results = (
+            getattr(self, "_kv_checksum_results", None),
+            None,
+        )
+        if worker is None or output is None or results is None:
+            return output
+        injector = getattr(self, "kv_checksum_fault_injector", None)
+        if injector is not None:  # R131: corrupt finished loads before checksums
+            injector.corrupt_loads(
+                worker,
+                results.finished_recving,
+                results.failed_recving,
+                finished_req_ids,
+            )
+        pending = worker.post_forward(
+            results.finished_recving,
+            results.failed_recving,
+            getattr(results, "kv_checksums", None),
+            finished_req_ids,
+        )
+        if pending is not None:
+            output.kv_checksums = [pending]
+        return output
+
+    @_wrap(KVOutputAggregator, "aggregate")
+    def aggregate(
+        original: Callable, self: Any, outputs: list, output_rank: int = 0
+    ) -> Any:
+        """R10 (h): concatenate every worker's and salvaged output's records."""
+        records: list = []
+        for kv_output in list(self._salvaged_outputs) + [
+            o.kv_connector_output for o in outputs if o is not None
+        ]:
+            records.extend(getattr(kv_output, "kv_checksums", None) or ())
+        result = original(self, outputs, output_rank)
+        if records and result is not None and result.kv_connector_output is not None:
+            result.kv_connector_output.kv_checksums = records
+        return result
+
+
+def _create_worker(vllm_config: Any, kv_caches: Any) -> Any:
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    kv_cache_config = _kv_cache_config.get()
+    if kv_cache_config is None or not kv_checksum_enabled(vllm_config):
+        return None
+    device = next(
+        (c.device for c in kv_caches.values() if c.device.type != "cpu"),
+        torch.device("cpu"),
+    )
+    return create_kv_checksum_worker(
+        vllm_config,
+        kv_cache_config,
+        kv_caches,
+        device,
+        tp_rank=get_tp_group().rank_in_group,
+        pp_rank=get_pp_group().rank_in_group,
+    )
+
+
+def _remember_transfer_results(active: Any) -> None:
+    """Keep the connector's last transfer results for `post_forward` (R99)."""
+    connector = active.kv_connector
+    original = connector.get_transfer_results
+
+    def get_transfer_results(*args: Any, **kwargs: Any) -> Any:
+        results = original(*args, **kwargs)
+        active._kv_checksum_results = results
+        return results
+
+    connector.get_transfer_results = get_transfer_results
+
+
+# ----------------------------------------------------------------------
+# Config hooks (R10 j, R12)
+# ----------------------------------------------------------------------
+
+
+def _install_config_hooks() -> None:
+    from vllm.config import VllmConfig
+
+    @_wrap(VllmConfig, "_get_v1_model_runner_unsupported_features")
+    def v1_unsupported(original: Callable, self: Any) -> list[str]:
+        """R10 (j), R12: Model Runner V1 cannot run checksums."""
+        unsupported = original(self)
+        try:
+            enabled = kv_checksum_enabled(self)
+        except ValueError:
+            enabled = False
+        if enabled:
+            unsupported = [*unsupported, "KV checksums"]
+        return unsupported
+
+
+# ----------------------------------------------------------------------
+# Metrics hooks (R130)
+# ----------------------------------------------------------------------
+
+
+def _install_metrics_hooks() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorLogging,
+        KVConnectorProm,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    @_wrap(Scheduler, "make_stats")
+    def make_stats(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+        """Target: Scheduler.make_stats. Why: the verdict counts must reach the
+        API server's stat loggers. How: when vLLM returns SchedulerStats, move
+        the counts as a plain dict under "kv_checksum" into a copy of its
+        kv_connector_stats dict. Upstream: a checksum stats field."""
+        stats = original(self, *args, **kwargs)
+        kcs = getattr(self, "kv_checksum_scheduler", None)
+        if stats is not None and kcs is not None and not kcs.stats.is_empty():
+            stats.kv_connector_stats = {
+                **(stats.kv_connector_stats or {}),
+                STATS_KEY: kcs.stats.take().to_dict(),
+            }
+        return stats
+
+    @_wrap(KVConnectorProm, "__init__")
+    def prom_init(
+        original: Callable,
+        self: Any,
+        vllm_config: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        """Target: KVConnectorProm.__init__. Why: checksum counters on vLLM's
+        /metrics. How: also build KVChecksumPromMetrics with this class's
+        metric classes and vLLM's labels (None when checksums are off).
+        Upstream: the same, next to the connector's build_prom_metrics."""
+        original(self, vllm_config, labelnames, per_engine_labelvalues)
+        self.kv_checksum_metrics = KVChecksumPromMetrics.for_connector_prom(
+            self, vllm_config, labelnames, per_engine_labelvalues
+        )
+
+    @_wrap(KVConnectorProm, "observe")
+    def prom_observe(
+        original: Callable, self: Any, data: Any, engine_idx: int = 0
+    ) -> None:
+        """Target: KVConnectorProm.observe. Why: the connector's own parser
+        must never see the "kv_checksum" key. How: record it, pass the rest on
+        only if non-empty. Upstream: a separate SchedulerStats field."""
+        ours, rest = split_stats(data)
+        if rest is None:
+            return original(self, data, engine_idx)
+        metrics = getattr(self, "kv_checksum_metrics", None)
+        if metrics is not None:
+            metrics.observe(ours, engine_idx)
+        if rest:
+            original(self, rest, engine_idx)
+
+    @_wrap(KVConnectorLogging, "observe")
+    def logging_observe(original: Callable, self: Any, data: Any) -> None:
+        """Target: KVConnectorLogging.observe. Why and how: as for
+        KVConnectorProm.observe, minus the recording. Upstream: as there."""
+        _, rest = split_stats(data)
+        if rest is None:
+            return original(self, data)
+        if rest:
+            original(self, rest)

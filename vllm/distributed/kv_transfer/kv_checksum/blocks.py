@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Which blocks of a request each side checksums (R64-R66).
+
+Both sides select the blocks holding a token range per KV cache group, drop
+leading null blocks (out of a sliding window) and clip sliding-window groups to
+the blocks NIXL and Mooncake transfer.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+from vllm.utils.math_utils import cdiv
+
+
+@dataclass(frozen=True)
+class SchedulerGroup:
+    """What the scheduler needs of one KV cache group."""
+
+    block_size: int
+    # Blocks a sliding-window transfer keeps (0: not a sliding-window group).
+    sliding_window_blocks: int = 0
+
+
+def sliding_window_transfer_blocks(sliding_window: int, block_size: int) -> int:
+    """Blocks a transfer keeps of a sliding-window group: ceil(window / bs) + 1."""
+    return cdiv(sliding_window, block_size) + 1
+
+
+def _group_blocks(
+    blocks: Sequence, group: SchedulerGroup, begin: int, end: int
+) -> tuple[int, np.ndarray] | None:
+    """(start position, block ids) of the group's blocks at positions [begin, end)."""
+    selected = blocks[begin:end]
+    if group.sliding_window_blocks and len(selected) > group.sliding_window_blocks:
+        drop = len(selected) - group.sliding_window_blocks
+        selected = selected[drop:]
+        begin += drop
+    is_null = np.fromiter(
+        (b.is_null for b in selected), dtype=bool, count=len(selected)
+    )
+    real = np.flatnonzero(~is_null)
+    if real.size == 0:
+        return None
+    first = int(real[0])
+    if real.size != len(selected) - first:
+        return None  # a null block after a non-null one
+    ids = np.fromiter(
+        (b.block_id for b in selected[first:]), dtype=np.int64, count=real.size
+    )
+    return begin + first, ids
+
+
+def select_blocks(
+    request_blocks: Sequence[Sequence],
+    groups: dict[int, SchedulerGroup],
+    first_token: int,
+    end_token: int,
+) -> KVChecksumBlocks:
+    """Blocks holding tokens [first_token, end_token) of every covered group."""
+    selected: dict[int, tuple[int, np.ndarray]] = {}
+    for group_id, group in groups.items():
+        if group_id >= len(request_blocks):
+            continue
+        begin = first_token // group.block_size
+        end = cdiv(end_token, group.block_size)
+        entry = _group_blocks(request_blocks[group_id], group, begin, end)
+        if entry is not None:
+            selected[group_id] = entry
+    return KVChecksumBlocks(num_tokens=end_token, groups=selected)

@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The two user flags and the single decision whether checksums are on (R8-R16).
+
+vLLM 0.33.0's KVTransferConfig forbids unknown fields, so the flags live at the
+top level of `kv_transfer_config.kv_connector_extra_config`. Every process
+(scheduler and workers) calls `kv_checksum_enabled` on the same config and
+gets the same answer.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_checksum.fault_injection import FAULT_KINDS
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+ENABLE_KEY = "enable_kv_checksum"
+FAIL_CLOSED_KEY = "kv_checksum_fail_closed"
+MAX_PAYLOAD_BYTES_KEY = "kv_checksum_max_payload_bytes"
+FAULT_INJECTION_KEY = "kv_checksum_fault_injection"
+
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FaultInjectionConfig:
+    """Operator fault injection into loaded KV (R131), off unless configured."""
+
+    rate: float
+    kinds: tuple[str, ...] = FAULT_KINDS
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class KVChecksumFlags:
+    """The user's settings, read from kv_connector_extra_config."""
+
+    enabled: bool = False
+    fail_closed: bool = False
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    fault_injection: FaultInjectionConfig | None = None
+
+
+def _bool_flag(extra: dict[str, Any], key: str) -> bool:
+    value = extra.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}"
+        )
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_fault_injection(kv_transfer_config: Any) -> FaultInjectionConfig | None:
+    """The `kv_checksum_fault_injection` setting (R131); None when absent.
+
+    The value is a dict {"rate": number in [0, 1], "kinds": list of
+    FAULT_KINDS (default all), "seed": int (default 0)}; anything else,
+    unknown keys included, is a start-up error.
+    """
+    if kv_transfer_config is None:
+        return None
+    extra = kv_transfer_config.kv_connector_extra_config or {}
+    value = extra.get(FAULT_INJECTION_KEY)
+    if value is None:
+        return None
+    where = f"kv_connector_extra_config[{FAULT_INJECTION_KEY!r}]"
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a dict, got {value!r}")
+    unknown = sorted(set(value) - {"rate", "kinds", "seed"}, key=str)
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}")
+    rate = value.get("rate")
+    if (
+        not isinstance(rate, (int, float))
+        or isinstance(rate, bool)
+        or not (math.isfinite(rate) and 0 <= rate <= 1)
+    ):
+        raise ValueError(f"{where}['rate'] must be a number in [0, 1], got {rate!r}")
+    kinds = value.get("kinds", list(FAULT_KINDS))
+    if (
+        not isinstance(kinds, (list, tuple))
+        or not kinds
+        or any(k not in FAULT_KINDS for k in kinds)
+    ):
+        raise ValueError(
+            f"{where}['kinds'] must be a non-empty list of {list(FAULT_KINDS)}, "
+            f"got {kinds!r}"
+        )
+    seed = value.get("seed", 0)
+    if not _is_int(seed):
+        raise ValueError(f"{where}['seed'] must be an integer, got {seed!r}")
+    return FaultInjectionConfig(float(rate), tuple(dict.fromkeys(kinds)), seed)
+
+
+def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
+    """The flags of a KVTransferConfig; non-boolean values are an error (R8)."""
+    if kv_transfer_config is None:
+        return KVChecksumFlags()
+    extra = kv_transfer_config.kv_connector_extra_config or {}
+    max_bytes = extra.get(MAX_PAYLOAD_BYTES_KEY, DEFAULT_MAX_PAYLOAD_BYTES)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ValueError(
+            f"kv_connector_extra_config[{MAX_PAYLOAD_BYTES_KEY!r}] must be a "
+            f"positive integer, got {max_bytes!r}"
+        )
+    return KVChecksumFlags(
+        enabled=_bool_flag(extra, ENABLE_KEY),
+        fail_closed=_bool_flag(extra, FAIL_CLOSED_KEY),
+        max_payload_bytes=max_bytes,
+        fault_injection=read_fault_injection(kv_transfer_config),
+    )
+
+
+_warned: set[str] = set()
+
+
+def _disable(message: str) -> bool:
+    """Log a disabling warning once per process (R16); returns False."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("KV checksums disabled: %s.", message)
+    return False
+
+
+def connector_declares_carrier(kv_transfer_config: Any) -> bool:
+    """Whether the configured connector class can carry checksums (R100)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+    )
+
+    connector_cls = KVConnectorFactory.get_connector_class(kv_transfer_config)
+    if issubclass(connector_cls, MultiConnector):
+        from vllm.config import KVTransferConfig
+
+        extra = kv_transfer_config.kv_connector_extra_config or {}
+        return any(
+            connector_declares_carrier(KVTransferConfig(**child))
+            for child in extra.get("connectors", [])
+        )
+    default = KVConnectorBase_V1.__dict__.get("kv_checksum_carrier")
+    return getattr(connector_cls, "kv_checksum_carrier", default) is not default
+
+
+def _ray_pp_without_aggregation(vllm_config: Any) -> bool:
+    """A Ray executor whose non-last PP stages' outputs never reach the scheduler."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size <= 1:
+        return False
+    backend = parallel.distributed_executor_backend
+    if backend in ("ray", "mp", "uni", "external_launcher", None):
+        return False  # 0.33.0's "ray" is the multiprocessing-based Ray V2
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    if isinstance(backend, str):
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        backend = resolve_obj_by_qualname(backend)
+    uses_ray = getattr(backend, "uses_ray", False)
+    return bool(uses_ray) and not issubclass(backend, MultiprocExecutor)
+
+
+def kv_checksum_enabled(vllm_config: Any) -> bool:
+    """Whether this engine computes and verifies KV checksums (R11-R16)."""
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    if kv_transfer_config is None or not kv_transfer_config.kv_connector:
+        return False
+    flags = read_flags(kv_transfer_config)
+    if not flags.enabled:
+        return False
+    parallel = vllm_config.parallel_config
+    if (
+        parallel.decode_context_parallel_size > 1
+        or parallel.prefill_context_parallel_size > 1
+    ):
+        return _disable("context parallelism is not supported")
+    if _ray_pp_without_aggregation(vllm_config):
+        return _disable(
+            "a Ray executor with pipeline parallelism does not return every "
+            "stage's connector output"
+        )
+    if not connector_declares_carrier(kv_transfer_config):
+        name = kv_transfer_config.kv_connector
+        if flags.fail_closed:
+            raise ValueError(
+                f"KV checksums are fail-closed but connector {name} declares no "
+                "carrier for them, so no load could be verified"
+            )
+        return _disable(f"connector {name} declares no carrier for them")
+    return True

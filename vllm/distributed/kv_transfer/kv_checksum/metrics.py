@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Counters of checksum verdicts and sends, kept by the scheduler (R130).
+
+The counts are plain integers here; the wiring exposes them through vLLM's own
+KV connector stats and Prometheus path: `Scheduler.make_stats` puts
+`KVChecksumStats.take().to_dict()` under `STATS_KEY` into
+`SchedulerStats.kv_connector_stats`, and :mod:`.prom_metrics` records it.
+"""
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_checksum.verification import (
+    KVChecksumStatus,
+    KVChecksumVerdict,
+)
+
+# The key of the checksum counts in SchedulerStats.kv_connector_stats (R130).
+STATS_KEY = "kv_checksum"
+
+
+def _counts(value: Any) -> Counter:
+    """A Counter of str -> non-negative int from a plain mapping; drops the rest."""
+    if not isinstance(value, Mapping):
+        return Counter()
+    return Counter(
+        {
+            str(k): int(v)
+            for k, v in value.items()
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0
+        }
+    )
+
+
+def _count(value: Any) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return int(value) if ok else 0
+
+
+@dataclass
+class KVChecksumStats:
+    """Verdict and payload counts since the last `take()`."""
+
+    loads: Counter = field(default_factory=Counter)  # status value -> loads
+    unverified_reasons: Counter = field(default_factory=Counter)  # reason -> loads
+    mismatched_positions: int = 0
+    sent: int = 0
+    not_sent: Counter = field(default_factory=Counter)  # reason -> requests
+
+    def record_verdict(self, verdict: KVChecksumVerdict) -> None:
+        self.loads[verdict.status.value] += 1
+        if verdict.status == KVChecksumStatus.MISMATCH:
+            self.mismatched_positions += sum(
+                len(p) for p in verdict.mismatches.values()
+            )
+        elif verdict.status == KVChecksumStatus.UNVERIFIED:
+            for reason in dict.fromkeys(r for r, _ in verdict.reasons):
+                self.unverified_reasons[reason.value] += 1
+
+    def record_sent(self) -> None:
+        self.sent += 1
+
+    def record_not_sent(self, reason: str) -> None:
+        self.not_sent[reason] += 1
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.sent or self.not_sent)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, serializable counts (they cross processes in SchedulerStats)."""
+        return {
+            "loads": dict(self.loads),
+            "unverified_reasons": dict(self.unverified_reasons),
+            "mismatched_positions": self.mismatched_positions,
+            "sent": self.sent,
+            "not_sent": dict(self.not_sent),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "KVChecksumStats":
+        """The inverse of `to_dict`; missing or malformed entries count zero."""
+        if not isinstance(data, Mapping):
+            return cls()
+        return cls(
+            loads=_counts(data.get("loads")),
+            unverified_reasons=_counts(data.get("unverified_reasons")),
+            mismatched_positions=_count(data.get("mismatched_positions")),
+            sent=_count(data.get("sent")),
+            not_sent=_counts(data.get("not_sent")),
+        )
+
+    def take(self) -> "KVChecksumStats":
+        """Return the counts so far and start new ones."""
+        taken = KVChecksumStats(
+            self.loads,
+            self.unverified_reasons,
+            self.mismatched_positions,
+            self.sent,
+            self.not_sent,
+        )
+        self.__init__()  # type: ignore[misc]
+        return taken
+
+
+def split_stats(data: Mapping[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """(the checksum counts, the connector's own stats) of a kv_connector_stats dict.
+
+    Returns (None, None) when `data` holds no checksum counts: the caller then
+    passes `data` on untouched. Otherwise the second item is a new dict without
+    `STATS_KEY` (the input is shared by every stat logger, so it is never
+    mutated), possibly empty.
+    """
+    if not isinstance(data, Mapping) or STATS_KEY not in data:
+        return None, None
+    rest = {k: v for k, v in data.items() if k != STATS_KEY}
+    return data[STATS_KEY], rest

@@ -1,0 +1,371 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The scheduler side: which blocks to checksum, what to send, and the verdicts.
+
+`KVChecksumScheduler` is the only place that sees every worker's record. On a
+producer it registers a request's prompt blocks in the step that finishes the
+prompt and, when the request finishes, sums the workers' parts into the payload
+the carrier moves. On a consumer it registers the blocks a load writes in the
+step the load starts and verifies them once every worker reported (SPEC 9-13).
+"""
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_checksum.blocks import (
+    SchedulerGroup,
+    select_blocks,
+    sliding_window_transfer_blocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+    KV_TRANSFER_PARAMS_KEY,
+    KVChecksumBlocks,
+    KVChecksumCarrier,
+    KVChecksumRecord,
+    KVChecksumScheduled,
+)
+from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
+from vllm.distributed.kv_transfer.kv_checksum.payload import (
+    KVChecksumPayload,
+    KVChecksumPayloadLimits,
+)
+from vllm.distributed.kv_transfer.kv_checksum.verification import (
+    KVChecksumGroupInfo,
+    KVChecksumStatus,
+    KVChecksumVerdict,
+    KVChecksumWorkerReport,
+    UnverifiedReason,
+    WorkerKey,
+    build_producer_payload,
+    verify_load,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "KVChecksumBlocks",
+    "KVChecksumPayload",
+    "KVChecksumScheduled",
+    "KVChecksumScheduler",
+]
+
+P2P_SOURCE = "p2p"
+
+# carrier(request, receiving) -> how the connector moves checksums, or None
+CarrierFn = Callable[[Any, bool], KVChecksumCarrier | None]
+# hit_sources(request, num_external_tokens) -> names of the sources of the hit
+HitSourcesFn = Callable[[Any, int], set[str]]
+
+
+@dataclass
+class _PendingTransfer:
+    """A send or receive waiting for every worker's report."""
+
+    blocks: KVChecksumBlocks
+    reports: dict[WorkerKey, KVChecksumWorkerReport] = field(default_factory=dict)
+
+
+@dataclass
+class _PendingReceive(_PendingTransfer):
+    carrier: KVChecksumCarrier = KVChecksumCarrier.KV_TRANSFER_PARAMS
+    expected: KVChecksumPayload | None = None
+    expected_error: UnverifiedReason | None = None
+    decode_error: str = ""
+
+
+class KVChecksumScheduler:
+    """Per-request checksum bookkeeping and verification in the scheduler."""
+
+    def __init__(
+        self,
+        groups: Mapping[int, SchedulerGroup],
+        num_workers: int,
+        tp_size: int,
+        fail_closed: bool,
+        carrier: CarrierFn,
+        hit_sources: HitSourcesFn,
+        limits: KVChecksumPayloadLimits | None = None,
+    ) -> None:
+        self.groups = dict(groups)
+        self.num_workers = num_workers
+        self.tp_size = tp_size
+        self.fail_closed = fail_closed
+        self.carrier = carrier
+        self.hit_sources = hit_sources
+        self.limits = limits or KVChecksumPayloadLimits(max_groups=len(self.groups))
+        self.group_infos = {
+            g: KVChecksumGroupInfo(block_size=s.block_size) for g, s in groups.items()
+        }
+        self.stats = KVChecksumStats()
+        self._noted: set[str] = set()
+        self._sends: dict[str, _PendingTransfer] = {}
+        self._recvs: dict[str, _PendingReceive] = {}
+        self._outgoing: dict[str, bytes] = {}
+        self._step = KVChecksumScheduled()
+        self._warned: set[str] = set()
+
+    @classmethod
+    def create(
+        cls,
+        kv_cache_config: Any,
+        num_workers: int,
+        tp_size: int,
+        fail_closed: bool,
+        carrier: CarrierFn,
+        hit_sources: HitSourcesFn,
+        max_model_len: int,
+        max_payload_bytes: int,
+    ) -> "KVChecksumScheduler":
+        """Build from vLLM's KVCacheConfig (transfer groups only)."""
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        groups: dict[int, SchedulerGroup] = {}
+        for group_id in kv_cache_config.transfer_group_ids:
+            spec = kv_cache_config.kv_cache_groups[group_id].kv_cache_spec
+            window = 0
+            if isinstance(spec, SlidingWindowSpec):
+                window = sliding_window_transfer_blocks(
+                    spec.sliding_window, spec.block_size
+                )
+            groups[group_id] = SchedulerGroup(spec.block_size, window)
+        # Positions are capped per group by its own block size (R129), so a
+        # producer with smaller blocks than ours is still accepted.
+        limits = KVChecksumPayloadLimits(
+            max_encoded_bytes=max_payload_bytes,
+            max_groups=len(kv_cache_config.kv_cache_groups),
+            max_model_len=max_model_len,
+        )
+        return cls(
+            groups, num_workers, tp_size, fail_closed, carrier, hit_sources, limits
+        )
+
+    # ------------------------------------------------------------------
+    # Registration
+    # ------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """Note a consumer request before its connector starts the load (R69)."""
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and not params.get("do_remote_decode"):
+            self._noted.add(request.request_id)
+
+    def add_send(
+        self, request: Any, num_scheduled_tokens: int, kv_cache_manager: Any
+    ) -> None:
+        """Register a producer's prompt in the step that finishes it (R68)."""
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode"):
+            return
+        computed = request.num_computed_tokens
+        prompt = request.num_prompt_tokens
+        if not computed - num_scheduled_tokens < prompt <= computed:
+            return
+        if self.carrier(request, False) is None:
+            return
+        blocks = kv_cache_manager.get_blocks(request.request_id).blocks
+        selected = select_blocks(blocks, self.groups, 0, computed)
+        self._sends[request.request_id] = _PendingTransfer(selected)
+        self._step.reqs_to_send[request.request_id] = selected
+
+    def add_recv(
+        self, request: Any, blocks: Any, num_local_computed_tokens: int
+    ) -> None:
+        """Register the blocks a starting load writes (R70)."""
+        req_id = request.request_id
+        if req_id not in self._noted:
+            return
+        self._noted.discard(req_id)
+        num_external = request.num_computed_tokens - num_local_computed_tokens
+        if num_external <= 0:
+            return
+        if set(self.hit_sources(request, num_external)) != {P2P_SOURCE}:
+            return
+        carrier = self.carrier(request, True)
+        if carrier is None:
+            return
+        selected = select_blocks(
+            blocks.blocks,
+            self.groups,
+            num_local_computed_tokens,
+            request.num_computed_tokens,
+        )
+        pending = _PendingReceive(selected, carrier=carrier)
+        if carrier == KVChecksumCarrier.KV_TRANSFER_PARAMS:
+            params = request.kv_transfer_params or {}
+            self._expect(pending, params.get(KV_TRANSFER_PARAMS_KEY))
+        self._recvs[req_id] = pending
+        self._step.reqs_to_recv[req_id] = selected
+
+    def build_checksum_meta(self) -> KVChecksumScheduled | None:
+        """This step's blocks for the workers, then reset (R71)."""
+        step, self._step = self._step, KVChecksumScheduled()
+        return None if step.is_empty() else step
+
+    # ------------------------------------------------------------------
+    # Reports and verification
+    # ------------------------------------------------------------------
+
+    def update_from_output(
+        self,
+        records: Iterable[KVChecksumRecord] | None,
+        finished_recving: Iterable[str] | None,
+        skip_req_ids: Iterable[str] = (),
+        invalid_block_ids: Iterable[int] = (),
+    ) -> set[str]:
+        """Store reports, verify finished loads; return loads that must fail (R72).
+
+        Loads in `skip_req_ids` (reported failed) or writing a block of
+        `invalid_block_ids` are known bad and not compared (R73).
+        """
+        for record in records or ():
+            self._store(record)
+        skip = set(skip_req_ids)
+        invalid = np.fromiter(invalid_block_ids, dtype=np.int64)
+        failing: set[str] = set()
+        for req_id in finished_recving or ():
+            pending = self._recvs.pop(req_id, None)
+            if pending is None or req_id in skip or _writes_any(pending, invalid):
+                continue
+            verdict = self._verify(req_id, pending)
+            if verdict.status != KVChecksumStatus.VERIFIED and self.fail_closed:
+                failing.add(req_id)
+        return failing
+
+    def _store(self, record: KVChecksumRecord) -> None:
+        key = (record.pp_rank, record.tp_rank)
+        for req_id in record.checksums:
+            pending = self._sends.get(req_id) or self._recvs.get(req_id)
+            report = KVChecksumWorkerReport.from_record(record, req_id)
+            if pending is not None and report is not None:
+                pending.reports[key] = report
+        for req_id, data in record.received.items():
+            recv = self._recvs.get(req_id)
+            if (
+                recv is not None
+                and recv.carrier == KVChecksumCarrier.CONNECTOR
+                and recv.expected is None
+                and recv.expected_error is None
+            ):
+                self._expect(recv, data)
+
+    def _expect(self, pending: _PendingReceive, value: object) -> None:
+        """Decode the producer's checksums; bad input makes the load unverified."""
+        if value is None:
+            return
+        try:
+            if isinstance(value, (bytes, bytearray, memoryview)):
+                pending.expected = KVChecksumPayload.from_bytes(value, self.limits)
+            else:
+                pending.expected = KVChecksumPayload.from_base64(value, self.limits)
+        except ValueError as e:
+            pending.expected_error = UnverifiedReason.INVALID_CHECKSUMS
+            pending.decode_error = str(e)
+
+    def _verify(self, req_id: str, pending: _PendingReceive) -> KVChecksumVerdict:
+        verdict = verify_load(
+            pending.expected,
+            pending.expected_error,
+            pending.reports,
+            pending.blocks,
+            self.num_workers,
+            self.tp_size,
+            self.group_infos,
+            pending.decode_error,
+        )
+        self._log_verdict(req_id, verdict)
+        self.stats.record_verdict(verdict)
+        return verdict
+
+    def _log_verdict(self, req_id: str, verdict: KVChecksumVerdict) -> None:
+        """R96: an error per mismatch, a warning once per fixed reason."""
+        if verdict.status == KVChecksumStatus.MISMATCH:
+            groups = "; ".join(
+                f"group {g} block positions {positions}"
+                for g, positions in sorted(verdict.mismatches.items())
+            )
+            logger.error("KV checksum mismatch for request %s: %s", req_id, groups)
+            return
+        if verdict.status == KVChecksumStatus.VERIFIED:
+            logger.debug("KV checksums verified for request %s.", req_id)
+            return
+        for reason, _ in verdict.reasons:
+            self._warn_once(f"KV checksums not verified: {reason.value}.")
+        details = "; ".join(f"{r.value} ({d})" for r, d in verdict.reasons)
+        logger.debug("KV checksums not verified for request %s: %s", req_id, details)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning(message)
+
+    # ------------------------------------------------------------------
+    # Finishing
+    # ------------------------------------------------------------------
+
+    def request_finished(
+        self, request: Any, kv_transfer_params: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """Drop the request's state; a finished producer builds its payload (R74).
+
+        Returns the kv_transfer_params to hand back, with "kv_checksums" added
+        for KV_TRANSFER_PARAMS carriers; CONNECTOR bytes are kept for
+        `take_kv_checksums_to_send`.
+        """
+        req_id = request.request_id
+        self._noted.discard(req_id)
+        self._recvs.pop(req_id, None)
+        send = self._sends.pop(req_id, None)
+        if send is None or not _finished_normally(request):
+            return kv_transfer_params
+        payload = build_producer_payload(
+            send.reports, send.blocks, self.num_workers, self.tp_size, self.group_infos
+        )
+        if isinstance(payload, str):
+            self._warn_once(f"KV checksums not sent: {_reason_kind(payload)}.")
+            logger.debug("KV checksums not sent for request %s: %s", req_id, payload)
+            self.stats.record_not_sent(_reason_kind(payload))
+            return kv_transfer_params
+        carrier = self.carrier(request, False)
+        if carrier == KVChecksumCarrier.KV_TRANSFER_PARAMS:
+            if kv_transfer_params is None:
+                return None
+            self.stats.record_sent()
+            return {**kv_transfer_params, KV_TRANSFER_PARAMS_KEY: payload.to_base64()}
+        if carrier == KVChecksumCarrier.CONNECTOR:
+            self.stats.record_sent()
+            self._outgoing[req_id] = payload.to_bytes()
+        return kv_transfer_params
+
+    def take_kv_checksums_to_send(self, req_id: str) -> bytes | None:
+        """The CONNECTOR-carried bytes of a finished producer request, once."""
+        return self._outgoing.pop(req_id, None)
+
+
+def _writes_any(pending: _PendingTransfer, block_ids: np.ndarray) -> bool:
+    """Whether a load wrote any of `block_ids`."""
+    if block_ids.size == 0:
+        return False
+    return any(
+        bool(np.isin(ids, block_ids).any()) for _, ids in pending.blocks.groups.values()
+    )
+
+
+def _finished_normally(request: Any) -> bool:
+    """Stop or length: only those producers' KV is used by a consumer (R74)."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
+
+
+def _reason_kind(detail: str) -> str:
+    """The fixed reason of a not-sent detail from `build_producer_payload`."""
+    if detail.endswith("workers reported"):
+        return UnverifiedReason.NOT_ALL_WORKERS.value
+    return UnverifiedReason.OTHER_BLOCKS.value
