@@ -1,0 +1,310 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Checksum verdict metrics through vLLM's own stats path (R130).
+
+A simulated P/D pair (real vLLM schedulers with the plugin's hooks,
+`kv_checksum_pd`) runs verified, mismatching and unverified loads with
+`log_stats` on; the `SchedulerStats` its steps return are fed to vLLM 0.33.0's
+real `PrometheusStatLogger` / `LoggingStatLogger` exactly as the API server
+does, and the counters are read back from `prometheus_client.REGISTRY`.
+Every test starts and ends with vLLM's collectors unregistered.
+"""
+
+import logging
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from tests.v1.kv_connector.unit.kv_checksum_pd import (
+    Fault,
+    SideConfig,
+    SimEngine,
+    consume,
+    produce,
+)
+from vllm.distributed.kv_transfer.kv_checksum.checksum import KV_TRANSFER_PARAMS_KEY
+from vllm.distributed.kv_transfer.kv_checksum.metrics import (
+    STATS_KEY,
+    KVChecksumStats,
+    split_stats,
+)
+from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
+    OTHER_REASON,
+    REASON_LABELS,
+    VERDICT_LABELS,
+    reason_label,
+)
+from vllm.distributed.kv_transfer.kv_checksum.verification import UnverifiedReason
+from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+
+
+def prompt(i: int) -> list[int]:
+    """40 tokens (39 loaded, block positions 0-2), distinct per i: no prefix hits."""
+    return list(range(100 + 40 * i, 140 + 40 * i))
+
+
+NO_CHECKSUMS = reason_label(UnverifiedReason.NO_CHECKSUMS.value)
+
+
+@pytest.fixture(autouse=True)
+def clean_vllm_metrics():
+    unregister_vllm_metrics()
+    yield
+    unregister_vllm_metrics()
+
+
+@pytest.fixture
+def pd_pair(model_dir: str) -> tuple[SimEngine, SimEngine]:
+    producer = SimEngine(model_dir, SideConfig(log_stats=True), "producer")
+    consumer = SimEngine(model_dir, SideConfig(log_stats=True), "consumer")
+    return producer, consumer
+
+
+def run_three_loads(producer: SimEngine, consumer: SimEngine) -> None:
+    """One verified, one mismatching (one position), one unverified load."""
+    ok = produce(producer, "p-ok", prompt(0))
+    bad = produce(producer, "p-bad", prompt(1))
+    none = produce(producer, "p-none", prompt(2))
+    del none[KV_TRANSFER_PARAMS_KEY]
+    consume(consumer, producer, "c-ok", prompt(0), ok)
+    consume(consumer, producer, "c-bad", prompt(1), bad, fault=Fault("bit_flip"))
+    consume(consumer, producer, "c-none", prompt(2), none)
+
+
+def checksum_counts(engine: SimEngine) -> KVChecksumStats:
+    """The sum of the checksum counts in every SchedulerStats the engine returned."""
+    total = KVChecksumStats()
+    for stats in engine.scheduler_stats:
+        data = (stats.kv_connector_stats or {}).get(STATS_KEY)
+        if data is not None:
+            part = KVChecksumStats.from_dict(data)
+            total.loads.update(part.loads)
+            total.unverified_reasons.update(part.unverified_reasons)
+            total.mismatched_positions += part.mismatched_positions
+            total.sent += part.sent
+            total.not_sent.update(part.not_sent)
+    return total
+
+
+def sample(name: str, logger: PrometheusStatLogger, engine: int = 0, **labels: str):
+    model_name, engine_label = logger.per_engine_labelvalues[engine]
+    return REGISTRY.get_sample_value(
+        name, {"model_name": str(model_name), "engine": str(engine_label), **labels}
+    )
+
+
+def record_all(logger: Any, engine: SimEngine, engine_idx: int = 0) -> None:
+    """Feed every SchedulerStats to a stat logger as vLLM's output handler does."""
+    for stats in engine.scheduler_stats:
+        logger.record(
+            scheduler_stats=stats, iteration_stats=None, engine_idx=engine_idx
+        )
+
+
+# --------------------------------------------------------------------------
+# Counts and labels
+# --------------------------------------------------------------------------
+
+
+def test_stats_dict_round_trip():
+    """R130: the counts survive to_dict/from_dict (they cross processes as a
+    plain dict); malformed entries read as zero instead of raising in the API
+    server; take() hands over and resets. Catches a lossy or crashing codec."""
+    stats = KVChecksumStats()
+    stats.loads.update({"verified": 2, "mismatch": 1})
+    stats.unverified_reasons["the producer sent no checksums"] = 3
+    stats.mismatched_positions = 4
+    stats.sent = 5
+    stats.not_sent["not every worker reported its checksums"] = 6
+    data = stats.to_dict()
+    assert KVChecksumStats.from_dict(data) == stats
+    assert all(type(v) in (dict, int) for v in data.values())
+    assert KVChecksumStats.from_dict(None) == KVChecksumStats()
+    bad = {"loads": [1], "sent": "x", "mismatched_positions": True, "not_sent": {1: -2}}
+    assert KVChecksumStats.from_dict(bad) == KVChecksumStats()
+    taken = stats.take()
+    assert taken.to_dict() == data and stats.is_empty()
+
+
+def test_reason_labels_cover_every_fixed_reason():
+    """R130: every fixed reason of section 12 has its own stable snake_case
+    label; an unknown text maps to "other". Catches a reason added without a
+    label (it would silently count as "other")."""
+    labels = [REASON_LABELS[reason.value] for reason in UnverifiedReason]
+    assert len(set(labels)) == len(labels) == len(REASON_LABELS)
+    assert all(label.isidentifier() and label.islower() for label in labels)
+    assert OTHER_REASON not in labels
+    assert reason_label("something new") == OTHER_REASON
+    assert set(VERDICT_LABELS) == {"verified", "mismatch", "unverified"}
+
+
+def test_split_stats_never_mutates():
+    """R130: the checksum key is split off without touching the shared dict
+    (every stat logger reads the same SchedulerStats). Catches a pop() that
+    would hide the counts from the logger running second."""
+    data = {STATS_KEY: {"sent": 1}, "Nixl": {"x": 1}}
+    ours, rest = split_stats(data)
+    assert ours == {"sent": 1} and rest == {"Nixl": {"x": 1}}
+    assert STATS_KEY in data
+    assert split_stats({"Nixl": {}}) == (None, None)
+
+
+# --------------------------------------------------------------------------
+# Scheduler side: make_stats
+# --------------------------------------------------------------------------
+
+
+def test_make_stats_carries_counts_once(pd_pair):
+    """R130: with log_stats, each step's SchedulerStats carries the counts
+    taken since the previous one under "kv_checksum" in kv_connector_stats;
+    the total over all steps is exact (nothing counted twice or lost) and a
+    later make_stats() without new verdicts adds no key. Catches counts that
+    never leave the scheduler or are re-sent every step."""
+    producer, consumer = pd_pair
+    run_three_loads(producer, consumer)
+    loads = checksum_counts(consumer)
+    assert dict(loads.loads) == {"verified": 1, "mismatch": 1, "unverified": 1}
+    assert dict(loads.unverified_reasons) == {UnverifiedReason.NO_CHECKSUMS.value: 1}
+    assert loads.mismatched_positions == 1
+    assert checksum_counts(producer).sent == 3
+    for engine in pd_pair:
+        later = engine.scheduler.make_stats()
+        assert later is not None
+        assert STATS_KEY not in (later.kv_connector_stats or {})
+
+
+def test_make_stats_without_log_stats_keeps_counts(model_dir):
+    """R130: without log_stats vLLM's make_stats returns None and the hook
+    takes nothing (no SchedulerStats to carry them). Catches a hook that
+    drains the counts into nowhere or fails on None."""
+    producer = SimEngine(model_dir, SideConfig(), "producer")
+    produce(producer, "p-0", prompt(0))
+    assert producer.scheduler.make_stats() is None
+    assert producer.checksums.stats.sent == 1
+    assert producer.scheduler_stats == []
+
+
+# --------------------------------------------------------------------------
+# API server side: PrometheusStatLogger and LoggingStatLogger
+# --------------------------------------------------------------------------
+
+
+def test_prometheus_counts_consumer_verdicts(pd_pair):
+    """R130: vLLM's PrometheusStatLogger exposes the consumer's verdicts on
+    its registry: loads by verdict, unverified loads by reason, mismatching
+    block positions; labels not seen yet exist at 0. Catches verdicts that
+    never reach /metrics or land under the wrong label."""
+    producer, consumer = pd_pair
+    run_three_loads(producer, consumer)
+    logger = PrometheusStatLogger(consumer.vllm_config)
+    record_all(logger, consumer)
+    loads = "vllm:kv_checksum_loads_total"
+    for verdict in VERDICT_LABELS:
+        assert sample(loads, logger, verdict=verdict) == 1.0
+    unverified = "vllm:kv_checksum_unverified_loads_total"
+    assert sample(unverified, logger, reason=NO_CHECKSUMS) == 1.0
+    for reason in REASON_LABELS.values():
+        if reason != NO_CHECKSUMS:
+            assert sample(unverified, logger, reason=reason) == 0.0
+    assert sample("vllm:kv_checksum_mismatched_blocks_total", logger) == 1.0
+    assert sample("vllm:kv_checksum_payloads_sent_total", logger) == 0.0
+
+
+def test_prometheus_counts_producer_sends(pd_pair):
+    """R130: a producer's sent payloads are counted; none was refused, so
+    every not-sent reason reads 0. Catches sends counted on the wrong side."""
+    producer, _ = pd_pair
+    for i in range(3):
+        produce(producer, f"p-{i}", prompt(i))
+    logger = PrometheusStatLogger(producer.vllm_config)
+    record_all(logger, producer)
+    assert sample("vllm:kv_checksum_payloads_sent_total", logger) == 3.0
+    for reason in REASON_LABELS.values():
+        value = sample(
+            "vllm:kv_checksum_payloads_not_sent_total", logger, reason=reason
+        )
+        assert value == 0.0
+    assert sample("vllm:kv_checksum_loads_total", logger, verdict="verified") == 0.0
+
+
+def test_prometheus_per_engine_labels(model_dir):
+    """R130: with several DP engines behind one logger, counts go to the
+    reporting engine's "engine" label only. Catches counters bound to engine
+    0 regardless of engine_idx."""
+    producer = SimEngine(model_dir, SideConfig(log_stats=True), "producer")
+    produce(producer, "p-0", prompt(0))
+    logger = PrometheusStatLogger(producer.vllm_config, engine_indexes=[0, 1])
+    record_all(logger, producer, engine_idx=1)
+    sent = "vllm:kv_checksum_payloads_sent_total"
+    assert sample(sent, logger, engine=1) == 1.0
+    assert sample(sent, logger, engine=0) == 0.0
+
+
+def test_connector_parser_never_sees_checksum_key(pd_pair):
+    """R130: the connector's own Prometheus parser gets kv_connector_stats
+    without "kv_checksum", is skipped when nothing else is left, and gets
+    untouched data when checksums added nothing. Catches connector parsers
+    (NIXL's) crashing on an unknown key."""
+    producer, consumer = pd_pair
+    run_three_loads(producer, consumer)
+    logger = PrometheusStatLogger(consumer.vllm_config)
+    seen: list[Any] = []
+
+    class ConnectorMetrics:
+        def observe(self, data: Any, engine_idx: int = 0) -> None:
+            seen.append(data)
+
+    prom = logger.kv_connector_prom
+    prom.prom_metrics = ConnectorMetrics()  # type: ignore[assignment]
+    stats = next(s for s in consumer.scheduler_stats if s.kv_connector_stats)
+    theirs = {"num_successful_transfers": 2}
+    stats.kv_connector_stats = {**stats.kv_connector_stats, "Nixl": theirs}
+    shared = stats.kv_connector_stats
+    logger.record(scheduler_stats=stats, iteration_stats=None)
+    assert seen == [{"Nixl": theirs}]
+    assert STATS_KEY in shared  # not mutated: other loggers still see it
+    only_ours = {STATS_KEY: {"sent": 1}}
+    prom.observe(only_ours, 0)
+    assert len(seen) == 1
+    plain = {"Nixl": theirs}
+    prom.observe(plain, 0)
+    assert seen[-1] is plain
+
+
+def test_logging_stat_logger_strips_checksum_key(pd_pair, monkeypatch, caplog):
+    """R130: vLLM's LoggingStatLogger records and logs SchedulerStats holding
+    checksum counts without crashing, and the connector's
+    build_kv_connector_stats never sees "kv_checksum" (it is not called when
+    nothing else is left). Catches the API server's log loop failing on the
+    checksum key."""
+    producer, consumer = pd_pair
+    run_three_loads(producer, consumer)
+    logger = LoggingStatLogger(consumer.vllm_config)
+    built: list[Any] = []
+    connector_cls = logger.kv_connector_logging.connector_cls
+    monkeypatch.setattr(
+        connector_cls,
+        "build_kv_connector_stats",
+        classmethod(lambda cls, data=None: built.append(data)),
+    )
+    with caplog.at_level(logging.INFO):
+        record_all(logger, consumer)
+        logger.log()
+    assert built == []
+    logger.kv_connector_logging.observe({STATS_KEY: {"sent": 1}, "Nixl": {"a": 1}})
+    assert built == [{"Nixl": {"a": 1}}]
+
+
+def test_disabled_checksums_register_no_metrics(model_dir):
+    """R130 with R1: without enable_kv_checksum no checksum collector is
+    registered and the connector's stats pass through unchanged. Catches
+    metrics appearing on engines that never checksum."""
+    engine = SimEngine(model_dir, SideConfig(enabled=False), "plain")
+    logger = PrometheusStatLogger(engine.vllm_config)
+    assert getattr(logger.kv_connector_prom, "kv_checksum_metrics", 0) is None
+    names = {m.name for m in REGISTRY.collect()}
+    assert not any(name.startswith("vllm:kv_checksum") for name in names)

@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Prometheus counters of checksum verdicts and sends (R130).
+
+The scheduler's counts reach the API server inside vLLM's own
+`SchedulerStats.kv_connector_stats` (under `metrics.STATS_KEY`), and
+`KVConnectorProm` (hooked in :mod:`.wiring`) hands them to
+`KVChecksumPromMetrics`, built with the metric classes vLLM chose (plain
+prometheus_client or Ray wrappers) and vLLM's per-engine labels. No second HTTP
+server: the counters appear on vLLM's `/metrics` endpoint.
+
+- `vllm:kv_checksum_loads{verdict}`: loads by verdict (verified, mismatch,
+  unverified);
+- `vllm:kv_checksum_unverified_loads{reason}`: unverified loads by fixed
+  reason, labelled as in `REASON_LABELS`;
+- `vllm:kv_checksum_mismatched_blocks`: consumer block positions of mismatches;
+- `vllm:kv_checksum_payloads_sent`: producer payloads handed to a carrier;
+- `vllm:kv_checksum_payloads_not_sent{reason}`: finished producer requests
+  without a payload, by reason (`REASON_LABELS`).
+
+All are counters (prometheus_client appends `_total`) with vLLM's
+`model_name` and `engine` labels first.
+An unverified load with several fixed reasons counts once under each of them.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
+from vllm.distributed.kv_transfer.kv_checksum.verification import (
+    KVChecksumStatus,
+    UnverifiedReason,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    PromMetric,
+    PromMetricT,
+)
+
+VERDICT_LABELS = tuple(status.value for status in KVChecksumStatus)
+
+# Fixed reason text (section 12) -> its `reason` label value. Stable: a metric
+# label, renaming one breaks dashboards.
+REASON_LABELS: dict[str, str] = {
+    UnverifiedReason.NOT_ALL_WORKERS.value: "not_all_workers",
+    UnverifiedReason.NO_CHECKSUMS.value: "no_checksums",
+    UnverifiedReason.INVALID_CHECKSUMS.value: "invalid_checksums",
+    UnverifiedReason.NO_LOADED_GROUP.value: "no_loaded_group",
+    UnverifiedReason.OTHER_BLOCKS.value: "other_blocks",
+    UnverifiedReason.ONE_SIDE_ONLY.value: "one_side_only",
+    UnverifiedReason.OTHER_LAYERS.value: "other_layers",
+    UnverifiedReason.BLOCK_SIZES.value: "block_sizes",
+    UnverifiedReason.UNALIGNED_START.value: "unaligned_start",
+    UnverifiedReason.NO_COMMON_BLOCK.value: "no_common_block",
+    UnverifiedReason.REPLICA_MISSING.value: "replica_missing",
+}
+# The label of a reason text not in REASON_LABELS (a newer scheduler).
+OTHER_REASON = "other"
+
+
+def reason_label(reason: str) -> str:
+    """The `reason` label value of a fixed reason text."""
+    return REASON_LABELS.get(reason, OTHER_REASON)
+
+
+class _LabeledCounter:
+    """One counter with an extra label, children per (engine, value) made once."""
+
+    def __init__(
+        self,
+        counter: Any,
+        per_engine_labelvalues: Mapping[int, list[object]],
+        values: tuple[str, ...],
+    ) -> None:
+        self._counter = counter
+        self._engines = per_engine_labelvalues
+        self._children: dict[tuple[int, str], Any] = {}
+        for engine_idx in per_engine_labelvalues:
+            for value in values:  # present at 0 from the start, for rate()
+                self._child(engine_idx, value)
+
+    def _child(self, engine_idx: int, value: str) -> Any:
+        child = self._children.get((engine_idx, value))
+        if child is None:
+            child = self._counter.labels(*self._engines[engine_idx], value)
+            self._children[(engine_idx, value)] = child
+        return child
+
+    def inc(self, engine_idx: int, value: str, amount: int) -> None:
+        if amount > 0:
+            self._child(engine_idx, value).inc(amount)
+
+
+class KVChecksumPromMetrics(KVConnectorPromMetrics):
+    """The checksum counters of one `KVConnectorProm` (R130)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        engines = per_engine_labelvalues
+        reasons = tuple(dict.fromkeys(REASON_LABELS.values()))
+
+        def counter(name: str, documentation: str, extra: list[str]) -> Any:
+            return self._counter_cls(
+                name=name,
+                documentation=documentation,
+                labelnames=[*labelnames, *extra],
+            )
+
+        self.loads = _LabeledCounter(
+            counter(
+                "vllm:kv_checksum_loads",
+                "P/D KV loads checked by KV checksums, by verdict.",
+                ["verdict"],
+            ),
+            engines,
+            VERDICT_LABELS,
+        )
+        self.unverified_loads = _LabeledCounter(
+            counter(
+                "vllm:kv_checksum_unverified_loads",
+                "Unverified KV loads by fixed reason (a load counts under each "
+                "of its reasons).",
+                ["reason"],
+            ),
+            engines,
+            reasons,
+        )
+        self.not_sent = _LabeledCounter(
+            counter(
+                "vllm:kv_checksum_payloads_not_sent",
+                "Finished producer requests whose KV checksums were not sent, "
+                "by reason.",
+                ["reason"],
+            ),
+            engines,
+            reasons,
+        )
+        mismatched = counter(
+            "vllm:kv_checksum_mismatched_blocks",
+            "Consumer KV block positions whose checksums did not match.",
+            [],
+        )
+        sent = counter(
+            "vllm:kv_checksum_payloads_sent",
+            "KV checksum payloads a producer handed to its carrier.",
+            [],
+        )
+        self.mismatched_blocks = {
+            i: mismatched.labels(*values) for i, values in engines.items()
+        }
+        self.payloads_sent = {i: sent.labels(*values) for i, values in engines.items()}
+
+    @classmethod
+    def for_connector_prom(
+        cls,
+        prom: Any,
+        vllm_config: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> "KVChecksumPromMetrics | None":
+        """The counters of a `KVConnectorProm` (with its metric classes, plain or
+        Ray) when checksums are enabled for this config, else None."""
+        from vllm.distributed.kv_transfer.kv_checksum.config import (
+            kv_checksum_enabled,
+        )
+
+        try:
+            enabled = kv_checksum_enabled(vllm_config)
+        except ValueError:
+            enabled = False  # the engine itself refuses to start
+        if not enabled:
+            return None
+        metric_types: dict[Any, Any] = {
+            Gauge: prom._gauge_cls,
+            Counter: prom._counter_cls,
+            Histogram: prom._histogram_cls,
+        }
+        return cls(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: Any, engine_idx: int = 0) -> None:
+        """Add one `KVChecksumStats.to_dict()` of engine `engine_idx`."""
+        if engine_idx not in self.per_engine_labelvalues:
+            return
+        stats = KVChecksumStats.from_dict(transfer_stats_data)
+        for verdict, n in stats.loads.items():
+            self.loads.inc(engine_idx, verdict, n)
+        for reason, n in stats.unverified_reasons.items():
+            self.unverified_loads.inc(engine_idx, reason_label(reason), n)
+        for reason, n in stats.not_sent.items():
+            self.not_sent.inc(engine_idx, reason_label(reason), n)
+        if stats.mismatched_positions:
+            self.mismatched_blocks[engine_idx].inc(stats.mismatched_positions)
+        if stats.sent:
+            self.payloads_sent[engine_idx].inc(stats.sent)
