@@ -351,7 +351,8 @@ def _install_worker_hooks() -> None:
 
     @_wrap(active, "__init__")
     def init(original: Callable, self: Any, vllm_config: Any, kv_caches: Any) -> None:
-        """R10 (g): the connector holds the checksum worker as a field."""
+        """R10 (g): the connector holds the checksum worker as a field, and
+        the operator's fault injector (R131) when configured."""
         original(self, vllm_config, kv_caches)
         self.kv_checksum_worker = _create_worker(vllm_config, kv_caches)
         self._kv_checksum_results = None
@@ -378,7 +379,8 @@ def _install_worker_hooks() -> None:
     def post_forward(
         original: Callable, self: Any, finished_req_ids: set[str], *args: Any, **kw: Any
     ) -> Any:
-        """R10 (g): checksum after the forward and the connector's results."""
+        """R10 (g): checksum after the forward and the connector's results;
+        R131: configured fault injection corrupts finished loads just before."""
         output = original(self, finished_req_ids, *args, **kw)
         worker = getattr(self, "kv_checksum_worker", None)
         results, self._kv_checksum_results = (
