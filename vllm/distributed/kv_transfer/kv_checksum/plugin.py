@@ -30,7 +30,7 @@ def register() -> None:
     _registered = True
     try:
         version = _installed_vllm_version()
-        if version != SUPPORTED_VLLM_VERSION:
+        if version.split("+", 1)[0] != SUPPORTED_VLLM_VERSION:
             logger.error(
                 "vllm-kv-checksum supports vLLM %s only, found %s: KV checksums "
                 "are not available and nothing was patched.",
