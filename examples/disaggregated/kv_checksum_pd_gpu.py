@@ -1,0 +1,336 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Real-engine validation of KV checksums on one CUDA GPU (NIXL pull P/D).
+
+Four vLLM engines run as separate processes on one GPU, each with the
+NixlConnector (kv_both) and this package loaded through its entry point:
+
+- ``ref``: checksums off (the reference; plain greedy decoding),
+- ``producer``: checksums on,
+- ``consumer``: checksums on, fail-closed, kv_load_failure_policy "recompute",
+- ``faulty``: like ``consumer`` plus the operator fault injector (R131).
+
+Phases:
+1. equality: the same producer-mode batches (do_remote_decode, greedy) on
+   ``ref`` and ``producer``: token ids must be identical; the producer runs
+   with ``VLLM_GPU_SYNC_CHECK=error`` (any host sync fails the engine).
+2. pd: prompts prefilled on ``producer``, decoded on ``consumer`` after a NIXL
+   pull: outputs must equal ``ref``'s greedy outputs, no mismatch or
+   unverified load may be logged.
+3. faults: the same through ``faulty``: every injected fault must be reported
+   as a mismatch (log lines matched one to one) and every such request
+   recomputed with an output still equal to ``ref``'s.
+
+Usage (needs vLLM 0.33.0, NIXL, transformers and this package installed):
+    python kv_checksum_pd_gpu.py --out DIR [--num-equality 100] [--num-pd 200]
+Exit code 0 only if every check passed; a JSON summary goes to DIR/summary.json.
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import re
+import sys
+import time
+import traceback
+from typing import Any
+
+MODEL = os.environ.get("KV_CHECKSUM_MODEL", "/tmp/kv-checksum-qwen3")
+GPU_UTIL = float(os.environ.get("KV_CHECKSUM_GPU_UTIL", "0.18"))
+MAX_MODEL_LEN = 4608
+INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
+MISMATCH = re.compile(r"KV checksum mismatch for request (\S+?):")
+UNVERIFIED = re.compile(r"KV checksums not verified: (.*)\.")
+
+
+def build_model() -> None:
+    """A random-weight Qwen3 built locally (no model hub), peaky logits."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if os.path.exists(f"{MODEL}/config.json"):
+        return
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=MAX_MODEL_LEN,
+        initializer_range=0.08,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(MODEL)
+
+
+def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> None:
+    """One engine process: build an LLM, then serve generate commands."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    if extra.get("enable_kv_checksum") and not extra.get("kv_checksum_fault_injection"):
+        os.environ["VLLM_GPU_SYNC_CHECK"] = "error"
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(
+            model=MODEL,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            gpu_memory_utilization=GPU_UTIL,
+            max_model_len=MAX_MODEL_LEN,
+            dtype="bfloat16",
+            seed=0,
+            disable_log_stats=False,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="NixlConnector",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config=extra,
+            ),
+        )
+        results.put((name, "ready", None))
+    except BaseException:
+        results.put((name, "error", traceback.format_exc()))
+        return
+    while True:
+        cmd = cmds.get()
+        if cmd[0] == "stop":
+            break
+        try:
+            batch = cmd[1]
+            params = [
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=max_tokens,
+                    ignore_eos=True,
+                    detokenize=False,
+                    extra_args={"kv_transfer_params": kvp} if kvp else None,
+                )
+                for _, kvp, max_tokens in batch
+            ]
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p, _, _ in batch],
+                params,
+                use_tqdm=False,
+            )
+            reply = [
+                {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "kvp": o.kv_transfer_params,
+                    "cached": o.num_cached_tokens,
+                }
+                for o in outs
+            ]
+            try:
+                metrics = {
+                    f"{m.name}{sorted((m.labels or {}).items())}": getattr(
+                        m, "value", None
+                    )
+                    for m in llm.get_metrics()
+                    if "kv_checksum" in m.name
+                }
+            except Exception as e:
+                metrics = {"error": repr(e)}
+            results.put((name, "gen", (reply, metrics)))
+        except BaseException:
+            results.put((name, "error", traceback.format_exc()))
+
+
+class Engine:
+    """Handle of one engine process."""
+
+    def __init__(self, ctx: Any, name: str, extra: dict, port: int, out: str) -> None:
+        self.name = name
+        self.log = os.path.join(out, f"{name}.log")
+        self.cmds = ctx.Queue()
+        self.results = ctx.Queue()
+        self.proc = ctx.Process(
+            target=engine_main,
+            args=(name, extra, port, self.log, self.cmds, self.results),
+        )
+        self.proc.start()
+
+    def wait(self, kind: str, timeout: float) -> Any:
+        end = time.time() + timeout
+        while time.time() < end:
+            try:
+                name, got, payload = self.results.get(timeout=5)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"{self.name} died; see {self.log}") from None
+                continue
+            if got == "error":
+                raise RuntimeError(f"{self.name}: {payload}")
+            if got == kind:
+                return payload
+        raise TimeoutError(f"{self.name}: no {kind} in {timeout}s")
+
+    def generate(self, batch: list, timeout: float = 300) -> tuple[list, dict]:
+        self.cmds.put(("gen", batch))
+        return self.wait("gen", timeout)
+
+    def stop(self) -> None:
+        self.cmds.put(("stop",))
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def prompts(count: int, seed: int, low: int, high: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [int(low * (high / low) ** rng.random()) for _ in range(count)]
+    return [[rng.randrange(3, 2048) for _ in range(n)] for n in lengths]
+
+
+def batches(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def producer_params() -> dict:
+    return {"do_remote_decode": True}
+
+
+def pd_round(
+    producer: Engine, consumer: Engine, batch: list[list[int]], max_tokens: int
+) -> tuple[list, dict]:
+    """Prefill on the producer, decode on the consumer after a NIXL pull."""
+    produced, _ = producer.generate([(p, producer_params(), 1) for p in batch])
+    requests = []
+    for prompt, out in zip(batch, produced):
+        kvp = dict(out["kvp"] or {})
+        kvp.pop("remote_prefill_cached_tokens", None)
+        requests.append((prompt, kvp, max_tokens))
+    return consumer.generate(requests)
+
+
+def scan_log(path: str) -> dict[str, list]:
+    """Injected faults, mismatches and unverified reasons logged by an engine."""
+    with open(path, errors="replace") as f:
+        text = f.read()
+    return {
+        "injected": INJECTION.findall(text),
+        "mismatched": MISMATCH.findall(text),
+        "unverified": UNVERIFIED.findall(text),
+        "sync_errors": text.count("GPU<->CPU sync detected"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-equality", type=int, default=100)
+    parser.add_argument("--num-pd", type=int, default=200)
+    parser.add_argument("--num-faults", type=int, default=100)
+    parser.add_argument("--fault-rate", type=float, default=0.3)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    build_model()
+    ctx = mp.get_context("spawn")
+    on = {"enable_kv_checksum": True}
+    closed = {**on, "kv_checksum_fail_closed": True}
+    faulty = {
+        **closed,
+        "kv_checksum_fault_injection": {"rate": args.fault_rate, "seed": 7},
+    }
+    specs = [
+        ("ref", {}, 5600),
+        ("producer", on, 5700),
+        ("consumer", closed, 5800),
+        ("faulty", faulty, 5900),
+    ]
+    engines: dict[str, Engine] = {}
+    summary: dict[str, Any] = {}
+    ok = True
+    try:
+        for name, extra, port in specs:  # one at a time: memory profiling
+            engines[name] = Engine(ctx, name, extra, port, args.out)
+            engines[name].wait("ready", 600)
+            print(f"[gpu] {name} ready at {time.time() - t0:.0f}s", flush=True)
+        ref, prod = engines["ref"], engines["producer"]
+
+        # 1. equality: identical producer-mode batches, checksums off vs on.
+        eq_prompts = prompts(args.num_equality, 1, 8, 4096)
+        same = 0
+        for batch in batches(eq_prompts, 25):
+            reqs = [(p, producer_params(), 16) for p in batch]
+            off, _ = ref.generate(reqs)
+            got, _ = prod.generate(reqs)
+            same += sum(a["tokens"] == b["tokens"] for a, b in zip(off, got))
+        summary["equality"] = {"prompts": len(eq_prompts), "identical": same}
+        ok &= same == len(eq_prompts)
+        print(f"[gpu] equality: {same}/{len(eq_prompts)} identical", flush=True)
+
+        # 2 and 3. P/D through the clean and the fault-injecting consumer.
+        for phase, consumer_name, count, seed in (
+            ("pd", "consumer", args.num_pd, 2),
+            ("faults", "faulty", args.num_faults, 3),
+        ):
+            pd_prompts = prompts(count, seed, 16, 2048)
+            reference = []
+            for batch in batches(pd_prompts, 25):
+                out, _ = ref.generate([(p, None, args.max_tokens) for p in batch])
+                reference += [o["tokens"] for o in out]
+            got, loaded, metrics = [], 0, {}
+            for batch in batches(pd_prompts, 25):
+                out, metrics = pd_round(
+                    prod, engines[consumer_name], batch, args.max_tokens
+                )
+                got += [o["tokens"] for o in out]
+                loaded += sum((o["cached"] or 0) > 0 for o in out)
+            equal = sum(a == b for a, b in zip(reference, got))
+            summary[phase] = {
+                "requests": count,
+                "equal_to_single_engine": equal,
+                "kv_loaded": loaded,
+                "metrics": metrics,
+            }
+            print(f"[gpu] {phase}: {equal}/{count} equal, {loaded} loaded", flush=True)
+            ok &= equal == count
+    except BaseException:
+        print("[gpu] FAILED\n" + traceback.format_exc(), flush=True)
+        ok = False
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    logs = {n: scan_log(e.log) for n, e in engines.items() if os.path.exists(e.log)}
+    summary["logs"] = {n: {k: len(v) for k, v in s.items()} for n, s in logs.items()}
+    if "consumer" in logs:
+        clean = logs["consumer"]
+        ok &= not clean["mismatched"] and not clean["unverified"]
+    if "faulty" in logs:
+        injected = {req for _, req in logs["faulty"]["injected"]}
+        mismatched = set(logs["faulty"]["mismatched"])
+        summary["faults"]["injected"] = len(injected)
+        summary["faults"]["detected"] = len(injected & mismatched)
+        summary["faults"]["undetected"] = sorted(injected - mismatched)
+        summary["faults"]["false_alarms"] = sorted(mismatched - injected)
+        summary["faults"]["kinds"] = sorted({k for k, _ in logs["faulty"]["injected"]})
+        ok &= bool(injected) and injected == mismatched
+    for name in ("producer", "consumer", "faulty"):
+        if name in logs:
+            ok &= logs[name]["sync_errors"] == 0
+    summary["ok"] = bool(ok)
+    summary["seconds"] = round(time.time() - t0, 1)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    print(json.dumps(summary, indent=1, default=str), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
