@@ -166,14 +166,8 @@ class KVChecksumScheduler:
             return
         if self.carrier(request, False) is None:
             return
-        # A consumer always computes at least the prompt's last token itself, so
-        # no load carries it: checksumming the tokens before it lets the last
-        # loaded block, partial on both sides, be compared too (R90).
-        end = min(computed, prompt - 1)
-        if end <= 0:
-            return
         blocks = kv_cache_manager.get_blocks(request.request_id).blocks
-        selected = select_blocks(blocks, self.groups, 0, end)
+        selected = select_blocks(blocks, self.groups, 0, computed)
         self._sends[request.request_id] = _PendingTransfer(selected)
         self._step.reqs_to_send[request.request_id] = selected
 
