@@ -73,7 +73,9 @@ def build_model() -> None:
 
 def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> None:
     """One engine process: build an LLM, then serve generate commands."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    extra = dict(extra)
+    os.environ.update(extra.pop("_env", {}))
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
@@ -121,11 +123,13 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
                 )
                 for _, kvp, max_tokens in batch
             ]
+            start = time.perf_counter()
             outs = llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p, _, _ in batch],
                 params,
                 use_tqdm=False,
             )
+            elapsed = time.perf_counter() - start
             reply = [
                 {
                     "tokens": list(o.outputs[0].token_ids),
@@ -144,6 +148,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
                 }
             except Exception as e:
                 metrics = {"error": repr(e)}
+            metrics["elapsed_s"] = elapsed
             results.put((name, "gen", (reply, metrics)))
         except BaseException:
             results.put((name, "error", traceback.format_exc()))
@@ -224,7 +229,7 @@ def scan_log(path: str) -> dict[str, list]:
         "injected": INJECTION.findall(text),
         "mismatched": MISMATCH.findall(text),
         "unverified": UNVERIFIED.findall(text),
-        "sync_errors": text.count("GPU<->CPU sync detected"),
+        "sync_errors": ["x"] * text.count("GPU<->CPU sync detected"),
     }
 
 
@@ -236,6 +241,7 @@ def main() -> int:
     parser.add_argument("--num-faults", type=int, default=100)
     parser.add_argument("--fault-rate", type=float, default=0.3)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--overhead-rounds", type=int, default=11)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -254,24 +260,42 @@ def main() -> int:
         ("faulty", faulty, 5900),
     ]
     engines: dict[str, Engine] = {}
-    summary: dict[str, Any] = {}
+    summary: dict[str, Any] = {"batch_invariant": True}
     ok = True
     try:
         for name, extra, port in specs:  # one at a time: memory profiling
-            engines[name] = Engine(ctx, name, extra, port, args.out)
-            engines[name].wait("ready", 600)
+            env = {"VLLM_BATCH_INVARIANT": "1" if summary["batch_invariant"] else "0"}
+            engines[name] = Engine(ctx, name, {**extra, "_env": env}, port, args.out)
+            try:
+                engines[name].wait("ready", 600)
+            except RuntimeError:
+                if name != "ref" or not summary["batch_invariant"]:
+                    raise
+                print("[gpu] ref failed in batch-invariant mode; retrying without")
+                summary["batch_invariant"] = False
+                env = {"VLLM_BATCH_INVARIANT": "0"}
+                engines[name] = Engine(ctx, name, {"_env": env}, port + 50, args.out)
+                engines[name].wait("ready", 600)
             print(f"[gpu] {name} ready at {time.time() - t0:.0f}s", flush=True)
         ref, prod = engines["ref"], engines["producer"]
 
         # 1. equality: identical producer-mode batches, checksums off vs on.
         eq_prompts = prompts(args.num_equality, 1, 8, 4096)
-        same = 0
-        for batch in batches(eq_prompts, 25):
+        same, differing = 0, []
+        for b, batch in enumerate(batches(eq_prompts, 25)):
             reqs = [(p, producer_params(), 16) for p in batch]
             off, _ = ref.generate(reqs)
             got, _ = prod.generate(reqs)
-            same += sum(a["tokens"] == b["tokens"] for a, b in zip(off, got))
-        summary["equality"] = {"prompts": len(eq_prompts), "identical": same}
+            for i, (a, c) in enumerate(zip(off, got)):
+                if a["tokens"] == c["tokens"]:
+                    same += 1
+                else:
+                    differing.append((b * 25 + i, len(batch[i])))
+        summary["equality"] = {
+            "prompts": len(eq_prompts),
+            "identical": same,
+            "differing (index, prompt length)": differing,
+        }
         ok &= same == len(eq_prompts)
         print(f"[gpu] equality: {same}/{len(eq_prompts)} identical", flush=True)
 
@@ -301,6 +325,7 @@ def main() -> int:
             }
             print(f"[gpu] {phase}: {equal}/{count} equal, {loaded} loaded", flush=True)
             ok &= equal == count
+        summary["overhead"] = measure_overhead(ref, prod, args.overhead_rounds)
     except BaseException:
         print("[gpu] FAILED\n" + traceback.format_exc(), flush=True)
         ok = False
@@ -315,6 +340,7 @@ def main() -> int:
     if "faulty" in logs:
         injected = {req for _, req in logs["faulty"]["injected"]}
         mismatched = set(logs["faulty"]["mismatched"])
+        summary.setdefault("faults", {})
         summary["faults"]["injected"] = len(injected)
         summary["faults"]["detected"] = len(injected & mismatched)
         summary["faults"]["undetected"] = sorted(injected - mismatched)
@@ -332,5 +358,46 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def measure_overhead(ref: Engine, prod: Engine, rounds: int) -> dict[str, Any]:
+    """Producer-step time with checksums off (ref) vs on (producer), interleaved.
+
+    Each launch prefills a batch of producer requests (one output token, so the
+    time is the time to first token of the batch); on and off alternate so
+    drift affects both alike. Reported: median and min-max spread per side.
+    """
+    cases = {
+        "1K prompt, concurrency 1": (1, 1024),
+        "1K prompts, concurrency 32": (32, 1024),
+        "4K prompt, concurrency 1": (1, 4096),
+    }
+    report: dict[str, Any] = {}
+    for label, (concurrency, length) in cases.items():
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for r in range(rounds):
+            batch = prompts(concurrency, 1000 + r, length, length + 1)
+            reqs = [(p, producer_params(), 1) for p in batch]
+            order = [("off", ref), ("on", prod)]
+            if r % 2:
+                order.reverse()
+            for side, engine in order:
+                times[side].append(engine.generate(reqs)[1]["elapsed_s"] * 1e3)
+        stats = {}
+        for side, values in times.items():
+            values = sorted(values[1:])  # the first launch warms up
+            stats[side] = {
+                "median_ms": round(values[len(values) // 2], 3),
+                "min_ms": round(values[0], 3),
+                "max_ms": round(values[-1], 3),
+            }
+        stats["difference_ms"] = round(
+            stats["on"]["median_ms"] - stats["off"]["median_ms"], 3
+        )
+        report[label] = stats
+        print(f"[gpu] overhead {label}: {stats}", flush=True)
+    return report
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)
