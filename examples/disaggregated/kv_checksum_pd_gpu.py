@@ -80,7 +80,12 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
     os.dup2(fd, 2)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
-    if extra.get("enable_kv_checksum") and not extra.get("kv_checksum_fault_injection"):
+    sync_check = os.environ.get("KV_CHECKSUM_SYNC_CHECK", "1") == "1"
+    if (
+        sync_check
+        and extra.get("enable_kv_checksum")
+        and not extra.get("kv_checksum_fault_injection")
+    ):
         os.environ["VLLM_GPU_SYNC_CHECK"] = "error"
     try:
         from vllm import LLM, SamplingParams
@@ -242,6 +247,11 @@ def main() -> int:
     parser.add_argument("--fault-rate", type=float, default=0.3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--overhead-rounds", type=int, default=11)
+    parser.add_argument(
+        "--overhead-only",
+        action="store_true",
+        help="start only ref and producer, without the sync check, and time them",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -259,6 +269,9 @@ def main() -> int:
         ("consumer", closed, 5800),
         ("faulty", faulty, 5900),
     ]
+    if args.overhead_only:
+        os.environ["KV_CHECKSUM_SYNC_CHECK"] = "0"
+        specs = specs[:2]
     engines: dict[str, Engine] = {}
     summary: dict[str, Any] = {"batch_invariant": True}
     ok = True
@@ -278,6 +291,9 @@ def main() -> int:
                 engines[name].wait("ready", 600)
             print(f"[gpu] {name} ready at {time.time() - t0:.0f}s", flush=True)
         ref, prod = engines["ref"], engines["producer"]
+        if args.overhead_only:
+            summary["overhead"] = measure_overhead(ref, prod, args.overhead_rounds)
+            raise SystemExit(0)
 
         # 1. equality: identical producer-mode batches, checksums off vs on.
         eq_prompts = prompts(args.num_equality, 1, 8, 4096)
@@ -326,6 +342,8 @@ def main() -> int:
             print(f"[gpu] {phase}: {equal}/{count} equal, {loaded} loaded", flush=True)
             ok &= equal == count
         summary["overhead"] = measure_overhead(ref, prod, args.overhead_rounds)
+    except SystemExit:
+        pass
     except BaseException:
         print("[gpu] FAILED\n" + traceback.format_exc(), flush=True)
         ok = False
