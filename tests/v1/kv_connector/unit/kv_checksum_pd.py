@@ -28,6 +28,7 @@ Knobs for the scheduler tests (all on `SideConfig`):
   worker" (R34) while the simulated forward still writes them.
 * `silent_workers`: (pp_rank, tp_rank) of workers whose checksum records never
   reach the scheduler (a lost or late report, R80/R82).
+* `max_num_batched_tokens`: a small token budget makes prefills chunked.
 """
 
 import dataclasses
@@ -82,11 +83,33 @@ class KVChecksumCarrierTestConnector(KVChecksumTestConnector):
         return KVChecksumCarrier.KV_TRANSFER_PARAMS
 
 
+WHOLE_PROMPT_CONNECTOR_NAME = "KVChecksumWholePromptTestConnector"
+
+
+class KVChecksumWholePromptTestConnector(KVChecksumCarrierTestConnector):
+    """The carrier test connector loading the whole prompt, as NIXL pull does
+    in vLLM 0.33.0 without a prefill backoff: vLLM then recomputes the last
+    prompt token after the load (`_update_waiting_for_remote_kv`). The base
+    test connector loads all but the last token."""
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+
 def register_carrier_connector() -> None:
-    if CARRIER_CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(
-            CARRIER_CONNECTOR_NAME, __name__, "KVChecksumCarrierTestConnector"
-        )
+    for name, cls in (
+        (CARRIER_CONNECTOR_NAME, "KVChecksumCarrierTestConnector"),
+        (WHOLE_PROMPT_CONNECTOR_NAME, "KVChecksumWholePromptTestConnector"),
+    ):
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, __name__, cls)
 
 
 def kv_bytes(
@@ -130,6 +153,8 @@ class SideConfig:
     # kv_connector_extra_config["kv_checksum_fault_injection"] (R131): each
     # worker corrupts finished loads before checksumming them, as in wiring.
     fault_injection: dict[str, Any] | None = None
+    # Token budget of a step (None: max_model_len); smaller ones chunk prefills.
+    max_num_batched_tokens: int | None = None
 
     def describe(self) -> str:
         return f"TP{self.tp}/PP{self.pp}/bs{self.block_size}"
@@ -177,6 +202,7 @@ class SimEngine:
             kv_connector=side.connector,
             extra_config=extra,
             kv_load_failure_policy=side.policy,  # type: ignore[arg-type]
+            max_num_batched_tokens=side.max_num_batched_tokens,
         )
         self.scheduler = make_scheduler(
             self.vllm_config,
