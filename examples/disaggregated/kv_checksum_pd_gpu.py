@@ -23,6 +23,7 @@ Phases:
 
 Usage (needs vLLM 0.33.0, NIXL, transformers and this package installed):
     python kv_checksum_pd_gpu.py --out DIR [--num-equality 100] [--num-pd 200]
+        [--producer-tp 2 | --consumer-tp 2]   (heterogeneous TP: two GPUs)
 Exit code 0 only if every check passed; a JSON summary goes to DIR/summary.json.
 """
 
@@ -75,6 +76,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
     """One engine process: build an LLM, then serve generate commands."""
     extra = dict(extra)
     os.environ.update(extra.pop("_env", {}))
+    tensor_parallel_size = extra.pop("_tp", 1)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -101,6 +103,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
             dtype="bfloat16",
             seed=0,
             disable_log_stats=False,
+            tensor_parallel_size=tensor_parallel_size,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="NixlConnector",
                 kv_role="kv_both",
@@ -247,6 +250,8 @@ def main() -> int:
     parser.add_argument("--fault-rate", type=float, default=0.3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--overhead-rounds", type=int, default=11)
+    parser.add_argument("--producer-tp", type=int, default=1)
+    parser.add_argument("--consumer-tp", type=int, default=1)
     parser.add_argument(
         "--overhead-only",
         action="store_true",
@@ -269,6 +274,11 @@ def main() -> int:
         ("consumer", closed, 5800),
         ("faulty", faulty, 5900),
     ]
+    # Heterogeneous TP (issue: two GPUs): the producer and the consumers may use
+    # other TP sizes than the TP 1 reference.
+    specs[1] = (specs[1][0], {**specs[1][1], "_tp": args.producer_tp}, specs[1][2])
+    for i in (2, 3):
+        specs[i] = (specs[i][0], {**specs[i][1], "_tp": args.consumer_tp}, specs[i][2])
     if args.overhead_only:
         os.environ["KV_CHECKSUM_SYNC_CHECK"] = "0"
         specs = specs[:2]
