@@ -37,6 +37,9 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
     write_model_dir,
 )
 
+# Both sides use a test connector that loads the whole prompt, as vLLM 0.33.0's
+# NIXL pull does, so every loaded block (the partial last one too) is compared.
+NIXL_LIKE = dict(connector=pd.WHOLE_PROMPT_CONNECTOR_NAME)
 CONFIGS = [
     ("TP1 -> TP1", dict(), dict()),
     ("TP2 -> TP1", dict(tp=2), dict()),
@@ -102,16 +105,33 @@ def outcome_of(result: pd.LoadResult) -> str:
     return "ran"
 
 
-def run() -> list[Row]:
+def add_counters(counters: Counter, engine: pd.SimEngine, side: str) -> None:
+    """Add an engine's checksum counters (those behind vllm:kv_checksum_*)."""
+    stats = engine.checksums.stats
+    for verdict, count in stats.loads.items():
+        counters[f"{side} loads {verdict}"] += count
+    for reason, count in stats.unverified_reasons.items():
+        counters[f"{side} unverified: {reason}"] += count
+    counters[f"{side} mismatched block positions"] += stats.mismatched_positions
+    counters[f"{side} payloads sent"] += stats.sent
+    for reason, count in stats.not_sent.items():
+        counters[f"{side} payloads not sent: {reason}"] += count
+
+
+def run(counters: Counter) -> list[Row]:
     model_dir = write_model_dir(tempfile.mkdtemp(prefix="kv-checksum-demo-"))
     rows: list[Row] = []
     kinds = iter(pd.FAULT_KINDS * 10)
     number = 0
     for config, producer_side, consumer_side in CONFIGS:
-        producer = pd.SimEngine(model_dir, pd.SideConfig(**producer_side), "producer")
+        producer = pd.SimEngine(
+            model_dir, pd.SideConfig(**producer_side, **NIXL_LIKE), "producer"
+        )
         for mode, mode_side in MODES:
             consumer = pd.SimEngine(
-                model_dir, pd.SideConfig(**consumer_side, **mode_side), "consumer"
+                model_dir,
+                pd.SideConfig(**consumer_side, **mode_side, **NIXL_LIKE),
+                "consumer",
             )
             for fault_kind in (None, next(kinds)):
                 number += 1
@@ -121,6 +141,7 @@ def run() -> list[Row]:
                 if fault_kind == "stale_block":
                     other = [(t * 7 + 5) % 1000 + 3 for t in prompt]
                     stale = pd.produce(producer, f"p{number}-other", other)
+                # Position 1 is the last loaded block at 32-token blocks.
                 fault = pd.Fault(fault_kind, position=1) if fault_kind else None
                 before = Counter(consumer.checksums.stats.loads)
                 result = pd.consume(
@@ -136,6 +157,8 @@ def run() -> list[Row]:
                         outcome_of(result),
                     )
                 )
+            add_counters(counters, consumer, "consumer")
+        add_counters(counters, producer, "producer")
     return rows
 
 
@@ -143,8 +166,9 @@ def main() -> int:
     start = time.time()
     # The demo prints its own table; vLLM's per-request logs would drown it.
     logging.getLogger("vllm").setLevel(logging.CRITICAL)
+    counters: Counter = Counter()
     with cpu_streams():
-        rows = run()
+        rows = run(counters)
     header = ("request", "configuration", "mode", "fault", "verdict", "outcome")
     widths = [9, 14, 22, 15, 11, 17]
     print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
@@ -161,6 +185,10 @@ def main() -> int:
     print(f"faulty loads: {len(faults)}, detected as mismatch: {caught}")
     print(f"clean loads: {len(clean)}, verified: {verified}")
     print("outcomes:", dict(Counter((r.mode, r.outcome) for r in faults)))
+    print("checksum counters:")
+    for name, count in sorted(counters.items()):
+        if count:
+            print(f"  {name}: {count}")
     print(f"finished in {time.time() - start:.0f} s")
     return 0 if all(r.ok for r in rows) else 1
 
