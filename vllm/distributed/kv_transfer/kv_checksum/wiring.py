@@ -109,7 +109,13 @@ def _install_records() -> None:
 
     @_wrap(KVConnectorOutput, "is_empty")
     def is_empty(original: Callable, self: Any) -> bool:
-        """R10 (i): an output holding only checksum records is not empty."""
+        """R10 (i). Target: KVConnectorOutput.is_empty.
+
+        Why: vLLM drops empty connector outputs; a step whose only news is a
+        checksum record must still reach the scheduler.
+        How: not empty while `kv_checksums` holds records.
+        Upstream: `kv_checksums` as a field listed in is_empty.
+        """
         return original(self) and not getattr(self, "kv_checksums", None)
 
 
@@ -172,7 +178,14 @@ def _install_multi_connector(multi: type) -> None:
 
     @_wrap(multi, "get_transfer_results")
     def get_transfer_results(original: Callable, self: Any, *args: Any) -> Any:
-        """R101: the children's received checksums, first copy winning."""
+        """R101. Target: MultiConnector.get_transfer_results.
+
+        Why: the merged transfer results vLLM builds drop the children's
+        received checksum bytes.
+        How: capture each child's `kv_checksums` during the original call and
+        attach the merge (first copy wins).
+        Upstream: MultiConnector merging `kv_checksums` itself.
+        """
         merged: dict[str, bytes] = {}
         children = self._connectors
         originals = [c.get_transfer_results for c in children]
@@ -234,10 +247,13 @@ def _install_scheduler_hooks() -> None:
 
     @_wrap(Scheduler, "__init__")
     def init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
-        """R10 (a): Target Scheduler.__init__. Why: one checksum scheduler per
-        engine. How: created after vLLM's init; loads starting inside the
-        connector's update_state_after_alloc are noted by an instance wrapper.
-        Upstream: construct it next to the connector."""
+        """R10 (a). Target: Scheduler.__init__ (also AsyncScheduler's).
+
+        Why: one checksum scheduler per engine, None when disabled.
+        How: created after vLLM's init; the connector's update_state_after_alloc
+        gets an instance wrapper noting loads as they start (R10 d).
+        Upstream: the Scheduler constructing it next to its connector.
+        """
         original(self, *args, **kwargs)
         self.kv_checksum_scheduler = _create_scheduler(self)
         self._kv_checksum_starting_loads = []
@@ -246,15 +262,27 @@ def _install_scheduler_hooks() -> None:
 
     @_wrap(Scheduler, "add_request")
     def add_request(original: Callable, self: Any, request: Any) -> None:
-        """R10 (b): note a consumer request before its load clears the flag."""
+        """R10 (b). Target: Scheduler.add_request.
+
+        Why: connectors clear `do_remote_prefill` when the load starts, so a
+        consumer request must be noted on arrival (R69).
+        How: `on_new_request` after vLLM's add_request.
+        Upstream: a call next to the connector's on_new_request.
+        """
         original(self, request)
         if getattr(self, "kv_checksum_scheduler", None) is not None:
             self.kv_checksum_scheduler.on_new_request(request)
 
     @_wrap(Scheduler, "_update_after_schedule")
     def update_after_schedule(original: Callable, self: Any, output: Any) -> None:
-        """R10 (c, d): register starting loads and finished prompts, then
-        attach this step's blocks to the SchedulerOutput."""
+        """R10 (c, d). Target: Scheduler._update_after_schedule.
+
+        Why: only after it are `num_computed_tokens` final for the step, both
+        for loads started in this schedule() and for prompts it finishes.
+        How: `add_recv` per started load, `add_send` per scheduled request,
+        then `build_checksum_meta()` on the SchedulerOutput.
+        Upstream: a `kv_checksum_scheduled` field filled by the Scheduler.
+        """
         original(self, output)
         kcs = getattr(self, "kv_checksum_scheduler", None)
         if kcs is None:
@@ -275,9 +303,17 @@ def _install_scheduler_hooks() -> None:
     def update_from_output(
         original: Callable, self: Any, scheduler_output: Any, model_output: Any
     ) -> Any:
-        """R10 (e), R73: verify finished loads before vLLM releases them;
-        fail-closed failures join the connector-reported failures, so
-        `_handle_failed_recving` and kv_load_failure_policy decide (R4)."""
+        """R10 (e), R73. Target: Scheduler.update_from_output.
+
+        Why: a load must be verified before the request is rescheduled, and
+        records must be stored before the per-request loop finishes producers.
+        How: before the original, store records and verify the finished loads
+        (skipping loads reported failed, already failed or hit by invalid
+        blocks); fail-closed failures are added to `failed_recving`, so vLLM's
+        own `_handle_failed_recving` and kv_load_failure_policy decide (R4).
+        Upstream: a checksum step between vLLM's failure handling and its
+        per-request loop.
+        """
         kcs = getattr(self, "kv_checksum_scheduler", None)
         kv_output = model_output.kv_connector_output
         if kcs is not None and kv_output is not None:
@@ -296,8 +332,14 @@ def _install_scheduler_hooks() -> None:
     def connector_finished(
         original: Callable, self: Any, request: Any
     ) -> tuple[bool, Any]:
-        """R10 (f): after the connector's request_finished, add the payload to
-        the returned kv_transfer_params or hand its bytes to the connector."""
+        """R10 (f). Target: Scheduler._connector_finished.
+
+        Why: a finished producer's payload travels with what the connector
+        returns (kv_transfer_params) or in the connector's own messages.
+        How: after the original, `request_finished` adds "kv_checksums" to the
+        returned params; CONNECTOR bytes go to `send_kv_checksums`.
+        Upstream: the Scheduler calling the checksum scheduler there.
+        """
         delay_free, params = original(self, request)
         kcs = getattr(self, "kv_checksum_scheduler", None)
         if kcs is None:
@@ -310,7 +352,14 @@ def _install_scheduler_hooks() -> None:
 
 
 def _note_starting_loads(scheduler: Any) -> None:
-    """R10 (d): remember loads the connector starts, for `_update_after_schedule`."""
+    """R10 (d). Target: the scheduler's connector instance's
+    update_state_after_alloc (also reached from `_drain_deferred_loads`).
+
+    Why: it is the one call that sees every async load start.
+    How: an instance attribute wrapping the bound method notes (request,
+    blocks, external tokens) for the next `_update_after_schedule`.
+    Upstream: the Scheduler reporting load starts to the checksum scheduler.
+    """
     connector = scheduler.connector
     original = connector.update_state_after_alloc
 
@@ -341,8 +390,13 @@ def _install_worker_hooks() -> None:
     def initialize_kv_cache(
         original: Callable, self: Any, kv_cache_config: Any, *args: Any, **kw: Any
     ) -> None:
-        """R10 (g): 0.33.0 does not pass the KVCacheConfig to get_kv_connector;
-        expose it to ActiveKVConnector.__init__ for the duration of the call."""
+        """R10 (g). Target: GPUModelRunner.initialize_kv_cache (V2 runner).
+
+        Why: 0.33.0 does not pass the KVCacheConfig to get_kv_connector, and
+        the checksum worker needs it.
+        How: a context variable holds it for the duration of the call.
+        Upstream: get_kv_connector(vllm_config, kv_caches, kv_cache_config).
+        """
         token = _kv_cache_config.set(kv_cache_config)
         try:
             original(self, kv_cache_config, *args, **kw)
@@ -351,8 +405,15 @@ def _install_worker_hooks() -> None:
 
     @_wrap(active, "__init__")
     def init(original: Callable, self: Any, vllm_config: Any, kv_caches: Any) -> None:
-        """R10 (g): the connector holds the checksum worker as a field, and
-        the operator's fault injector (R131) when configured."""
+        """R10 (g). Target: ActiveKVConnector.__init__.
+
+        Why: the worker-side connector wrapper is where each step's connector
+        calls happen; it holds the checksum worker (and the fault injector,
+        R131, when configured).
+        How: after the original, create both; an instance wrapper keeps the
+        connector's last transfer results for post_forward.
+        Upstream: ActiveKVConnector owning a checksum worker.
+        """
         original(self, vllm_config, kv_caches)
         self.kv_checksum_worker = _create_worker(vllm_config, kv_caches)
         self._kv_checksum_results = None
@@ -369,7 +430,12 @@ def _install_worker_hooks() -> None:
     def pre_forward(
         original: Callable, self: Any, scheduler_output: Any, *args: Any, **kw: Any
     ) -> None:
-        """R10 (g): bind the step's blocks, no-forward steps included (R47)."""
+        """R10 (g). Target: ActiveKVConnector.pre_forward.
+
+        Why: workers must know the step's blocks, no-forward steps included.
+        How: `bind(scheduler_output.kv_checksum_scheduled)` after the original.
+        Upstream: the same call inside pre_forward.
+        """
         original(self, scheduler_output, *args, **kw)
         worker = getattr(self, "kv_checksum_worker", None)
         if worker is not None and not self._disabled:
@@ -379,8 +445,15 @@ def _install_worker_hooks() -> None:
     def post_forward(
         original: Callable, self: Any, finished_req_ids: set[str], *args: Any, **kw: Any
     ) -> Any:
-        """R10 (g): checksum after the forward and the connector's results;
-        R131: configured fault injection corrupts finished loads just before."""
+        """R10 (g). Target: ActiveKVConnector.post_forward.
+
+        Why: after the forward wrote a prompt's KV and the connector reported
+        finished loads, before any later forward writes those blocks (R49).
+        How: after the original, the worker checksums on the compute stream and
+        its pending record goes on the KVConnectorOutput; configured fault
+        injection (R131) corrupts finished loads just before.
+        Upstream: the same call inside post_forward.
+        """
         output = original(self, finished_req_ids, *args, **kw)
         worker = getattr(self, "kv_checksum_worker", None)
         results, self._kv_checksum_results = (
@@ -411,7 +484,14 @@ def _install_worker_hooks() -> None:
     def aggregate(
         original: Callable, self: Any, outputs: list, output_rank: int = 0
     ) -> Any:
-        """R10 (h): concatenate every worker's and salvaged output's records."""
+        """R10 (h). Target: KVOutputAggregator.aggregate (multiprocess).
+
+        Why: the scheduler needs every TP and PP worker's record; vLLM keeps
+        only the output rank's KVConnectorOutput.
+        How: concatenate the records of every worker and salvaged output onto
+        the aggregated output.
+        Upstream: the aggregator concatenating `kv_checksums`.
+        """
         records: list = []
         for kv_output in list(self._salvaged_outputs) + [
             o.kv_connector_output for o in outputs if o is not None
@@ -466,7 +546,13 @@ def _install_config_hooks() -> None:
 
     @_wrap(VllmConfig, "_get_v1_model_runner_unsupported_features")
     def v1_unsupported(original: Callable, self: Any) -> list[str]:
-        """R10 (j), R12: Model Runner V1 cannot run checksums."""
+        """R10 (j), R12. Target: VllmConfig._get_v1_model_runner_unsupported_features.
+
+        Why: the hooks live in Model Runner V2 only.
+        How: add "KV checksums" when enabled, so vLLM raises "Model Runner V1
+        does not support: KV checksums" at start-up.
+        Upstream: the same entry in vLLM's list.
+        """
         unsupported = original(self)
         try:
             enabled = kv_checksum_enabled(self)
