@@ -15,6 +15,7 @@ kernels.py is loaded by file path.
 import argparse
 import importlib
 import importlib.util
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -238,9 +239,40 @@ def report_targets(results: list[tuple[KernelShape, dict[str, float]]]) -> bool:
 
 
 def run_host_benchmarks() -> bool:
-    """Host-side benchmarks (R133 host targets): hook for the host part."""
-    print("host benchmarks: not in this file yet")
-    return True
+    """Host-side benchmarks against the R133 host targets (needs vLLM).
+
+    Row building, verification of a 128K-token load and the payload round
+    trip, each timed in this run; returns whether every target was met.
+    """
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, f"{here}/{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    rows = load("host_rows_bench").bench_rows()
+    verify_us = load("host_verification_bench").bench_verification()
+    encode_us, decode_us, raw, b64 = load("host_payload_bench").bench_payload()
+    print("\n| host operation | us | target |\n|---|---|---|")
+    for label, us in rows:
+        target = "<= 150" if "8192" in label else ""
+        print(f"| rows: {label} | {us:.0f} | {target} |")
+    print(f"| verify 128K-token load, 8 workers | {verify_us:.0f} | <= 1000 |")
+    print(
+        f"| payload encode + decode ({raw} B raw, {b64} B base64) | "
+        f"{encode_us + decode_us:.0f} | <= 500 |"
+    )
+    rows_8192 = [us for label, us in rows if "8192" in label]
+    return (
+        all(us <= 150 for us in rows_8192)
+        and verify_us <= 1000
+        and encode_us + decode_us <= 500
+    )
 
 
 def main() -> None:
