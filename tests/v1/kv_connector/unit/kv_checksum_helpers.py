@@ -1094,3 +1094,44 @@ class CpuStreamState:
             yield
         finally:
             self.set_current(previous)
+
+
+# --------------------------------------------------------------------------
+# Model Runner V2's ActiveKVConnector on CPU
+# --------------------------------------------------------------------------
+
+
+def rank0_groups(monkeypatch: Any) -> None:
+    """TP and PP groups of a single worker, as the wiring reads them."""
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state
+
+    group = SimpleNamespace(rank_in_group=0, world_size=1)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: group)
+
+
+def make_active_connector(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    connector: KVConnectorBase_V1,
+    kv_caches: dict[str, torch.Tensor],
+    monkeypatch: Any,
+) -> Any:
+    """Model Runner V2's connector as `GPUModelRunner.initialize_kv_cache`
+    builds it: the worker agent is the global one, the KVCacheConfig is the
+    wiring's context variable (set as the initialize_kv_cache hook sets it)."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.v1.worker.gpu import kv_connector as gpu_kv_connector
+
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
+    token = wiring._kv_cache_config.set(kv_cache_config)
+    try:
+        active = gpu_kv_connector.get_kv_connector(vllm_config, kv_caches)
+    finally:
+        wiring._kv_cache_config.reset(token)
+    assert isinstance(active, gpu_kv_connector.ActiveKVConnector)
+    assert active.kv_connector is connector
+    return active

@@ -22,10 +22,12 @@ import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     layer_name,
+    make_active_connector,
     make_kv_cache_config,
     make_kv_caches,
     make_scheduler,
     make_vllm_config,
+    rank0_groups,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     CARRIER_CONNECTOR_NAME,
@@ -36,9 +38,7 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     register_carrier_connector,
 )
 from vllm.config import KVTransferConfig
-from vllm.distributed import parallel_state
-from vllm.distributed.kv_transfer import kv_transfer_state
-from vllm.distributed.kv_transfer.kv_checksum import plugin, wiring
+from vllm.distributed.kv_transfer.kv_checksum import plugin
 from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     KVChecksumBlocks,
     KVChecksumScheduled,
@@ -66,7 +66,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.gpu import kv_connector as gpu_kv_connector
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 
@@ -521,9 +520,7 @@ def make_active(model_dir: str, monkeypatch: pytest.MonkeyPatch, extra: dict) ->
     connector reports load "load" finished at the first post_forward."""
     plugin.register()
     register_carrier_connector()
-    rank0 = SimpleNamespace(rank_in_group=0, world_size=1)
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: rank0)
-    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: rank0)
+    rank0_groups(monkeypatch)
     vllm_config = make_vllm_config(
         model_dir, kv_connector=CARRIER_CONNECTOR_NAME, extra_config=extra
     )
@@ -534,12 +531,9 @@ def make_active(model_dir: str, monkeypatch: pytest.MonkeyPatch, extra: dict) ->
     )
     results = KVConnectorTransferResults(finished_recving={"load"})
     connector.get_transfer_results = lambda finished_req_ids: results  # type: ignore[method-assign]
-    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
-    token = wiring._kv_cache_config.set(kv_cache_config)
-    try:
-        active = gpu_kv_connector.get_kv_connector(vllm_config, caches)
-    finally:
-        wiring._kv_cache_config.reset(token)
+    active = make_active_connector(
+        vllm_config, kv_cache_config, connector, caches, monkeypatch
+    )
     scheduler = make_scheduler(vllm_config, make_kv_cache_config(vllm_config))
     return SimpleNamespace(
         active=active,

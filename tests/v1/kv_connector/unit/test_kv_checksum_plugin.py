@@ -47,6 +47,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     iter_engine_core_outputs,
     load_failed,
     load_finished,
+    make_active_connector,
     make_kv_cache_config,
     make_kv_caches,
     make_model_runner_output,
@@ -54,6 +55,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     make_scheduler,
     make_vllm_config,
     producer_kv_transfer_params,
+    rank0_groups,
     step,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
@@ -62,8 +64,6 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     register_carrier_connector,
 )
 from vllm.config import KVTransferConfig, VllmConfig
-from vllm.distributed import parallel_state
-from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_checksum import config as checksum_config
 from vllm.distributed.kv_transfer.kv_checksum import plugin, wiring
 from vllm.distributed.kv_transfer.kv_checksum.checksum import (
@@ -108,7 +108,6 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
-from vllm.v1.worker.gpu import kv_connector as gpu_kv_connector
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 pytestmark = pytest.mark.cpu
@@ -396,34 +395,6 @@ def hooks_removed() -> Iterator[dict[str, tuple[type, str, Any]]]:
 
 def prompt(length: int, start: int = 3) -> list[int]:
     return list(range(start, start + length))
-
-
-def rank0_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP and PP groups of a single worker, as the wiring reads them."""
-    group = SimpleNamespace(rank_in_group=0, world_size=1)
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
-    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: group)
-
-
-def make_active_connector(
-    vllm_config: VllmConfig,
-    kv_cache_config: Any,
-    connector: KVConnectorBase_V1,
-    kv_caches: dict[str, torch.Tensor],
-    monkeypatch: pytest.MonkeyPatch,
-) -> Any:
-    """Model Runner V2's connector as `GPUModelRunner.initialize_kv_cache`
-    builds it: the worker agent is the global one, the KVCacheConfig is the
-    wiring's context variable (set as the initialize_kv_cache hook sets it)."""
-    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
-    token = wiring._kv_cache_config.set(kv_cache_config)
-    try:
-        active = gpu_kv_connector.get_kv_connector(vllm_config, kv_caches)
-    finally:
-        wiring._kv_cache_config.reset(token)
-    assert isinstance(active, gpu_kv_connector.ActiveKVConnector)
-    assert active.kv_connector is connector
-    return active
 
 
 # --------------------------------------------------------------------------
