@@ -104,6 +104,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
             seed=0,
             disable_log_stats=False,
             tensor_parallel_size=tensor_parallel_size,
+            async_scheduling=os.environ.get("KV_CHECKSUM_ASYNC", "1") == "1",
             kv_transfer_config=KVTransferConfig(
                 kv_connector="NixlConnector",
                 kv_role="kv_both",
@@ -250,6 +251,11 @@ def main() -> int:
     parser.add_argument("--fault-rate", type=float, default=0.3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--overhead-rounds", type=int, default=11)
+    parser.add_argument(
+        "--sync-scheduling",
+        action="store_true",
+        help="no async scheduling: batch composition independent of timing",
+    )
     parser.add_argument("--producer-tp", type=int, default=1)
     parser.add_argument("--consumer-tp", type=int, default=1)
     parser.add_argument(
@@ -279,6 +285,8 @@ def main() -> int:
     specs[1] = (specs[1][0], {**specs[1][1], "_tp": args.producer_tp}, specs[1][2])
     for i in (2, 3):
         specs[i] = (specs[i][0], {**specs[i][1], "_tp": args.consumer_tp}, specs[i][2])
+    if args.sync_scheduling:
+        os.environ["KV_CHECKSUM_ASYNC"] = "0"
     if args.overhead_only:
         os.environ["KV_CHECKSUM_SYNC_CHECK"] = "0"
         specs = specs[:2]
