@@ -10,7 +10,7 @@ KV connector stats and Prometheus path: `Scheduler.make_stats` puts
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_checksum.verification import (
@@ -94,14 +94,10 @@ class KVChecksumStats:
 
     def take(self) -> "KVChecksumStats":
         """Return the counts so far and start new ones."""
-        taken = KVChecksumStats(
-            self.loads,
-            self.unverified_reasons,
-            self.mismatched_positions,
-            self.sent,
-            self.not_sent,
-        )
-        self.__init__()  # type: ignore[misc]
+        taken = replace(self)
+        fresh = KVChecksumStats()
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
         return taken
 
 

@@ -7,7 +7,7 @@ int64 array; each group segment starts at an even column so every kernel slice
 is 16-byte aligned like the warm-up slices (R52).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,14 +63,23 @@ def segment_rows(
     return tuple(req_ids), start_arr, counts, rows
 
 
-def pack_segments(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
-    """Lay row arrays side by side, each at an even column; return the columns."""
+def pack_segments(
+    parts: Sequence[np.ndarray],
+    zeros: Callable[[tuple[int, int]], np.ndarray] = lambda shape: np.zeros(
+        shape, dtype=np.int64
+    ),
+) -> tuple[np.ndarray, list[int]]:
+    """Lay row arrays side by side, each at an even column; return the columns.
+
+    `zeros(shape)` allocates the zeroed int64 result (padding columns are
+    all-masked rows), e.g. a view of pinned memory for the device copy.
+    """
     columns: list[int] = []
     width = 0
     for part in parts:
         columns.append(width)
         width += part.shape[1] + (part.shape[1] & 1)
-    packed = np.zeros((3, max(width, 2)), dtype=np.int64)
+    packed = zeros((3, max(width, 2)))
     for column, part in zip(columns, parts):
         packed[:, column : column + part.shape[1]] = part
     return packed, columns

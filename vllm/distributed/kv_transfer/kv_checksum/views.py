@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     ReplicaKey,
     sum_fingerprints,
 )
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheGroupSpec,
@@ -84,11 +85,11 @@ def layer_module(layer_name: str) -> str | None:
 
 
 def layer_number(layer_name: str) -> int:
-    """The single layer number of a layer name (R30), else UncoveredGroup (R34 d)."""
-    numbers = [int(part) for part in layer_name.split(".") if part.isdigit()]
-    if len(numbers) != 1:
-        raise UncoveredGroup(f"layer {layer_name} has no single layer number")
-    return numbers[0]
+    """vLLM's layer number of a layer name (R30), else UncoveredGroup (R34 d)."""
+    try:
+        return extract_layer_index(layer_name)
+    except (AssertionError, ValueError) as e:
+        raise UncoveredGroup(f"layer {layer_name} has no single layer number") from e
 
 
 def layer_spec(group: KVCacheGroupSpec, layer_name: str) -> KVCacheSpec:

@@ -310,8 +310,17 @@ class KVChecksumWorker:
                     parts.append(rows)
         if not passes:
             return []
-        packed, columns = pack_segments(parts)
-        rows_dev = self._to_device(packed)
+        on_device = self.topology.device.type != "cpu"
+        host_rows: list[torch.Tensor] = []
+
+        def pinned_zeros(shape: tuple[int, int]) -> np.ndarray:
+            host_rows.append(
+                torch.zeros(shape, dtype=torch.int64, pin_memory=on_device)
+            )
+            return host_rows[0].numpy()
+
+        _, columns = pack_segments(parts, pinned_zeros)
+        rows_dev = self._to_device(host_rows[0])
         results = []
         for (plans, plan, req_ids, starts, counts), part, column in zip(
             passes, parts, columns
@@ -325,13 +334,12 @@ class KVChecksumWorker:
             results.append(_PassResult(segment, plan.replica_keys, out))
         return results
 
-    def _to_device(self, packed: np.ndarray) -> torch.Tensor:
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """One non-blocking host-to-device copy of all rows, from pinned memory."""
-        host = torch.from_numpy(packed)
         device = self.topology.device
         if device.type == "cpu":
             return host
-        return host.pin_memory().to(device, non_blocking=True)
+        return host.to(device, non_blocking=True)
 
     def _copy_to_host(self, pending: KVChecksumPendingRecord) -> None:
         """Copy results to pinned host memory on a side stream; record an event."""
