@@ -10,20 +10,31 @@ NixlConnector (kv_both) and this package loaded through its entry point:
 - ``consumer``: checksums on, fail-closed, kv_load_failure_policy "recompute",
 - ``faulty``: like ``consumer`` plus the operator fault injector (R131).
 
-Phases:
-1. equality: the same producer-mode batches (do_remote_decode, greedy) on
+Phases (each prompt is sent on its own, so that every engine runs the same
+shapes and greedy outputs are comparable bit for bit; the batched rounds after
+them add concurrency and measure the numerical noise floor of batching):
+1. equality: the same producer-mode requests (do_remote_decode, greedy) on
    ``ref`` and ``producer``: token ids must be identical; the producer runs
    with ``VLLM_GPU_SYNC_CHECK=error`` (any host sync fails the engine).
+   Batched: 25 at a time on ``ref`` twice and on ``producer`` (reported).
 2. pd: prompts prefilled on ``producer``, decoded on ``consumer`` after a NIXL
    pull: outputs must equal ``ref``'s greedy outputs, no mismatch or
-   unverified load may be logged.
+   unverified load may be logged. Batched: 25 at a time through ``consumer``
+   (checksums on) and through ``ref`` as the consumer (checksums off); every
+   load must verify, and the on and off outputs are compared (reported).
 3. faults: the same through ``faulty``: every injected fault must be reported
    as a mismatch (log lines matched one to one) and every such request
    recomputed with an output still equal to ``ref``'s.
 
+``--overhead-only`` starts ``ref`` and ``producer`` alone and times producer
+prefills with checksums off and on, interleaved; with ``--model 8b`` the model
+is an 8B-dense-shaped Llama (config from transformers, random weights from
+vLLM's dummy loader, no checkpoint).
+
 Usage (needs vLLM 0.33.0, NIXL, transformers and this package installed):
     python kv_checksum_pd_gpu.py --out DIR [--num-equality 100] [--num-pd 200]
         [--producer-tp 2 | --consumer-tp 2]   (heterogeneous TP: two GPUs)
+    python kv_checksum_pd_gpu.py --out DIR --overhead-only --model 8b
 Exit code 0 only if every check passed; a JSON summary goes to DIR/summary.json.
 """
 
@@ -39,21 +50,42 @@ import time
 import traceback
 from typing import Any
 
-MODEL = os.environ.get("KV_CHECKSUM_MODEL", "/tmp/kv-checksum-qwen3")
-GPU_UTIL = float(os.environ.get("KV_CHECKSUM_GPU_UTIL", "0.18"))
-MAX_MODEL_LEN = 4608
+MODELS = {"tiny": "/tmp/kv-checksum-qwen3", "8b": "/tmp/kv-checksum-llama-8b"}
+MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320}
+GPU_UTILS = {"tiny": 0.18, "8b": 0.4}
 INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
 MISMATCH = re.compile(r"KV checksum mismatch for request (\S+?):")
 UNVERIFIED = re.compile(r"KV checksums not verified: (.*)\.")
 
 
-def build_model() -> None:
-    """A random-weight Qwen3 built locally (no model hub), peaky logits."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def build_model(shape: str) -> str:
+    """A random-weight model made locally (no model hub); returns its folder.
 
-    if os.path.exists(f"{MODEL}/config.json"):
-        return
+    ``tiny``: a 4-layer Qwen3 with saved random weights (peaky logits).
+    ``8b``: only the config of an 8B dense Llama (32 layers, 8 KV heads of 128);
+    the engines fill the weights randomly with vLLM's dummy loader.
+    """
+    import torch
+    from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM
+
+    model = MODELS[shape]
+    if os.path.exists(f"{model}/config.json"):
+        return model
+    if shape == "8b":
+        LlamaConfig(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=MAX_MODEL_LENS[shape],
+            rope_theta=500000.0,
+            bos_token_id=1,
+            eos_token_id=2,
+            torch_dtype="bfloat16",
+        ).save_pretrained(model)
+        return model
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=2048,
@@ -63,13 +95,14 @@ def build_model() -> None:
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=64,
-        max_position_embeddings=MAX_MODEL_LEN,
+        max_position_embeddings=MAX_MODEL_LENS[shape],
         initializer_range=0.08,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
     )
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(MODEL)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
+    return model
 
 
 def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> None:
@@ -77,6 +110,8 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
     extra = dict(extra)
     os.environ.update(extra.pop("_env", {}))
     tensor_parallel_size = extra.pop("_tp", 1)
+    shape = extra.pop("_model", "tiny")
+    model = MODELS[shape]
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -95,11 +130,14 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
         from vllm.inputs import TokensPrompt
 
         llm = LLM(
-            model=MODEL,
+            model=model,
             skip_tokenizer_init=True,
+            load_format="dummy" if shape == "8b" else "auto",
             enforce_eager=True,
-            gpu_memory_utilization=GPU_UTIL,
-            max_model_len=MAX_MODEL_LEN,
+            gpu_memory_utilization=float(
+                os.environ.get("KV_CHECKSUM_GPU_UTIL", GPU_UTILS[shape])
+            ),
+            max_model_len=MAX_MODEL_LENS[shape],
             dtype="bfloat16",
             seed=0,
             disable_log_stats=False,
@@ -242,15 +280,97 @@ def scan_log(path: str) -> dict[str, list]:
     }
 
 
+def one_at_a_time(engine: Engine, requests: list) -> list[list[int]]:
+    """Greedy outputs of requests sent one per launch (no batching)."""
+    return [engine.generate([r])[0][0]["tokens"] for r in requests]
+
+
+def differing(a: list, b: list) -> list[int]:
+    return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+
+
+def equality_phase(ref: Engine, prod: Engine, count: int) -> dict[str, Any]:
+    """Checksums off (ref) vs on (producer): same requests, same greedy ids."""
+    eq_prompts = prompts(count, 1, 8, 4096)
+    reqs = [(p, producer_params(), 16) for p in eq_prompts]
+    off = one_at_a_time(ref, reqs)
+    on = one_at_a_time(prod, reqs)
+    diff = differing(off, on)
+    batched: dict[str, list] = {"off": [], "off again": [], "on": []}
+    for batch in batches(reqs, 25):
+        for key, engine in (("off", ref), ("on", prod), ("off again", ref)):
+            batched[key] += [o["tokens"] for o in engine.generate(batch)[0]]
+    return {
+        "prompts": len(eq_prompts),
+        "identical": len(eq_prompts) - len(diff),
+        "differing (index, prompt length)": [(i, len(eq_prompts[i])) for i in diff],
+        "batched by 25: on vs off differing": differing(batched["off"], batched["on"]),
+        "batched by 25: off vs off again differing": differing(
+            batched["off"], batched["off again"]
+        ),
+    }
+
+
+def pd_phase(
+    ref: Engine,
+    prod: Engine,
+    consumer: Engine,
+    count: int,
+    seed: int,
+    max_tokens: int,
+    with_batched: bool,
+) -> dict[str, Any]:
+    """P/D through ``consumer`` vs ``ref``'s single-engine greedy outputs."""
+    pd_prompts = prompts(count, seed, 16, 2048)
+    reference = one_at_a_time(ref, [(p, None, max_tokens) for p in pd_prompts])
+    got, loaded, metrics = [], 0, {}
+    for prompt in pd_prompts:
+        out, metrics = pd_round(prod, consumer, [prompt], max_tokens)
+        got.append(out[0]["tokens"])
+        loaded += (out[0]["cached"] or 0) > 0
+    diff = differing(reference, got)
+    result: dict[str, Any] = {
+        "requests": count,
+        "equal_to_single_engine": count - len(diff),
+        "differing (index, prompt length)": [(i, len(pd_prompts[i])) for i in diff],
+        "kv_loaded": loaded,
+    }
+    if with_batched:
+        # Concurrency: 25 loads at a time, checksums on (consumer) and off (ref
+        # as the consumer), against ref's batched single-engine outputs.
+        outs: dict[str, list] = {"single": [], "on": [], "off": []}
+        for batch in batches(pd_prompts, 25):
+            single = ref.generate([(p, None, max_tokens) for p in batch])[0]
+            outs["single"] += [o["tokens"] for o in single]
+            for key, engine in (("on", consumer), ("off", ref)):
+                out, m = pd_round(prod, engine, batch, max_tokens)
+                outs[key] += [o["tokens"] for o in out]
+                if key == "on":
+                    metrics = m
+        result["batched by 25"] = {
+            "requests": count,
+            "P/D on vs P/D off differing": differing(outs["on"], outs["off"]),
+            "P/D on vs single engine differing": len(
+                differing(outs["on"], outs["single"])
+            ),
+            "P/D off vs single engine differing": len(
+                differing(outs["off"], outs["single"])
+            ),
+        }
+    result["metrics"] = metrics
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--num-equality", type=int, default=100)
     parser.add_argument("--num-pd", type=int, default=200)
     parser.add_argument("--num-faults", type=int, default=100)
     parser.add_argument("--fault-rate", type=float, default=0.3)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--overhead-rounds", type=int, default=11)
+    parser.add_argument("--overhead-rounds", type=int, default=15)
     parser.add_argument(
         "--sync-scheduling",
         action="store_true",
@@ -266,16 +386,21 @@ def main() -> int:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    build_model()
+    build_model(args.model)
     ctx = mp.get_context("spawn")
-    on = {"enable_kv_checksum": True}
+    base: dict[str, Any] = {"_model": args.model}
+    if args.overhead_only:
+        # Producer blocks nobody pulls are freed after this lease, so that
+        # repeated launches do not fill the KV cache.
+        base["kv_lease_duration"] = 6
+    on = {**base, "enable_kv_checksum": True}
     closed = {**on, "kv_checksum_fail_closed": True}
     faulty = {
         **closed,
         "kv_checksum_fault_injection": {"rate": args.fault_rate, "seed": 7},
     }
     specs = [
-        ("ref", {}, 5600),
+        ("ref", base, 5600),
         ("producer", on, 5700),
         ("consumer", closed, 5800),
         ("faulty", faulty, 5900),
@@ -291,7 +416,11 @@ def main() -> int:
         os.environ["KV_CHECKSUM_SYNC_CHECK"] = "0"
         specs = specs[:2]
     engines: dict[str, Engine] = {}
-    summary: dict[str, Any] = {"batch_invariant": True}
+    summary: dict[str, Any] = {
+        "model": args.model,
+        "batch_invariant": not args.overhead_only,
+        "async_scheduling": not args.sync_scheduling,
+    }
     ok = True
     try:
         for name, extra, port in specs:  # one at a time: memory profiling
@@ -305,61 +434,38 @@ def main() -> int:
                 print("[gpu] ref failed in batch-invariant mode; retrying without")
                 summary["batch_invariant"] = False
                 env = {"VLLM_BATCH_INVARIANT": "0"}
-                engines[name] = Engine(ctx, name, {"_env": env}, port + 50, args.out)
+                engines[name] = Engine(
+                    ctx, name, {**extra, "_env": env}, port + 50, args.out
+                )
                 engines[name].wait("ready", 600)
             print(f"[gpu] {name} ready at {time.time() - t0:.0f}s", flush=True)
         ref, prod = engines["ref"], engines["producer"]
         if args.overhead_only:
-            summary["overhead"] = measure_overhead(ref, prod, args.overhead_rounds)
+            summary["overhead"] = measure_overhead(
+                ref, prod, args.overhead_rounds, MAX_MODEL_LENS[args.model]
+            )
             raise SystemExit(0)
 
-        # 1. equality: identical producer-mode batches, checksums off vs on.
-        eq_prompts = prompts(args.num_equality, 1, 8, 4096)
-        same, differing = 0, []
-        for b, batch in enumerate(batches(eq_prompts, 25)):
-            reqs = [(p, producer_params(), 16) for p in batch]
-            off, _ = ref.generate(reqs)
-            got, _ = prod.generate(reqs)
-            for i, (a, c) in enumerate(zip(off, got)):
-                if a["tokens"] == c["tokens"]:
-                    same += 1
-                else:
-                    differing.append((b * 25 + i, len(batch[i])))
-        summary["equality"] = {
-            "prompts": len(eq_prompts),
-            "identical": same,
-            "differing (index, prompt length)": differing,
-        }
-        ok &= same == len(eq_prompts)
-        print(f"[gpu] equality: {same}/{len(eq_prompts)} identical", flush=True)
-
-        # 2 and 3. P/D through the clean and the fault-injecting consumer.
+        summary["equality"] = equality_phase(ref, prod, args.num_equality)
+        same = summary["equality"]["identical"]
+        ok &= same == args.num_equality
+        print(f"[gpu] equality: {same}/{args.num_equality} identical", flush=True)
         for phase, consumer_name, count, seed in (
             ("pd", "consumer", args.num_pd, 2),
             ("faults", "faulty", args.num_faults, 3),
         ):
-            pd_prompts = prompts(count, seed, 16, 2048)
-            reference = []
-            for batch in batches(pd_prompts, 25):
-                out, _ = ref.generate([(p, None, args.max_tokens) for p in batch])
-                reference += [o["tokens"] for o in out]
-            got, loaded, metrics = [], 0, {}
-            for batch in batches(pd_prompts, 25):
-                out, metrics = pd_round(
-                    prod, engines[consumer_name], batch, args.max_tokens
-                )
-                got += [o["tokens"] for o in out]
-                loaded += sum((o["cached"] or 0) > 0 for o in out)
-            equal = sum(a == b for a, b in zip(reference, got))
-            summary[phase] = {
-                "requests": count,
-                "equal_to_single_engine": equal,
-                "kv_loaded": loaded,
-                "metrics": metrics,
-            }
-            print(f"[gpu] {phase}: {equal}/{count} equal, {loaded} loaded", flush=True)
+            summary[phase] = result = pd_phase(
+                ref,
+                prod,
+                engines[consumer_name],
+                count,
+                seed,
+                args.max_tokens,
+                with_batched=phase == "pd",
+            )
+            equal = result["equal_to_single_engine"]
+            print(f"[gpu] {phase}: {equal}/{count} equal, {time.time() - t0:.0f}s")
             ok &= equal == count
-        summary["overhead"] = measure_overhead(ref, prod, args.overhead_rounds)
     except SystemExit:
         pass
     except BaseException:
@@ -394,17 +500,22 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def measure_overhead(ref: Engine, prod: Engine, rounds: int) -> dict[str, Any]:
-    """Producer-step time with checksums off (ref) vs on (producer), interleaved.
+def measure_overhead(
+    ref: Engine, prod: Engine, rounds: int, max_model_len: int
+) -> dict[str, Any]:
+    """Producer prefill time with checksums off (ref) vs on (producer), interleaved.
 
     Each launch prefills a batch of producer requests (one output token, so the
-    time is the time to first token of the batch); on and off alternate so
-    drift affects both alike. Reported: median and min-max spread per side.
+    time is the batch's time to first token; prompt tokens over that time is
+    the prefill throughput). On and off alternate so drift affects both alike.
+    Reported per side: median and min-max over the rounds (the first dropped),
+    and the median of the per-round differences with their min-max.
     """
+    long_prompt = 8192 if max_model_len > 8192 else 4096
     cases = {
         "1K prompt, concurrency 1": (1, 1024),
         "1K prompts, concurrency 32": (32, 1024),
-        "4K prompt, concurrency 1": (1, 4096),
+        f"{long_prompt // 1024}K prompt, concurrency 1": (1, long_prompt),
     }
     report: dict[str, Any] = {}
     for label, (concurrency, length) in cases.items():
@@ -417,17 +528,25 @@ def measure_overhead(ref: Engine, prod: Engine, rounds: int) -> dict[str, Any]:
                 order.reverse()
             for side, engine in order:
                 times[side].append(engine.generate(reqs)[1]["elapsed_s"] * 1e3)
-        stats = {}
+        stats: dict[str, Any] = {}
         for side, values in times.items():
-            values = sorted(values[1:])  # the first launch warms up
+            kept = sorted(values[1:])  # the first launch warms up
+            median = kept[len(kept) // 2]
             stats[side] = {
-                "median_ms": round(values[len(values) // 2], 3),
-                "min_ms": round(values[0], 3),
-                "max_ms": round(values[-1], 3),
+                "median_ms": round(median, 3),
+                "min_ms": round(kept[0], 3),
+                "max_ms": round(kept[-1], 3),
+                "prompt_tokens_per_s": round(concurrency * length / median * 1e3),
             }
+        paired = sorted(a - b for a, b in zip(times["on"][1:], times["off"][1:]))
         stats["difference_ms"] = round(
             stats["on"]["median_ms"] - stats["off"]["median_ms"], 3
         )
+        stats["paired_difference_ms"] = {
+            "median": round(paired[len(paired) // 2], 3),
+            "min": round(paired[0], 3),
+            "max": round(paired[-1], 3),
+        }
         report[label] = stats
         print(f"[gpu] overhead {label}: {stats}", flush=True)
     return report
