@@ -2,13 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Real-engine validation of KV checksums on one CUDA GPU (NIXL pull P/D).
 
-Four vLLM engines run as separate processes on one GPU, each with the
+Five vLLM engines run as separate processes on one GPU, each with the
 NixlConnector (kv_both) and this package loaded through its entry point:
 
 - ``ref``: checksums off (the reference; plain greedy decoding),
 - ``producer``: checksums on,
 - ``consumer``: checksums on, fail-closed, kv_load_failure_policy "recompute",
-- ``faulty``: like ``consumer`` plus the operator fault injector (R131).
+- ``faulty``: like ``consumer`` plus the operator fault injector (R131),
+- ``consumer_off``: checksums off, the control for ``consumer``.
 
 Phases (each prompt is sent on its own, so that every engine runs the same
 shapes and greedy outputs are comparable bit for bit; the batched rounds after
@@ -18,16 +19,18 @@ them add concurrency and measure the numerical noise floor of batching):
    with ``VLLM_GPU_SYNC_CHECK=error`` (any host sync fails the engine).
    Batched: 25 at a time on ``ref`` twice and on ``producer`` (reported).
 2. pd: prompts prefilled on ``producer``, decoded on ``consumer`` after a NIXL
-   pull: outputs must equal ``ref``'s greedy outputs, no mismatch or
-   unverified load may be logged. Batched: 25 at a time through ``consumer``
-   (checksums on) and through ``ref`` as the consumer (checksums off); every
-   load must verify, and the on and off outputs are compared (reported).
+   pull, one per launch and then 25 at a time (new prompts): no mismatch or
+   unverified load may be logged, and each output must equal ``ref``'s greedy
+   output computed the same way: ``ref`` runs every prompt twice, fresh and
+   then from its prefix cache (see `single_engine`). The same loads also go
+   through ``consumer_off``; its outputs are compared with ``consumer``'s.
 3. faults: the same through ``faulty``: every injected fault must be reported
    as a mismatch (log lines matched one to one) and every such request
    recomputed with an output still equal to ``ref``'s.
 
-``--overhead-only`` starts ``ref`` and ``producer`` alone and times producer
-prefills with checksums off and on, interleaved; with ``--model 8b`` the model
+``--overhead-only`` starts ``ref`` and ``producer`` alone (with
+``--overhead-control`` also ``off_again``, a second engine with checksums off)
+and times producer prefills with checksums off and on, interleaved; with ``--model 8b`` the model
 is an 8B-dense-shaped Llama (config from transformers, random weights from
 vLLM's dummy loader, no checkpoint).
 
@@ -52,7 +55,7 @@ from typing import Any
 
 MODELS = {"tiny": "/tmp/kv-checksum-qwen3", "8b": "/tmp/kv-checksum-llama-8b"}
 MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320}
-GPU_UTILS = {"tiny": 0.18, "8b": 0.4}
+GPU_UTILS = {"tiny": 0.15, "8b": 0.3}
 INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
 MISMATCH = re.compile(r"KV checksum mismatch for request (\S+?):")
 UNVERIFIED = re.compile(r"KV checksums not verified: (.*)\.")
@@ -311,52 +314,95 @@ def equality_phase(ref: Engine, prod: Engine, count: int) -> dict[str, Any]:
     }
 
 
+def single_engine(ref: Engine, batch: list[list[int]], max_tokens: int) -> tuple:
+    """``ref``'s greedy outputs for a batch, fresh and then from its prefix cache.
+
+    The first launch prefills each prompt whole; the second finds the prompt's
+    full blocks in the prefix cache and computes only the tail, as a P/D
+    consumer computes only the last prompt token after loading the rest. The
+    two can differ in the last bits of the attention sums (query length decides
+    the kernel's work split), so each P/D output is compared with the one
+    computed the same way: loaded requests with ``cached``, recomputed
+    requests with ``fresh``.
+    """
+    reqs = [(p, None, max_tokens) for p in batch]
+    fresh = [o["tokens"] for o in ref.generate(reqs)[0]]
+    cached = [o["tokens"] for o in ref.generate(reqs)[0]]
+    return fresh, cached
+
+
+def compare_pd(
+    fresh: list, cached: list, got: list, loaded: list[bool], lengths: list[int]
+) -> dict[str, Any]:
+    expected = [c if hit else f for f, c, hit in zip(fresh, cached, loaded)]
+    diff = differing(expected, got)
+    return {
+        "requests": len(got),
+        "kv_loaded": sum(loaded),
+        "recomputed": len(got) - sum(loaded),
+        "equal_to_single_engine": len(got) - len(diff),
+        "differing (index, prompt length)": [(i, lengths[i]) for i in diff],
+        "equal_to_fresh_prefill": len(got) - len(differing(fresh, got)),
+        "equal_to_cached_prefix": len(got) - len(differing(cached, got)),
+        "recomputed_equal_to_fresh_prefill": sum(
+            f == g for f, g, hit in zip(fresh, got, loaded) if not hit
+        ),
+    }
+
+
 def pd_phase(
     ref: Engine,
     prod: Engine,
     consumer: Engine,
+    consumer_off: Engine | None,
     count: int,
     seed: int,
     max_tokens: int,
-    with_batched: bool,
 ) -> dict[str, Any]:
-    """P/D through ``consumer`` vs ``ref``'s single-engine greedy outputs."""
+    """P/D through ``consumer`` (one request per launch, then batched by 25).
+
+    With ``consumer_off`` the same loads also go through a consumer with
+    checksums off, so any output difference can be told apart from the
+    checksums' effect.
+    """
     pd_prompts = prompts(count, seed, 16, 2048)
-    reference = one_at_a_time(ref, [(p, None, max_tokens) for p in pd_prompts])
-    got, loaded, metrics = [], 0, {}
+    lengths = [len(p) for p in pd_prompts]
+    fresh, cached, got, off, loaded = [], [], [], [], []
+    metrics: dict = {}
     for prompt in pd_prompts:
+        f, c = single_engine(ref, [prompt], max_tokens)
+        fresh += f
+        cached += c
         out, metrics = pd_round(prod, consumer, [prompt], max_tokens)
         got.append(out[0]["tokens"])
-        loaded += (out[0]["cached"] or 0) > 0
-    diff = differing(reference, got)
-    result: dict[str, Any] = {
-        "requests": count,
-        "equal_to_single_engine": count - len(diff),
-        "differing (index, prompt length)": [(i, len(pd_prompts[i])) for i in diff],
-        "kv_loaded": loaded,
-    }
-    if with_batched:
-        # Concurrency: 25 loads at a time, checksums on (consumer) and off (ref
-        # as the consumer), against ref's batched single-engine outputs.
-        outs: dict[str, list] = {"single": [], "on": [], "off": []}
-        for batch in batches(pd_prompts, 25):
-            single = ref.generate([(p, None, max_tokens) for p in batch])[0]
-            outs["single"] += [o["tokens"] for o in single]
-            for key, engine in (("on", consumer), ("off", ref)):
-                out, m = pd_round(prod, engine, batch, max_tokens)
-                outs[key] += [o["tokens"] for o in out]
-                if key == "on":
-                    metrics = m
-        result["batched by 25"] = {
-            "requests": count,
-            "P/D on vs P/D off differing": differing(outs["on"], outs["off"]),
-            "P/D on vs single engine differing": len(
-                differing(outs["on"], outs["single"])
-            ),
-            "P/D off vs single engine differing": len(
-                differing(outs["off"], outs["single"])
-            ),
-        }
+        loaded.append((out[0]["cached"] or 0) > 0)
+        if consumer_off is not None:
+            off.append(
+                pd_round(prod, consumer_off, [prompt], max_tokens)[0][0]["tokens"]
+            )
+    result = compare_pd(fresh, cached, got, loaded, lengths)
+    if consumer_off is not None:
+        result["P/D on vs P/D off differing"] = differing(got, off)
+        result["P/D off equal_to_fresh_prefill"] = count - len(differing(fresh, off))
+        result["P/D off equal_to_cached_prefix"] = count - len(differing(cached, off))
+        # Concurrency: new prompts, 25 loads at a time, on and off.
+        b_prompts = prompts(count, seed + 100, 16, 2048)
+        b_fresh, b_cached, b_on, b_off, b_loaded = [], [], [], [], []
+        for batch in batches(b_prompts, 25):
+            f, c = single_engine(ref, batch, max_tokens)
+            b_fresh += f
+            b_cached += c
+            out, metrics = pd_round(prod, consumer, batch, max_tokens)
+            b_on += [o["tokens"] for o in out]
+            b_loaded += [(o["cached"] or 0) > 0 for o in out]
+            b_off += [
+                o["tokens"] for o in pd_round(prod, consumer_off, batch, max_tokens)[0]
+            ]
+        batched = compare_pd(
+            b_fresh, b_cached, b_on, b_loaded, [len(p) for p in b_prompts]
+        )
+        batched["P/D on vs P/D off differing"] = differing(b_on, b_off)
+        result["batched by 25"] = batched
     result["metrics"] = metrics
     return result
 
@@ -383,6 +429,11 @@ def main() -> int:
         action="store_true",
         help="start only ref and producer, without the sync check, and time them",
     )
+    parser.add_argument(
+        "--overhead-control",
+        action="store_true",
+        help="with --overhead-only: also time a second engine with checksums off",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -404,17 +455,20 @@ def main() -> int:
         ("producer", on, 5700),
         ("consumer", closed, 5800),
         ("faulty", faulty, 5900),
+        ("consumer_off", base, 6000),
     ]
     # Heterogeneous TP (issue: two GPUs): the producer and the consumers may use
     # other TP sizes than the TP 1 reference.
     specs[1] = (specs[1][0], {**specs[1][1], "_tp": args.producer_tp}, specs[1][2])
-    for i in (2, 3):
+    for i in (2, 3, 4):
         specs[i] = (specs[i][0], {**specs[i][1], "_tp": args.consumer_tp}, specs[i][2])
     if args.sync_scheduling:
         os.environ["KV_CHECKSUM_ASYNC"] = "0"
     if args.overhead_only:
         os.environ["KV_CHECKSUM_SYNC_CHECK"] = "0"
         specs = specs[:2]
+        if args.overhead_control:
+            specs.append(("off_again", base, 6100))
     engines: dict[str, Engine] = {}
     summary: dict[str, Any] = {
         "model": args.model,
@@ -441,8 +495,11 @@ def main() -> int:
             print(f"[gpu] {name} ready at {time.time() - t0:.0f}s", flush=True)
         ref, prod = engines["ref"], engines["producer"]
         if args.overhead_only:
+            sides = {"off": ref, "on": prod}
+            if "off_again" in engines:
+                sides["off again"] = engines["off_again"]
             summary["overhead"] = measure_overhead(
-                ref, prod, args.overhead_rounds, MAX_MODEL_LENS[args.model]
+                sides, args.overhead_rounds, MAX_MODEL_LENS[args.model]
             )
             raise SystemExit(0)
 
@@ -458,14 +515,18 @@ def main() -> int:
                 ref,
                 prod,
                 engines[consumer_name],
+                engines["consumer_off"] if phase == "pd" else None,
                 count,
                 seed,
                 args.max_tokens,
-                with_batched=phase == "pd",
             )
             equal = result["equal_to_single_engine"]
             print(f"[gpu] {phase}: {equal}/{count} equal, {time.time() - t0:.0f}s")
             ok &= equal == count
+            if "batched by 25" in result:
+                equal = result["batched by 25"]["equal_to_single_engine"]
+                print(f"[gpu] {phase} batched: {equal}/{count} equal", flush=True)
+                ok &= equal == count
     except SystemExit:
         pass
     except BaseException:
@@ -491,7 +552,7 @@ def main() -> int:
         ok &= bool(injected) and injected == mismatched
     for name in ("producer", "consumer", "faulty"):
         if name in logs:
-            ok &= logs[name]["sync_errors"] == 0
+            ok &= not logs[name]["sync_errors"]
     summary["ok"] = bool(ok)
     summary["seconds"] = round(time.time() - t0, 1)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
@@ -501,15 +562,17 @@ def main() -> int:
 
 
 def measure_overhead(
-    ref: Engine, prod: Engine, rounds: int, max_model_len: int
+    sides: dict[str, Engine], rounds: int, max_model_len: int
 ) -> dict[str, Any]:
-    """Producer prefill time with checksums off (ref) vs on (producer), interleaved.
+    """Producer prefill time per engine ("off", "on", maybe "off again").
 
     Each launch prefills a batch of producer requests (one output token, so the
     time is the batch's time to first token; prompt tokens over that time is
-    the prefill throughput). On and off alternate so drift affects both alike.
-    Reported per side: median and min-max over the rounds (the first dropped),
-    and the median of the per-round differences with their min-max.
+    the prefill throughput). The engines take turns in a rotating order so
+    drift affects all alike. Reported per side: median and min-max over the
+    rounds (the first dropped); per other side, the median of its per-round
+    differences to "off" with their min-max. "off again", a second engine with
+    checksums off, measures how much two engines differ without any change.
     """
     long_prompt = 8192 if max_model_len > 8192 else 4096
     cases = {
@@ -517,36 +580,34 @@ def measure_overhead(
         "1K prompts, concurrency 32": (32, 1024),
         f"{long_prompt // 1024}K prompt, concurrency 1": (1, long_prompt),
     }
+    names = list(sides)
     report: dict[str, Any] = {}
     for label, (concurrency, length) in cases.items():
-        times: dict[str, list[float]] = {"off": [], "on": []}
+        times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
             batch = prompts(concurrency, 1000 + r, length, length + 1)
             reqs = [(p, producer_params(), 1) for p in batch]
-            order = [("off", ref), ("on", prod)]
-            if r % 2:
-                order.reverse()
-            for side, engine in order:
-                times[side].append(engine.generate(reqs)[1]["elapsed_s"] * 1e3)
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                elapsed = sides[name].generate(reqs)[1]["elapsed_s"]
+                times[name].append(elapsed * 1e3)
         stats: dict[str, Any] = {}
-        for side, values in times.items():
+        for name, values in times.items():
             kept = sorted(values[1:])  # the first launch warms up
             median = kept[len(kept) // 2]
-            stats[side] = {
+            stats[name] = {
                 "median_ms": round(median, 3),
                 "min_ms": round(kept[0], 3),
                 "max_ms": round(kept[-1], 3),
                 "prompt_tokens_per_s": round(concurrency * length / median * 1e3),
             }
-        paired = sorted(a - b for a, b in zip(times["on"][1:], times["off"][1:]))
-        stats["difference_ms"] = round(
-            stats["on"]["median_ms"] - stats["off"]["median_ms"], 3
-        )
-        stats["paired_difference_ms"] = {
-            "median": round(paired[len(paired) // 2], 3),
-            "min": round(paired[0], 3),
-            "max": round(paired[-1], 3),
-        }
+        for name in names[1:]:
+            paired = sorted(a - b for a, b in zip(times[name][1:], times["off"][1:]))
+            stats[f"{name} - off, paired ms"] = {
+                "median": round(paired[len(paired) // 2], 3),
+                "min": round(paired[0], 3),
+                "max": round(paired[-1], 3),
+            }
         report[label] = stats
         print(f"[gpu] overhead {label}: {stats}", flush=True)
     return report
