@@ -30,9 +30,9 @@ them add concurrency and measure the numerical noise floor of batching):
 
 ``--overhead-only`` starts ``ref`` and ``producer`` alone (with
 ``--overhead-control`` also ``off_again``, a second engine with checksums off)
-and times producer prefills with checksums off and on, interleaved; with ``--model 8b`` the model
-is an 8B-dense-shaped Llama (config from transformers, random weights from
-vLLM's dummy loader, no checkpoint).
+and times producer prefills with checksums off and on, interleaved; with
+``--model 8b`` the model is an 8B-dense-shaped Llama (config from
+transformers, random weights from vLLM's dummy loader, no checkpoint).
 
 Usage (needs vLLM 0.33.0, NIXL, transformers and this package installed):
     python kv_checksum_pd_gpu.py --out DIR [--num-equality 100] [--num-pd 200]
@@ -170,6 +170,11 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
                     ignore_eos=True,
                     detokenize=False,
                     extra_args={"kv_transfer_params": kvp} if kvp else None,
+                    # A prefill always computes the whole prompt, so a prompt
+                    # produced twice sends the same KV both times.
+                    skip_reading_prefix_cache=(
+                        True if kvp and kvp.get("do_remote_decode") else None
+                    ),
                 )
                 for _, kvp, max_tokens in batch
             ]
