@@ -244,7 +244,7 @@ class Engine:
 
     def stop(self) -> None:
         self.cmds.put(("stop",))
-        self.proc.join(30)
+        self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
 
@@ -527,6 +527,8 @@ def main() -> int:
             )
             equal = result["equal_to_single_engine"]
             print(f"[gpu] {phase}: {equal}/{count} equal, {time.time() - t0:.0f}s")
+            with open(os.path.join(args.out, f"{phase}.json"), "w") as f:
+                json.dump(result, f, indent=1, default=str)
             ok &= equal == count
             if "batched by 25" in result:
                 equal = result["batched by 25"]["equal_to_single_engine"]
