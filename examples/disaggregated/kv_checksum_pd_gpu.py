@@ -53,6 +53,7 @@ import time
 import traceback
 from typing import Any
 
+BLOCK_SIZE = 16
 MODELS = {"tiny": "/tmp/kv-checksum-qwen3", "8b": "/tmp/kv-checksum-llama-8b"}
 MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320}
 GPU_UTILS = {"tiny": 0.15, "8b": 0.3}
@@ -141,6 +142,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
                 os.environ.get("KV_CHECKSUM_GPU_UTIL", GPU_UTILS[shape])
             ),
             max_model_len=MAX_MODEL_LENS[shape],
+            block_size=BLOCK_SIZE,
             dtype="bfloat16",
             seed=0,
             disable_log_stats=False,
@@ -249,9 +251,19 @@ class Engine:
             self.proc.kill()
 
 
-def prompts(count: int, seed: int, low: int, high: int) -> list[list[int]]:
+def prompts(
+    count: int, seed: int, low: int, high: int, one_past_block: bool = False
+) -> list[list[int]]:
+    """Random prompts, log-uniform lengths; optionally one token past a block.
+
+    A prompt of k full blocks plus one token is what a single engine with the
+    prompt in its prefix cache computes exactly as a P/D consumer does: the
+    k blocks from cache (loaded, on the consumer) and one token of query.
+    """
     rng = random.Random(seed)
     lengths = [int(low * (high / low) ** rng.random()) for _ in range(count)]
+    if one_past_block:
+        lengths = [max(n - n % BLOCK_SIZE, BLOCK_SIZE) + 1 for n in lengths]
     return [[rng.randrange(3, 2048) for _ in range(n)] for n in lengths]
 
 
@@ -363,6 +375,7 @@ def pd_phase(
     count: int,
     seed: int,
     max_tokens: int,
+    one_past_block: bool = False,
 ) -> dict[str, Any]:
     """P/D through ``consumer`` (one request per launch, then batched by 25).
 
@@ -370,7 +383,7 @@ def pd_phase(
     checksums off, so any output difference can be told apart from the
     checksums' effect.
     """
-    pd_prompts = prompts(count, seed, 16, 2048)
+    pd_prompts = prompts(count, seed, 16, 2048, one_past_block)
     lengths = [len(p) for p in pd_prompts]
     fresh, cached, got, off, loaded = [], [], [], [], []
     metrics: dict = {}
@@ -391,7 +404,7 @@ def pd_phase(
         result["P/D off equal_to_fresh_prefill"] = count - len(differing(fresh, off))
         result["P/D off equal_to_cached_prefix"] = count - len(differing(cached, off))
         # Concurrency: new prompts, 25 loads at a time, on and off.
-        b_prompts = prompts(count, seed + 100, 16, 2048)
+        b_prompts = prompts(count, seed + 100, 16, 2048, one_past_block)
         b_fresh, b_cached, b_on, b_off, b_loaded = [], [], [], [], []
         for batch in batches(b_prompts, 25):
             f, c = single_engine(ref, batch, max_tokens)
@@ -426,6 +439,14 @@ def main() -> int:
         "--sync-scheduling",
         action="store_true",
         help="no async scheduling: batch composition independent of timing",
+    )
+    parser.add_argument(
+        "--one-past-block",
+        action="store_true",
+        help="P/D prompts of whole blocks plus one token (see `prompts`)",
+    )
+    parser.add_argument(
+        "--phases", default="equality,pd,faults", help="comma-separated phases"
     )
     parser.add_argument("--producer-tp", type=int, default=1)
     parser.add_argument("--consumer-tp", type=int, default=1)
@@ -508,14 +529,19 @@ def main() -> int:
             )
             raise SystemExit(0)
 
-        summary["equality"] = equality_phase(ref, prod, args.num_equality)
-        same = summary["equality"]["identical"]
-        ok &= same == args.num_equality
-        print(f"[gpu] equality: {same}/{args.num_equality} identical", flush=True)
+        phases = args.phases.split(",")
+        summary["one_past_block"] = args.one_past_block
+        if "equality" in phases:
+            summary["equality"] = equality_phase(ref, prod, args.num_equality)
+            same = summary["equality"]["identical"]
+            ok &= same == args.num_equality
+            print(f"[gpu] equality: {same}/{args.num_equality} identical")
         for phase, consumer_name, count, seed in (
             ("pd", "consumer", args.num_pd, 2),
             ("faults", "faulty", args.num_faults, 3),
         ):
+            if phase not in phases:
+                continue
             summary[phase] = result = pd_phase(
                 ref,
                 prod,
@@ -524,6 +550,7 @@ def main() -> int:
                 count,
                 seed,
                 args.max_tokens,
+                args.one_past_block,
             )
             equal = result["equal_to_single_engine"]
             print(f"[gpu] {phase}: {equal}/{count} equal, {time.time() - t0:.0f}s")
