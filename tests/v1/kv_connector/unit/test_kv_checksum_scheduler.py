@@ -11,7 +11,9 @@ its `KVChecksumScheduler.stats`, its logs and the request's finish reason.
 
 The carrier is the test connector declaring the kv_transfer_params carrier
 (`KVChecksumCarrierTestConnector`); NIXL pull is checked at the carrier API.
-Not covered here: NIXL push, Mooncake and Mamba (R123's other cases).
+Not covered here: NIXL push, Mooncake and Mamba (R123's other cases), and a
+producer preempted inside its last prefill step before that step's output
+arrives (R75's mixed reports; covered at the verification level by R84).
 
 Each test builds its own engines (about 0.2 s each once vLLM is imported):
 checksum schedulers warn once per reason and keep counts, so fresh engines keep
@@ -58,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_checksum.payload import (
     KVChecksumPayload,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import RequestStatus
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 
@@ -506,6 +509,77 @@ def test_failed_load_is_not_compared(model_dir: str, vllm_caplog) -> None:
     assert consumer.scheduled_tokens("r") == PROMPT_LEN + 1
     assert verdicts(consumer) == {}
     assert not messages(vllm_caplog, logging.ERROR)
+
+
+# --------------------------------------------------------------------------
+# Preemption and abort (R68, R74, R75)
+# --------------------------------------------------------------------------
+
+
+def test_preempted_producer_checksums_its_reprefill(model_dir: str) -> None:
+    """R68, R75: a producer preempted in the middle of its prefill registers
+    its send only in the re-prefill's last step, over the whole prompt (its
+    prefix-cache hit included), and sends what an unpreempted producer sends;
+    the load verifies fail-closed. Eight blocks and 16-token steps make vLLM
+    preempt it when a decoding request needs a block. Catches checksumming
+    only the blocks the re-prefill computed, or blocks from before the
+    preemption."""
+    preempting = SimEngine(
+        model_dir, SideConfig(max_num_batched_tokens=16, num_blocks=8), "Pp"
+    )
+    whole = SimEngine(model_dir, SideConfig(), "P1")
+    consumer = SimEngine(model_dir, SideConfig(fail_closed=True), "D")
+    prompt = make_prompt(23)
+    preempting.add(make_request("busy", make_prompt(24, 47), max_tokens=10))
+    params = produce(preempting, "r", prompt)
+    preempted = [o for o in preempting.history if "r" in (o.preempted_req_ids or ())]
+    assert preempted, "the producer request was not preempted"
+    steps = [o.num_scheduled_tokens.get("r", 0) for o in preempting.history]
+    first_prefill = steps.index(0, steps.index(next(n for n in steps if n)))
+    assert 0 < sum(steps[:first_prefill]) < PROMPT_LEN  # preempted mid-prefill
+    sends = [o for o in preempting.history if o.kv_checksum_scheduled is not None]
+    last_prefill = max(i for i, n in enumerate(steps) if n)
+    assert len(sends) == 1 and sends[0] is preempting.history[last_prefill]
+    got = KVChecksumPayload.from_base64(params[KV_TRANSFER_PARAMS_KEY])
+    expected = KVChecksumPayload.from_base64(
+        produce(whole, "r", prompt)[KV_TRANSFER_PARAMS_KEY]
+    )
+    assert got.num_tokens == expected.num_tokens == PROMPT_LEN
+    assert [(g.group_id, g.start) for g in got.groups] == [(0, 0)]
+    np.testing.assert_array_equal(got.groups[0].values, expected.groups[0].values)
+    result = consume(consumer, preempting, "r", prompt, params)
+    assert verdicts(consumer) == {"verified": 1}
+    assert result.finish_reason == "length"
+
+
+def test_aborted_load_is_dropped(model_dir: str, vllm_caplog) -> None:
+    """R74, R75: a consumer request aborted while its load runs is dropped by
+    the checksum scheduler and the workers: the load finishing afterwards is
+    neither compared nor counted, nothing is logged, and no state is kept for
+    it. Catches the checksum scheduler verifying (or keeping pending) loads of
+    aborted requests; the workers' side is test_abort_while_loading_dropped in
+    test_kv_checksum.py."""
+    producer, consumer = engines(model_dir, SideConfig(), SideConfig(fail_closed=True))
+    prompt = make_prompt(25)
+    params = produce(producer, "r", prompt)
+    consumer.add(make_request("r", prompt, max_tokens=2, kv_transfer_params=params))
+    consumer.step()
+    assert consumer.recv_blocks("r") is not None
+    consumer.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    consumer.finish_load("r")
+    consumer.step()
+    consumer.step()
+    assert verdicts(consumer) == {}
+    assert not consumer.checksums._recvs and not consumer.checksums._noted
+    assert all(not w.checksum._to_recv for w in consumer.workers)
+    logged = messages(vllm_caplog, logging.WARNING) + messages(
+        vllm_caplog, logging.ERROR
+    )
+    assert not [m for m in logged if "KV checksum" in m]
+    # The engine goes on: the same prompt loads and verifies afterwards.
+    params = produce(producer, "r2", prompt)
+    assert consume(consumer, producer, "r2", prompt, params).finish_reason == "length"
+    assert verdicts(consumer) == {"verified": 1}
 
 
 # --------------------------------------------------------------------------
