@@ -9,6 +9,7 @@ inside fixtures, and the test connector registers itself (a new name in
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,16 @@ def pytest_collection_modifyitems(
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def vllm_caplog(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> pytest.LogCaptureFixture:
+    """caplog that also sees vLLM's loggers (which do not propagate by default)."""
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    caplog.set_level(logging.WARNING)
+    return caplog
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     NUM_KV_HEADS,
     GroupsKind,
     KVChecksumTestConnector,
+    RecordedLoad,
     iter_engine_core_outputs,
     make_kv_cache_config,
     make_kv_caches,
@@ -103,10 +104,68 @@ class KVChecksumWholePromptTestConnector(KVChecksumCarrierTestConnector):
         return 0, False
 
 
+OFFLOAD_CONNECTOR_NAME = "KVChecksumOffloadTestConnector"
+OFFLOAD_TOKENS_KEY = "test_offload_tokens"
+
+
+class KVChecksumOffloadTestConnector(KVChecksumTestConnector):
+    """A test connector loading offloaded KV from host memory (R116-R121).
+
+    A request whose kv_transfer_params hold ``test_offload_tokens`` = n gets
+    its first n tokens as an asynchronous load from the host tier (hit source
+    "host"); the test moves the KV and the stored block entries and reports
+    the load finished. It declares "host" as a stored-checksum source and
+    records every `on_kv_checksum_failure` call.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failures: list[tuple[str, dict[int, list[int]]]] = []
+        self.checksum_worker: Any = None
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        count = int(params.get(OFFLOAD_TOKENS_KEY) or 0) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get(OFFLOAD_TOKENS_KEY):
+            return
+        if num_external_tokens > 0:
+            load = RecordedLoad(
+                request_id=request.request_id,
+                block_ids=tuple(list(ids) for ids in blocks.get_block_ids()),
+                num_external_tokens=num_external_tokens,
+                kv_transfer_params=dict(params),
+            )
+            self.started_loads.append(load)
+            self.pending_loads[request.request_id] = load
+        params[OFFLOAD_TOKENS_KEY] = 0
+
+    def get_kv_checksum_sources(self, request: Any) -> set[str]:
+        return {CacheHitSource.HOST.value}
+
+    def on_kv_checksum_failure(
+        self, request: Any, mismatches: dict[int, list[int]]
+    ) -> None:
+        self.failures.append((request.request_id, dict(mismatches)))
+
+    def register_kv_checksum_worker(self, worker: Any) -> None:
+        self.checksum_worker = worker
+
+
 def register_carrier_connector() -> None:
     for name, cls in (
         (CARRIER_CONNECTOR_NAME, "KVChecksumCarrierTestConnector"),
         (WHOLE_PROMPT_CONNECTOR_NAME, "KVChecksumWholePromptTestConnector"),
+        (OFFLOAD_CONNECTOR_NAME, "KVChecksumOffloadTestConnector"),
     ):
         if name not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(name, __name__, cls)

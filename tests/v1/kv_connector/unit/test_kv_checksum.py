@@ -9,7 +9,6 @@ report with `kv_checksum_reference`, which shares no code with the package.
 """
 
 import hashlib
-import logging
 import pickle
 from collections.abc import Mapping, Sequence
 
@@ -56,14 +55,6 @@ REQ = "req-0"
 # --------------------------------------------------------------------------
 # Fixtures (cuda_stream_stubs comes from conftest.py, R55)
 # --------------------------------------------------------------------------
-
-
-@pytest.fixture
-def vllm_caplog(caplog, monkeypatch):
-    """caplog that also sees vLLM's loggers (which do not propagate by default)."""
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    caplog.set_level(logging.WARNING)
-    return caplog
 
 
 # --------------------------------------------------------------------------

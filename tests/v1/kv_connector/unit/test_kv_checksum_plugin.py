@@ -60,6 +60,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     CARRIER_CONNECTOR_NAME,
+    OFFLOAD_CONNECTOR_NAME,
     KVChecksumCarrierTestConnector,
     register_carrier_connector,
 )
@@ -312,16 +313,6 @@ def registered(request: pytest.FixtureRequest) -> None:
     plugin.register()
     register_carrier_connector()
     register_scripted_connector()
-
-
-@pytest.fixture
-def vllm_caplog(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> pytest.LogCaptureFixture:
-    """caplog that also sees vLLM's loggers (which do not propagate by default)."""
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    caplog.set_level(logging.WARNING)
-    return caplog
 
 
 def checksum_logs(
@@ -782,6 +773,8 @@ def _child(connector: str, **extra: Any) -> dict[str, Any]:
         ("MultiConnector", [TEST_CONNECTOR_NAME, CARRIER_CONNECTOR_NAME], True),
         ("MultiConnector", [TEST_CONNECTOR_NAME, "NixlPushConnector"], False),
         ("MultiConnector", [], False),
+        (OFFLOAD_CONNECTOR_NAME, None, True),
+        ("MultiConnector", [TEST_CONNECTOR_NAME, OFFLOAD_CONNECTOR_NAME], True),
     ],
     ids=[
         "nixl",
@@ -793,13 +786,16 @@ def _child(connector: str, **extra: Any) -> dict[str, Any]:
         "multi-carrier-test",
         "multi-without-carrier",
         "multi-empty",
+        "offload-test",
+        "multi-offload-test",
     ],
 )
 def test_connector_declares_carrier(
     connector: str, children: list[str] | None, declares: bool
 ) -> None:
-    """R100: a connector class declares a carrier iff it overrides
-    `kv_checksum_carrier`; a MultiConnector iff any configured child does.
+    """R15, R100, R119: a connector class can verify loads iff it overrides
+    `kv_checksum_carrier` or `get_kv_checksum_sources`; a MultiConnector iff
+    any configured child does.
     Catches counting the base-class default as a carrier, and a MultiConnector
     judged by its own (delegating) method."""
     extra: dict[str, Any] = {}
@@ -1370,6 +1366,38 @@ def test_multi_connector_carrier_and_sender(model_dir: str) -> None:
     assert multi.get_num_new_matched_tokens(consumer, 0) == (39, True)
     assert multi._requests_to_connector["c"] == 1
     assert multi.kv_checksum_carrier(consumer, True) is KVChecksumCarrier.CONNECTOR
+
+
+def test_multi_connector_offload_methods(model_dir: str) -> None:
+    """R101, R119, R121: a MultiConnector's stored-checksum sources and failure
+    callback are those of the sub-connector chosen to load the request (none
+    before one is chosen); the checksum worker reaches every child. Catches
+    the base-class defaults answering for an offloading child."""
+    register_carrier_connector()
+    vllm_config = make_vllm_config(
+        model_dir,
+        kv_connector="MultiConnector",
+        extra_config=multi_extra(
+            _child(SCRIPTED_CONNECTOR_NAME),
+            _child(OFFLOAD_CONNECTOR_NAME),
+            **{ENABLE_KEY: True},
+        ),
+    )
+    multi = MultiConnector(
+        vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(vllm_config)
+    )
+    first, second = multi._connectors
+    request = make_request("r", prompt(20))
+    assert multi.get_kv_checksum_sources(request) == set()
+    multi._requests_to_connector["r"] = 1
+    assert multi.get_kv_checksum_sources(request) == {"host"}
+    multi.on_kv_checksum_failure(request, {0: [1]})
+    assert second.failures == [("r", {0: [1]})]
+    multi._requests_to_connector["r"] = 0
+    assert multi.get_kv_checksum_sources(request) == set()
+    worker = object()
+    multi.register_kv_checksum_worker(worker)
+    assert second.checksum_worker is worker
 
 
 def test_multi_connector_merges_received_checksums(model_dir: str) -> None:

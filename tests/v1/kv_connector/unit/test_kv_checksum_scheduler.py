@@ -93,14 +93,6 @@ MODES = {
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def vllm_caplog(caplog, monkeypatch):
-    """caplog that also sees vLLM's loggers (which may not propagate)."""
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    caplog.set_level(logging.WARNING)
-    return caplog
-
-
 def make_prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
     """Distinct token ids (3..999, never eos) for a seed."""
     return [(seed * 389 + 37 * i + (i * i) % 11) % 997 + 3 for i in range(length)]

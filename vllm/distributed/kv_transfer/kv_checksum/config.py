@@ -130,7 +130,12 @@ def _disable(message: str) -> bool:
 
 
 def connector_declares_carrier(kv_transfer_config: Any) -> bool:
-    """Whether the configured connector class can carry checksums (R100)."""
+    """Whether the configured connector class can verify loads (R15, R100).
+
+    It can if it declares a carrier (overrides `kv_checksum_carrier`) or
+    stored-checksum sources for its offload loads (overrides
+    `get_kv_checksum_sources`, R119).
+    """
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
@@ -146,8 +151,11 @@ def connector_declares_carrier(kv_transfer_config: Any) -> bool:
             connector_declares_carrier(KVTransferConfig(**child))
             for child in extra.get("connectors", [])
         )
-    default = KVConnectorBase_V1.__dict__.get("kv_checksum_carrier")
-    return getattr(connector_cls, "kv_checksum_carrier", default) is not default
+    return any(
+        getattr(connector_cls, method, None)
+        is not KVConnectorBase_V1.__dict__.get(method)
+        for method in ("kv_checksum_carrier", "get_kv_checksum_sources")
+    )
 
 
 def _ray_pp_without_aggregation(vllm_config: Any) -> bool:

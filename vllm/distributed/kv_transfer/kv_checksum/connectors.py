@@ -73,6 +73,13 @@ def multi_carrier(
     return None
 
 
+def chosen_connector(sub_connectors: list[Any], chosen: int | None) -> Any | None:
+    """MultiConnector: the sub-connector that loads a request, if any (R101)."""
+    if chosen is None or not 0 <= chosen < len(sub_connectors):
+        return None
+    return sub_connectors[chosen]
+
+
 def multi_sender(sub_connectors: list[Any], request: Any) -> Any | None:
     """The sub-connector that carries a producer request's checksums (R101)."""
     for connector in sub_connectors:

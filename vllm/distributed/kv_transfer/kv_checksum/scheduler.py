@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     KVChecksumScheduled,
 )
 from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
+from vllm.distributed.kv_transfer.kv_checksum.offload import verify_offloaded_load
 from vllm.distributed.kv_transfer.kv_checksum.payload import (
     KVChecksumPayload,
     KVChecksumPayloadLimits,
@@ -59,6 +60,18 @@ P2P_SOURCE = "p2p"
 CarrierFn = Callable[[Any, bool], KVChecksumCarrier | None]
 # hit_sources(request, num_external_tokens) -> names of the sources of the hit
 HitSourcesFn = Callable[[Any, int], set[str]]
+# checksum_sources(request) -> hit sources whose loads carry stored checksums
+ChecksumSourcesFn = Callable[[Any], set[str]]
+# on_failure(request, mismatches) -> None: a checked offload load failed (R121)
+FailureFn = Callable[[Any, dict[int, list[int]]], None]
+
+
+def _no_sources(request: Any) -> set[str]:
+    return set()
+
+
+def _ignore_failure(request: Any, mismatches: dict[int, list[int]]) -> None:
+    return None
 
 
 @dataclass
@@ -77,6 +90,13 @@ class _PendingReceive(_PendingTransfer):
     decode_error: str = ""
 
 
+@dataclass
+class _PendingLoad(_PendingTransfer):
+    """A load of offloaded KV, checked against the entries stored with it (R119)."""
+
+    request: Any = None
+
+
 class KVChecksumScheduler:
     """Per-request checksum bookkeeping and verification in the scheduler."""
 
@@ -89,6 +109,9 @@ class KVChecksumScheduler:
         carrier: CarrierFn,
         hit_sources: HitSourcesFn,
         limits: KVChecksumPayloadLimits | None = None,
+        checksum_sources: ChecksumSourcesFn = _no_sources,
+        on_failure: FailureFn = _ignore_failure,
+        hash_block_size: int | None = None,
     ) -> None:
         self.groups = dict(groups)
         self.num_workers = num_workers
@@ -96,6 +119,9 @@ class KVChecksumScheduler:
         self.fail_closed = fail_closed
         self.carrier = carrier
         self.hit_sources = hit_sources
+        self.checksum_sources = checksum_sources
+        self.on_failure = on_failure
+        self.hash_block_size = hash_block_size
         self.limits = limits or KVChecksumPayloadLimits(max_groups=len(self.groups))
         self.group_infos = {
             g: KVChecksumGroupInfo(block_size=s.block_size) for g, s in groups.items()
@@ -104,6 +130,7 @@ class KVChecksumScheduler:
         self._noted: set[str] = set()
         self._sends: dict[str, _PendingTransfer] = {}
         self._recvs: dict[str, _PendingReceive] = {}
+        self._loads: dict[str, _PendingLoad] = {}
         self._outgoing: dict[str, bytes] = {}
         self._step = KVChecksumScheduled()
         self._warned: set[str] = set()
@@ -119,6 +146,9 @@ class KVChecksumScheduler:
         hit_sources: HitSourcesFn,
         max_model_len: int,
         max_payload_bytes: int,
+        checksum_sources: ChecksumSourcesFn = _no_sources,
+        on_failure: FailureFn = _ignore_failure,
+        hash_block_size: int | None = None,
     ) -> "KVChecksumScheduler":
         """Build from vLLM's KVCacheConfig (transfer groups only)."""
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
@@ -140,7 +170,16 @@ class KVChecksumScheduler:
             max_model_len=max_model_len,
         )
         return cls(
-            groups, num_workers, tp_size, fail_closed, carrier, hit_sources, limits
+            groups,
+            num_workers,
+            tp_size,
+            fail_closed,
+            carrier,
+            hit_sources,
+            limits,
+            checksum_sources,
+            on_failure,
+            hash_block_size,
         )
 
     # ------------------------------------------------------------------
@@ -174,9 +213,10 @@ class KVChecksumScheduler:
     def add_recv(
         self, request: Any, blocks: Any, num_local_computed_tokens: int
     ) -> None:
-        """Register the blocks a starting load writes (R70)."""
+        """Register the blocks a starting load writes (R70, R119)."""
         req_id = request.request_id
         if req_id not in self._noted:
+            self._add_offload_load(request, blocks, num_local_computed_tokens)
             return
         self._noted.discard(req_id)
         num_external = request.num_computed_tokens - num_local_computed_tokens
@@ -199,6 +239,25 @@ class KVChecksumScheduler:
             self._expect(pending, params.get(KV_TRANSFER_PARAMS_KEY))
         self._recvs[req_id] = pending
         self._step.reqs_to_recv[req_id] = selected
+
+    def _add_offload_load(
+        self, request: Any, blocks: Any, num_local_computed_tokens: int
+    ) -> None:
+        """A load whose every hit source stores checksums is checked (R119)."""
+        num_external = request.num_computed_tokens - num_local_computed_tokens
+        if num_external <= 0:
+            return
+        sources = set(self.hit_sources(request, num_external))
+        if not sources or not sources <= set(self.checksum_sources(request)):
+            return
+        selected = select_blocks(
+            blocks.blocks,
+            self.groups,
+            num_local_computed_tokens,
+            request.num_computed_tokens,
+        )
+        self._loads[request.request_id] = _PendingLoad(selected, request=request)
+        self._step.reqs_to_load[request.request_id] = selected
 
     def build_checksum_meta(self) -> KVChecksumScheduled | None:
         """This step's blocks for the workers, then reset (R71)."""
@@ -227,7 +286,15 @@ class KVChecksumScheduler:
         invalid = np.fromiter(invalid_block_ids, dtype=np.int64)
         failing: set[str] = set()
         for req_id in finished_recving or ():
+            load = self._loads.pop(req_id, None)
             pending = self._recvs.pop(req_id, None)
+            if (
+                load is not None
+                and req_id not in skip
+                and not _writes_any(load, invalid)
+                and self._check_offload_load(req_id, load)
+            ):
+                failing.add(req_id)
             if pending is None or req_id in skip or _writes_any(pending, invalid):
                 continue
             verdict = self._verify(req_id, pending)
@@ -235,10 +302,37 @@ class KVChecksumScheduler:
                 failing.add(req_id)
         return failing
 
+    def _check_offload_load(self, req_id: str, load: _PendingLoad) -> bool:
+        """Verify an offload load (R120); tell the connector of a failure (R121).
+
+        Returns whether the load must fail (fail-closed and not verified).
+        """
+        verdict = verify_offloaded_load(
+            load.reports,
+            load.blocks,
+            self.num_workers,
+            load.request.block_hashes,
+            {g: info.block_size for g, info in self.group_infos.items()},
+            self.hash_block_size,
+        )
+        self._log_verdict(req_id, verdict)
+        self.stats.record_verdict(verdict)
+        if verdict.status == KVChecksumStatus.VERIFIED:
+            return False
+        try:
+            self.on_failure(load.request, dict(verdict.mismatches))
+        except Exception:
+            logger.exception("on_kv_checksum_failure failed for request %s", req_id)
+        return self.fail_closed
+
     def _store(self, record: KVChecksumRecord) -> None:
         key = (record.pp_rank, record.tp_rank)
         for req_id in record.checksums:
-            pending = self._sends.get(req_id) or self._recvs.get(req_id)
+            pending = (
+                self._sends.get(req_id)
+                or self._recvs.get(req_id)
+                or self._loads.get(req_id)
+            )
             report = KVChecksumWorkerReport.from_record(record, req_id)
             if pending is not None and report is not None:
                 pending.reports[key] = report
@@ -318,6 +412,7 @@ class KVChecksumScheduler:
         req_id = request.request_id
         self._noted.discard(req_id)
         self._recvs.pop(req_id, None)
+        self._loads.pop(req_id, None)
         send = self._sends.pop(req_id, None)
         if send is None or not _finished_normally(request):
             return kv_transfer_params

@@ -152,14 +152,14 @@ def whole_model_fingerprints(
     return totals
 
 
-def _completeness_detail(num_reported: int, num_workers: int) -> str | None:
+def completeness_detail(num_reported: int, num_workers: int) -> str | None:
     """The detail "k of W workers reported" if fewer than W reported (R80, R82)."""
     if num_reported >= num_workers:
         return None
     return f"{num_reported} of {num_workers} workers reported"
 
 
-def _other_blocks_detail(
+def other_blocks_detail(
     reports: Mapping[WorkerKey, KVChecksumWorkerReport],
     group_id: int,
     start: int,
@@ -204,7 +204,7 @@ def build_producer_payload(
     skipped by any worker, or checksummed by none, are omitted. Producer workers
     checksum replica-0 views only, so every column is summed.
     """
-    detail = _completeness_detail(len(reports), num_workers)
+    detail = completeness_detail(len(reports), num_workers)
     if detail is not None:
         return detail
     skipped = {gid for report in reports.values() for gid in report.skipped_groups}
@@ -212,7 +212,7 @@ def build_producer_payload(
     payload_groups: list[KVChecksumPayloadGroup] = []
     for group_id in sorted(scheduled.groups):
         start, block_ids = scheduled.groups[group_id]
-        detail = _other_blocks_detail(reports, group_id, start, len(block_ids))
+        detail = other_blocks_detail(reports, group_id, start, len(block_ids))
         if detail is not None:
             return f"group {group_id}: {detail}"
         entries = [
@@ -474,7 +474,7 @@ def verify_load(
     a reason leaves the others to continue (R82-R93).
     """
     verdict = KVChecksumVerdict(KVChecksumStatus.UNVERIFIED)
-    detail = _completeness_detail(len(reports), num_workers)
+    detail = completeness_detail(len(reports), num_workers)
     if detail is not None:
         verdict.reasons.append((UnverifiedReason.NOT_ALL_WORKERS, detail))
         return verdict
@@ -521,7 +521,7 @@ def _verify_group(
         verdict.tp_incomparable_groups.append(group_id)
         return
     start, block_ids = scheduled.groups[group_id]
-    detail = _other_blocks_detail(reports, group_id, start, len(block_ids))
+    detail = other_blocks_detail(reports, group_id, start, len(block_ids))
     if detail is not None:
         raise _GroupUnverified(UnverifiedReason.OTHER_BLOCKS, detail)
     sides = _both_sides(_consumer_side(reports, group_id), producer)

@@ -173,8 +173,30 @@ def _install_multi_connector(multi: type) -> None:
         if sender is not None:
             sender.send_kv_checksums(request, checksums)
 
+    def get_kv_checksum_sources(self: Any, request: Any) -> set[str]:
+        chosen = connectors.chosen_connector(
+            self._connectors, self._requests_to_connector.get(request.request_id)
+        )
+        return set() if chosen is None else chosen.get_kv_checksum_sources(request)
+
+    def on_kv_checksum_failure(
+        self: Any, request: Any, mismatches: dict[int, list[int]]
+    ) -> None:
+        chosen = connectors.chosen_connector(
+            self._connectors, self._requests_to_connector.get(request.request_id)
+        )
+        if chosen is not None:
+            chosen.on_kv_checksum_failure(request, mismatches)
+
+    def register_kv_checksum_worker(self: Any, worker: Any) -> None:
+        for child in self._connectors:
+            child.register_kv_checksum_worker(worker)
+
     multi.kv_checksum_carrier = kv_checksum_carrier  # type: ignore[attr-defined]
     multi.send_kv_checksums = send_kv_checksums  # type: ignore[attr-defined]
+    multi.get_kv_checksum_sources = get_kv_checksum_sources  # type: ignore[attr-defined]
+    multi.on_kv_checksum_failure = on_kv_checksum_failure  # type: ignore[attr-defined]
+    multi.register_kv_checksum_worker = register_kv_checksum_worker  # type: ignore[attr-defined]
 
     @_wrap(multi, "get_transfer_results")
     def get_transfer_results(original: Callable, self: Any, *args: Any) -> Any:
@@ -238,6 +260,11 @@ def _create_scheduler(scheduler: Any) -> KVChecksumScheduler | None:
         },
         max_model_len=vllm_config.model_config.max_model_len,
         max_payload_bytes=flags.max_payload_bytes,
+        checksum_sources=lambda request: {
+            getattr(s, "value", s) for s in connector.get_kv_checksum_sources(request)
+        },
+        on_failure=connector.on_kv_checksum_failure,
+        hash_block_size=getattr(scheduler, "hash_block_size", None),
     )
 
 
@@ -250,8 +277,10 @@ def _install_scheduler_hooks() -> None:
         """R10 (a). Target: Scheduler.__init__ (also AsyncScheduler's).
 
         Why: one checksum scheduler per engine, None when disabled.
-        How: created after vLLM's init; the connector's update_state_after_alloc
-        gets an instance wrapper noting loads as they start (R10 d).
+        How: created after vLLM's init, with the connector's carrier, hit
+        sources, stored-checksum sources and failure callback (R119, R121);
+        the connector's update_state_after_alloc gets an instance wrapper
+        noting loads as they start (R10 d).
         Upstream: the Scheduler constructing it next to its connector.
         """
         original(self, *args, **kwargs)

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     KVChecksumRecord,
     KVChecksumScheduled,
     ReplicaKey,
+    block_checksum_tags,
 )
 from vllm.distributed.kv_transfer.kv_checksum.kernels import KVChecksumLaunch
 from vllm.distributed.kv_transfer.kv_checksum.rows import (
@@ -114,6 +115,9 @@ class _PassResult:
     replica_keys: tuple[ReplicaKey, ...]
     device: torch.Tensor
     host: torch.Tensor | None = None
+    # Loads: the stored block entries of the loaded blocks (R117), per row.
+    stored_device: torch.Tensor | None = None
+    stored_host: torch.Tensor | None = None
 
 
 @dataclass
@@ -144,6 +148,9 @@ class KVChecksumPendingRecord:
         for result in self.results:
             assert result.host is not None
             values = result.host.numpy().view(np.uint64)
+            stored = None
+            if result.stored_host is not None:
+                stored = result.stored_host.numpy().view(np.uint64)
             seg = result.segment
             bounds = np.cumsum(seg.counts)
             for i, req_id in enumerate(seg.req_ids):
@@ -153,6 +160,7 @@ class KVChecksumPendingRecord:
                     start=int(seg.starts[i]),
                     replica_keys=result.replica_keys,
                     values=values[begin:end].copy(),
+                    stored=None if stored is None else stored[begin:end].copy(),
                 )
         self._record = KVChecksumRecord(
             pp_rank=self.pp_rank,
@@ -218,6 +226,9 @@ class KVChecksumWorker:
         self._to_recv: dict[str, KVChecksumBlocks] = {}
         self._to_load: dict[str, KVChecksumBlocks] = {}
         self._side_stream: torch.cuda.Stream | None = None
+        # Offloaded-KV checksums (R117): registered groups and the block table.
+        self._stored_groups: set[int] = set()
+        self._block_table: torch.Tensor | None = None
 
     def warm_up(self) -> None:
         """Compile every launch at start-up so no compilation lands in a step (R62)."""
@@ -288,6 +299,68 @@ class KVChecksumWorker:
         self._copy_to_host(pending)
         return pending
 
+    # ------------------------------------------------------------------
+    # Offloaded-KV checksums (R117, R118)
+    # ------------------------------------------------------------------
+
+    def init_block_checksums(self, group_ids: Iterable[int]) -> torch.Tensor:
+        """Register the groups a connector offloads; return the block table (R117).
+
+        The table holds, per block id, this worker's stored entry: the block's
+        partial checksum summed over columns, XOR the tag of its hash. It is
+        one int64 tensor on the KV cache's device, the same on every call; the
+        connector moves a block's entry wherever it moves the block's KV.
+        Groups this worker cannot checksum are not registered.
+        """
+        self._stored_groups.update(g for g in group_ids if g in self.groups)
+        if self._block_table is None:
+            self._block_table = torch.zeros(
+                self.topology.num_blocks, dtype=torch.int64, device=self.topology.device
+            )
+        return self._block_table
+
+    def save_block_checksums(
+        self, runs: Iterable[tuple[int, int, Sequence[int], Sequence[bytes]]]
+    ) -> None:
+        """Write the entries of full blocks into the block table (R118).
+
+        Each run is (group id, first position, block ids at consecutive
+        positions, the request's block hash at each block's last token). Runs
+        of unregistered groups are ignored. Queued on the current stream, after
+        the forward that wrote the blocks and before the connector reads them.
+        """
+        table = self._block_table
+        if table is None:
+            return
+        device = self.topology.device
+        for group_id, start, block_ids, block_hashes in runs:
+            if group_id not in self._stored_groups or not len(block_ids):
+                continue
+            plans = self.groups[group_id]
+            ids = np.asarray(block_ids, dtype=np.int64)
+            blocks = KVChecksumBlocks(
+                (start + len(ids)) * plans.block_size, {group_id: (start, ids)}
+            )
+            rows = segment_rows([("", blocks)], group_id, plans.block_size)[3]
+            packed, _ = pack_segments([rows])
+            rows_dev = self._to_device(self._host_tensor(packed))
+            out = torch.zeros(
+                (len(ids), len(plans.recv.replica_keys)),
+                dtype=torch.int64,
+                device=device,
+            )
+            plans.recv.run(rows_dev[:, : len(ids)], out)
+            tags = block_checksum_tags(block_hashes, plans.fingerprint).view(np.int64)
+            entries = out.sum(dim=1) ^ self._to_device(self._host_tensor(tags))
+            table[self._to_device(self._host_tensor(ids))] = entries
+
+    def _host_tensor(self, array: np.ndarray) -> torch.Tensor:
+        """`array` as a tensor, in pinned memory when it is copied to a GPU."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.topology.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory()
+
     def _launch(
         self,
         loads: list[tuple[str, KVChecksumBlocks]],
@@ -331,7 +404,12 @@ class KVChecksumWorker:
                 (n, len(plan.replica_keys)), dtype=torch.int64, device=rows_dev.device
             )
             plan.run(rows_dev[:, column : column + n], out)
-            results.append(_PassResult(segment, plan.replica_keys, out))
+            result = _PassResult(segment, plan.replica_keys, out)
+            table = self._block_table
+            if plan is plans.recv and plans.group_id in self._stored_groups:
+                assert table is not None
+                result.stored_device = table[rows_dev[0, column : column + n]]
+            results.append(result)
         return results
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -356,6 +434,13 @@ class KVChecksumWorker:
                     result.device.shape, dtype=torch.int64, pin_memory=on_device
                 )
                 result.host.copy_(result.device, non_blocking=True)
+                if result.stored_device is not None:
+                    result.stored_host = torch.empty(
+                        result.stored_device.shape,
+                        dtype=torch.int64,
+                        pin_memory=on_device,
+                    )
+                    result.stored_host.copy_(result.stored_device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
         pending.event = event

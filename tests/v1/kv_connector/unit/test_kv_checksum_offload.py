@@ -1,0 +1,379 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Offloaded-KV checksums (R116-R121).
+
+Workers write per-block entries (partial checksum summed over columns, XOR a
+tag of the block hash) into one table a connector moves with the KV; a load
+from a stored-checksum source is checksummed again and compared with the
+entries that came back. Worker values are checked against the NumPy reference
+and an independent SHA-256 tag; the end-to-end cases run a real vLLM
+scheduler with `KVChecksumOffloadTestConnector`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit import kv_checksum_reference as ref
+from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_pd import (
+    OFFLOAD_CONNECTOR_NAME,
+    OFFLOAD_TOKENS_KEY,
+    SideConfig,
+    SimEngine,
+    per_group,
+)
+from tests.v1.kv_connector.unit.test_kv_checksum import (
+    NUM_BLOCKS,
+    REQ,
+    blocks,
+    hexes,
+    truth_worker,
+    u64_sum,
+)
+from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+    KVChecksumGroup,
+    KVChecksumScheduled,
+    block_checksum_tags,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload import (
+    position_hashes,
+    verify_offloaded_load,
+)
+from vllm.distributed.kv_transfer.kv_checksum.verification import (
+    KVChecksumStatus,
+    KVChecksumWorkerReport,
+    UnverifiedReason,
+)
+from vllm.distributed.kv_transfer.kv_checksum.worker import KVChecksumWorker
+
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+
+U64 = np.uint64
+BLOCK_IDS = [5, 2, 7]
+
+
+def reference_tags(hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
+    """R116 written out: low 8 bytes (LE) of SHA-256(fingerprint LE8 + hash)."""
+    prefix = fingerprint.to_bytes(8, "little")
+    return np.array(
+        [
+            int.from_bytes(hashlib.sha256(prefix + h).digest()[:8], "little")
+            for h in hashes
+        ],
+        dtype=U64,
+    )
+
+
+def fake_hashes(count: int, seed: int = 0) -> list[bytes]:
+    return [hashlib.sha256(f"block {seed} {i}".encode()).digest() for i in range(count)]
+
+
+def table_entries(table: torch.Tensor, ids: Sequence[int]) -> np.ndarray:
+    return table.numpy().view(U64)[list(ids)].copy()
+
+
+def load_step(worker: KVChecksumWorker, reqs: dict) -> dict[int, KVChecksumGroup]:
+    """One step whose offload loads `reqs` finish; the record's entry for REQ."""
+    worker.bind(KVChecksumScheduled(reqs_to_load=dict(reqs)))
+    pending = worker.post_forward(finished_recving=set(reqs), failed_recving=set())
+    assert pending is not None
+    return pending.finalize().checksums[REQ]
+
+
+def test_tag_vector() -> None:
+    """R116: the spec's example, and the reference formula for other inputs."""
+    assert int(block_checksum_tags([bytes(32)], 0xD8FE581622DF5382)[0]) == (
+        0x17186C21C96033CF
+    )
+    hashes = fake_hashes(4)
+    got = block_checksum_tags(hashes, 0x0123456789ABCDEF)
+    assert hexes(got) == hexes(reference_tags(hashes, 0x0123456789ABCDEF))
+
+
+# --------------------------------------------------------------------------
+# Worker (R117, R118)
+# --------------------------------------------------------------------------
+
+
+def test_block_table_is_one_tensor_of_registered_groups() -> None:
+    """R117: one int64 (num_blocks,) table, the same on every call; runs of a
+    group the worker did not register write nothing. Catches a table per
+    call (the connector would move a stale one) or unregistered groups
+    written."""
+    kv = ref.random_kv(np.random.default_rng(1), 2, 48, 2, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    table = worker.init_block_checksums([0, 9])
+    assert worker.init_block_checksums([0]) is table
+    assert table.dtype == torch.int64 and tuple(table.shape) == (NUM_BLOCKS,)
+    worker.save_block_checksums([(9, 0, [5], fake_hashes(1))])
+    assert not table.any()
+    unregistered = truth_worker(kv, BLOCK_IDS)
+    blank = unregistered.init_block_checksums([])
+    unregistered.save_block_checksums([(0, 0, [5], fake_hashes(1))])
+    assert not blank.any()
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_saved_entries_are_partial_sums_xor_tags(tp_size: int) -> None:
+    """R118: a worker's entry of block b at position p is its partial checksum
+    of p (all columns) XOR tag(hash, its fingerprint); untag and sum over TP
+    ranks gives the reference checksum. Only the given blocks are written.
+    Catches a missing tag or one made with another fingerprint, and positions
+    counted from the run instead of the request (the checksum weights tokens
+    by position)."""
+    kv = ref.random_kv(np.random.default_rng(tp_size), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    hashes = fake_hashes(3)
+    untagged = []
+    for tp_rank in range(tp_size):
+        worker = truth_worker(kv, BLOCK_IDS, tp_rank=tp_rank, tp_size=tp_size)
+        table = worker.init_block_checksums([0])
+        worker.save_block_checksums([(0, 1, BLOCK_IDS[1:], hashes[1:])])
+        entries = table_entries(table, BLOCK_IDS[1:])
+        untagged.append(entries ^ reference_tags(hashes[1:], worker.fingerprints[0]))
+        others = [b for b in range(NUM_BLOCKS) if b not in BLOCK_IDS[1:]]
+        assert not table[others].any()
+    assert hexes(u64_sum(untagged)) == hexes(whole[1:])
+
+
+def test_load_reports_checksums_and_stored_entries() -> None:
+    """R117, R119: a finished offload load reports the loaded blocks' checksums
+    (as a receive) and the entries the table holds for them; a P/D receive on
+    a worker with no registered group reports no entries. Catches entries
+    captured from other blocks or not at all."""
+    kv = ref.random_kv(np.random.default_rng(3), 2, 48, 2, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    table = worker.init_block_checksums([0])
+    worker.save_block_checksums([(0, 0, BLOCK_IDS, fake_hashes(3))])
+    group = load_step(worker, {REQ: blocks(48, (0, 0, BLOCK_IDS))})[0]
+    assert group.stored is not None
+    assert hexes(group.stored) == hexes(table_entries(table, BLOCK_IDS))
+    want = ref.reference_block_checksums(kv, 16)
+    assert hexes(group.values.sum(axis=1, dtype=U64)) == hexes(want)
+    plain = truth_worker(kv, BLOCK_IDS)
+    plain.bind(KVChecksumScheduled(reqs_to_recv={REQ: blocks(48, (0, 0, BLOCK_IDS))}))
+    pending = plain.post_forward(finished_recving={REQ}, failed_recving=set())
+    assert pending is not None and pending.finalize().checksums[REQ][0].stored is None
+
+
+# --------------------------------------------------------------------------
+# Comparison (R120)
+# --------------------------------------------------------------------------
+
+
+def offload_reports(
+    tp_size: int,
+    flip: tuple[int, int] | None = None,
+    swap: bool = False,
+    seed: int = 5,
+) -> tuple[dict, list[bytes]]:
+    """Each TP rank saves the three blocks, then loads them back: its report.
+
+    `flip` = (tp rank, position) flips one KV bit on that rank after saving;
+    `swap` swaps the stored entries of positions 0 and 1 on every rank.
+    """
+    kv = ref.random_kv(np.random.default_rng(seed), 2, 48, 4, 16)
+    hashes = fake_hashes(3, seed)
+    reports = {}
+    for tp_rank in range(tp_size):
+        worker = truth_worker(kv, BLOCK_IDS, tp_rank=tp_rank, tp_size=tp_size)
+        table = worker.init_block_checksums([0])
+        worker.save_block_checksums([(0, 0, BLOCK_IDS, hashes)])
+        if flip is not None and flip[0] == tp_rank:
+            cache = next(iter(worker.kv_caches.values())).view(torch.uint8)
+            cache[BLOCK_IDS[flip[1]]].view(-1)[3] ^= 1
+        if swap:
+            a, b = BLOCK_IDS[0], BLOCK_IDS[1]
+            table[[a, b]] = table[[b, a]].clone()
+        groups = load_step(worker, {REQ: blocks(48, (0, 0, BLOCK_IDS))})
+        reports[(0, tp_rank)] = KVChecksumWorkerReport(
+            groups, fingerprints=dict(worker.fingerprints)
+        )
+    return reports, hashes
+
+
+def verify(reports: dict, hashes: Sequence[bytes], num_workers: int, **kw):
+    scheduled = kw.pop("scheduled", blocks(48, (0, 0, BLOCK_IDS)))
+    return verify_offloaded_load(
+        reports, scheduled, num_workers, hashes, {0: 16}, kw.pop("hash_bs", None)
+    )
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_clean_offload_load_verifies(tp_size: int) -> None:
+    """R120: entries saved and loaded back unchanged verify on every rank."""
+    reports, hashes = offload_reports(tp_size)
+    verdict = verify(reports, hashes, tp_size)
+    assert verdict.status == KVChecksumStatus.VERIFIED
+    assert verdict.compared_groups == [0]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_corrupted_kv_on_one_rank_is_a_mismatch(tp_size: int) -> None:
+    """R120: one flipped bit on the last rank fails its position; positions
+    are the union over workers. Catches comparing rank 0 only or summing ranks
+    before comparing (rank entries are tagged with their own fingerprints)."""
+    reports, hashes = offload_reports(tp_size, flip=(tp_size - 1, 1))
+    verdict = verify(reports, hashes, tp_size)
+    assert verdict.status == KVChecksumStatus.MISMATCH
+    assert verdict.mismatches == {0: [1]}
+
+
+def test_entries_of_other_blocks_are_mismatches() -> None:
+    """R116, R120: swapped stored entries, or a load whose request has another
+    block hash at a position (another block's KV with its entry), mismatch.
+    Catches entries compared without their tags."""
+    reports, hashes = offload_reports(1, swap=True)
+    assert verify(reports, hashes, 1).mismatches == {0: [0, 1]}
+    reports, hashes = offload_reports(1)
+    other = [hashes[0], hashes[1], fake_hashes(1, 99)[0]]
+    assert verify(reports, other, 1).mismatches == {0: [2]}
+
+
+def test_incomplete_or_other_blocks_are_unverified() -> None:
+    """R82, R84 for offload loads: a missing worker, or one reporting another
+    range than scheduled, leaves the load unverified; a group no worker stored
+    entries for is not compared."""
+    reports, hashes = offload_reports(2)
+    missing = verify({(0, 0): reports[(0, 0)]}, hashes, 2)
+    assert missing.status == KVChecksumStatus.UNVERIFIED
+    assert missing.reasons[0][0] == UnverifiedReason.NOT_ALL_WORKERS
+    shifted = verify(reports, hashes, 2, scheduled=blocks(48, (0, 1, BLOCK_IDS[1:])))
+    assert shifted.status == KVChecksumStatus.UNVERIFIED
+    assert shifted.reasons[0][0] == UnverifiedReason.OTHER_BLOCKS
+    for report in reports.values():
+        report.groups[0].stored = None
+    nothing = verify(reports, hashes, 2)
+    assert nothing.status == KVChecksumStatus.VERIFIED
+    assert nothing.compared_groups == []
+
+
+def test_position_hashes_with_smaller_hash_blocks() -> None:
+    """R120: with hash blocks of 16 tokens and 32-token blocks, position p is
+    identified by hash 2p + 1; a missing hash gives None. Catches indexing the
+    request's hashes by position."""
+    hashes = fake_hashes(6)
+    assert position_hashes(hashes, 1, 2, 32, 16) == [hashes[3], hashes[5]]
+    assert position_hashes(hashes, 0, 3, 16, None) == hashes[:3]
+    assert position_hashes(hashes, 2, 2, 32, 16) is None
+
+
+# --------------------------------------------------------------------------
+# Scheduler end to end (R119, R121)
+# --------------------------------------------------------------------------
+
+PROMPT = [(23 * i + 7) % 997 + 3 for i in range(60)]
+STORED = 48  # three full 16-token blocks come from the host tier
+
+
+def offload_engine(model_dir: str, name: str, **side) -> SimEngine:
+    engine = SimEngine(
+        model_dir, SideConfig(connector=OFFLOAD_CONNECTOR_NAME, **side), name
+    )
+    for worker in engine.workers:
+        worker.checksum.init_block_checksums([0])
+    return engine
+
+
+def stored_copy(source: SimEngine) -> tuple[dict, dict, list[bytes]]:
+    """Compute PROMPT on `source` and offload its first three blocks: the KV,
+    every worker's entries and the request's block hashes."""
+    source.add(make_request("a", PROMPT, max_tokens=4))
+    source.step()
+    ids = source.block_ids("a")[0][: STORED // 16]
+    hashes = [bytes(h) for h in source.scheduler.requests["a"].block_hashes[:3]]
+    entries = {}
+    for worker in source.workers:
+        worker.checksum.save_block_checksums([(0, 0, ids, hashes)])
+        table = worker.checksum.init_block_checksums([0])
+        entries[(worker.pp_rank, worker.tp_rank)] = table[ids].clone()
+    return source.read_global(ids, range(STORED)), entries, hashes
+
+
+def load_stored(
+    engine: SimEngine, kv: dict, entries: dict, corrupt: bool = False
+) -> str:
+    """A request for PROMPT whose first blocks load from the host tier."""
+    engine.add(
+        make_request(
+            "b", PROMPT, max_tokens=2, kv_transfer_params={OFFLOAD_TOKENS_KEY: STORED}
+        )
+    )
+    engine.step()
+    load = engine.loads["b"]
+    ids = per_group(load.block_ids)[0][: STORED // 16]
+    if corrupt:
+        kv = {key: value.copy() for key, value in kv.items()}
+        kv[next(iter(kv))][20, 0] ^= 0x10  # position 1 of layer 0, one head
+    engine.write_global(ids, list(range(STORED)), kv)
+    for worker in engine.workers:
+        table = worker.checksum.init_block_checksums([0])
+        table[ids] = entries[(worker.pp_rank, worker.tp_rank)]
+    engine.finish_load("b")
+    engine.step()
+    return str(engine.run("b").finish_reason)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_offload_load_verifies_end_to_end(model_dir: str, tp: int) -> None:
+    """R119: a load whose hit source ("host") the connector declares is
+    registered in the step it starts (reqs_to_load) and verifies; nothing is
+    reported to the connector. Catches offload loads left unregistered."""
+    source = offload_engine(model_dir, "S", tp=tp)
+    engine = offload_engine(model_dir, "D", tp=tp, fail_closed=True)
+    kv, entries, _ = stored_copy(source)
+    assert load_stored(engine, kv, entries) == "length"
+    scheduled = [
+        o.kv_checksum_scheduled.reqs_to_load
+        for o in engine.history
+        if o.kv_checksum_scheduled is not None and o.kv_checksum_scheduled.reqs_to_load
+    ]
+    assert len(scheduled) == 1 and list(scheduled[0]) == ["b"]
+    start, ids = scheduled[0]["b"].groups[0]
+    assert (start, len(ids)) == (0, STORED // 16)
+    assert dict(engine.checksums.stats.loads) == {"verified": 1}
+    assert engine.scheduler.connector.failures == []
+
+
+@pytest.mark.parametrize("fail_closed", [False, True])
+def test_corrupted_offload_load_reports_failure(
+    model_dir: str, vllm_caplog, fail_closed: bool
+) -> None:
+    """R120, R121: a bit flipped in the loaded KV is a mismatch at its
+    position, logged; the connector hears of it in both modes
+    (`on_kv_checksum_failure`, so it can drop the bad copy); fail-closed with
+    "recompute" computes the prompt again. Catches the failure callback only
+    fail-closed, or the comparison dropped."""
+    source = offload_engine(model_dir, "S")
+    engine = offload_engine(model_dir, "D", fail_closed=fail_closed, policy="recompute")
+    kv, entries, _ = stored_copy(source)
+    assert load_stored(engine, kv, entries, corrupt=True) == "length"
+    assert dict(engine.checksums.stats.loads) == {"mismatch": 1}
+    assert engine.scheduler.connector.failures == [("b", {0: [1]})]
+    errors = [r.getMessage() for r in vllm_caplog.records if r.levelno == logging.ERROR]
+    assert any("KV checksum mismatch for request b" in m for m in errors)
+    recomputed = engine.scheduled_tokens("b") >= len(PROMPT)
+    assert recomputed == fail_closed
+
+
+def test_loads_from_undeclared_sources_are_not_checked(model_dir: str) -> None:
+    """R119: a hit source the connector does not declare (here none) leaves
+    the load unchecked: not registered, no verdict. Catches checking every
+    external load (its blocks would carry no entries)."""
+    source = offload_engine(model_dir, "S")
+    engine = offload_engine(model_dir, "D")
+    engine.scheduler.connector.get_kv_checksum_sources = lambda request: set()
+    kv, entries, _ = stored_copy(source)
+    assert load_stored(engine, kv, entries, corrupt=True) == "length"
+    assert not any(
+        o.kv_checksum_scheduled is not None and o.kv_checksum_scheduled.reqs_to_load
+        for o in engine.history
+    )
+    assert dict(engine.checksums.stats.loads) == {}

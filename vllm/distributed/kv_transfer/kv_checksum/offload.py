@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Verifying a load of offloaded KV against the block checksums stored with it.
+
+A connector that offloads KV may offload, with each block, the worker's
+checksum entry of that block (sum of its partial checksums XOR a tag of the
+block's hash, R116-R118). When it loads the block back, each worker checksums
+the loaded KV again and captures the entry that came back; a position is bad
+when the two disagree on any worker (R120). Pure functions over plain inputs.
+"""
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+    KVChecksumBlocks,
+    block_checksum_tags,
+)
+from vllm.distributed.kv_transfer.kv_checksum.verification import (
+    KVChecksumStatus,
+    KVChecksumVerdict,
+    KVChecksumWorkerReport,
+    UnverifiedReason,
+    WorkerKey,
+    completeness_detail,
+    other_blocks_detail,
+)
+
+
+def position_hashes(
+    block_hashes: Sequence[bytes],
+    start: int,
+    count: int,
+    block_size: int,
+    hash_block_size: int | None,
+) -> list[bytes] | None:
+    """The request's hash at the last token of each position, None if missing.
+
+    Position p of a group with block size bs holds hash blocks up to
+    (p + 1) * bs / hash_block_size; its identity is that last hash (R120).
+    """
+    per_block = block_size // (hash_block_size or block_size)
+    if per_block < 1:
+        return None
+    last = [(p + 1) * per_block - 1 for p in range(start, start + count)]
+    if last and last[-1] >= len(block_hashes):
+        return None
+    return [bytes(block_hashes[i]) for i in last]
+
+
+def verify_offloaded_load(
+    reports: Mapping[WorkerKey, KVChecksumWorkerReport],
+    scheduled: KVChecksumBlocks,
+    num_workers: int,
+    block_hashes: Sequence[bytes],
+    block_sizes: Mapping[int, int],
+    hash_block_size: int | None,
+) -> KVChecksumVerdict:
+    """Compares each worker's loaded-block checksums with the stored entries.
+
+    Groups no worker stored entries for are not compared; a load with no
+    compared group and no other reason is verified (R120). Bad positions are
+    the union over workers.
+    """
+    verdict = KVChecksumVerdict(KVChecksumStatus.UNVERIFIED)
+    detail = completeness_detail(len(reports), num_workers)
+    if detail is not None:
+        verdict.reasons.append((UnverifiedReason.NOT_ALL_WORKERS, detail))
+        return verdict
+    for group_id in sorted(scheduled.groups):
+        start, block_ids = scheduled.groups[group_id]
+        entries = {
+            key: report.groups[group_id]
+            for key, report in reports.items()
+            if group_id in report.groups and report.groups[group_id].stored is not None
+        }
+        if not entries:
+            continue
+        detail = other_blocks_detail(reports, group_id, start, len(block_ids))
+        if detail is not None:
+            reason = UnverifiedReason.OTHER_BLOCKS
+            verdict.reasons.append((reason, f"group {group_id}: {detail}"))
+            continue
+        hashes = position_hashes(
+            block_hashes, start, len(block_ids), block_sizes[group_id], hash_block_size
+        )
+        if hashes is None:
+            reason = UnverifiedReason.OTHER_BLOCKS
+            detail = "the request has no block hash for a loaded position"
+            verdict.reasons.append((reason, f"group {group_id}: {detail}"))
+            continue
+        bad = np.zeros(len(block_ids), dtype=bool)
+        for key, entry in entries.items():
+            fingerprint = reports[key].fingerprints.get(group_id, 0)
+            tags = block_checksum_tags(hashes, fingerprint)
+            with np.errstate(over="ignore"):
+                sums = entry.values.sum(axis=1, dtype=np.uint64)
+            assert entry.stored is not None
+            bad |= (sums ^ tags) != entry.stored.astype(np.uint64, copy=False)
+        verdict.compared_groups.append(group_id)
+        if bad.any():
+            verdict.mismatches[group_id] = (start + np.flatnonzero(bad)).tolist()
+    if verdict.mismatches:
+        verdict.status = KVChecksumStatus.MISMATCH
+    elif not verdict.reasons:
+        verdict.status = KVChecksumStatus.VERIFIED
+    return verdict
