@@ -6,7 +6,9 @@
 producer it registers a request's prompt blocks in the step that finishes the
 prompt and, when the request finishes, sums the workers' parts into the payload
 the carrier moves. On a consumer it registers the blocks a load writes in the
-step the load starts and verifies them once every worker reported (SPEC 9-13).
+step the load starts and verifies them once every worker reported (SPEC 9-13);
+loads of offloaded KV from sources the connector declares are checked against
+the block entries stored with them (SPEC 18).
 """
 
 from collections.abc import Callable, Iterable, Mapping
