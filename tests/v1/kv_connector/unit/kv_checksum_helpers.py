@@ -864,17 +864,24 @@ class KVChecksumTestConnector(KVConnectorBase_V1, SupportsHMA):
         if not params or not params.get("do_remote_prefill"):
             return
         if num_external_tokens > 0:
-            load = RecordedLoad(
-                request_id=request.request_id,
-                block_ids=tuple(list(ids) for ids in blocks.get_block_ids()),
-                num_external_tokens=num_external_tokens,
-                kv_transfer_params=copy.deepcopy(params),
-            )
-            self.started_loads.append(load)
-            self.pending_loads[request.request_id] = load
-            self._new_loads[request.request_id] = load
+            self.start_load(request, blocks, num_external_tokens)
         # Only one transfer per request.
         params["do_remote_prefill"] = False
+
+    def start_load(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> RecordedLoad:
+        """Record a load into `blocks` as started; the test finishes it."""
+        load = RecordedLoad(
+            request_id=request.request_id,
+            block_ids=tuple(list(ids) for ids in blocks.get_block_ids()),
+            num_external_tokens=num_external_tokens,
+            kv_transfer_params=copy.deepcopy(request.kv_transfer_params),
+        )
+        self.started_loads.append(load)
+        self.pending_loads[request.request_id] = load
+        self._new_loads[request.request_id] = load
+        return load
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput

@@ -42,7 +42,6 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     NUM_KV_HEADS,
     GroupsKind,
     KVChecksumTestConnector,
-    RecordedLoad,
     iter_engine_core_outputs,
     make_kv_cache_config,
     make_kv_caches,
@@ -139,14 +138,7 @@ class KVChecksumOffloadTestConnector(KVChecksumTestConnector):
         if not params or not params.get(OFFLOAD_TOKENS_KEY):
             return
         if num_external_tokens > 0:
-            load = RecordedLoad(
-                request_id=request.request_id,
-                block_ids=tuple(list(ids) for ids in blocks.get_block_ids()),
-                num_external_tokens=num_external_tokens,
-                kv_transfer_params=dict(params),
-            )
-            self.started_loads.append(load)
-            self.pending_loads[request.request_id] = load
+            self.start_load(request, blocks, num_external_tokens)
         params[OFFLOAD_TOKENS_KEY] = 0
 
     def get_kv_checksum_sources(self, request: Any) -> set[str]:

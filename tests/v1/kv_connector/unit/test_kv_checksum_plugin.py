@@ -1316,6 +1316,16 @@ def multi_extra(*children: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"connectors": list(children), **extra}
 
 
+def make_multi(model_dir: str, role: Any, *children: dict[str, Any]) -> Any:
+    """A MultiConnector of `children` with checksums enabled, in `role`."""
+    vllm_config = make_vllm_config(
+        model_dir,
+        kv_connector="MultiConnector",
+        extra_config=multi_extra(*children, **{ENABLE_KEY: True}),
+    )
+    return MultiConnector(vllm_config, role, make_kv_cache_config(vllm_config))
+
+
 SCRIPTED_CHILDREN = (
     _child(
         SCRIPTED_CONNECTOR_NAME,
@@ -1338,14 +1348,7 @@ def test_multi_connector_carrier_and_sender(model_dir: str) -> None:
     Catches delegating loads to the first child (checksums expected in
     kv_transfer_params a CONNECTOR child never fills) or sending the bytes to
     a child that does not carry them."""
-    vllm_config = make_vllm_config(
-        model_dir,
-        kv_connector="MultiConnector",
-        extra_config=multi_extra(*SCRIPTED_CHILDREN, **{ENABLE_KEY: True}),
-    )
-    multi = MultiConnector(
-        vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(vllm_config)
-    )
+    multi = make_multi(model_dir, KVConnectorRole.SCHEDULER, *SCRIPTED_CHILDREN)
     first, second = multi._connectors
     request = make_request("r", prompt(20))
     assert multi.kv_checksum_carrier(request, True) is None  # no load chosen
@@ -1374,17 +1377,11 @@ def test_multi_connector_offload_methods(model_dir: str) -> None:
     before one is chosen); the checksum worker reaches every child. Catches
     the base-class defaults answering for an offloading child."""
     register_carrier_connector()
-    vllm_config = make_vllm_config(
+    multi = make_multi(
         model_dir,
-        kv_connector="MultiConnector",
-        extra_config=multi_extra(
-            _child(SCRIPTED_CONNECTOR_NAME),
-            _child(OFFLOAD_CONNECTOR_NAME),
-            **{ENABLE_KEY: True},
-        ),
-    )
-    multi = MultiConnector(
-        vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(vllm_config)
+        KVConnectorRole.SCHEDULER,
+        _child(SCRIPTED_CONNECTOR_NAME),
+        _child(OFFLOAD_CONNECTOR_NAME),
     )
     first, second = multi._connectors
     request = make_request("r", prompt(20))
@@ -1406,17 +1403,11 @@ def test_multi_connector_merges_received_checksums(model_dir: str) -> None:
     vLLM's own merge of finished ids; without any the result has none; the
     children's methods are left as they were. Catches received bytes of a
     second child dropped."""
-    vllm_config = make_vllm_config(
+    multi = make_multi(
         model_dir,
-        kv_connector="MultiConnector",
-        extra_config=multi_extra(
-            _child(SCRIPTED_CONNECTOR_NAME),
-            _child(SCRIPTED_CONNECTOR_NAME),
-            **{ENABLE_KEY: True},
-        ),
-    )
-    multi = MultiConnector(
-        vllm_config, KVConnectorRole.WORKER, make_kv_cache_config(vllm_config)
+        KVConnectorRole.WORKER,
+        _child(SCRIPTED_CONNECTOR_NAME),
+        _child(SCRIPTED_CONNECTOR_NAME),
     )
     first, second = multi._connectors
     first.scripted.append(

@@ -196,6 +196,16 @@ def test_producer_payload_independent_of_tp_pp(
     assert reference.checksums.stats.sent == sharded.checksums.stats.sent == 1
 
 
+def assert_whole_prompt_payload(
+    params: dict[str, Any], expected: KVChecksumPayload
+) -> None:
+    """The params carry the whole prompt's payload, equal to `expected`'s."""
+    payload = KVChecksumPayload.from_base64(params[KV_TRANSFER_PARAMS_KEY])
+    assert payload.num_tokens == expected.num_tokens == PROMPT_LEN
+    assert [(g.group_id, g.start) for g in payload.groups] == [(0, 0)]
+    np.testing.assert_array_equal(payload.groups[0].values, expected.groups[0].values)
+
+
 def test_chunked_prefill_checksums_whole_prompt_once(model_dir: str) -> None:
     """R68: with chunked prefill (24-token steps) the producer checksums the
     whole prompt once, in the step that finishes it, and sends what an
@@ -214,10 +224,7 @@ def test_chunked_prefill_checksums_whole_prompt_once(model_dir: str) -> None:
     assert chunks[:3] == [24, 24, 12]
     sends = [o for o in chunked.history if o.kv_checksum_scheduled is not None]
     assert len(sends) == 1 and sends[0] is chunked.history[2]
-    payload = KVChecksumPayload.from_base64(params[KV_TRANSFER_PARAMS_KEY])
-    assert payload.num_tokens == expected.num_tokens == PROMPT_LEN
-    assert [(g.group_id, g.start) for g in payload.groups] == [(0, 0)]
-    np.testing.assert_array_equal(payload.groups[0].values, expected.groups[0].values)
+    assert_whole_prompt_payload(params, expected)
     result = consume(consumer, chunked, "r", prompt, params)
     assert verdicts(consumer) == {"verified": 1}
     assert result.finish_reason == "length"
@@ -527,18 +534,15 @@ def test_preempted_producer_checksums_its_reprefill(model_dir: str) -> None:
     preempted = [o for o in preempting.history if "r" in (o.preempted_req_ids or ())]
     assert preempted, "the producer request was not preempted"
     steps = [o.num_scheduled_tokens.get("r", 0) for o in preempting.history]
-    first_prefill = steps.index(0, steps.index(next(n for n in steps if n)))
-    assert 0 < sum(steps[:first_prefill]) < PROMPT_LEN  # preempted mid-prefill
+    preempted_at = steps.index(0, steps.index(next(n for n in steps if n)))
+    assert 0 < sum(steps[:preempted_at]) < PROMPT_LEN  # preempted mid-prefill
     sends = [o for o in preempting.history if o.kv_checksum_scheduled is not None]
     last_prefill = max(i for i, n in enumerate(steps) if n)
     assert len(sends) == 1 and sends[0] is preempting.history[last_prefill]
-    got = KVChecksumPayload.from_base64(params[KV_TRANSFER_PARAMS_KEY])
     expected = KVChecksumPayload.from_base64(
         produce(whole, "r", prompt)[KV_TRANSFER_PARAMS_KEY]
     )
-    assert got.num_tokens == expected.num_tokens == PROMPT_LEN
-    assert [(g.group_id, g.start) for g in got.groups] == [(0, 0)]
-    np.testing.assert_array_equal(got.groups[0].values, expected.groups[0].values)
+    assert_whole_prompt_payload(params, expected)
     result = consume(consumer, preempting, "r", prompt, params)
     assert verdicts(consumer) == {"verified": 1}
     assert result.finish_reason == "length"

@@ -229,12 +229,7 @@ class KVChecksumScheduler:
         carrier = self.carrier(request, True)
         if carrier is None:
             return
-        selected = select_blocks(
-            blocks.blocks,
-            self.groups,
-            num_local_computed_tokens,
-            request.num_computed_tokens,
-        )
+        selected = self._loaded_blocks(request, blocks, num_local_computed_tokens)
         pending = _PendingReceive(selected, carrier=carrier)
         if carrier == KVChecksumCarrier.KV_TRANSFER_PARAMS:
             params = request.kv_transfer_params or {}
@@ -252,14 +247,20 @@ class KVChecksumScheduler:
         sources = set(self.hit_sources(request, num_external))
         if not sources or not sources <= set(self.checksum_sources(request)):
             return
-        selected = select_blocks(
+        selected = self._loaded_blocks(request, blocks, num_local_computed_tokens)
+        self._loads[request.request_id] = _PendingLoad(selected, request=request)
+        self._step.reqs_to_load[request.request_id] = selected
+
+    def _loaded_blocks(
+        self, request: Any, blocks: Any, num_local_computed_tokens: int
+    ) -> KVChecksumBlocks:
+        """The blocks a starting load writes: its tokens past the local hit (R64)."""
+        return select_blocks(
             blocks.blocks,
             self.groups,
             num_local_computed_tokens,
             request.num_computed_tokens,
         )
-        self._loads[request.request_id] = _PendingLoad(selected, request=request)
-        self._step.reqs_to_load[request.request_id] = selected
 
     def build_checksum_meta(self) -> KVChecksumScheduled | None:
         """This step's blocks for the workers, then reset (R71)."""
