@@ -315,7 +315,7 @@ class KVChecksumScheduler:
             load.blocks,
             self.num_workers,
             load.request.block_hashes,
-            {g: info.block_size for g, info in self.group_infos.items()},
+            {g: group.block_size for g, group in self.groups.items()},
             self.hash_block_size,
         )
         self._log_verdict(req_id, verdict)
