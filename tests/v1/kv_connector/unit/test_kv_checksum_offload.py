@@ -32,8 +32,11 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
 from tests.v1.kv_connector.unit.test_kv_checksum import (
     NUM_BLOCKS,
     REQ,
+    _module_worker,
+    attn,
     blocks,
     hexes,
+    recv,
     truth_worker,
     u64_sum,
 )
@@ -141,6 +144,30 @@ def test_saved_entries_are_partial_sums_xor_tags(tp_size: int) -> None:
         others = [b for b in range(NUM_BLOCKS) if b not in BLOCK_IDS[1:]]
         assert not table[others].any()
     assert hexes(u64_sum(untagged)) == hexes(whole[1:])
+
+
+def test_saved_entries_sum_every_replica_column() -> None:
+    """R118: on a worker with two replica columns (a sharded attention cache
+    and a one-head indexer on every rank, TP 2), the entry untagged is the sum
+    of both columns, the value its receive reports summed over columns.
+    Catches entries of replica 0 (the first column) only."""
+    rng = np.random.default_rng(21)
+    kv_attn = ref.random_kv(rng, 2, 40, 2, 16)
+    kv_index = ref.random_kv(rng, 2, 40, 1, 16)
+    ids = [3, 5, 6]
+    index_spec = attn(1, max_tp_shards=1)
+    worker = _module_worker(kv_attn, kv_index, 1, 2, attn(1), index_spec, ids)
+    table = worker.init_block_checksums([0])
+    hashes = fake_hashes(2)
+    worker.save_block_checksums([(0, 0, ids[:2], hashes)])
+    untagged = table_entries(table, ids[:2]) ^ reference_tags(
+        hashes, worker.fingerprints[0]
+    )
+    got = recv(worker, {REQ: blocks(40, (0, 0, ids))}).checksums[REQ][0]
+    assert len(got.replica_keys) == 2
+    columns = got.values[:2].sum(axis=1, dtype=U64)
+    assert hexes(untagged) == hexes(columns)
+    assert hexes(untagged) != hexes(got.values[:2, 0])
 
 
 def test_load_reports_checksums_and_stored_entries() -> None:
