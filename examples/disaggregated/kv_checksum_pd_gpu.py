@@ -448,6 +448,13 @@ def main() -> int:
     parser.add_argument(
         "--phases", default="equality,pd,faults", help="comma-separated phases"
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="engine core inside each engine process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0): a batch is all in the scheduler "
+        "before its first step, so batching does not depend on timing",
+    )
     parser.add_argument("--producer-tp", type=int, default=1)
     parser.add_argument("--consumer-tp", type=int, default=1)
     parser.add_argument(
@@ -490,6 +497,8 @@ def main() -> int:
         specs[i] = (specs[i][0], {**specs[i][1], "_tp": args.consumer_tp}, specs[i][2])
     if args.sync_scheduling:
         os.environ["KV_CHECKSUM_ASYNC"] = "0"
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.overhead_only:
         os.environ["KV_CHECKSUM_SYNC_CHECK"] = "0"
         specs = specs[:2]
@@ -500,6 +509,7 @@ def main() -> int:
         "model": args.model,
         "batch_invariant": not args.overhead_only,
         "async_scheduling": not args.sync_scheduling,
+        "in_process": args.in_process,
     }
     ok = True
     try:
