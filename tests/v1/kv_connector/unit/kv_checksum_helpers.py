@@ -39,6 +39,7 @@ import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -1117,6 +1118,46 @@ def rank0_groups(monkeypatch: Any) -> None:
     group = SimpleNamespace(rank_in_group=0, world_size=1)
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: group)
+
+
+def make_active_env(
+    model_dir: str,
+    kv_connector: str,
+    extra_config: dict[str, Any],
+    monkeypatch: Any,
+    transfer_results: Any = None,
+) -> SimpleNamespace:
+    """A single-worker engine's pieces around a real ActiveKVConnector.
+
+    Returns vllm_config, kv_cache_config, caches (seeded), connector, active
+    and empty_output (a scheduler's first, empty SchedulerOutput). With
+    `transfer_results`, the connector reports them at every
+    `get_transfer_results`, set before the wiring wraps the connector.
+    """
+    vllm_config = make_vllm_config(
+        model_dir, kv_connector=kv_connector, extra_config=extra_config
+    )
+    kv_cache_config = make_kv_cache_config(vllm_config, pp_rank=0)
+    caches = make_kv_caches(kv_cache_config, seed=7)
+    connector = KVConnectorFactory.create_connector(
+        vllm_config, KVConnectorRole.WORKER, kv_cache_config
+    )
+    if transfer_results is not None:
+        connector.get_transfer_results = (  # type: ignore[method-assign]
+            lambda finished_req_ids: transfer_results
+        )
+    active = make_active_connector(
+        vllm_config, kv_cache_config, connector, caches, monkeypatch
+    )
+    scheduler = make_scheduler(vllm_config, make_kv_cache_config(vllm_config))
+    return SimpleNamespace(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        caches=caches,
+        connector=connector,
+        active=active,
+        empty_output=scheduler.schedule(),
+    )
 
 
 def make_active_connector(

@@ -13,7 +13,6 @@ mismatch at exactly the injected block positions.
 """
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,11 +21,9 @@ import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     layer_name,
-    make_active_connector,
+    make_active_env,
     make_kv_cache_config,
     make_kv_caches,
-    make_scheduler,
-    make_vllm_config,
     rank0_groups,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
@@ -60,9 +57,7 @@ from vllm.distributed.kv_transfer.kv_checksum.verification import (
     KVChecksumVerdict,
 )
 from vllm.distributed.kv_transfer.kv_checksum.worker import create_kv_checksum_worker
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorRole,
     KVConnectorTransferResults,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -521,26 +516,12 @@ def make_active(model_dir: str, monkeypatch: pytest.MonkeyPatch, extra: dict) ->
     plugin.register()
     register_carrier_connector()
     rank0_groups(monkeypatch)
-    vllm_config = make_vllm_config(
-        model_dir, kv_connector=CARRIER_CONNECTOR_NAME, extra_config=extra
-    )
-    kv_cache_config = make_kv_cache_config(vllm_config, pp_rank=0)
-    caches = make_kv_caches(kv_cache_config, seed=7)
-    connector = KVConnectorFactory.create_connector(
-        vllm_config, KVConnectorRole.WORKER, kv_cache_config
-    )
-    results = KVConnectorTransferResults(finished_recving={"load"})
-    connector.get_transfer_results = lambda finished_req_ids: results  # type: ignore[method-assign]
-    active = make_active_connector(
-        vllm_config, kv_cache_config, connector, caches, monkeypatch
-    )
-    scheduler = make_scheduler(vllm_config, make_kv_cache_config(vllm_config))
-    return SimpleNamespace(
-        active=active,
-        caches=caches,
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        empty_output=scheduler.schedule(),
+    return make_active_env(
+        model_dir,
+        CARRIER_CONNECTOR_NAME,
+        extra,
+        monkeypatch,
+        KVConnectorTransferResults(finished_recving={"load"}),
     )
 
 

@@ -48,6 +48,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     load_failed,
     load_finished,
     make_active_connector,
+    make_active_env,
     make_kv_cache_config,
     make_kv_caches,
     make_model_runner_output,
@@ -1172,26 +1173,7 @@ def worker_setup(
 
     def build(enabled: bool) -> SimpleNamespace:
         extra = {ENABLE_KEY: True} if enabled else {}
-        vllm_config = make_vllm_config(
-            model_dir, kv_connector=SCRIPTED_CONNECTOR_NAME, extra_config=extra
-        )
-        kv_cache_config = make_kv_cache_config(vllm_config, pp_rank=0)
-        caches = make_kv_caches(kv_cache_config, seed=7)
-        connector = KVConnectorFactory.create_connector(
-            vllm_config, KVConnectorRole.WORKER, kv_cache_config
-        )
-        active = make_active_connector(
-            vllm_config, kv_cache_config, connector, caches, monkeypatch
-        )
-        scheduler = make_scheduler(vllm_config, make_kv_cache_config(vllm_config))
-        return SimpleNamespace(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            caches=caches,
-            connector=connector,
-            active=active,
-            empty_output=scheduler.schedule(),
-        )
+        return make_active_env(model_dir, SCRIPTED_CONNECTOR_NAME, extra, monkeypatch)
 
     return build
 

@@ -41,12 +41,11 @@ def position_hashes(
     (p + 1) * bs / hash_block_size; its identity is that last hash (R120).
     """
     per_block = block_size // (hash_block_size or block_size)
-    if per_block < 1:
+    first = (start + 1) * per_block - 1
+    last = (start + count) * per_block - 1
+    if per_block < 1 or (count and last >= len(block_hashes)):
         return None
-    last = [(p + 1) * per_block - 1 for p in range(start, start + count)]
-    if last and last[-1] >= len(block_hashes):
-        return None
-    return [bytes(block_hashes[i]) for i in last]
+    return list(block_hashes[first : last + 1 : per_block])
 
 
 def verify_offloaded_load(
@@ -91,9 +90,14 @@ def verify_offloaded_load(
             verdict.reasons.append((reason, f"group {group_id}: {detail}"))
             continue
         bad = np.zeros(len(block_ids), dtype=bool)
+        # TP ranks of one PP stage share a fingerprint: hash once per value.
+        tags_by_fingerprint: dict[int, np.ndarray] = {}
         for key, entry in entries.items():
             fingerprint = reports[key].fingerprints.get(group_id, 0)
-            tags = block_checksum_tags(hashes, fingerprint)
+            tags = tags_by_fingerprint.get(fingerprint)
+            if tags is None:
+                tags = block_checksum_tags(hashes, fingerprint)
+                tags_by_fingerprint[fingerprint] = tags
             with np.errstate(over="ignore"):
                 sums = entry.values.sum(axis=1, dtype=np.uint64)
             assert entry.stored is not None

@@ -128,6 +128,7 @@ class KVChecksumScheduler:
         self.group_infos = {
             g: KVChecksumGroupInfo(block_size=s.block_size) for g, s in groups.items()
         }
+        self._block_sizes = {g: s.block_size for g, s in groups.items()}
         self.stats = KVChecksumStats()
         self._noted: set[str] = set()
         self._sends: dict[str, _PendingTransfer] = {}
@@ -315,7 +316,7 @@ class KVChecksumScheduler:
             load.blocks,
             self.num_workers,
             load.request.block_hashes,
-            {g: group.block_size for g, group in self.groups.items()},
+            self._block_sizes,
             self.hash_block_size,
         )
         self._log_verdict(req_id, verdict)
