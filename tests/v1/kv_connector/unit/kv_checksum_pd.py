@@ -384,19 +384,12 @@ class SimEngine:
         bs = self.side.block_size
         out: dict[tuple[int, int], np.ndarray] = {}
         positions = list(positions)
-        for worker in self.workers:
-            for name, (layer, first_head, layer_group) in worker.layers.items():
-                if layer_group != group:
-                    continue
-                cache = worker.caches[name].view(torch.uint8)
-                for h in range(cache.shape[1]):
-                    rows = []
-                    for pos in positions:
-                        row, slot = self._cell_index(
-                            cache, block_ids[pos // bs], pos % bs
-                        )
-                        rows.append(cache[row, h, slot].numpy().copy())
-                    out.setdefault((layer, first_head + h), np.stack(rows))
+        for cache, h, key in self._group_heads(group):
+            rows = []
+            for pos in positions:
+                row, slot = self._cell_index(cache, block_ids[pos // bs], pos % bs)
+                rows.append(cache[row, h, slot].numpy().copy())
+            out.setdefault(key, np.stack(rows))
         return out
 
     def write_global(
@@ -408,18 +401,20 @@ class SimEngine:
     ) -> None:
         """Write KV per (layer, global head) of `group` into every worker holding it."""
         bs = self.side.block_size
+        for cache, h, key in self._group_heads(group):
+            for i, pos in enumerate(positions):
+                row, slot = self._cell_index(cache, block_ids[pos // bs], pos % bs)
+                cache[row, h, slot] = torch.from_numpy(data[key][i])
+
+    def _group_heads(self, group: int) -> Iterable[tuple[torch.Tensor, int, tuple]]:
+        """(byte view of a cache, local head, (layer, global head)) of `group`
+        on every worker."""
         for worker in self.workers:
             for name, (layer, first_head, layer_group) in worker.layers.items():
-                if layer_group != group:
-                    continue
-                cache = worker.caches[name].view(torch.uint8)
-                for h in range(cache.shape[1]):
-                    values = data[(layer, first_head + h)]
-                    for i, pos in enumerate(positions):
-                        row, slot = self._cell_index(
-                            cache, block_ids[pos // bs], pos % bs
-                        )
-                        cache[row, h, slot] = torch.from_numpy(values[i])
+                if layer_group == group:
+                    cache = worker.caches[name].view(torch.uint8)
+                    for h in range(cache.shape[1]):
+                        yield cache, h, (layer, first_head + h)
 
     # ------------------------------------------------------------------
     # Steps
