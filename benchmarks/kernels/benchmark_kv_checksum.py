@@ -34,6 +34,7 @@ KERNELS_PATH = (
 TARGET_SUM_RATE_RATIO = 0.87  # (a): read rate / torch int64 sum read rate
 TARGET_FUSED_TIME_RATIO = 1.3  # (b): time / (bytes / sum read rate of (a))
 TARGET_SPEEDUP = 8.0  # (c): PyTorch path time / Triton time on (a)
+TARGET_LARGE_SUM_RATE_RATIO = 0.95  # (d), 537 MB: read rate / int64 sum rate
 L2_FLUSH_BYTES = 256 << 20
 
 
@@ -64,6 +65,8 @@ class KernelShape:
     heads: int = 8
     tokens: int = 16
     head_size: int = 128  # bf16 K and V: C = 2 * head_size * 2 bytes
+    # Tokens per chunk view (a producer's send pass, R135); 0: whole blocks.
+    chunk: int = 0
 
     @property
     def pieces(self) -> int:
@@ -80,6 +83,7 @@ SHAPES = [
     KernelShape("(b) 36 layers, 1K prompt", 36, 64, 128),
     KernelShape("(c) 32 layers, 2K prompt", 32, 128, 256),
     KernelShape("(d) 1 layer, 128K prompt", 1, 8192, 8192),
+    KernelShape("(e) send pass, 32-token blocks", 1, 1024, 1024, tokens=32, chunk=16),
 ]
 
 
@@ -140,14 +144,30 @@ def bench_shape(
     rows = make_rows(shape, device)
     first_slices = [layer * (1 << 16) for layer in range(shape.layers)]
     columns = [0] * shape.layers
+    offsets = [0] * shape.layers
+    if shape.chunk:
+        # Chunk views of each layer, chunk i into column i (R135).
+        count = shape.tokens // shape.chunk
+        views = [
+            view[:, :, :, i * shape.chunk : (i + 1) * shape.chunk]
+            for view in views
+            for i in range(count)
+        ]
+        first_slices = [s for s in first_slices for _ in range(count)]
+        columns = list(range(count)) * shape.layers
+        offsets = [i * shape.chunk for i in range(count)] * shape.layers
     launches = {
-        backend: kernels.KVChecksumLaunch(views, first_slices, columns, backend)
+        backend: kernels.KVChecksumLaunch(
+            views, first_slices, columns, backend, token_offsets=offsets
+        )
         for backend in ("triton", "torch")
     }
     outs = {}
     for backend, launch in launches.items():
         launch.warm_up()
-        outs[backend] = torch.zeros((shape.blocks, 1), dtype=torch.int64, device=device)
+        outs[backend] = torch.zeros(
+            (shape.blocks, max(columns) + 1), dtype=torch.int64, device=device
+        )
         launch(rows, outs[backend])
     assert torch.equal(outs["triton"], outs["torch"]), f"{shape}: paths differ"
     out = outs["triton"]
@@ -206,6 +226,7 @@ def report_targets(results: list[tuple[KernelShape, dict[str, float]]]) -> bool:
     """R133 (a)-(c) from the measured times; every path was bit-identical."""
     a_shape, a_times = results[0]  # (a), head-major
     b_shape, b_times = next(item for item in results if item[0].label.startswith("(b)"))
+    d_times = next(item for item in results if item[0].label.startswith("(d)"))[1]
     sum_rate = a_shape.bytes_read / a_times["sum_ms"]  # bytes per ms
     checks = [
         (
@@ -220,6 +241,12 @@ def report_targets(results: list[tuple[KernelShape, dict[str, float]]]) -> bool:
             f"<= {TARGET_FUSED_TIME_RATIO}",
             b_times["triton_ms"] / (b_shape.bytes_read / sum_rate)
             <= TARGET_FUSED_TIME_RATIO,
+        ),
+        (
+            "(d) 537 MB: read rate / int64 sum read rate",
+            d_times["sum_ms"] / d_times["triton_ms"],
+            f">= {TARGET_LARGE_SUM_RATE_RATIO}",
+            d_times["sum_ms"] / d_times["triton_ms"] >= TARGET_LARGE_SUM_RATE_RATIO,
         ),
         (
             "(c) speedup over the PyTorch path on (a)",

@@ -4,7 +4,10 @@
 
 Shares no code with the package on purpose (it must not import it): tests
 compare every worker path to these functions, so a bug shared by both would
-hide. Three parts:
+hide. Definition v2 (R137): every 8-byte piece x enters as mix64(x), the
+SplitMix64 finalizer, before its weight. Parts:
+
+- `mix64` / `exact_mix64`: the finalizer on uint64 arrays and on Python ints.
 
 - `reference_block_checksums`: the NumPy reference of R24 over a global KV
   ``uint8 [layers, tokens, global heads, C]``, all uint64 arithmetic with
@@ -25,6 +28,32 @@ import torch
 H = 1 << 16  # MAX_KV_HEADS_PER_LAYER of the definition
 MASK64 = (1 << 64) - 1
 U64 = np.uint64
+
+MIX_MUL1 = 0xBF58476D1CE4E5B9
+MIX_MUL2 = 0x94D049BB133111EB
+
+
+def exact_mix64(x: int) -> int:
+    """SplitMix64's finalizer on one Python int, exact then masked (R137)."""
+    z = x & MASK64
+    z ^= z >> 30
+    z = (z * MIX_MUL1) & MASK64
+    z ^= z >> 27
+    z = (z * MIX_MUL2) & MASK64
+    z ^= z >> 31
+    return z
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on a uint64 array (logical shifts, wrap-around)."""
+    z = np.asarray(x, dtype=U64).copy()
+    with np.errstate(over="ignore"):
+        z ^= z >> U64(30)
+        z *= U64(MIX_MUL1)
+        z ^= z >> U64(27)
+        z *= U64(MIX_MUL2)
+        z ^= z >> U64(31)
+    return z
 
 
 def slice_factors(layer_numbers: Sequence[int], head_numbers: Sequence[int]):
@@ -59,8 +88,8 @@ def reference_block_checksums(
     if head_numbers is None:
         head_numbers = range(num_heads)
     pieces = cell // 8
-    # x[L, t, h, p]: little-endian unsigned 8-byte pieces.
-    x = kv[:, :n].view("<u8").astype(U64)
+    # x[L, t, h, p]: little-endian unsigned 8-byte pieces, mixed (R137).
+    x = mix64(kv[:, :n].view("<u8").astype(U64))
     t = np.arange(n, dtype=U64).reshape(n, 1)
     p = np.arange(pieces, dtype=U64).reshape(1, pieces)
     num_blocks = -(-n // block_size)
@@ -100,7 +129,8 @@ def exact_block_checksums(
             for t in range(n):
                 cell_bytes = bytes(kv[li, t, hi])
                 for p in range(pieces):
-                    x = int.from_bytes(cell_bytes[8 * p : 8 * p + 8], "little")
+                    raw = int.from_bytes(cell_bytes[8 * p : 8 * p + 8], "little")
+                    x = exact_mix64(raw)
                     j = t * pieces + p
                     out[t // block_size] += m * x * (2 * j + 1)
     return [value & MASK64 for value in out]
@@ -138,11 +168,12 @@ def pieces_kv(pieces: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
 
 
 def split_row_checksum(elements: Sequence[int], element_bytes: int, slice_id: int):
-    """R21/R25 for one TP-split state row: unsigned zero-extended elements, t = 0."""
+    """R21/R25 for one TP-split state row: unsigned zero-extended elements, t = 0,
+    each mixed after zero-extension (R137)."""
     assert element_bytes in (2, 4)
     s = 0
     for j, value in enumerate(elements):
-        s += (value & ((1 << (8 * element_bytes)) - 1)) * (2 * j + 1)
+        s += exact_mix64(value & ((1 << (8 * element_bytes)) - 1)) * (2 * j + 1)
     return (s & MASK64, ((2 * slice_id + 1) * s) & MASK64)
 
 

@@ -5,9 +5,11 @@
 Every case runs the PyTorch path (whole and in tiny gather chunks) and the
 Triton kernel under Triton's CPU interpreter (default tiles, and tiny tiles and
 chunks that force the head-tile path and multi-chunk rows), and compares them
-with an independent NumPy reference of the per-row definition written here.
+with an independent NumPy reference of the per-row definition written here
+(its piece mix, R137, is the one of kv_checksum_reference.py).
 
-kernels.py imports no vLLM, so it is loaded by file path: this module (and
+kernels.py and kv_checksum_reference.py import no vLLM, so they are loaded by
+file path: this module (and
 test_kv_checksum_cuda.py, which reuses its cases) runs without vLLM installed.
 Run as a script (`--interpret`), it prints the Triton results of every case as
 JSON; the interpreter tests run it in a subprocess with TRITON_INTERPRET=1,
@@ -42,11 +44,13 @@ KERNELS_PATH = (
 )
 
 
-def load_kernels() -> ModuleType:
-    """kernels.py by file path (it must not need vLLM), loaded once."""
-    name = "_kv_checksum_kernels_under_test"
+REFERENCE_PATH = Path(__file__).resolve().parent / "kv_checksum_reference.py"
+
+
+def load_by_path(name: str, path: Path) -> ModuleType:
+    """A module by file path (it must not need vLLM), loaded once."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, KERNELS_PATH)
+        spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -54,7 +58,13 @@ def load_kernels() -> ModuleType:
     return sys.modules[name]
 
 
+def load_kernels() -> ModuleType:
+    """kernels.py by file path, loaded once."""
+    return load_by_path("_kv_checksum_kernels_under_test", KERNELS_PATH)
+
+
 kernels = load_kernels()
+mix64 = load_by_path("_kv_checksum_reference_for_kernels", REFERENCE_PATH).mix64
 
 
 # --------------------------------------------------------------------------
@@ -73,6 +83,11 @@ class LaunchSpec:
     rows_offset: int = 0  # column of the wide rows tensor holding row 0
     out_origin: tuple[int, int] = (0, 0)  # (row, column) of out in the wide matrix
     out_width: int | None = None  # columns of out (default max(columns) + 1)
+    # Per view, the block token its slot 0 holds (chunk views, R135).
+    token_offsets: list[int] | None = None
+
+    def offsets(self) -> list[int]:
+        return self.token_offsets or [0] * len(self.views)
 
 
 @dataclass
@@ -394,14 +409,37 @@ def with_expected(case: Case, values: list[int]) -> Case:
     return case
 
 
+# TV5 under definition v2 (R137), from kv_checksum_reference.split_row_checksum.
+TV5_V2 = 0x5C0EC0871D4B3FC2
+
+
+def case_chunk_views(device: str, layout: str) -> Case:
+    """32-token blocks summed as two 16-token chunk views (R135).
+
+    View i is the block's tokens [16 i, 16 i + 16) with token offset 16 i and
+    its own output column; rows hold full, partial (valid 20: the second
+    chunk has 4 tokens) and short (valid 9: the second chunk is empty) blocks.
+    """
+    rng = np.random.default_rng(21)
+    views = make_views(
+        rng, device, num_layers=2, blocks=4, heads=2, tokens=32, pieces=4, layout=layout
+    )
+    chunk_views = [
+        view[:, :, :, 16 * i : 16 * i + 16] for view in views for i in (0, 1)
+    ]
+    rows = make_rows([3, 1, 0], [64, 96, 128], [32, 20, 9])
+    slices = [layer * H for layer in (0, 0, 1, 1)]
+    spec = LaunchSpec(chunk_views, slices, [0, 1, 0, 1], rows)
+    spec.token_offsets = [0, 16, 0, 16]
+    return single(spec)
+
+
 def case_tv5(device: str) -> Case:
     """TV5 (R26): bf16 elements 0xFFFF, 0x0001, 0x8000 of layer 2, row 5."""
     view = torch.tensor([-1, 1, -0x8000], dtype=torch.int16, device=device)
     view = view.view(1, 1, 1, 1, 3)
     rows = make_rows([0], [0], [1])
-    return with_expected(
-        single(LaunchSpec([view], [2 * H + 5], [0], rows)), [0xE002E8016]
-    )
+    return with_expected(single(LaunchSpec([view], [2 * H + 5], [0], rows)), [TV5_V2])
 
 
 CASES: dict[str, Callable[[str], Case]] = {
@@ -416,6 +454,8 @@ CASES: dict[str, Callable[[str], Case]] = {
         case_kernel_blocks_head_tiles, layout="token"
     ),
     "partial_and_empty": case_partial_and_empty,
+    "chunk_views_head_major": functools.partial(case_chunk_views, layout="head"),
+    "chunk_views_token_major": functools.partial(case_chunk_views, layout="token"),
     "large_first_slice": case_large_first_slice,
     "huge_first_slice": case_huge_first_slice,
     "weight_width_head_tiles": functools.partial(
@@ -438,18 +478,18 @@ CASES: dict[str, Callable[[str], Case]] = {
     "multi_chunk_row": case_multi_chunk_row,
     "tv4_4_token_blocks": lambda device: with_expected(
         case_tv4(device, 1, [0, 1]),
-        [0xCAC7C4C1BE819F40, 0xFFF6EDE4DAD9F240, 0x1D568FC901545E40],
+        [0xD94843158FE0FF93, 0x978412190698D0FE, 0xABF2AD2F1BE94A85],
     ),
     "tv4_8_token_blocks": lambda device: with_expected(
-        case_tv4(device, 2, [0, 1]), [0xCABEB2A6995B9180, 0x1D568FC901545E40]
+        case_tv4(device, 2, [0, 1]), [0x70CC552E9679D091, 0xABF2AD2F1BE94A85]
     ),
     "tv4_tp2_rank0": lambda device: with_expected(
         case_tv4(device, 1, [0]),
-        [0xCFCECDCCCBB20170, 0xF9F6F3F0ED7B4970, 0x2FEDAB69267AB138],
+        [0x527CAC8539AAEC52, 0x2E8FFE2256C827E7, 0x93835FBD798CD8F4],
     ),
     "tv4_tp2_rank1": lambda device: with_expected(
         case_tv4(device, 1, [1]),
-        [0xFAF8F6F4F2CF9DD0, 0x05FFF9F3ED5EA8D0, 0xED68E45FDAD9AD08],
+        [0x86CB969056361341, 0x68F413F6AFD0A917, 0x186F4D71A25C7191],
     ),
     "tv5_split_row": case_tv5,
 }
@@ -470,8 +510,9 @@ def unsigned_pieces(view: torch.Tensor) -> np.ndarray:
 def reference_row(x: np.ndarray, first_slice: int, first: int, valid: int) -> int:
     """One block's checksum over one layer view, straight from the definition.
 
-    x: uint64 [KB, H, T, P]. Adds x * m * (2j + 1) over valid slots, with
-    m = 2 (first_slice + h) + 1 and j = (first + kb * T + t) * P + p (R17-R20).
+    x: uint64 [KB, H, T, P]. Adds mix(x) * m * (2j + 1) over valid slots,
+    with m = 2 (first_slice + h) + 1 and j = (first + kb * T + t) * P + p
+    (R17-R20, R137).
     """
     u64 = np.uint64
     kernel_blocks, heads, tokens, pieces = x.shape
@@ -482,7 +523,8 @@ def reference_row(x: np.ndarray, first_slice: int, first: int, valid: int) -> in
         j = (u64(first) + slot) * u64(pieces) + np.arange(pieces, dtype=u64)
         m = u64(2) * (u64(first_slice) + np.arange(heads, dtype=u64)) + u64(1)
         weight = m.reshape(1, heads, 1, 1) * (u64(2) * j + u64(1))
-        terms = np.where(slot < u64(valid), x * weight, u64(0))
+        mixed = mix64(x)
+        terms = np.where(slot < u64(max(valid, 0)), mixed * weight, u64(0))
         return int(np.sum(terms, dtype=u64))
 
 
@@ -491,12 +533,14 @@ def reference(case: Case) -> np.ndarray:
     out = [[0] * case.out_shape[1] for _ in range(case.out_shape[0])]
     for spec in case.launches:
         row0, col0 = spec.out_origin
-        for view, first_slice, column in zip(
-            spec.views, spec.first_slices, spec.columns
+        for view, first_slice, column, offset in zip(
+            spec.views, spec.first_slices, spec.columns, spec.offsets()
         ):
             pieces = unsigned_pieces(view)
             for r, (block, first, valid) in enumerate(spec.rows.T.tolist()):
-                value = reference_row(pieces[block], first_slice, first, valid)
+                value = reference_row(
+                    pieces[block], first_slice, first + offset, valid - offset
+                )
                 out[row0 + r][col0 + column] = (
                     out[row0 + r][col0 + column] + value
                 ) % (1 << 64)
@@ -515,7 +559,11 @@ def run_case(case: Case, backend: str, warm_up: bool = True) -> np.ndarray:
         ).to(device)
     for spec in case.launches:
         launch = kernels.KVChecksumLaunch(
-            spec.views, spec.first_slices, spec.columns, backend=backend
+            spec.views,
+            spec.first_slices,
+            spec.columns,
+            backend=backend,
+            token_offsets=spec.token_offsets,
         )
         assert launch.backend == backend
         if warm_up:
@@ -732,6 +780,85 @@ def test_definition_vector_tv4(path: str, name: str) -> None:
 def test_definition_vector_tv5(path: str) -> None:
     """Reading bf16 state elements signed (TV5, R26)."""
     check_case("tv5_split_row", path)
+
+
+@pytest.mark.parametrize("name", ["chunk_views_head_major", "chunk_views_token_major"])
+@pytest.mark.parametrize("path", PATHS)
+def test_chunk_views(path: str, name: str) -> None:
+    """Chunk views of a send pass (R135): a token offset not added to the
+    weights' first token, or not subtracted from the valid count."""
+    check_case(name, path)
+
+
+def test_chunk_views_add_up_to_blocks() -> None:
+    """R135: the two 16-token chunk sums of a 32-token block add up to the
+    block's checksum (chunk sums are what a producer sends)."""
+    case = CASES["chunk_views_head_major"]("cpu")
+    chunks = run_case(case, "torch")
+    spec = case.launches[0]
+    rng = np.random.default_rng(21)
+    views = make_views(rng, "cpu", num_layers=2, blocks=4, heads=2, tokens=32, pieces=4)
+    whole = Case(
+        [LaunchSpec(views, [0, H], [0, 0], spec.rows)], (spec.rows.shape[1], 1), 3
+    )
+    with np.errstate(over="ignore"):
+        assert np.array_equal(run_case(whole, "torch")[:, 0], chunks.sum(axis=1))
+
+
+def _flip_high_bits(
+    view: torch.Tensor, rng: np.random.Generator, lowest_bit: int, count: int
+) -> None:
+    """Flip one random bit >= lowest_bit in `count` distinct pieces of block 0."""
+    block = view[0].reshape(-1)
+    for index in rng.choice(block.numel(), size=count, replace=False):
+        bit = int(rng.integers(lowest_bit, 64))
+        block[int(index)] ^= torch.tensor(1 << bit if bit < 63 else -(1 << 63))
+
+
+def _block0_checksum(view: torch.Tensor) -> int:
+    launch = kernels.KVChecksumLaunch([view], [0], [0], backend="torch")
+    out = torch.zeros((1, 1), dtype=torch.int64)
+    launch(torch.tensor([[0], [0], [16]], dtype=torch.int64), out)
+    return int(out.numpy().view(np.uint64)[0, 0])
+
+
+def _linear_block0_checksum(view: torch.Tensor) -> int:
+    """Definition v1 (no mix) of block 0, exact Python ints."""
+    x = view[0, 0].numpy().view(np.uint64)  # [heads, tokens, pieces]
+    heads, tokens, pieces = x.shape
+    total = 0
+    for h in range(heads):
+        for t in range(tokens):
+            for p in range(pieces):
+                total += int(x[h, t, p]) * (2 * h + 1) * (2 * (t * pieces + p) + 1)
+    return total % (1 << 64)
+
+
+def test_v2_catches_high_bit_flips_v1_misses() -> None:
+    """R137: two bit-63 flips in one block cancel under the linear v1
+    definition (2^63 (w1 + w2) = 0 mod 2^64) and are caught under v2. Fails
+    if the kernels' torch path drops the mix."""
+    rng = np.random.default_rng(63)
+    view = make_views(rng, "cpu", blocks=1, heads=2, tokens=16, pieces=4)[0]
+    before = _block0_checksum(view)
+    linear_before = _linear_block0_checksum(view)
+    _flip_high_bits(view, rng, 63, 2)
+    assert _linear_block0_checksum(view) == linear_before  # v1's blind spot
+    assert _block0_checksum(view) != before
+
+
+@pytest.mark.parametrize("lowest_bit", range(32, 64))
+def test_v2_catches_flips_confined_to_high_bits(lowest_bit: int) -> None:
+    """R137 sweep: flips confined to bits >= k (k = 32..63) in an even number
+    of pieces of one block (2 to 16) are all caught. Under v1 they are caught
+    only modulo 2^(64 - k); fails if the mix is dropped or reduced to a
+    permutation of bits that keeps high bits high."""
+    rng = np.random.default_rng(lowest_bit)
+    view = make_views(rng, "cpu", blocks=1, heads=2, tokens=16, pieces=4)[0]
+    for count in range(2, 17, 2):
+        before = _block0_checksum(view)
+        _flip_high_bits(view, rng, lowest_bit, count)
+        assert _block0_checksum(view) != before, (lowest_bit, count)
 
 
 def test_tv4_shards_sum_to_whole() -> None:

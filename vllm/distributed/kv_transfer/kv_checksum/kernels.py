@@ -3,14 +3,16 @@
 """Block checksum kernels: one fused Triton launch per layout, and a PyTorch path.
 
 For a row (block id, first token f of the block in the request, valid token
-count v) and a layer view ``[blocks, kernel_blocks, heads, tokens, pieces]``,
-a launch adds into ``out[row, column]``, mod 2^64::
+count v) and a layer view ``[blocks, kernel_blocks, heads, tokens, pieces]``
+that starts `o` tokens into the block (o = 0 except for the chunk views of a
+producer's send pass, R135), a launch adds into ``out[row, column]``, mod 2^64::
 
-    sum over kb, h, t, p with tt = kb * tokens + t < v of
-        x[block, kb, h, t, p] * (2 * (first_slice + h) + 1) * (2 * j + 1),
-    j = (f + tt) * pieces + p
+    sum over kb, h, t, p with tt = kb * tokens + t < v - o of
+        mix(x[block, kb, h, t, p]) * (2 * (first_slice + h) + 1) * (2 * j + 1),
+    j = (f + o + tt) * pieces + p
 
-where x is the piece read as an unsigned integer (SPEC sections 4 and 8).
+where x is the piece read as an unsigned integer and mix is SplitMix64's
+finalizer (definition v2, R137; SPEC sections 4 and 8).
 
 This module imports only torch, the standard library and, optionally, Triton
 (no vLLM), so it can be tested and benchmarked standalone on any CUDA host.
@@ -46,6 +48,10 @@ GATHER_CHUNK_BYTES = 64 << 20
 
 _U64 = 1 << 64
 
+# SplitMix64's finalizer multipliers (R137).
+MIX_MUL1 = 0xBF58476D1CE4E5B9
+MIX_MUL2 = 0x94D049BB133111EB
+
 
 def _wrap_int64(value: int) -> int:
     """`value` mod 2^64 as a signed int64 (the stored form of a uint64)."""
@@ -55,6 +61,19 @@ def _wrap_int64(value: int) -> int:
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def mix_int64(pieces: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 pieces read as uint64, in wrapping int64.
+
+    Right shifts of int64 are arithmetic, so each is masked to its logical
+    result; products wrap mod 2^64 like uint64 ones (R137).
+    """
+    z = pieces ^ ((pieces >> 30) & ((1 << 34) - 1))
+    z = z * _wrap_int64(MIX_MUL1)
+    z = z ^ ((z >> 27) & ((1 << 37) - 1))
+    z = z * _wrap_int64(MIX_MUL2)
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
 if HAS_TRITON:
@@ -82,6 +101,16 @@ if HAS_TRITON:
         else:
             wide = x.to(tl.uint16, bitcast=True).to(tl.uint64)
         return wide
+
+    @triton.jit
+    def _mix(z):
+        """SplitMix64's finalizer on uint64 pieces (R137); mix(0) = 0, so masked
+        lanes loaded as 0 still add nothing."""
+        z = z ^ (z >> 30)
+        z = z * 0xBF58476D1CE4E5B9
+        z = z ^ (z >> 27)
+        z = z * 0x94D049BB133111EB
+        return z ^ (z >> 31)
 
     @triton.jit
     def _below_2_32(value, span: tl.constexpr):
@@ -153,7 +182,7 @@ if HAS_TRITON:
             m = m0 + head.to(tl.uint64) * 2
             tile_weight = m * (c0 + first_j.to(tl.uint64) * 2)
             m_lane = _u32_to_u64(m) if NARROW else m
-            acc += _widen(x, PIECE_BITS) * (tile_weight + m_lane * lane_weight)
+            acc += _mix(_widen(x, PIECE_BITS)) * (tile_weight + m_lane * lane_weight)
         return tl.sum(acc, axis=0)
 
     @triton.jit
@@ -195,7 +224,7 @@ if HAS_TRITON:
             m = m0 + head.to(tl.uint64) * 2
             odd = c0 + local.to(tl.uint64) * 2
             weight = _u32_to_u64(m) * _u32_to_u64(odd) if NARROW else m * odd
-            acc += _widen(x, PIECE_BITS) * weight
+            acc += _mix(_widen(x, PIECE_BITS)) * weight
         return tl.sum(acc, axis=0)
 
     @triton.jit
@@ -259,12 +288,15 @@ if HAS_TRITON:
         Grid: (row, chunk, layer). Program (r, c, l) reads row r of `rows`
         (block id, first token of the block in the request, valid token count)
         and entry l of the layer table (absolute data address, first slice,
-        output column). It walks pieces [c * CHUNK, (c + 1) * CHUNK) of the
+        output column, token offset of the view in the block: non-zero only for
+        a send pass's chunk views, R135). It walks pieces
+        [c * CHUNK, (c + 1) * CHUNK) of the
         block in the flat order [kernel block, head, token, piece], TILE pieces
         per iteration, addressing them through the view strides, so head-major,
         token-major and kernel-split layouts need no copy. It computes each
-        weight m * (2j + 1) in place, masks slots at or past the valid count,
-        accumulates in uint64 (wrap-around is the mod 2^64) and adds its sum to
+        weight m * (2j + 1) in place, mixes each piece (R137), masks slots at or
+        past the valid count, accumulates in uint64 (wrap-around is the mod
+        2^64) and adds its sum to
         out[r, column] with one atomic, so programs may finish in any order.
 
         Rows, outputs and their strides are not specialized (nor are slices and
@@ -278,14 +310,15 @@ if HAS_TRITON:
         layer = tl.program_id(2)
 
         row_ptr = rows_ptr + row * rows_row_stride
-        valid = tl.load(row_ptr + 2 * rows_field_stride)
+        token_offset = tl.load(table_ptr + layer * 4 + 3)
+        valid = tl.load(row_ptr + 2 * rows_field_stride) - token_offset
         if valid <= 0:
             return
         block = tl.load(row_ptr)
-        first_token = tl.load(row_ptr + rows_field_stride)
-        addr = tl.load(table_ptr + layer * 3)
-        first_slice = tl.load(table_ptr + layer * 3 + 1)
-        column = tl.load(table_ptr + layer * 3 + 2)
+        first_token = tl.load(row_ptr + rows_field_stride) + token_offset
+        addr = tl.load(table_ptr + layer * 4)
+        first_slice = tl.load(table_ptr + layer * 4 + 1)
+        column = tl.load(table_ptr + layer * 4 + 2)
 
         base = _as_piece_pointer(addr, PIECE_BITS, ALIGNED)
         block_offset = block * block_stride
@@ -333,9 +366,12 @@ class KVChecksumLaunch:
     Construct once at start-up from the layer views (strided int64, int32 or
     int16 views over the KV cache, never copied); each call adds the checksums
     of a batch of block rows into an output matrix. The Triton backend reads a
-    device table of (data address, first slice, output column) per layer built
-    here, so one launch serves all layers; the PyTorch backend is the
-    reference and the CPU path (R56). `backend` says which one runs.
+    device table of (data address, first slice, output column, token offset)
+    per layer built here, so one launch serves all layers; the PyTorch backend
+    is the reference and the CPU path (R56). `backend` says which one runs.
+    A view with token offset o covers the block's tokens from o on (a chunk
+    view of a send pass, R135): its weights count from the block's first token
+    plus o and its valid count is the row's minus o.
     """
 
     def __init__(
@@ -344,15 +380,21 @@ class KVChecksumLaunch:
         first_slices: Sequence[int],
         columns: Sequence[int],
         backend: str | None = None,
+        token_offsets: Sequence[int] | None = None,
     ) -> None:
         _check_views(views)
-        if not len(views) == len(first_slices) == len(columns):
-            raise ValueError("views, first_slices and columns differ in length")
-        if min(columns) < 0:
-            raise ValueError("output columns must be non-negative")
+        if token_offsets is None:
+            token_offsets = [0] * len(views)
+        if not len(views) == len(first_slices) == len(columns) == len(token_offsets):
+            raise ValueError(
+                "views, first_slices, columns and token_offsets differ in length"
+            )
+        if min(columns) < 0 or min(token_offsets) < 0:
+            raise ValueError("output columns and token offsets must be non-negative")
         self.views = list(views)
         self.first_slices = [int(s) for s in first_slices]
         self.columns = [int(c) for c in columns]
+        self.token_offsets = [int(o) for o in token_offsets]
         self.device = views[0].device
         kernel_blocks, heads, tokens, pieces = (int(d) for d in views[0].shape[1:])
         self.shape = (kernel_blocks, heads, tokens, pieces)
@@ -393,9 +435,9 @@ class KVChecksumLaunch:
         tile, head_tiles = pick_tile(self.shape)
         self._table = torch.tensor(
             [
-                [view.data_ptr(), _wrap_int64(first_slice), column]
-                for view, first_slice, column in zip(
-                    self.views, self.first_slices, self.columns
+                [view.data_ptr(), _wrap_int64(first_slice), column, offset]
+                for view, first_slice, column, offset in zip(
+                    self.views, self.first_slices, self.columns, self.token_offsets
                 )
             ],
             dtype=torch.int64,
@@ -463,9 +505,10 @@ class KVChecksumLaunch:
         chunk_rows = max(1, GATHER_CHUNK_BYTES // block_bytes)
         for start in range(0, num_rows, chunk_rows):
             chunk = rows[:, start : start + chunk_rows]
-            valid = self._slots < chunk[2].reshape(-1, 1, 1, 1, 1)
             for layer in range(len(self.views)):
-                sums = self._layer_sums(layer, chunk[0], chunk[1], valid)
+                offset = self.token_offsets[layer]
+                valid = self._slots < (chunk[2] - offset).reshape(-1, 1, 1, 1, 1)
+                sums = self._layer_sums(layer, chunk[0], chunk[1] + offset, valid)
                 out[start : start + chunk.shape[1], self.columns[layer]] += sums
 
     def _layer_sums(
@@ -479,7 +522,7 @@ class KVChecksumLaunch:
         pieces = self.views[layer].index_select(0, blocks).to(torch.int64)
         if self.piece_bits < 64:
             pieces &= (1 << self.piece_bits) - 1
-        pieces = torch.where(valid, pieces, 0)
+        pieces = mix_int64(torch.where(valid, pieces, 0))
         at_start = (pieces * self._weights[layer]).sum(dim=(1, 2, 3, 4))
         per_head = pieces.sum(dim=(1, 3, 4))
         start_term = (per_head * self._start_factors[layer]).sum(dim=1)
