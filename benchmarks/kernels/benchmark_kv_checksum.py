@@ -222,6 +222,41 @@ def run_kernel_benchmarks(
     return report_targets(results)
 
 
+def run_sweep(iters: int) -> None:
+    """Tuning table: (a) and (d) read rates over launch configurations.
+
+    Each row overrides NUM_WARPS, WARP_PIECES and MAX_TILE_PIECES, rebuilds
+    the launches and reports both shapes against the same run's int64 sum.
+    """
+    kernels = load_kernels()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    shapes = [SHAPES[0], next(s for s in SHAPES if s.label.startswith("(d)"))]
+    print("| NUM_WARPS | WARP_PIECES | MAX_TILE | (a) / int64 sum | (d) / int64 sum |")
+    print("|---|---|---|---|---|")
+    defaults = {n: vars(kernels)[n] for n in ("NUM_WARPS", "WARP_PIECES")}
+    defaults["MAX_TILE_PIECES"] = kernels.MAX_TILE_PIECES
+    for num_warps, warp_pieces, max_tile in (
+        (4, 256, 1024),
+        (8, 128, 1024),
+        (8, 256, 2048),
+        (4, 128, 512),
+        (16, 128, 2048),
+        (2, 256, 512),
+    ):
+        vars(kernels).update(
+            NUM_WARPS=num_warps, WARP_PIECES=warp_pieces, MAX_TILE_PIECES=max_tile
+        )
+        ratios = []
+        for shape in shapes:
+            times = bench_shape(kernels, shape, iters, flush)
+            ratios.append(times["sum_ms"] / times["triton_ms"])
+        print(
+            f"| {num_warps} | {warp_pieces} | {max_tile} "
+            f"| {ratios[0]:.3f} | {ratios[1]:.3f} |"
+        )
+    vars(kernels).update(defaults)
+
+
 def report_targets(results: list[tuple[KernelShape, dict[str, float]]]) -> bool:
     """R133 (a)-(c) from the measured times; every path was bit-identical."""
     a_shape, a_times = results[0]  # (a), head-major
@@ -311,8 +346,13 @@ def main() -> None:
     parser.add_argument(
         "--check", action="store_true", help="exit 1 if a performance target is missed"
     )
+    parser.add_argument(
+        "--sweep", action="store_true", help="also print the launch tuning table"
+    )
     args = parser.parse_args()
     met = True
+    if args.sweep:
+        run_sweep(args.iters)
     if args.mode in ("kernel", "all"):
         met &= run_kernel_benchmarks(args.iters, args.num_warps, args.max_tile)
     if args.mode in ("host", "all"):

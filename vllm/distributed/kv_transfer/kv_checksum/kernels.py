@@ -40,8 +40,12 @@ PIECE_BITS: dict[torch.dtype, int] = {torch.int64: 64, torch.int32: 32, torch.in
 CHUNK_PIECES = 16384
 # Largest tile of pieces a program loads per loop iteration (R58).
 MAX_TILE_PIECES = 1024
-# Warps per program; a 1024-piece tile gives each thread 8 pieces.
-NUM_WARPS = 4
+# Warps per program, at most one per WARP_PIECES pieces of a tile: a
+# 1024-piece tile over 8 warps gives each thread 4 pieces. Tuned on an H200
+# with the piece mix (benchmark --sweep): 4 warps reached 0.93 of the int64
+# sum's read rate at 537 MB, 8 warps 0.95.
+NUM_WARPS = 8
+WARP_PIECES = 128
 # Upper bound of the data one gather of the PyTorch path materializes, counted
 # as widened int64 pieces (R63). Read at call time so tests can shrink it.
 GATHER_CHUNK_BYTES = 64 << 20
@@ -136,24 +140,30 @@ if HAS_TRITON:
         PIECE_BITS: tl.constexpr,
         TILE: tl.constexpr,
         NARROW: tl.constexpr,
+        LANE32: tl.constexpr,
     ):
         """Sum of a chunk whose tiles each lie in one (kernel block, head).
 
         A tile is whole tokens (TILE a multiple of PIECES) or part of one token
         (PIECES a multiple of TILE), so per-lane offsets, token numbers and
         weight increments are loop-invariant vectors and the rest are scalars
-        of the tile: weight = m * (c0 + 2 * first_j) + m * 2 * lane.
+        of the tile: 2j + 1 = (c0 + 2 * first_j) + 2 * lane. With NARROW it is
+        below 2^32, so the weight is one 32 x 32 -> 64-bit product; with LANE32
+        the lane offsets are int32, so each address is one wide add.
         """
         base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
         kernel_block_stride, head_stride, token_stride, piece_stride = strides
         SLICE_PIECES: tl.constexpr = TOKENS * PIECES
         lane = tl.arange(0, TILE)
         lane_token = lane // PIECES
-        lane_offset = (
-            lane_token.to(tl.int64) * token_stride
-            + (lane % PIECES).to(tl.int64) * piece_stride
-        )
-        lane_weight = _u32_to_u64(lane * 2)
+        if LANE32:
+            lane_offset = lane_token * token_stride + (lane % PIECES) * piece_stride
+        else:
+            lane_offset = (
+                lane_token.to(tl.int64) * token_stride
+                + (lane % PIECES).to(tl.int64) * piece_stride
+            )
+        lane_weight = lane * 2
         acc = tl.zeros([TILE], dtype=tl.uint64)
         for tile in range(num_tiles):
             start = chunk_start + tile * TILE
@@ -174,15 +184,20 @@ if HAS_TRITON:
                 piece = tl.multiple_of(start % PIECES, TILE)
                 tile_offset += piece.to(tl.int64) * piece_stride
                 first_j += piece
+            tile_ptr = base + tile_offset
             x = tl.load(
-                base + tile_offset + lane_offset,
+                tile_ptr + lane_offset,
                 mask=lane_token < valid - slot,
                 other=0,
             )
             m = m0 + head.to(tl.uint64) * 2
-            tile_weight = m * (c0 + first_j.to(tl.uint64) * 2)
-            m_lane = _u32_to_u64(m) if NARROW else m
-            acc += _mix(_widen(x, PIECE_BITS)) * (tile_weight + m_lane * lane_weight)
+            odd = c0 + first_j.to(tl.uint64) * 2
+            if NARROW:
+                odd_lane = odd.to(tl.uint32) + lane_weight.to(tl.uint32)
+                weight = _u32_to_u64(m) * _u32_to_u64(odd_lane)
+            else:
+                weight = m * odd + m * _u32_to_u64(lane_weight)
+            acc += _mix(_widen(x, PIECE_BITS)) * weight
         return tl.sum(acc, axis=0)
 
     @triton.jit
@@ -238,11 +253,12 @@ if HAS_TRITON:
         TILE: tl.constexpr,
         HEAD_TILES: tl.constexpr,
         NARROW: tl.constexpr,
+        LANE32: tl.constexpr,
     ):
         """One program's uint64 sum, by the loop its block shape allows."""
         if HEAD_TILES:
             total = _head_tiles_sum(
-                work, strides, HEADS, TOKENS, PIECES, PIECE_BITS, TILE, NARROW
+                work, strides, HEADS, TOKENS, PIECES, PIECE_BITS, TILE, NARROW, LANE32
             )
         else:
             total = _flat_tiles_sum(
@@ -282,6 +298,7 @@ if HAS_TRITON:
         TILE: tl.constexpr,
         HEAD_TILES: tl.constexpr,
         ALIGNED: tl.constexpr,
+        LANE32: tl.constexpr,
     ):
         """Add the checksums of block rows into their output columns, all layers.
 
@@ -339,7 +356,16 @@ if HAS_TRITON:
         strides = (kernel_block_stride, head_stride, token_stride, piece_stride)
         if narrow:
             total = _chunk_sum(
-                work, strides, HEADS, TOKENS, PIECES, PIECE_BITS, TILE, HEAD_TILES, True
+                work,
+                strides,
+                HEADS,
+                TOKENS,
+                PIECES,
+                PIECE_BITS,
+                TILE,
+                HEAD_TILES,
+                True,
+                LANE32,
             )
         else:
             total = _chunk_sum(
@@ -352,6 +378,7 @@ if HAS_TRITON:
                 TILE,
                 HEAD_TILES,
                 False,
+                LANE32,
             )
         tl.atomic_add(
             out_ptr + row * out_row_stride + column * out_col_stride,
@@ -445,6 +472,11 @@ class KVChecksumLaunch:
         )
         self._strides = tuple(self.views[0].stride())
         self._num_chunks = math.ceil(math.prod(self.shape) / CHUNK_PIECES)
+        # A tile's largest lane offset fits int32: one wide add per address.
+        token_stride, piece_stride = self._strides[3], self._strides[4]
+        lane_span = (tile - 1) // pieces * abs(token_stride) + (
+            min(tile, pieces) - 1
+        ) * abs(piece_stride)
         self._constants = dict(
             KERNEL_BLOCKS=kernel_blocks,
             HEADS=heads,
@@ -455,7 +487,8 @@ class KVChecksumLaunch:
             TILE=tile,
             HEAD_TILES=head_tiles,
             ALIGNED=all(view.data_ptr() % 16 == 0 for view in self.views),
-            num_warps=max(1, min(NUM_WARPS, tile // 256)),
+            LANE32=lane_span < 1 << 31,
+            num_warps=max(1, min(NUM_WARPS, tile // WARP_PIECES)),
         )
 
     def _call_triton(self, rows: torch.Tensor, out: torch.Tensor) -> None:
