@@ -268,27 +268,38 @@ def hexes(values) -> list[str]:
 # Definition vectors (R24, R26)
 # --------------------------------------------------------------------------
 
-TV4_4 = [0xCAC7C4C1BE819F40, 0xFFF6EDE4DAD9F240, 0x1D568FC901545E40]
-TV4_8 = [0xCABEB2A6995B9180, 0x1D568FC901545E40]
+TV4_4 = [0xD94843158FE0FF93, 0x978412190698D0FE, 0xABF2AD2F1BE94A85]
+TV4_8 = [0x70CC552E9679D091, 0xABF2AD2F1BE94A85]
 TV4_TP2 = [
-    [0xCFCECDCCCBB20170, 0xF9F6F3F0ED7B4970, 0x2FEDAB69267AB138],
-    [0xFAF8F6F4F2CF9DD0, 0x05FFF9F3ED5EA8D0, 0xED68E45FDAD9AD08],
+    [0x527CAC8539AAEC52, 0x2E8FFE2256C827E7, 0x93835FBD798CD8F4],
+    [0x86CB969056361341, 0x68F413F6AFD0A917, 0x186F4D71A25C7191],
 ]
+# Definition v2 (R137): pieces mixed by SplitMix64's finalizer.
+MIX_1, MIX_2, MIX_MAX = 0x5692161D100B05E5, 0xDBD238973A2B148A, 0xB4D055FCF2CBBD7B
+TV1, TV2, TV3 = 0xEA08BFE2BE8C4383, 0xE602BC4BBCDBD895, 0x1E7101F6D8633871
+# TV5 recomputed under v2 by this reference (recorded in the guide).
+TV5_S, TV5_C = 0xBAE0D519661BEE86, 0x5C0EC0871D4B3FC2
 FP_LAYER0 = 0xD8FE581622DF5382
 FP_GROUP01 = 0xB85A9AFD67B6FCBD
 
 
 def test_reference_vectors():
-    """R24/R26: the NumPy reference and the exact-int one give TV1-TV5.
+    """R24/R26/R137: the NumPy reference and the exact-int one give the v2
+    vectors f(1), f(2), f(2^64 - 1) and TV1-TV5.
 
-    Catches a reference that promotes to float or signed ints, or numbers
-    pieces from the block instead of the request start."""
+    Catches a reference that promotes to float or signed ints, shifts
+    arithmetically, forgets the mix, or numbers pieces from the block instead
+    of the request start."""
+    pieces = np.array([1, 2, (1 << 64) - 1], dtype=U64)
+    assert [int(v) for v in ref.mix64(pieces)] == [MIX_1, MIX_2, MIX_MAX]
+    assert [ref.exact_mix64(int(v)) for v in pieces] == [MIX_1, MIX_2, MIX_MAX]
+    assert ref.exact_mix64(0) == 0
     tv1 = ref.pieces_kv([[[1]], [[2]]])
     for fn in (ref.reference_block_checksums, ref.exact_block_checksums):
-        assert list(fn(tv1, 16)) == [7]
-        assert list(fn(tv1, 16, layer_numbers=[1], head_numbers=[3])) == [917553]
+        assert list(fn(tv1, 16)) == [TV1]
+        assert list(fn(tv1, 16, layer_numbers=[1], head_numbers=[3])) == [TV2]
         tv3 = ref.pieces_kv([[[(1 << 64) - 1]]])
-        assert list(fn(tv3, 16, head_numbers=[1])) == [0xFFFFFFFFFFFFFFFD]
+        assert list(fn(tv3, 16, head_numbers=[1])) == [TV3]
         kv = ref.tv4_kv()
         assert [int(v) for v in fn(kv, 4)] == TV4_4
         assert [int(v) for v in fn(kv, 8)] == TV4_8
@@ -298,7 +309,7 @@ def test_reference_vectors():
     assert int(u64_sum([np.array(v, dtype=U64) for v in TV4_TP2])[0]) == TV4_4[0]
     # TV5 (R21, R25): unsigned 16-bit elements, layer 2, row 5.
     s, c = ref.split_row_checksum([0xFFFF, 0x0001, 0x8000], 2, 2 * ref.H + 5)
-    assert (s, c) == (229378, 0xE002E8016)
+    assert (s, c) == (TV5_S, TV5_C)
     assert ref.reference_fingerprint(
         [("model.layers.0.self_attn.attn", "FullAttentionSpec", "torch.bfloat16")]
     ) == (FP_LAYER0)
@@ -334,9 +345,9 @@ def _tiny_worker(pieces_by_token, layer, heads_total, tp_rank, tp_size):
 @pytest.mark.parametrize(
     "pieces, layer, heads_total, tp_rank, tp_size, expected",
     [
-        ([[[1]], [[2]]], 0, 1, 0, 1, 7),  # TV1
-        ([[[1]], [[2]]], 1, 4, 3, 4, 917553),  # TV2: global head 3 on rank 3
-        ([[[(1 << 64) - 1]]], 0, 2, 1, 2, 0xFFFFFFFFFFFFFFFD),  # TV3: head 1
+        ([[[1]], [[2]]], 0, 1, 0, 1, TV1),
+        ([[[1]], [[2]]], 1, 4, 3, 4, TV2),  # global head 3 on rank 3
+        ([[[(1 << 64) - 1]]], 0, 2, 1, 2, TV3),  # head 1
     ],
     ids=["TV1", "TV2", "TV3"],
 )
@@ -524,7 +535,7 @@ def test_tp_pp_parts_sum_to_whole(tp_size, pp_size):
 def test_replicated_heads_tp4_two_heads():
     """R32/R33/R46/R91: TP4 with 2 KV heads: keys (2,0)/(2,1), replica 0 sends.
 
-    The send pass has only replica-0 columns and sums to the truth; the receive
+    The send pass covers only replica-0 views and sums to the truth; the receive
     pass has every replica column and each replica's check equals the truth.
     Catches replicas counted twice in the payload or replica copies never
     checked."""
@@ -539,7 +550,11 @@ def test_replicated_heads_tp4_two_heads():
         got = recv(worker, {REQ: blocks(30, (0, 0, block_ids))}).checksums[REQ][0]
         replica = rank % 2
         assert got.replica_keys == ((2, replica),)
-        assert sent.replica_keys == (((2, 0),) if replica == 0 else ())
+        # R135: a producer record folds its replica-0 views into one column;
+        # a replica-1 rank holds none and reports zeros.
+        assert sent.replica_keys == ((1, 0),)
+        if replica:
+            assert not sent.values.any()
         sends.append(sent)
         recvs.append(got)
     assert hexes(replica0_sum(sends)) == hexes(want)
@@ -674,9 +689,31 @@ def test_mixed_spec_group_replica_checks(tp_size):
 
 
 def _values(kv, block_ids, num_tokens, **kw) -> np.ndarray:
+    """Block checksums of one worker's receive pass (one value per block)."""
     worker = truth_worker(kv, block_ids, **kw)
-    group = send(worker, {REQ: blocks(num_tokens, (0, 0, block_ids))}).checksums[REQ]
+    group = recv(worker, {REQ: blocks(num_tokens, (0, 0, block_ids))}).checksums[REQ]
     return group[0].values[:, 0].copy()
+
+
+@pytest.mark.parametrize("num_tokens", [64, 50, 33, 7])
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_send_pass_reports_16_token_chunks(num_tokens, block_size):
+    """R135: a producer worker with blocks larger than 16 tokens reports one
+    value per 16-token chunk, from chunk start * block_size / 16 on, equal to
+    the definition's 16-token block checksums; chunks past the last token are
+    zero. Catches chunk views without their token offset (weights counted
+    from the block start) or chunks reported per block."""
+    rng = np.random.default_rng(num_tokens + block_size)
+    kv = ref.random_kv(rng, 2, num_tokens, 2, 16)
+    count = -(-num_tokens // block_size)
+    ids = [5, 6, 1][:count]
+    worker = truth_worker(kv, ids, block_size=block_size)
+    sent = send(worker, {REQ: blocks(num_tokens, (0, 0, ids))}).checksums[REQ][0]
+    per_block = block_size // 16
+    assert sent.start == 0 and sent.values.shape == (count * per_block, 1)
+    want = ref.reference_block_checksums(kv, 16)
+    assert hexes(sent.values[: len(want), 0]) == hexes(want)
+    assert not sent.values[len(want) :].any()
 
 
 def test_swaps_change_value():
@@ -1160,7 +1197,7 @@ def test_record_pickle_round_trip():
     assert copy.received == {"x": b"abc"}
     group, original = copy.checksums[REQ][0], record.checksums[REQ][0]
     assert group.start == original.start
-    assert group.replica_keys == original.replica_keys == ((2, 0),)
+    assert group.replica_keys == original.replica_keys == ((1, 0),)
     assert group.values.dtype == np.uint64 and group.values.shape == (2, 1)
     assert np.array_equal(group.values, original.values)
     assert group.stored is None
@@ -1267,9 +1304,13 @@ def test_multi_request_multi_group_rows():
             (1, s1, ids1, [2, 3], 32),
         ):
             group = record.checksums[req][gid]
-            want = ref.reference_block_checksums(kv[layers], bs, n, layers)
-            want = want[start : start + len(ids)]
-            assert group.start == start
+            # A send reports 16-token chunks (R135), a load whole blocks.
+            unit = 16 if req.startswith("send") else bs
+            per = bs // unit
+            want = ref.reference_block_checksums(kv[layers], unit, n, layers)
+            want = np.append(want, np.zeros(len(ids) * per, dtype=U64))
+            want = want[start * per : (start + len(ids)) * per]
+            assert group.start == start * per
             assert hexes(group.values[:, 0]) == hexes(want), (req, gid)
 
 

@@ -72,9 +72,6 @@ NO_CHECKSUMS = "KV checksums not verified: the producer sent no checksums."
 INVALID = "KV checksums not verified: the producer's checksums are invalid."
 NOT_ALL_WORKERS = "KV checksums not verified: not every worker reported its checksums."
 ONE_SIDE = "KV checksums not verified: a group is checksummed by one side only."
-UNALIGNED = (
-    "KV checksums not verified: the first loaded block starts inside a producer block."
-)
 
 SCHEDULERS = pytest.mark.parametrize(
     "async_scheduler", [False, True], ids=["sync", "async"]
@@ -180,13 +177,13 @@ def test_producer_payload_independent_of_tp_pp(
     many = KVChecksumPayload.from_base64(theirs[KV_TRANSFER_PARAMS_KEY])
 
     assert (one.tp_size, many.tp_size) == (1, tp)
-    assert one.version == many.version == 1
+    assert one.version == many.version == 2
     assert one.num_tokens == many.num_tokens == PROMPT_LEN
     # Group 0: full attention, every prompt block; group 1: sliding window of
     # 32 tokens, the last ceil(32 / 16) + 1 = 3 blocks (R66).
-    header = [(g.group_id, g.fingerprint, g.block_size, g.start) for g in one.groups]
+    header = [(g.group_id, g.fingerprint, g.chunk_tokens, g.start) for g in one.groups]
     assert header == [
-        (g.group_id, g.fingerprint, g.block_size, g.start) for g in many.groups
+        (g.group_id, g.fingerprint, g.chunk_tokens, g.start) for g in many.groups
     ]
     assert [(g, s) for g, _, _, s in header] == [(0, 0), (1, 1)]
     for a, b in zip(one.groups, many.groups):
@@ -384,26 +381,30 @@ def test_prefix_hit_compares_only_loaded_blocks(
     assert any((ours[k] != theirs[k]).any() for k in ours)
 
 
-def test_load_starting_inside_a_producer_block_is_unverified(
-    model_dir: str, vllm_caplog
-) -> None:
-    """R88: a 16-token-block consumer after a 16-token local hit loads tokens
-    from 16, inside the producer's first 32-token block: that chunk cannot be
-    compared and the group is unverified. Catches comparing a chunk the
-    consumer did not load entirely (a false verify or false mismatch)."""
-    producer, consumer = engines(
-        model_dir, SideConfig(block_size=32), SideConfig(block_size=16, kv_salt=1)
-    )
-    shared = make_prompt(9)[:16]
-    run_local(consumer, "local", shared + make_prompt(10)[:20])
-    prompt = shared + make_prompt(11)[: PROMPT_LEN - 16]
-    params = produce(producer, "r", prompt)
-    result = consume(consumer, producer, "r", prompt, params)
-    assert result.num_local_tokens == 16
-    assert result.recv_blocks.groups[0][0] == 1
-    assert verdicts(consumer) == {"unverified": 1}
-    assert UNALIGNED in messages(vllm_caplog, logging.WARNING)
-    assert result.finish_reason == "length"
+def test_load_starting_inside_a_producer_block_verifies(model_dir: str) -> None:
+    """R135 (issue 13): a 16-token-block consumer after a 16-token local hit
+    loads tokens from 16, inside the producer's first 32-token block. The
+    producer sends 16-token chunks, so the load verifies, and a flipped bit in
+    the first loaded block is a mismatch at exactly that position. Under v1
+    this load was unverified ("the first loaded block starts inside a producer
+    block"), failing healthy requests fail-closed; catches a producer sending
+    per block again, or the consumer skipping the first loaded block."""
+    for fault in (None, Fault("bit_flip", 0)):
+        producer, consumer = engines(
+            model_dir, SideConfig(block_size=32), SideConfig(block_size=16, kv_salt=1)
+        )
+        shared = make_prompt(9)[:16]
+        run_local(consumer, "local", shared + make_prompt(10)[:20])
+        prompt = shared + make_prompt(11)[: PROMPT_LEN - 16]
+        params = produce(producer, "r", prompt)
+        result = consume(consumer, producer, "r", prompt, params, fault=fault)
+        assert result.num_local_tokens == 16
+        assert result.recv_blocks.groups[0][0] == 1
+        if fault is None:
+            assert verdicts(consumer) == {"verified": 1}
+        else:
+            assert verdicts(consumer) == {"mismatch": 1}
+        assert result.finish_reason == "length"
 
 
 # --------------------------------------------------------------------------
@@ -584,9 +585,9 @@ def test_aborted_load_is_dropped(model_dir: str, vllm_caplog) -> None:
 
 
 def _nested_msgpack() -> str:
-    # [1, 1, 60, [[[[...]]]]]: version 1 header, then 100k nested arrays.
+    # [2, 0, [[[[...]]]]]: version 2 envelope, then 100k nested arrays.
     depth = 100_000
-    return base64.b64encode(b"\x94\x01\x01\x3c" + b"\x91" * depth + b"\x90").decode()
+    return base64.b64encode(b"\x93\x02\x00" + b"\x91" * depth + b"\x90").decode()
 
 
 BAD_PAYLOADS = {
@@ -595,7 +596,8 @@ BAD_PAYLOADS = {
     "deeply-nested": (_nested_msgpack, INVALID),
     "oversized": (lambda: "A" * (DEFAULT_MAX_ENCODED_BYTES + 4), INVALID),
     "other-version": (
-        lambda: base64.b64encode(msgspec.msgpack.encode([2, 1, 60, []])).decode(),
+        # A version 1 payload (an older producer): "unsupported version 1".
+        lambda: base64.b64encode(msgspec.msgpack.encode([1, 1, 60, []])).decode(),
         INVALID,
     ),
     "not-a-string": (lambda: 12345, INVALID),
@@ -661,7 +663,9 @@ def test_block_sizes_differ(
         assert result.finish_reason == "length"
         return
     assert verdicts(consumer) == {"mismatch": 1}
-    expected = [1] if consumer_bs == 32 else [2, 3]
+    # Producers send 16-token chunks (R135): a 16-token consumer block is
+    # localized on its own even against 32-token producer blocks.
+    expected = [1] if consumer_bs == 32 else [3]
     assert mismatch_positions(vllm_caplog, "r") == {0: expected}
 
 

@@ -225,15 +225,19 @@ def make_case(
     consumer = consumer or Side()
     tokens = random_u64(rng, max(producer.num_tokens, consumer.num_tokens))
     producer_truths, consumer_truths = {}, {}
+    # Producer workers report one value per 16-token chunk of their blocks,
+    # trailing empty chunks included (R135).
+    chunk = min(producer.block_size, 16)
+    per_block = producer.block_size // chunk
     for group_id in group_ids:
         group_tokens = tokens + U64(group_id)
         producer_truths[group_id] = (
-            producer.start,
+            producer.start * per_block,
             block_values(
                 group_tokens[: producer.num_tokens],
-                producer.block_size,
-                producer.start,
-                producer.stop,
+                chunk,
+                producer.start * per_block,
+                producer.stop * per_block,
             ),
         )
         consumer_truths[group_id] = (
@@ -303,6 +307,8 @@ def test_reason_texts_are_the_spec_table():
         "the first loaded block starts inside a producer block",
         "a group has no block in common",
         "a replica was not checksummed",
+        # R134: this project's last-resort guard (not in the spec's table).
+        "verifying the checksums raised an error",
     }
 
 
@@ -419,8 +425,9 @@ def test_other_layers_on_producer_is_unverified():
 
 
 def test_producer_payload_fields():
-    """R80: values = Σ workers Σ columns, fingerprint per R87, block size of the
-    group spec, scheduled start, version 1; catches a dropped worker or stage."""
+    """R80/R135: values = Σ workers Σ columns, fingerprint per R87, chunk tokens
+    of the group spec's blocks, scheduled start, version 2; catches a dropped
+    worker or stage."""
     rng = np.random.default_rng(1)
     truth = random_u64(rng, 9)
     layout = Layout(tp=2, pp=2, replicas=(1, 2))
@@ -434,9 +441,9 @@ def test_producer_payload_fields():
         groups={3: KVChecksumGroupInfo(block_size=16)},
     )
     assert isinstance(payload, KVChecksumPayload)
-    assert (payload.version, payload.tp_size, payload.num_tokens) == (1, 2, 200)
+    assert (payload.version, payload.tp_size, payload.num_tokens) == (2, 2, 200)
     [group] = payload.groups
-    assert (group.group_id, group.block_size, group.start) == (3, 16, 4)
+    assert (group.group_id, group.chunk_tokens, group.start) == (3, 16, 4)
     assert group.fingerprint == sum_fingerprints(layer_identities(3))
     assert group.values.dtype == U64
     np.testing.assert_array_equal(group.values, truth)
@@ -525,17 +532,21 @@ def test_different_block_sizes_verify(b_d, b_p):
 @pytest.mark.parametrize(
     "b_d, b_p, row, expected",
     [
-        (16, 32, 5, [4, 5]),
-        (16, 64, 5, [4, 5, 6, 7]),
+        # Producers send 16-token chunks (R135): a 16-token consumer block is
+        # compared on its own, whatever the producer's block size.
+        (16, 32, 5, [5]),
+        (16, 64, 5, [5]),
         (32, 16, 5, [5]),
+        (8, 32, 5, [4, 5]),
         # The last chunk holds blocks 62 and the padding block 63 (R89).
-        (16, 32, 62, [62]),
+        (8, 16, 124, [124]),
     ],
     ids=str,
 )
 def test_different_block_sizes_catch_a_corrupted_block(b_d, b_p, row, expected):
-    """R92: a bad chunk reports every loaded consumer position of the larger
-    block; catches localizing to the wrong block or reporting unloaded ones."""
+    """R92, R135: a bad chunk reports every loaded consumer position of the
+    larger of the consumer block and the producer chunk; catches localizing to
+    the wrong block or reporting unloaded ones."""
     case = make_case(
         producer=Side(block_size=b_p, num_tokens=1000),
         consumer=Side(block_size=b_d, num_tokens=1000),
@@ -546,26 +557,31 @@ def test_different_block_sizes_catch_a_corrupted_block(b_d, b_p, row, expected):
     assert verdict.mismatches == {0: expected}
 
 
-def test_aligned_start_after_local_hit_compares_loaded_blocks_only():
-    """R64, R88: a 32-token local hit before 16-token consumer blocks loading
-    32-token producer blocks starts aligned; only loaded blocks are compared."""
+@pytest.mark.parametrize("start", [1, 2, 3])
+def test_start_inside_a_producer_block_verifies(start):
+    """R135 (issue 13): a 16k-token local hit before 16-token consumer blocks
+    loading 32-token producer blocks verifies, the first loaded block
+    included; only loaded blocks are compared. Under v1 (per-block producer
+    values) odd starts were unverified "the first loaded block starts inside
+    a producer block"; catches a producer sending per block again."""
     case = make_case(
         producer=Side(block_size=32, num_tokens=300),
-        consumer=Side(block_size=16, num_tokens=300, start=2),
+        consumer=Side(block_size=16, num_tokens=300, start=start),
     )
     assert_verified(case.verify())
     corrupt(case.reports, (0, 0), 0, row=0)
-    assert case.verify().mismatches == {0: [2, 3]}
+    assert case.verify().mismatches == {0: [start]}
 
 
 def test_unaligned_start_is_unverified():
-    """R88: a 16-token local hit before 16-token consumer blocks loading 32-token
-    producer blocks starts inside a producer block -> unverified, even though
-    the first loaded block is corrupted; catches removing the alignment check
-    (the first loaded block would go unchecked and the load pass)."""
+    """R88: an 8-token local hit before 8-token consumer blocks loading
+    producer chunks of 16 tokens starts inside a producer chunk -> unverified,
+    even though the first loaded block is corrupted; catches removing the
+    alignment check (the first loaded block would go unchecked and the load
+    pass)."""
     case = make_case(
         producer=Side(block_size=32, num_tokens=300),
-        consumer=Side(block_size=16, num_tokens=300, start=1),
+        consumer=Side(block_size=8, num_tokens=300, start=1),
     )
     corrupt(case.reports, (0, 0), 0, row=0)
     verdict = case.verify()
@@ -575,10 +591,10 @@ def test_unaligned_start_is_unverified():
 
 
 def test_block_sizes_not_multiples_are_unverified():
-    """R88: 16 vs 24 tokens cannot be regrouped -> unverified; catches comparing
+    """R88: 16 vs 12 tokens cannot be regrouped -> unverified; catches comparing
     chunks that hold different tokens (false mismatches)."""
     case = make_case(
-        producer=Side(block_size=24, num_tokens=240),
+        producer=Side(block_size=12, num_tokens=240),
         consumer=Side(block_size=16, num_tokens=240),
     )
     verdict = case.verify()
@@ -835,10 +851,11 @@ def layouts(draw) -> Layout:
 def test_random_layouts_verify_and_localize_corruption(
     seed, b_d, b_p, num_tokens, producer_layout, consumer_layout, data
 ):
-    """R88-R92 over random TP/PP/replica layouts, block sizes and lengths: a
-    correct load verifies; one corrupted part mismatches at exactly the loaded
-    consumer positions of its larger block."""
-    chunk = max(b_d, b_p)
+    """R88-R92, R135 over random TP/PP/replica layouts, block sizes and
+    lengths: a correct load verifies; one corrupted part mismatches at exactly
+    the loaded consumer positions of the larger of its block and the
+    producer's 16-token chunk."""
+    chunk = max(b_d, min(b_p, 16))
     n_d = chunk // b_d
     stop = -(-num_tokens // b_d)
     start = data.draw(st.integers(0, (stop - 1) // n_d)) * n_d

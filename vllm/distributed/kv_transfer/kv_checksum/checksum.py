@@ -9,6 +9,7 @@ scheduler tells workers what to checksum with a `KVChecksumScheduled`.
 
 import enum
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,12 @@ KV_TRANSFER_PARAMS_KEY = "kv_checksums"
 
 U64_MASK = (1 << 64) - 1
 
+# A producer sends one checksum per chunk of at most this many tokens (R135).
+MAX_CHUNK_TOKENS = 16
+
+# Producer records fold every replica-0 view of a chunk into one column.
+SEND_COLUMN_KEY = (1, 0)
+
 
 class KVChecksumCarrier(enum.Enum):
     """How a connector moves a request's checksum bytes to the consumer (R97)."""
@@ -36,6 +43,17 @@ class KVChecksumCarrier(enum.Enum):
 def num_valid_tokens(position: int, block_size: int, num_tokens: int) -> int:
     """Tokens of a `num_tokens` prefix held by block `position` (R90)."""
     return max(0, min(num_tokens - position * block_size, block_size))
+
+
+def chunk_tokens(block_size: int) -> int:
+    """Tokens per value a producer sends for blocks of `block_size` (R135).
+
+    min(block size, 16) when that tiles the block; otherwise the largest
+    power of two tiling both (gcd with 16), so chunks always tile blocks.
+    """
+    if block_size <= MAX_CHUNK_TOKENS:
+        return block_size
+    return math.gcd(block_size, MAX_CHUNK_TOKENS)
 
 
 def layer_fingerprint(identity: tuple) -> int:

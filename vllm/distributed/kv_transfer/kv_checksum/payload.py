@@ -1,24 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The producer's checksums of one request as sent to the consumer (SPEC section 11).
+"""The producer's checksums of one request as sent to the consumer (SPEC 11, 23).
 
-Version 1 bytes (R77) are the msgpack array
-``[1, tp_size, num_tokens, [[group_id, fingerprint, block_size, start, values]]]``
-with ``values`` a bin of little-endian uint64, one per block position from
-``start``. The kv_transfer_params carrier sends them as padded standard base64
-(R78).
+Version 2 bytes are the msgpack array ``[2, body_hash, body]``: ``body`` a bin
+holding the msgpack array
+``[tp_size, num_tokens, [[group_id, fingerprint, chunk_tokens, start, values]]]``
+and ``body_hash`` the little-endian uint64 of an 8-byte BLAKE2b digest of
+``body`` (R136). ``values`` is a bin of little-endian uint64, one checksum per
+chunk of ``chunk_tokens`` request tokens from chunk ``start`` on (R135; under
+definition v2, R137). The kv_transfer_params carrier sends the bytes as padded
+standard base64 (R78).
 
-Decoding is total (R79, R129): whatever the input, it returns a valid payload or
-raises ``ValueError`` ("invalid KV checksums: ..." or "unsupported version N").
-The input length is capped before anything is decoded, the msgpack decoder is
-typed (a nested array where an int belongs fails validation at once rather than
-recursing), and the values are zero-copy views of the decoded bytes, so time and
-memory are linear in the input length.
+Decoding is total (R79, R129, R134): whatever the input, it returns a valid
+payload or raises ``ValueError`` ("invalid KV checksums: ..." or "unsupported
+version N"). The input length is capped before anything is decoded; the body
+hash is checked before the body is read, so a payload corrupted in transit is
+invalid, never the basis of a verdict; the msgpack decoders are typed (a nested
+array where an int belongs fails validation at once rather than recursing);
+every declared size is checked against the consumer's own limits; and the
+values are zero-copy views of the decoded bytes, so time and memory are linear
+in the input length.
 """
 
 import base64
 import binascii
 import functools
+import hashlib
 import sys
 from dataclasses import dataclass
 from typing import Annotated
@@ -26,7 +33,11 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-KV_CHECKSUM_PAYLOAD_VERSION = 1
+KV_CHECKSUM_PAYLOAD_VERSION = 2
+
+# R134: largest producer TP size accepted (a TP size above the per-layer head
+# limit of the definition cannot belong to any model).
+MAX_TP_SIZE = 1 << 16
 
 # R129: default cap on the base64 text (and the raw bytes) of one payload.
 DEFAULT_MAX_ENCODED_BYTES = 16 * 1024 * 1024
@@ -34,10 +45,12 @@ DEFAULT_MAX_ENCODED_BYTES = 16 * 1024 * 1024
 _U64_LIMIT = 1 << 64
 _VALUE_DTYPE = np.dtype("<u8")
 
-# A version 1 group: [group_id, fingerprint, block_size, start, values]. A
-# memoryview field decodes as a view of the input.
+# A group: [group_id, fingerprint, chunk_tokens, start, values]. A memoryview
+# field decodes as a view of the input.
 _RawGroup = tuple[int, int, int, int, memoryview]
 _ENCODER = msgspec.msgpack.Encoder()
+# The envelope [version, body_hash, body], read before anything else.
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(tuple[int, int, memoryview])
 
 # What msgspec may raise on hostile input besides its own errors.
 _DECODE_ERRORS = (
@@ -52,11 +65,13 @@ _DECODE_ERRORS = (
 
 @dataclass(frozen=True)
 class KVChecksumPayloadLimits:
-    """Bounds a consumer puts on a received payload (R129).
+    """Bounds a consumer puts on a received payload (R129, R134).
 
-    `max_positions` caps the positions of any group; `max_model_len` caps them
-    per group by the group's own block size, ⌈max_model_len / block_size⌉ + 1,
-    which still admits a producer with smaller blocks than the consumer's.
+    `max_positions` caps the values of any group. `max_model_len` bounds every
+    size the payload declares: chunk tokens and num_tokens at most
+    max_model_len, and a group's start plus values at most
+    ⌈max_model_len / chunk tokens⌉ + 1, so the consumer's work and memory stay
+    within its own sizes whatever a producer, proxy or client sends.
     """
 
     # Cap on the base64 text length and on the raw bytes, checked first.
@@ -65,8 +80,10 @@ class KVChecksumPayloadLimits:
     max_groups: int | None = None
     # ⌈max_model_len / min block size⌉ + 1.
     max_positions: int | None = None
-    # The consumer's max_model_len, for the per-block-size position cap.
+    # The consumer's max_model_len, bounding every declared size.
     max_model_len: int | None = None
+    # Largest producer TP size accepted.
+    max_tp_size: int = MAX_TP_SIZE
 
 
 @dataclass
@@ -76,10 +93,11 @@ class KVChecksumPayloadGroup:
     group_id: int
     # Sum of one TP rank's layer fingerprints over PP stages (R87), uint64.
     fingerprint: int
-    block_size: int
-    # Block position of values[0].
+    # Request tokens per value: the producer's chunk size (R135).
+    chunk_tokens: int
+    # Chunk index of values[0] (it holds tokens from start * chunk_tokens on).
     start: int
-    # uint64 [positions], one checksum per block position from `start`.
+    # uint64 [chunks], one checksum per chunk from `start`.
     values: np.ndarray
 
 
@@ -95,20 +113,21 @@ class KVChecksumPayload:
     groups: list[KVChecksumPayloadGroup]
 
     def to_bytes(self) -> bytes:
-        """Version 1 msgpack bytes (R77); raises ValueError on invalid fields."""
+        """Version 2 msgpack bytes with the body hash (R136); ValueError on
+        invalid fields."""
         _check_payload(self, None)
         groups = [
             [
                 int(group.group_id),
                 int(group.fingerprint),
-                int(group.block_size),
+                int(group.chunk_tokens),
                 int(group.start),
                 _values_buffer(group.values),
             ]
             for group in self.groups
         ]
-        header = [int(self.version), int(self.tp_size), int(self.num_tokens)]
-        return _ENCODER.encode([*header, groups])
+        body = _ENCODER.encode([int(self.tp_size), int(self.num_tokens), groups])
+        return _ENCODER.encode([int(self.version), body_hash(body), body])
 
     def to_base64(self) -> str:
         """The kv_transfer_params value: padded standard base64 (R78)."""
@@ -118,7 +137,8 @@ class KVChecksumPayload:
     def from_bytes(
         cls, data: object, limits: KVChecksumPayloadLimits | None = None
     ) -> "KVChecksumPayload":
-        """Decode version 1 bytes; values are views of `data` (R77, R79, R129)."""
+        """Decode version 2 bytes; values are views of `data` (R79, R129,
+        R134, R136)."""
         if limits is None:
             limits = KVChecksumPayloadLimits()
         buffer = _as_bytes_like(data)
@@ -126,7 +146,7 @@ class KVChecksumPayload:
             raise _invalid(
                 f"{buffer.nbytes} bytes exceed the limit of {limits.max_encoded_bytes}"
             )
-        payload = _decode_v1(buffer, limits.max_groups)
+        payload = _decode(buffer, limits.max_groups)
         _check_payload(payload, limits)
         return payload
 
@@ -180,8 +200,8 @@ def _describe_group(group: KVChecksumPayloadGroup) -> list[str]:
     more = f" ... ({num_values} values)" if num_values > _INSPECT_MAX_VALUES else ""
     return [
         f"group {group.group_id}: fingerprint 0x{group.fingerprint:016x}, "
-        f"block size {group.block_size}, start {group.start}, "
-        f"positions {num_values}",
+        f"chunk tokens {group.chunk_tokens}, start {group.start}, "
+        f"chunks {num_values}",
         f"  values: {shown or '(none)'}{more}",
     ]
 
@@ -210,26 +230,32 @@ def _b64decode(text: str | bytes) -> bytes:
         raise _invalid(f"bad base64 ({exc})") from None
 
 
+def body_hash(body: bytes | memoryview) -> int:
+    """The payload's self-check: an 8-byte BLAKE2b digest of the body (R136)."""
+    return int.from_bytes(hashlib.blake2b(body, digest_size=8).digest(), "little")
+
+
 @functools.lru_cache(maxsize=8)
-def _v1_decoder(max_groups: int | None) -> msgspec.msgpack.Decoder:
-    """The typed decoder of [version, tp_size, num_tokens, [group, ...]].
+def _body_decoder(max_groups: int | None) -> msgspec.msgpack.Decoder:
+    """The typed decoder of the body [tp_size, num_tokens, [group, ...]].
 
     With `max_groups`, msgspec checks the groups' array header before decoding
     any group, so a flood of tiny groups costs nothing (R129).
     """
     if max_groups is None:
-        return msgspec.msgpack.Decoder(tuple[int, int, int, list[_RawGroup]])
+        return msgspec.msgpack.Decoder(tuple[int, int, list[_RawGroup]])
     bounded = msgspec.Meta(max_length=max_groups)
-    return msgspec.msgpack.Decoder(
-        tuple[int, int, int, Annotated[list[_RawGroup], bounded]]
-    )
+    return msgspec.msgpack.Decoder(tuple[int, int, Annotated[list[_RawGroup], bounded]])
 
 
-def _decode_v1(buffer: memoryview, max_groups: int | None) -> KVChecksumPayload:
-    """Decode version 1 msgpack; other versions raise "unsupported version N"."""
+def _decode(buffer: memoryview, max_groups: int | None) -> KVChecksumPayload:
+    """Decode version 2 msgpack; other versions raise "unsupported version N".
+
+    The envelope is read first and the body hash checked before the body is
+    decoded (R136).
+    """
     try:
-        decoded = _v1_decoder(max_groups).decode(buffer)
-        version, tp_size, num_tokens, raw_groups = decoded
+        version, expected_hash, body = _ENVELOPE_DECODER.decode(buffer)
     except _DECODE_ERRORS as exc:
         other = _peek_version(buffer)
         if other is not None and other != KV_CHECKSUM_PAYLOAD_VERSION:
@@ -237,12 +263,18 @@ def _decode_v1(buffer: memoryview, max_groups: int | None) -> KVChecksumPayload:
         raise _invalid(str(exc) or type(exc).__name__) from None
     if version != KV_CHECKSUM_PAYLOAD_VERSION:
         raise _unsupported(version)
+    if body_hash(body) != expected_hash:
+        raise _invalid("the body hash does not match (corrupted in transit)")
+    try:
+        tp_size, num_tokens, raw_groups = _body_decoder(max_groups).decode(body)
+    except _DECODE_ERRORS as exc:
+        raise _invalid(str(exc) or type(exc).__name__) from None
     groups = [_decode_group(*raw_group) for raw_group in raw_groups]
     return KVChecksumPayload(version, tp_size, num_tokens, groups)
 
 
 def _decode_group(
-    group_id: int, fingerprint: int, block_size: int, start: int, values: memoryview
+    group_id: int, fingerprint: int, chunk_tokens: int, start: int, values: memoryview
 ) -> KVChecksumPayloadGroup:
     """One decoded group; its values are a view of the input bytes."""
     if values.nbytes % _VALUE_DTYPE.itemsize:
@@ -250,7 +282,7 @@ def _decode_group(
             f"group {group_id}: {values.nbytes} value bytes are not a multiple of 8"
         )
     array = np.frombuffer(values, dtype=_VALUE_DTYPE)
-    return KVChecksumPayloadGroup(group_id, fingerprint, block_size, start, array)
+    return KVChecksumPayloadGroup(group_id, fingerprint, chunk_tokens, start, array)
 
 
 def _unsupported(version: int) -> ValueError:
@@ -311,12 +343,18 @@ def _peek_int(data: bytes) -> int | None:
 def _check_payload(
     payload: KVChecksumPayload, limits: KVChecksumPayloadLimits | None
 ) -> None:
-    """Raise "invalid KV checksums" unless every field is in range (R79, R129)."""
+    """Raise "invalid KV checksums" unless every field is in range (R79, R129,
+    R134)."""
     version = _as_int(payload.version, "version")
     if version != KV_CHECKSUM_PAYLOAD_VERSION:
         raise _unsupported(version)
-    _check_min(_as_int(payload.tp_size, "TP size"), 1, "TP size")
-    _check_min(_as_int(payload.num_tokens, "num_tokens"), 0, "num_tokens")
+    tp_size = _check_min(_as_int(payload.tp_size, "TP size"), 1, "TP size")
+    num_tokens = _as_int(payload.num_tokens, "num_tokens")
+    _check_min(num_tokens, 0, "num_tokens")
+    if limits is not None:
+        _check_max(tp_size, limits.max_tp_size, "TP size")
+        if limits.max_model_len is not None:
+            _check_max(num_tokens, limits.max_model_len, "num_tokens")
     if not isinstance(payload.groups, list):
         raise _invalid("groups must be a list")
     max_groups = limits.max_groups if limits else None
@@ -339,32 +377,42 @@ def _check_group(
     fingerprint = _as_int(group.fingerprint, f"{where} fingerprint")
     if not 0 <= fingerprint < _U64_LIMIT:
         raise _invalid(f"{where} fingerprint {fingerprint} is not a uint64")
-    block_size = _as_int(group.block_size, f"{where} block size")
-    _check_min(block_size, 1, f"{where} block size")
-    _check_min(_as_int(group.start, f"{where} start"), 0, f"{where} start")
+    chunk_tokens = _as_int(group.chunk_tokens, f"{where} chunk tokens")
+    _check_min(chunk_tokens, 1, f"{where} chunk tokens")
+    start = _check_min(_as_int(group.start, f"{where} start"), 0, f"{where} start")
     values = group.values
     if not isinstance(values, np.ndarray) or values.ndim != 1:
         raise _invalid(f"{where} values must be a 1-D array")
     if values.dtype.kind != "u" or values.dtype.itemsize > 8:
         raise _invalid(f"{where} values have dtype {values.dtype}, not uint64")
     if limits is not None:
-        _check_group_limits(group_id, block_size, len(values), limits)
+        _check_group_limits(group_id, chunk_tokens, start, len(values), limits)
     return group_id
 
 
 def _check_group_limits(
-    group_id: int, block_size: int, positions: int, limits: KVChecksumPayloadLimits
+    group_id: int,
+    chunk_tokens: int,
+    start: int,
+    positions: int,
+    limits: KVChecksumPayloadLimits,
 ) -> None:
-    """Bound a group's id and positions by the consumer's config (R129)."""
+    """Bound a group's id and geometry by the consumer's config (R129, R134)."""
     if limits.max_groups is not None and group_id >= limits.max_groups:
         raise _invalid(f"group {group_id} >= the {limits.max_groups} groups")
-    caps = []
-    if limits.max_positions is not None:
-        caps.append(limits.max_positions)
-    if limits.max_model_len is not None:
-        caps.append(-(-limits.max_model_len // block_size) + 1)
-    if caps and positions > min(caps):
-        raise _invalid(f"group {group_id}: {positions} positions exceed {min(caps)}")
+    if limits.max_positions is not None and positions > limits.max_positions:
+        raise _invalid(
+            f"group {group_id}: {positions} values exceed {limits.max_positions}"
+        )
+    if limits.max_model_len is None:
+        return
+    _check_max(chunk_tokens, limits.max_model_len, f"group {group_id} chunk tokens")
+    cap = -(-limits.max_model_len // chunk_tokens) + 1
+    if start + positions > cap:
+        raise _invalid(
+            f"group {group_id}: chunks [{start}, {start + positions}) of "
+            f"{chunk_tokens} tokens exceed {cap}"
+        )
 
 
 def _as_int(value: object, name: str) -> int:
@@ -377,6 +425,12 @@ def _as_int(value: object, name: str) -> int:
 def _check_min(value: int, minimum: int, name: str) -> int:
     if value < minimum:
         raise _invalid(f"{name} {value} < {minimum}")
+    return value
+
+
+def _check_max(value: int, maximum: int, name: str) -> int:
+    if value > maximum:
+        raise _invalid(f"{name} {value} > {maximum}")
     return value
 
 

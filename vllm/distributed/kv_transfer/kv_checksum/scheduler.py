@@ -66,6 +66,9 @@ HitSourcesFn = Callable[[Any, int], set[str]]
 ChecksumSourcesFn = Callable[[Any], set[str]]
 # on_failure(request, mismatches) -> None: a checked offload load failed (R121)
 FailureFn = Callable[[Any, dict[int, list[int]]], None]
+# on_failed_load(request id, verdict, loaded blocks) -> None: any load that did
+# not verify, P/D or offload, in both modes (R138 containment)
+FailedLoadFn = Callable[[str, KVChecksumVerdict, KVChecksumBlocks], None]
 
 
 def _no_sources(request: Any) -> set[str]:
@@ -123,6 +126,7 @@ class KVChecksumScheduler:
         self.hit_sources = hit_sources
         self.checksum_sources = checksum_sources
         self.on_failure = on_failure
+        self.on_failed_load: FailedLoadFn | None = None
         self.hash_block_size = hash_block_size
         self.limits = limits or KVChecksumPayloadLimits(max_groups=len(self.groups))
         self.group_infos = {
@@ -290,21 +294,42 @@ class KVChecksumScheduler:
         invalid = np.fromiter(invalid_block_ids, dtype=np.int64)
         failing: set[str] = set()
         for req_id in finished_recving or ():
-            load = self._loads.pop(req_id, None)
-            pending = self._recvs.pop(req_id, None)
-            if (
-                load is not None
-                and req_id not in skip
-                and not _writes_any(load, invalid)
-                and self._check_offload_load(req_id, load)
-            ):
-                failing.add(req_id)
-            if pending is None or req_id in skip or _writes_any(pending, invalid):
-                continue
-            verdict = self._verify(req_id, pending)
-            if verdict.status != KVChecksumStatus.VERIFIED and self.fail_closed:
+            try:
+                must_fail = self._finish_load(req_id, skip, invalid)
+            except Exception:
+                # R134: a bug or an input no check foresaw ends this load
+                # unverified; it never leaves vLLM's scheduler.
+                must_fail = self._internal_error(req_id)
+            if must_fail:
                 failing.add(req_id)
         return failing
+
+    def _finish_load(self, req_id: str, skip: set[str], invalid: np.ndarray) -> bool:
+        """Verify one finished load; returns whether it must fail (R72, R73)."""
+        load = self._loads.pop(req_id, None)
+        pending = self._recvs.pop(req_id, None)
+        must_fail = (
+            load is not None
+            and req_id not in skip
+            and not _writes_any(load, invalid)
+            and self._check_offload_load(req_id, load)
+        )
+        if pending is None or req_id in skip or _writes_any(pending, invalid):
+            return must_fail
+        verdict = self._verify(req_id, pending)
+        if verdict.status != KVChecksumStatus.VERIFIED and self.fail_closed:
+            must_fail = True
+        return must_fail
+
+    def _internal_error(self, req_id: str) -> bool:
+        """Log and count a verification that raised; fail it if fail-closed."""
+        logger.exception("Verifying the KV checksums of request %s failed", req_id)
+        verdict = KVChecksumVerdict(
+            KVChecksumStatus.UNVERIFIED,
+            reasons=[(UnverifiedReason.INTERNAL_ERROR, "see the error log")],
+        )
+        self.stats.record_verdict(verdict)
+        return self.fail_closed
 
     def _check_offload_load(self, req_id: str, load: _PendingLoad) -> bool:
         """Verify an offload load (R120); tell the connector of a failure (R121).
@@ -327,6 +352,8 @@ class KVChecksumScheduler:
             self.on_failure(load.request, dict(verdict.mismatches))
         except Exception:
             logger.exception("on_kv_checksum_failure failed for request %s", req_id)
+        if self.on_failed_load is not None:
+            self.on_failed_load(req_id, verdict, load.blocks)
         return self.fail_closed
 
     def _store(self, record: KVChecksumRecord) -> None:
@@ -359,9 +386,9 @@ class KVChecksumScheduler:
                 pending.expected = KVChecksumPayload.from_bytes(value, self.limits)
             else:
                 pending.expected = KVChecksumPayload.from_base64(value, self.limits)
-        except ValueError as e:
+        except Exception as e:  # decoding raises only ValueError (R79); be total
             pending.expected_error = UnverifiedReason.INVALID_CHECKSUMS
-            pending.decode_error = str(e)
+            pending.decode_error = str(e) or type(e).__name__
 
     def _verify(self, req_id: str, pending: _PendingReceive) -> KVChecksumVerdict:
         verdict = verify_load(
@@ -376,6 +403,8 @@ class KVChecksumScheduler:
         )
         self._log_verdict(req_id, verdict)
         self.stats.record_verdict(verdict)
+        if verdict.status != KVChecksumStatus.VERIFIED and self.on_failed_load:
+            self.on_failed_load(req_id, verdict, pending.blocks)
         return verdict
 
     def _log_verdict(self, req_id: str, verdict: KVChecksumVerdict) -> None:

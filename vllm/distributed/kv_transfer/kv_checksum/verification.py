@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     KVChecksumGroup,
     KVChecksumRecord,
     ReplicaKey,
+    chunk_tokens,
 )
 from vllm.distributed.kv_transfer.kv_checksum.payload import (
     KV_CHECKSUM_PAYLOAD_VERSION,
@@ -44,6 +45,7 @@ class UnverifiedReason(enum.Enum):
     UNALIGNED_START = "the first loaded block starts inside a producer block"
     NO_COMMON_BLOCK = "a group has no block in common"
     REPLICA_MISSING = "a replica was not checksummed"
+    INTERNAL_ERROR = "verifying the checksums raised an error"
 
 
 class KVChecksumStatus(enum.Enum):
@@ -196,13 +198,15 @@ def build_producer_payload(
     tp_size: int,
     groups: Mapping[int, KVChecksumGroupInfo],
 ) -> KVChecksumPayload | str:
-    """The payload a producer sends, or why nothing may be sent (R80).
+    """The payload a producer sends, or why nothing may be sent (R80, R135).
 
     Nothing is sent unless all `num_workers` workers reported and every reported
-    entry of a scheduled group covers the scheduled start and length (an entry
-    of an earlier prefill of a preempted request must not be sent). Groups
-    skipped by any worker, or checksummed by none, are omitted. Producer workers
-    checksum replica-0 views only, so every column is summed.
+    entry of a scheduled group covers the scheduled chunks (an entry of an
+    earlier prefill of a preempted request must not be sent). Groups skipped by
+    any worker, or checksummed by none, are omitted. Workers report one value
+    per chunk of `chunk_tokens(block size)` tokens over replica-0 views; the
+    payload sends each chunk's sum over workers, up to the last chunk holding
+    a token.
     """
     detail = completeness_detail(len(reports), num_workers)
     if detail is not None:
@@ -212,7 +216,12 @@ def build_producer_payload(
     payload_groups: list[KVChecksumPayloadGroup] = []
     for group_id in sorted(scheduled.groups):
         start, block_ids = scheduled.groups[group_id]
-        detail = other_blocks_detail(reports, group_id, start, len(block_ids))
+        info = groups[group_id]
+        # Mamba: one state per block, sent as one value per position.
+        chunk = 1 if info.is_mamba else chunk_tokens(info.block_size)
+        per_block = 1 if info.is_mamba else info.block_size // chunk
+        first, count = start * per_block, len(block_ids) * per_block
+        detail = other_blocks_detail(reports, group_id, first, count)
         if detail is not None:
             return f"group {group_id}: {detail}"
         entries = [
@@ -222,13 +231,15 @@ def build_producer_payload(
         ]
         if group_id in skipped or not entries:
             continue
+        # Chunks past the last token hold nothing: not sent.
+        end = min(first + count, -(-scheduled.num_tokens // chunk))
         payload_groups.append(
             KVChecksumPayloadGroup(
                 group_id=group_id,
                 fingerprint=fingerprints.get(group_id, 0),
-                block_size=groups[group_id].block_size,
-                start=start,
-                values=_sum_columns(entries, len(block_ids)),
+                chunk_tokens=chunk,
+                start=first,
+                values=_sum_columns(entries, count)[: max(0, end - first)],
             )
         )
     return KVChecksumPayload(
@@ -319,10 +330,11 @@ def _replica_checks(entries: list[KVChecksumGroup], num_positions: int) -> np.nd
 def _block_sizes(
     info: KVChecksumGroupInfo, producer: KVChecksumPayloadGroup
 ) -> tuple[int, int]:
-    """(b_D, b_P); Mamba holds one state per block on both sides (R88)."""
+    """(b_D, b_P), b_P the producer's chunk size (R88, R135); Mamba holds one
+    state per block on both sides."""
     if info.is_mamba:
         return 1, 1
-    b_d, b_p = info.block_size, producer.block_size
+    b_d, b_p = info.block_size, producer.chunk_tokens
     if b_d <= 0 or b_p <= 0 or max(b_d, b_p) % min(b_d, b_p) != 0:
         raise _GroupUnverified(
             UnverifiedReason.BLOCK_SIZES,
@@ -438,6 +450,14 @@ def _compare_group(
     b_d, b_p = _block_sizes(info, producer)
     chunk_size = max(b_d, b_p)
     n_d, n_p = chunk_size // b_d, chunk_size // b_p
+    if n_d > start + num_positions + 1:
+        # R134: a producer chunk larger than everything this consumer loaded
+        # cannot belong to the load; never size work by it.
+        raise _GroupUnverified(
+            UnverifiedReason.BLOCK_SIZES,
+            f"producer chunks of {b_p} tokens exceed the consumer's "
+            f"{start + num_positions} blocks of {b_d}",
+        )
     if start % n_d != 0:
         raise _GroupUnverified(
             UnverifiedReason.UNALIGNED_START,

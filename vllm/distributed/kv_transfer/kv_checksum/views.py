@@ -58,12 +58,6 @@ class ChecksumView:
     first_slice: int
     replica_key: ReplicaKey
 
-    @property
-    def layout_key(self) -> tuple:
-        """Views with equal keys share one fused launch (R46)."""
-        t = self.pieces
-        return (t.dtype, t.device, tuple(t.shape), tuple(t.stride()))
-
 
 @dataclass(frozen=True)
 class GroupViews:
@@ -132,6 +126,33 @@ def piece_view(
     if as_bytes.shape[-1] % PIECE_BYTES != 0:
         raise UncoveredGroup("cells or strides are not whole 8-byte pieces")
     return pieces.unflatten(0, (num_blocks, kernel_blocks))
+
+
+def chunk_pieces(pieces: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """A block view split into views of `chunk` consecutive tokens (R135).
+
+    View i holds the block's tokens [i * chunk, (i + 1) * chunk), still as
+    [blocks, kernel_blocks, heads, tokens, pieces] and without copy: tokens of
+    one kernel block, or whole kernel blocks. Raises if neither tiles.
+    """
+    kernel_blocks, tokens = pieces.shape[1], pieces.shape[3]
+    count = kernel_blocks * tokens // chunk
+    if count <= 1:
+        return [pieces]
+    if tokens % chunk == 0:
+        return [
+            pieces[:, first // tokens : first // tokens + 1, :, first % tokens :][
+                :, :, :, :chunk
+            ]
+            for first in range(0, count * chunk, chunk)
+        ]
+    if chunk % tokens == 0:
+        per = chunk // tokens
+        return [pieces[:, i * per : (i + 1) * per] for i in range(count)]
+    raise UncoveredGroup(
+        f"kernel blocks of {tokens} tokens do not tile checksum chunks of "
+        f"{chunk} tokens"
+    )
 
 
 def _check_attention_spec(spec: KVCacheSpec) -> AttentionSpec:

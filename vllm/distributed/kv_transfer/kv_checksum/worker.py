@@ -18,12 +18,14 @@ import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+    SEND_COLUMN_KEY,
     KVChecksumBlocks,
     KVChecksumGroup,
     KVChecksumRecord,
     KVChecksumScheduled,
     ReplicaKey,
     block_checksum_tags,
+    chunk_tokens,
 )
 from vllm.distributed.kv_transfer.kv_checksum.kernels import KVChecksumLaunch
 from vllm.distributed.kv_transfer.kv_checksum.rows import (
@@ -36,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_checksum.views import (
     GroupViews,
     UncoveredGroup,
     WorkerTopology,
+    chunk_pieces,
     plan_group_views,
 )
 from vllm.logger import init_logger
@@ -54,32 +57,69 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ChecksumPlan:
-    """The launches of one group pass and the replica key of each output column."""
+    """The launches of one group pass and what its output columns hold.
+
+    A receive plan has one column per replica key (R46). A send plan has one
+    column per token chunk of a block (R135), every replica-0 view folded in;
+    its rows are read back as one value per chunk (`chunks` per block).
+    """
 
     replica_keys: tuple[ReplicaKey, ...]
     launches: tuple[KVChecksumLaunch, ...]
+    chunks: int = 1
+
+    @property
+    def width(self) -> int:
+        """Output columns of one row."""
+        return self.chunks if self.chunks > 1 else len(self.replica_keys)
 
     @classmethod
     def build(cls, views: Sequence[ChecksumView]) -> "ChecksumPlan":
         """Fuse views sharing one layout into one launch each (R46, R61)."""
         keys = tuple(sorted({view.replica_key for view in views}))
         column = {key: i for i, key in enumerate(keys)}
-        by_layout: dict[tuple, list[ChecksumView]] = {}
-        for view in views:
-            by_layout.setdefault(view.layout_key, []).append(view)
-        launches = tuple(
-            KVChecksumLaunch(
-                [v.pieces for v in same],
-                [v.first_slice for v in same],
-                [column[v.replica_key] for v in same],
-            )
-            for same in by_layout.values()
-        )
-        return cls(keys, launches)
+        entries = [(v, v.pieces, column[v.replica_key], 0) for v in views]
+        return cls(keys, _fused_launches(entries))
+
+    @classmethod
+    def build_send(
+        cls, views: Sequence[ChecksumView], block_size: int
+    ) -> "ChecksumPlan":
+        """Chunk views of every replica-0 view, column i for chunk i (R135).
+
+        A rank holding no replica-0 view has no launch and reports zeros.
+        """
+        chunk = chunk_tokens(block_size)
+        entries = [
+            (view, pieces, i, i * chunk)
+            for view in views
+            for i, pieces in enumerate(chunk_pieces(view.pieces, chunk))
+        ]
+        return cls((SEND_COLUMN_KEY,), _fused_launches(entries), block_size // chunk)
 
     def run(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         for launch in self.launches:
             launch(rows, out)
+
+
+def _fused_launches(
+    entries: Sequence[tuple[ChecksumView, torch.Tensor, int, int]],
+) -> tuple[KVChecksumLaunch, ...]:
+    """One launch per layout over (view, pieces, column, token offset) (R61)."""
+    by_layout: dict[tuple, list[tuple[ChecksumView, torch.Tensor, int, int]]] = {}
+    for entry in entries:
+        pieces = entry[1]
+        key = (pieces.dtype, pieces.device, tuple(pieces.shape), pieces.stride())
+        by_layout.setdefault(key, []).append(entry)
+    return tuple(
+        KVChecksumLaunch(
+            [pieces for _, pieces, _, _ in same],
+            [view.first_slice for view, _, _, _ in same],
+            [column for _, _, column, _ in same],
+            token_offsets=[offset for _, _, _, offset in same],
+        )
+        for same in by_layout.values()
+    )
 
 
 @dataclass(frozen=True)
@@ -96,13 +136,14 @@ class GroupPlans:
 
     @classmethod
     def build(cls, group: GroupViews) -> "GroupPlans":
+        """Raises UncoveredGroup if kernel blocks do not tile the chunks."""
         send_views = [v for v in group.views if v.replica_key[1] == 0]
         return cls(
             group.group_id,
             group.block_size,
             group.fingerprint,
             ChecksumPlan.build(group.views),
-            ChecksumPlan.build(send_views),
+            ChecksumPlan.build_send(send_views, group.block_size),
             tuple(v.layer_name for v in group.views),
         )
 
@@ -211,6 +252,7 @@ class KVChecksumWorker:
                 continue  # R28: drafter-only groups are neither covered nor skipped
             try:
                 views = plan_group_views(group_id, group, names, kv_caches, topology)
+                plans = GroupPlans.build(views)
             except UncoveredGroup as reason:
                 logger.warning(
                     "KV cache group %d is not covered by KV checksums: %s.",
@@ -219,7 +261,7 @@ class KVChecksumWorker:
                 )
                 skipped.append(group_id)
                 continue
-            self.groups[group_id] = GroupPlans.build(views)
+            self.groups[group_id] = plans
         self.skipped_groups = tuple(skipped)
         self.fingerprints = {g: p.fingerprint for g, p in self.groups.items()}
         self._to_send: dict[str, KVChecksumBlocks] = {}
@@ -398,12 +440,16 @@ class KVChecksumWorker:
         for (plans, plan, req_ids, starts, counts), part, column in zip(
             passes, parts, columns
         ):
-            segment = RowSegment(plans.group_id, column, req_ids, starts, counts)
             n = part.shape[1]
             out = torch.zeros(
-                (n, len(plan.replica_keys)), dtype=torch.int64, device=rows_dev.device
+                (n, plan.width), dtype=torch.int64, device=rows_dev.device
             )
             plan.run(rows_dev[:, column : column + n], out)
+            if plan.chunks > 1:
+                # One row per chunk, in position order (R135).
+                out = out.view(n * plan.chunks, 1)
+                starts, counts = starts * plan.chunks, counts * plan.chunks
+            segment = RowSegment(plans.group_id, column, req_ids, starts, counts)
             result = _PassResult(segment, plan.replica_keys, out)
             table = self._block_table
             if plan is plans.recv and plans.group_id in self._stored_groups:
