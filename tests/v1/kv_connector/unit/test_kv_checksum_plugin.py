@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -1035,18 +1036,20 @@ def test_checksums_off_is_plain_vllm(
     installed and through one with every hook removed (vLLM's originals); every
     SchedulerOutput (tokens, block ids, finished ids, connector metadata) and
     every EngineCoreOutput (tokens, finish reasons, kv_transfer_params) must be
-    equal. Catches a hook acting while disabled, e.g. an added
-    "kv_checksums" key or a SchedulerOutput attribute set when off."""
+    equal, and the hooked scheduler and its connector hold exactly the
+    instance attributes of the plain ones (nothing set on vLLM's objects).
+    Catches a hook acting while disabled, e.g. an added "kv_checksums" key, a
+    SchedulerOutput attribute or a scheduler attribute set when off."""
     hooked, scheduler = run_scripted_scenario(
         model_dir, connector, extra, async_scheduling
     )
-    assert scheduler.kv_checksum_scheduler is None
-    assert "update_state_after_alloc" not in vars(scheduler.connector)
+    assert scheduler.kv_checksum_scheduler is None  # the class default
     with hooks_removed():
         plain, plain_scheduler = run_scripted_scenario(
             model_dir, connector, extra, async_scheduling
         )
-        assert not hasattr(plain_scheduler, "kv_checksum_scheduler")
+    assert vars(scheduler).keys() == vars(plain_scheduler).keys()
+    assert vars(scheduler.connector).keys() == vars(plain_scheduler.connector).keys()
     assert hasattr(Scheduler.__init__, "__kv_checksum_original__")
     assert len(hooked) == len(plain)
     for i, (with_hooks, without) in enumerate(zip(hooked, plain)):
@@ -1383,8 +1386,8 @@ def test_multi_connector_merges_received_checksums(model_dir: str) -> None:
     """R99, R101: the worker-side MultiConnector's `get_transfer_results`
     merges its children's `kv_checksums`, the first copy winning, next to
     vLLM's own merge of finished ids; without any the result has none; the
-    children's methods are left as they were. Catches received bytes of a
-    second child dropped."""
+    capture is installed once, by `register_kv_checksum_worker` (only called
+    with checksums on). Catches received bytes of a second child dropped."""
     multi = make_multi(
         model_dir,
         KVConnectorRole.WORKER,
@@ -1392,6 +1395,11 @@ def test_multi_connector_merges_received_checksums(model_dir: str) -> None:
         _child(SCRIPTED_CONNECTOR_NAME),
     )
     first, second = multi._connectors
+    multi.register_kv_checksum_worker(object())
+    capture = (
+        vars(first)["get_transfer_results"],
+        vars(second)["get_transfer_results"],
+    )
     first.scripted.append(
         transfer_results({"a"}, kv_checksums={"a": b"first-a", "b": b"first-b"})
     )
@@ -1405,10 +1413,250 @@ def test_multi_connector_merges_received_checksums(model_dir: str) -> None:
         "b": b"first-b",
         "c": b"second-c",
     }
-    assert "get_transfer_results" not in vars(first)
-    assert "get_transfer_results" not in vars(second)
     results = multi.get_transfer_results(set())
     assert getattr(results, "kv_checksums", None) is None
+    multi.register_kv_checksum_worker(object())  # idempotent
+    assert capture == (
+        vars(first)["get_transfer_results"],
+        vars(second)["get_transfer_results"],
+    )
+
+
+# ---- Issue 20: hooks are exact pass-throughs when off, never raise when on ----
+
+
+def test_multi_connector_off_leaves_mock_children_alone(model_dir: str) -> None:
+    """R1, R101 (regression, issue 20): with checksums off (no checksum worker
+    registered) MultiConnector.get_transfer_results is vLLM's own. Children
+    that are `MagicMock(spec_set=KVConnectorBase_V1)`, as in vLLM's
+    test_multi_connector.py, answer every call, and no attribute of a child
+    is set or deleted. Failed before the fix (checked by reverting it): the
+    hook wrapped every child and deleted the wrapper after each call, which on
+    a spec_set mock deletes the mock's own attribute, so the second call
+    raised AttributeError."""
+    vllm_config = make_vllm_config(
+        model_dir,
+        kv_connector="MultiConnector",
+        extra_config=multi_extra(
+            _child(SCRIPTED_CONNECTOR_NAME), _child(SCRIPTED_CONNECTOR_NAME)
+        ),
+    )
+    multi = MultiConnector(
+        vllm_config, KVConnectorRole.WORKER, make_kv_cache_config(vllm_config)
+    )
+    children = []
+    for finished in ({"a"}, {"b"}):
+        child = mock.MagicMock(spec_set=KVConnectorBase_V1)
+        child.get_transfer_results.return_value = transfer_results(finished)
+        children.append(child)
+    multi._connectors = children
+    before = [dict(vars(child)) for child in children]
+    for _ in range(3):
+        results = multi.get_transfer_results({"x"})
+        assert results.finished_recving == {"a", "b"}
+        assert getattr(results, "kv_checksums", None) is None
+    for child, attributes in zip(children, before):
+        assert vars(child) == attributes
+        assert child.get_transfer_results.call_count == 3
+    assert "_kv_checksum_received" not in vars(multi)
+
+
+def test_kv_connector_prom_with_a_partial_config_never_raises(
+    vllm_caplog: pytest.LogCaptureFixture,
+    fresh_warnings: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R11, R130, R134 (regression, issue 20): vLLM's KVConnectorProm built
+    from a partial config (a namespace holding only kv_transfer_config, as in
+    vLLM's test_mooncake_stats.py) with checksums on builds vLLM's metrics and
+    never raises: `kv_checksum_enabled` needs nothing but the KV transfer
+    config, and an error while building the checksum counters is logged once
+    and leaves them out. Failed before the fix (checked by reverting it):
+    `kv_checksum_enabled` read `vllm_config.parallel_config` first and the
+    AttributeError escaped vLLM's constructor."""
+    from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
+        KVChecksumPromMetrics,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorProm,
+    )
+
+    def partial(connector: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=connector,
+                kv_role="kv_producer",
+                kv_connector_extra_config={ENABLE_KEY: True},
+            )
+        )
+
+    labels = {"labelnames": ["model_name", "engine"]}
+    engines = {0: ["model", "0"]}
+    # No carrier: disabled (one warning), like Mooncake in vLLM's test.
+    prom = KVConnectorProm(
+        partial(TEST_CONNECTOR_NAME), **labels, per_engine_labelvalues=engines
+    )
+    assert prom.prom_metrics is None and prom.kv_checksum_metrics is None
+    assert "kv_checksum_metrics" not in vars(prom)
+    # A carrier: enabled without any parallel config.
+    assert kv_checksum_enabled(partial(CARRIER_CONNECTOR_NAME)) is True
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(KVChecksumPromMetrics, "for_connector_prom", broken)
+    vllm_caplog.clear()
+    prom = KVConnectorProm(
+        partial(CARRIER_CONNECTOR_NAME), **labels, per_engine_labelvalues=engines
+    )
+    assert prom.kv_checksum_metrics is None
+    assert len(checksum_logs(vllm_caplog, logging.ERROR)) == 1
+
+
+# The checksum scheduler's methods each scheduler hook calls, made to raise.
+FAILING_SCHEDULER_METHODS = [
+    "on_new_request",  # Scheduler.add_request
+    "build_checksum_meta",  # Scheduler._update_after_schedule
+    "update_from_output",  # Scheduler.update_from_output
+    "request_finished",  # Scheduler._connector_finished
+]
+
+
+def _without_checksum_fields(trace: list[Any]) -> list[Any]:
+    """A scenario trace less what checksums on may add before they fail."""
+    stripped = []
+    for entry in trace:
+        if isinstance(entry, dict):
+            entry = {
+                k: v
+                for k, v in entry.items()
+                if k not in ("kv_checksum_scheduled", "instance_attributes")
+            }
+        stripped.append(entry)
+    return stripped
+
+
+@pytest.mark.parametrize("method", FAILING_SCHEDULER_METHODS)
+def test_scheduler_hook_error_disables_checksums(
+    model_dir: str,
+    method: str,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_caplog: pytest.LogCaptureFixture,
+) -> None:
+    """R10 (b, c, e, f), R134 (issue 20): an exception from checksum code in a
+    scheduler hook never reaches vLLM. The scenario of
+    `test_checksums_off_is_plain_vllm` runs with checksums on and one
+    KVChecksumScheduler method raising: the engine's outputs equal those of
+    plain vLLM (hooks removed), the checksum scheduler is off afterwards, and
+    exactly one error is logged. Catches an escaping exception (the engine
+    would die) and a guard that also swallows or changes vLLM's own result.
+    Failed before the fix (no guard: the injected error escaped)."""
+    extra = {ENABLE_KEY: True}
+    calls = []
+
+    def broken(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(method)
+        raise RuntimeError(f"injected into {method}")
+
+    monkeypatch.setattr(KVChecksumScheduler, method, broken)
+    hooked, scheduler = run_scripted_scenario(
+        model_dir, CARRIER_CONNECTOR_NAME, extra, False
+    )
+    assert calls == [method]
+    assert scheduler.kv_checksum_scheduler is None
+    errors = checksum_logs(vllm_caplog, logging.ERROR)
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert errors[0].exc_info is not None
+    with hooks_removed():
+        plain, _ = run_scripted_scenario(
+            model_dir, CARRIER_CONNECTOR_NAME, extra, False
+        )
+    assert _without_checksum_fields(hooked) == _without_checksum_fields(plain)
+
+
+def test_scheduler_creation_error_leaves_checksums_off(
+    model_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_caplog: pytest.LogCaptureFixture,
+) -> None:
+    """R10 (a), R134 (issue 20): an error while creating the checksum
+    scheduler leaves the vLLM Scheduler working with checksums off and one
+    error log; invalid flags still fail the start (R8, see
+    test_non_boolean_flag_fails_scheduler_start). Catches the engine failing
+    to start over a checksum bug."""
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(KVChecksumScheduler, "create", broken)
+    vllm_config = make_vllm_config(
+        model_dir, kv_connector=CARRIER_CONNECTOR_NAME, extra_config={ENABLE_KEY: True}
+    )
+    scheduler = make_scheduler(vllm_config, make_kv_cache_config(vllm_config))
+    assert scheduler.kv_checksum_scheduler is None
+    assert len(checksum_logs(vllm_caplog, logging.ERROR)) == 1
+    scheduler.add_request(make_request("local", prompt(20), max_tokens=2))
+    for _ in range(3):
+        step(scheduler)
+    assert scheduler.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.parametrize("where", ["create", "bind", "post_forward"])
+def test_active_connector_error_disables_checksums(
+    worker_setup: Any,
+    where: str,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_caplog: pytest.LogCaptureFixture,
+) -> None:
+    """R10 (g), R134 (issue 20): an exception from the checksum worker (while
+    it is created, in pre_forward's bind, in post_forward) never reaches Model
+    Runner V2: the ActiveKVConnector is built and its pre_forward and
+    post_forward return vLLM's own results, without records; the checksum
+    worker is off afterwards; one error is logged. Catches a worker whose
+    checksum bug kills the engine."""
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"injected into {where}")
+
+    if where == "create":
+        monkeypatch.setattr(wiring, "create_kv_checksum_worker", broken)
+    env = worker_setup(True)
+    active = env.active
+    if where == "create":
+        assert active.kv_checksum_worker is None
+    else:
+        monkeypatch.setattr(active.kv_checksum_worker, where, broken)
+    output = env.empty_output
+    output.kv_checksum_scheduled = _scheduled_send()
+    active.pre_forward(output)
+    env.connector.scripted.append(
+        transfer_results({"r"}, kv_checksums={"r": b"producer bytes"})
+    )
+    active.finish_forward()
+    kv_output = active.post_forward(set())
+    assert kv_output.finished_recving == {"r"}
+    assert getattr(kv_output, "kv_checksums", None) is None
+    assert active.kv_checksum_worker is None
+    assert len(checksum_logs(vllm_caplog, logging.ERROR)) == 1
+    # From now on a pass-through.
+    active.pre_forward(output)
+    assert active.post_forward(set()) is not None
+    assert len(checksum_logs(vllm_caplog, logging.ERROR)) == 1
+
+
+def test_active_connector_off_sets_nothing(worker_setup: Any) -> None:
+    """R1, R10 (g) (issue 20): with checksums off the ActiveKVConnector and its
+    connector hold exactly vLLM's own instance attributes after init and a
+    step (the checksum fields are class defaults). Catches a hook that sets
+    or wraps anything on vLLM's objects while disabled."""
+    env = worker_setup(False)
+    active = env.active
+    assert active.kv_checksum_worker is None
+    assert not any("checksum" in name for name in vars(active))
+    assert "get_transfer_results" not in vars(env.connector)
+    active.pre_forward(env.empty_output)
+    active.post_forward(set())
+    assert not any("checksum" in name for name in vars(active))
 
 
 # ---- Everything together: producer -> consumer through the real classes ----

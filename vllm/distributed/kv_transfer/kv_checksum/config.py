@@ -24,6 +24,8 @@ FAULT_INJECTION_KEY = "kv_checksum_fault_injection"
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 
+_FLAG_KEYS = (ENABLE_KEY, FAIL_CLOSED_KEY, MAX_PAYLOAD_BYTES_KEY, FAULT_INJECTION_KEY)
+
 
 @dataclass(frozen=True)
 class FaultInjectionConfig:
@@ -158,12 +160,11 @@ def connector_declares_carrier(kv_transfer_config: Any) -> bool:
     )
 
 
-def _ray_pp_without_aggregation(vllm_config: Any) -> bool:
+def _ray_pp_without_aggregation(parallel: Any) -> bool:
     """A Ray executor whose non-last PP stages' outputs never reach the scheduler."""
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size <= 1:
+    if getattr(parallel, "pipeline_parallel_size", 1) <= 1:
         return False
-    backend = parallel.distributed_executor_backend
+    backend = getattr(parallel, "distributed_executor_backend", None)
     if backend in ("ray", "mp", "uni", "external_launcher", None):
         return False  # 0.33.0's "ray" is the multiprocessing-based Ray V2
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
@@ -176,21 +177,42 @@ def _ray_pp_without_aggregation(vllm_config: Any) -> bool:
     return bool(uses_ray) and not issubclass(backend, MultiprocExecutor)
 
 
-def kv_checksum_enabled(vllm_config: Any) -> bool:
-    """Whether this engine computes and verifies KV checksums (R11-R16)."""
+def _mentions_checksums(vllm_config: Any) -> bool:
+    """Whether a configured connector's extra config holds any checksum flag.
+
+    Reads nothing but the KV transfer config, tolerating partial or mock
+    configs (no KV transfer config, a non-dict extra config: no flags), and
+    never raises.
+    """
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
-    if kv_transfer_config is None or not kv_transfer_config.kv_connector:
+    if kv_transfer_config is None or not getattr(
+        kv_transfer_config, "kv_connector", None
+    ):
         return False
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+    return isinstance(extra, dict) and any(key in extra for key in _FLAG_KEYS)
+
+
+def kv_checksum_enabled(vllm_config: Any) -> bool:
+    """Whether this engine computes and verifies KV checksums (R11-R16).
+
+    Only the KV transfer config is needed: a config without a parallel config
+    (e.g. a partial one in a test) counts as having no parallelism. Raises
+    ValueError for invalid flags (a start-up error, R8).
+    """
+    if not _mentions_checksums(vllm_config):
+        return False
+    kv_transfer_config = vllm_config.kv_transfer_config
     flags = read_flags(kv_transfer_config)
     if not flags.enabled:
         return False
-    parallel = vllm_config.parallel_config
+    parallel = getattr(vllm_config, "parallel_config", None)
     if (
-        parallel.decode_context_parallel_size > 1
-        or parallel.prefill_context_parallel_size > 1
+        getattr(parallel, "decode_context_parallel_size", 1) > 1
+        or getattr(parallel, "prefill_context_parallel_size", 1) > 1
     ):
         return _disable("context parallelism is not supported")
-    if _ray_pp_without_aggregation(vllm_config):
+    if _ray_pp_without_aggregation(parallel):
         return _disable(
             "a Ray executor with pipeline parallelism does not return every "
             "stage's connector output"

@@ -4,8 +4,14 @@
 
 Every hook is a thin wrapper that calls the original vLLM method and then a
 short call into the core modules. With checksums disabled the scheduler's
-`kv_checksum_scheduler` and the connector's `kv_checksum_worker` are None and
-every hook is a pass-through. Each hook is documented as:
+`kv_checksum_scheduler` and the connector's `kv_checksum_worker` are None (class
+defaults: nothing is set on vLLM's objects) and every hook is an exact
+pass-through: no attribute set or deleted, no extra call (R1). With checksums
+on, checksum code inside a hook runs under a last-resort guard (R134): an
+exception is logged once as an error and turns checksums off for that engine
+(scheduler or worker), while the original vLLM call's result or exception
+passes through untouched. The only exceptions that reach vLLM on purpose are
+start-up errors for invalid flags (R8). Each hook is documented as:
 
 - Target: the vLLM 0.33.0 method wrapped.
 - Why: what checksums need there.
@@ -15,6 +21,7 @@ every hook is a pass-through. Each hook is documented as:
 The list is repeated in docs/features/kv_checksum.md ("vLLM internals").
 """
 
+import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
@@ -65,6 +72,22 @@ def _wrap(cls: type, name: str) -> Callable[[Callable], Callable]:
         return hook
 
     return decorator
+
+
+def _disable_after_error(owner: Any, attr: str, where: str) -> None:
+    """Last-resort guard (R134); call from an `except` block.
+
+    Logs one error with the traceback and sets `owner.attr` (a scheduler's
+    `kv_checksum_scheduler`, an ActiveKVConnector's `kv_checksum_worker`) to
+    None, so the hooks pass that object through from now on.
+    """
+    logger.exception(
+        "KV checksums disabled for this engine after an error in %s; vLLM "
+        "goes on without them.",
+        where,
+    )
+    with contextlib.suppress(Exception):
+        setattr(owner, attr, None)
 
 
 def install() -> None:
@@ -191,6 +214,7 @@ def _install_multi_connector(multi: type) -> None:
     def register_kv_checksum_worker(self: Any, worker: Any) -> None:
         for child in self._connectors:
             child.register_kv_checksum_worker(worker)
+        _capture_received(self)
 
     multi.kv_checksum_carrier = kv_checksum_carrier  # type: ignore[attr-defined]
     multi.send_kv_checksums = send_kv_checksums  # type: ignore[attr-defined]
@@ -204,36 +228,53 @@ def _install_multi_connector(multi: type) -> None:
 
         Why: the merged transfer results vLLM builds drop the children's
         received checksum bytes.
-        How: capture each child's `kv_checksums` during the original call and
-        attach the merge (first copy wins).
+        How: only with checksums on (`register_kv_checksum_worker` was
+        called, see `_capture_received`): empty the capture, call the
+        original, attach the children's merged bytes (first copy wins).
+        Otherwise an exact pass-through (R1).
         Upstream: MultiConnector merging `kv_checksums` itself.
         """
-        merged: dict[str, bytes] = {}
-        children = self._connectors
-        originals = [c.get_transfer_results for c in children]
-
-        def capture(child_original: Callable) -> Callable:
-            def call(*a: Any) -> Any:
-                result = child_original(*a)
-                connectors.merge_received(merged, getattr(result, "kv_checksums", None))
-                return result
-
-            return call
-
-        own = [c.__dict__.get("get_transfer_results") for c in children]
-        for child, child_original in zip(children, originals):
-            child.get_transfer_results = capture(child_original)
-        try:
-            results = original(self, *args)
-        finally:
-            for child, previous in zip(children, own):
-                if previous is None:
-                    del child.get_transfer_results
-                else:
-                    child.get_transfer_results = previous
-        if merged:
-            results.kv_checksums = merged
+        received = self.__dict__.get("_kv_checksum_received")
+        if received is None:
+            return original(self, *args)
+        received.clear()
+        results = original(self, *args)
+        if received and self.__dict__.get("_kv_checksum_received") is received:
+            with contextlib.suppress(Exception):
+                results.kv_checksums = dict(received)
+            received.clear()
         return results
+
+
+def _capture_received(multi: Any) -> None:
+    """R101, with checksums on only (called from `register_kv_checksum_worker`,
+    which only an engine with a checksum worker calls): wrap each child's
+    `get_transfer_results` once, as an instance attribute that stays, so that
+    the children's received bytes collect in the MultiConnector's
+    `_kv_checksum_received` during its own `get_transfer_results`."""
+    if "_kv_checksum_received" in multi.__dict__:
+        return
+    multi._kv_checksum_received = {}
+    for child in multi._connectors:
+        child_original = child.get_transfer_results
+
+        def call(*args: Any, _original: Callable = child_original, **kw: Any) -> Any:
+            result = _original(*args, **kw)
+            received = multi.__dict__.get("_kv_checksum_received")
+            if received is not None:
+                try:
+                    connectors.merge_received(
+                        received, getattr(result, "kv_checksums", None)
+                    )
+                except Exception:
+                    multi._kv_checksum_received = None
+                    logger.exception(
+                        "KV checksums received by a MultiConnector child could "
+                        "not be read; its children's checksums are ignored."
+                    )
+            return result
+
+        child.get_transfer_results = call
 
 
 # ----------------------------------------------------------------------
@@ -241,11 +282,10 @@ def _install_multi_connector(multi: type) -> None:
 # ----------------------------------------------------------------------
 
 
-def _create_scheduler(scheduler: Any) -> KVChecksumScheduler | None:
+def _create_scheduler(scheduler: Any) -> KVChecksumScheduler:
+    """The checksum scheduler of a scheduler whose checksums are enabled."""
     connector = scheduler.connector
     vllm_config = scheduler.vllm_config
-    if connector is None or not kv_checksum_enabled(vllm_config):
-        return None
     flags = read_flags(vllm_config.kv_transfer_config)
     parallel = vllm_config.parallel_config
     return KVChecksumScheduler.create(
@@ -272,6 +312,9 @@ def _install_scheduler_hooks() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import RequestStatus
 
+    # Read when checksums are off: class defaults, nothing set on instances.
+    Scheduler.kv_checksum_scheduler = None  # type: ignore[attr-defined]
+
     @_wrap(Scheduler, "__init__")
     def init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
         """R10 (a). Target: Scheduler.__init__ (also AsyncScheduler's).
@@ -280,14 +323,21 @@ def _install_scheduler_hooks() -> None:
         How: created after vLLM's init, with the connector's carrier, hit
         sources, stored-checksum sources and failure callback (R119, R121);
         the connector's update_state_after_alloc gets an instance wrapper
-        noting loads as they start (R10 d).
+        noting loads as they start (R10 d). Disabled: nothing is set (the
+        class default None answers). Invalid flags raise (R8); any other
+        error leaves checksums off for this engine with one error log.
         Upstream: the Scheduler constructing it next to its connector.
         """
         original(self, *args, **kwargs)
-        self.kv_checksum_scheduler = _create_scheduler(self)
-        self._kv_checksum_starting_loads = []
-        if self.kv_checksum_scheduler is not None:
+        if self.connector is None or not kv_checksum_enabled(self.vllm_config):
+            return
+        try:
+            kcs = _create_scheduler(self)
+            self._kv_checksum_starting_loads = []
             _note_starting_loads(self)
+            self.kv_checksum_scheduler = kcs
+        except Exception:
+            _disable_after_error(self, "kv_checksum_scheduler", "Scheduler.__init__")
 
     @_wrap(Scheduler, "add_request")
     def add_request(original: Callable, self: Any, request: Any) -> None:
@@ -299,8 +349,13 @@ def _install_scheduler_hooks() -> None:
         Upstream: a call next to the connector's on_new_request.
         """
         original(self, request)
-        if getattr(self, "kv_checksum_scheduler", None) is not None:
-            self.kv_checksum_scheduler.on_new_request(request)
+        kcs = getattr(self, "kv_checksum_scheduler", None)
+        if kcs is None:
+            return
+        try:
+            kcs.on_new_request(request)
+        except Exception:
+            _disable_after_error(self, "kv_checksum_scheduler", "add_request")
 
     @_wrap(Scheduler, "_update_after_schedule")
     def update_after_schedule(original: Callable, self: Any, output: Any) -> None:
@@ -320,13 +375,18 @@ def _install_scheduler_hooks() -> None:
             self._kv_checksum_starting_loads,
             [],
         )
-        for request, blocks, num_external in starting:
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                local = request.num_computed_tokens - num_external
-                kcs.add_recv(request, blocks, local)
-        for req_id, num_tokens in output.num_scheduled_tokens.items():
-            kcs.add_send(self.requests[req_id], num_tokens, self.kv_cache_manager)
-        output.kv_checksum_scheduled = kcs.build_checksum_meta()
+        try:
+            for request, blocks, num_external in starting:
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    local = request.num_computed_tokens - num_external
+                    kcs.add_recv(request, blocks, local)
+            for req_id, num_tokens in output.num_scheduled_tokens.items():
+                kcs.add_send(self.requests[req_id], num_tokens, self.kv_cache_manager)
+            output.kv_checksum_scheduled = kcs.build_checksum_meta()
+        except Exception:
+            _disable_after_error(
+                self, "kv_checksum_scheduler", "Scheduler._update_after_schedule"
+            )
 
     @_wrap(Scheduler, "update_from_output")
     def update_from_output(
@@ -340,21 +400,30 @@ def _install_scheduler_hooks() -> None:
         (skipping loads reported failed, already failed or hit by invalid
         blocks); fail-closed failures are added to `failed_recving`, so vLLM's
         own `_handle_failed_recving` and kv_load_failure_policy decide (R4).
+        If checksum code raises, one error log and checksums off for this
+        engine; vLLM's update_from_output then runs unchanged (R134).
         Upstream: a checksum step between vLLM's failure handling and its
         per-request loop.
         """
         kcs = getattr(self, "kv_checksum_scheduler", None)
-        kv_output = model_output.kv_connector_output
-        if kcs is not None and kv_output is not None:
-            failed = set(kv_output.failed_recving or ())
-            failing = kcs.update_from_output(
-                finalize_records(getattr(kv_output, "kv_checksums", None)),
-                kv_output.finished_recving,
-                skip_req_ids=failed | self.failed_recving_kv_req_ids,
-                invalid_block_ids=kv_output.invalid_block_ids,
+        if kcs is None:
+            return original(self, scheduler_output, model_output)
+        try:
+            kv_output = model_output.kv_connector_output
+            if kv_output is not None:
+                failed = set(kv_output.failed_recving or ())
+                failing = kcs.update_from_output(
+                    finalize_records(getattr(kv_output, "kv_checksums", None)),
+                    kv_output.finished_recving,
+                    skip_req_ids=failed | self.failed_recving_kv_req_ids,
+                    invalid_block_ids=kv_output.invalid_block_ids,
+                )
+                if failing:
+                    kv_output.failed_recving = failed | failing
+        except Exception:
+            _disable_after_error(
+                self, "kv_checksum_scheduler", "Scheduler.update_from_output"
             )
-            if failing:
-                kv_output.failed_recving = failed | failing
         return original(self, scheduler_output, model_output)
 
     @_wrap(Scheduler, "_connector_finished")
@@ -366,17 +435,25 @@ def _install_scheduler_hooks() -> None:
         Why: a finished producer's payload travels with what the connector
         returns (kv_transfer_params) or in the connector's own messages.
         How: after the original, `request_finished` adds "kv_checksums" to the
-        returned params; CONNECTOR bytes go to `send_kv_checksums`.
+        returned params; CONNECTOR bytes go to `send_kv_checksums`. On an
+        error, vLLM's own result is returned (R134).
         Upstream: the Scheduler calling the checksum scheduler there.
         """
-        delay_free, params = original(self, request)
+        result = original(self, request)
         kcs = getattr(self, "kv_checksum_scheduler", None)
         if kcs is None:
-            return delay_free, params
-        params = kcs.request_finished(request, params)
-        data = kcs.take_kv_checksums_to_send(request.request_id)
-        if data is not None:
-            self.connector.send_kv_checksums(request, data)
+            return result
+        try:
+            delay_free, params = result
+            params = kcs.request_finished(request, params)
+            data = kcs.take_kv_checksums_to_send(request.request_id)
+            if data is not None:
+                self.connector.send_kv_checksums(request, data)
+        except Exception:
+            _disable_after_error(
+                self, "kv_checksum_scheduler", "Scheduler._connector_finished"
+            )
+            return result
         return delay_free, params
 
 
@@ -394,7 +471,7 @@ def _note_starting_loads(scheduler: Any) -> None:
 
     def update_state_after_alloc(request: Any, blocks: Any, num_external: int) -> Any:
         result = original(request, blocks, num_external)
-        if num_external > 0:
+        if num_external > 0 and scheduler.kv_checksum_scheduler is not None:
             scheduler._kv_checksum_starting_loads.append(
                 (request, blocks, num_external)
             )
@@ -414,6 +491,10 @@ def _install_worker_hooks() -> None:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     active = gpu_kv_connector.ActiveKVConnector
+    # Read when checksums are off: class defaults, nothing set on instances.
+    active.kv_checksum_worker = None  # type: ignore[attr-defined]
+    active.kv_checksum_fault_injector = None  # type: ignore[attr-defined]
+    active._kv_checksum_results = None  # type: ignore[attr-defined]
 
     @_wrap(GPUModelRunner, "initialize_kv_cache")
     def initialize_kv_cache(
@@ -440,20 +521,28 @@ def _install_worker_hooks() -> None:
         calls happen; it holds the checksum worker (and the fault injector,
         R131, when configured).
         How: after the original, create both; an instance wrapper keeps the
-        connector's last transfer results for post_forward.
+        connector's last transfer results for post_forward. Disabled: nothing
+        is set (class defaults None); an error while creating them leaves
+        checksums off for this worker with one error log (R134).
         Upstream: ActiveKVConnector owning a checksum worker.
         """
         original(self, vllm_config, kv_caches)
-        self.kv_checksum_worker = _create_worker(vllm_config, kv_caches)
-        self._kv_checksum_results = None
-        self.kv_checksum_fault_injector = None
-        if self.kv_checksum_worker is not None:
-            topology = self.kv_checksum_worker.topology
-            self.kv_checksum_fault_injector = create_fault_injector(
+        if _kv_cache_config.get() is None or not kv_checksum_enabled(vllm_config):
+            return
+        try:
+            worker = _create_worker(vllm_config, kv_caches)
+            if worker is None:
+                return
+            topology = worker.topology
+            injector = create_fault_injector(
                 vllm_config, topology.tp_rank, topology.pp_rank
             )
-            self.kv_connector.register_kv_checksum_worker(self.kv_checksum_worker)
+            self.kv_connector.register_kv_checksum_worker(worker)
             _remember_transfer_results(self)
+            self.kv_checksum_fault_injector = injector
+            self.kv_checksum_worker = worker
+        except Exception:
+            _disable_after_error(self, "kv_checksum_worker", "ActiveKVConnector")
 
     @_wrap(active, "pre_forward")
     def pre_forward(
@@ -467,8 +556,12 @@ def _install_worker_hooks() -> None:
         """
         original(self, scheduler_output, *args, **kw)
         worker = getattr(self, "kv_checksum_worker", None)
-        if worker is not None and not self._disabled:
+        if worker is None or self._disabled:
+            return
+        try:
             worker.bind(getattr(scheduler_output, "kv_checksum_scheduled", None))
+        except Exception:
+            _disable_after_error(self, "kv_checksum_worker", "pre_forward")
 
     @_wrap(active, "post_forward")
     def post_forward(
@@ -485,26 +578,29 @@ def _install_worker_hooks() -> None:
         """
         output = original(self, finished_req_ids, *args, **kw)
         worker = getattr(self, "kv_checksum_worker", None)
-        results, self._kv_checksum_results = (
-            getattr(self, "_kv_checksum_results", None),
-            None,
-        )
-        if worker is None or output is None or results is None:
+        if worker is None:
             return output
-        injector = getattr(self, "kv_checksum_fault_injector", None)
-        if injector is not None:  # R131: corrupt finished loads before checksums
-            injector.corrupt_loads(
-                worker,
+        results, self._kv_checksum_results = self._kv_checksum_results, None
+        if output is None or results is None:
+            return output
+        try:
+            injector = self.kv_checksum_fault_injector
+            if injector is not None:  # R131: corrupt finished loads first
+                injector.corrupt_loads(
+                    worker,
+                    results.finished_recving,
+                    results.failed_recving,
+                    finished_req_ids,
+                )
+            pending = worker.post_forward(
                 results.finished_recving,
                 results.failed_recving,
+                getattr(results, "kv_checksums", None),
                 finished_req_ids,
             )
-        pending = worker.post_forward(
-            results.finished_recving,
-            results.failed_recving,
-            getattr(results, "kv_checksums", None),
-            finished_req_ids,
-        )
+        except Exception:
+            _disable_after_error(self, "kv_checksum_worker", "post_forward")
+            return output
         if pending is not None:
             output.kv_checksums = [pending]
         return output
@@ -518,26 +614,38 @@ def _install_worker_hooks() -> None:
         Why: the scheduler needs every TP and PP worker's record; vLLM keeps
         only the output rank's KVConnectorOutput.
         How: concatenate the records of every worker and salvaged output onto
-        the aggregated output.
+        the aggregated output (read before the original, which drops the
+        salvaged outputs). Without records (checksums off) the original's
+        result is returned untouched.
         Upstream: the aggregator concatenating `kv_checksums`.
         """
-        records: list = []
-        for kv_output in list(self._salvaged_outputs) + [
-            o.kv_connector_output for o in outputs if o is not None
-        ]:
-            records.extend(getattr(kv_output, "kv_checksums", None) or ())
+        records = _records_of(
+            [
+                *getattr(self, "_salvaged_outputs", ()),
+                *(getattr(o, "kv_connector_output", None) for o in outputs),
+            ]
+        )
         result = original(self, outputs, output_rank)
         if records and result is not None and result.kv_connector_output is not None:
             result.kv_connector_output.kv_checksums = records
         return result
 
 
+def _records_of(kv_outputs: list) -> list:
+    """The checksum records of KV connector outputs, in order; [] if none."""
+    records: list = []
+    for kv_output in kv_outputs:
+        value = getattr(kv_output, "kv_checksums", None)
+        if isinstance(value, list):
+            records.extend(value)
+    return records
+
+
 def _create_worker(vllm_config: Any, kv_caches: Any) -> Any:
+    """The checksum worker of an engine whose checksums are enabled."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
     kv_cache_config = _kv_cache_config.get()
-    if kv_cache_config is None or not kv_checksum_enabled(vllm_config):
-        return None
     device = next(
         (c.device for c in kv_caches.values() if c.device.type != "cpu"),
         torch.device("cpu"),
@@ -559,7 +667,8 @@ def _remember_transfer_results(active: Any) -> None:
 
     def get_transfer_results(*args: Any, **kwargs: Any) -> Any:
         results = original(*args, **kwargs)
-        active._kv_checksum_results = results
+        if active.kv_checksum_worker is not None:
+            active._kv_checksum_results = results
         return results
 
     connector.get_transfer_results = get_transfer_results
@@ -586,6 +695,9 @@ def _install_config_hooks() -> None:
         try:
             enabled = kv_checksum_enabled(self)
         except ValueError:
+            enabled = False  # the engine refuses to start elsewhere (R8)
+        except Exception:
+            logger.exception("KV checksums: could not read the configuration.")
             enabled = False
         if enabled:
             unsupported = [*unsupported, "KV checksums"]
@@ -604,19 +716,29 @@ def _install_metrics_hooks() -> None:
     )
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    # Read when checksums are off: a class default, nothing set on instances.
+    KVConnectorProm.kv_checksum_metrics = None  # type: ignore[attr-defined]
+
     @_wrap(Scheduler, "make_stats")
     def make_stats(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
         """Target: Scheduler.make_stats. Why: the verdict counts must reach the
         API server's stat loggers. How: when vLLM returns SchedulerStats, move
         the counts as a plain dict under "kv_checksum" into a copy of its
-        kv_connector_stats dict. Upstream: a checksum stats field."""
+        kv_connector_stats dict; an error disables checksums for the engine
+        (R134). Upstream: a checksum stats field."""
         stats = original(self, *args, **kwargs)
         kcs = getattr(self, "kv_checksum_scheduler", None)
-        if stats is not None and kcs is not None and not kcs.stats.is_empty():
-            stats.kv_connector_stats = {
-                **(stats.kv_connector_stats or {}),
-                STATS_KEY: kcs.stats.take().to_dict(),
-            }
+        if stats is None or kcs is None:
+            return stats
+        try:
+            if not kcs.stats.is_empty():
+                merged = {
+                    **(stats.kv_connector_stats or {}),
+                    STATS_KEY: kcs.stats.take().to_dict(),
+                }
+                stats.kv_connector_stats = merged
+        except Exception:
+            _disable_after_error(self, "kv_checksum_scheduler", "make_stats")
         return stats
 
     @_wrap(KVConnectorProm, "__init__")
@@ -629,12 +751,20 @@ def _install_metrics_hooks() -> None:
     ) -> None:
         """Target: KVConnectorProm.__init__. Why: checksum counters on vLLM's
         /metrics. How: also build KVChecksumPromMetrics with this class's
-        metric classes and vLLM's labels (None when checksums are off).
+        metric classes and vLLM's labels; set only when checksums are on (the
+        class default None answers otherwise). Never raises: an error is
+        logged once and leaves the counters out.
         Upstream: the same, next to the connector's build_prom_metrics."""
         original(self, vllm_config, labelnames, per_engine_labelvalues)
-        self.kv_checksum_metrics = KVChecksumPromMetrics.for_connector_prom(
-            self, vllm_config, labelnames, per_engine_labelvalues
-        )
+        try:
+            metrics = KVChecksumPromMetrics.for_connector_prom(
+                self, vllm_config, labelnames, per_engine_labelvalues
+            )
+        except Exception:
+            logger.exception("KV checksum metrics could not be created; left out.")
+            return
+        if metrics is not None:
+            self.kv_checksum_metrics = metrics
 
     @_wrap(KVConnectorProm, "observe")
     def prom_observe(
@@ -642,13 +772,18 @@ def _install_metrics_hooks() -> None:
     ) -> None:
         """Target: KVConnectorProm.observe. Why: the connector's own parser
         must never see the "kv_checksum" key. How: record it, pass the rest on
-        only if non-empty. Upstream: a separate SchedulerStats field."""
+        only if non-empty; an error while recording drops the checksum
+        counters of this logger with one error log. Without the key (checksums
+        off) an exact pass-through. Upstream: a separate SchedulerStats field."""
         ours, rest = split_stats(data)
         if rest is None:
             return original(self, data, engine_idx)
         metrics = getattr(self, "kv_checksum_metrics", None)
         if metrics is not None:
-            metrics.observe(ours, engine_idx)
+            try:
+                metrics.observe(ours, engine_idx)
+            except Exception:
+                _disable_after_error(self, "kv_checksum_metrics", "metrics")
         if rest:
             original(self, rest, engine_idx)
 
