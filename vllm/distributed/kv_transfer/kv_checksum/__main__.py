@@ -32,13 +32,27 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the tool; returns the exit status."""
     args = _parser().parse_args(argv)
-    text = sys.stdin.read() if args.value == "-" else args.value
     try:
+        # Standard input is read as bytes and decoded here, so input that is
+        # not UTF-8 is a decode error like any other, not a traceback.
+        text = _read_stdin() if args.value == "-" else args.value
         print(inspect_payload(text.strip()))
-    except ValueError as exc:
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _read_stdin() -> str:
+    """Standard input as text; ValueError if it is not UTF-8."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"invalid KV checksums: standard input is not UTF-8 ({exc.reason} "
+            f"at byte {exc.start})"
+        ) from None
 
 
 if __name__ == "__main__":
