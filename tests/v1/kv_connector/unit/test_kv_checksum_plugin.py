@@ -1574,12 +1574,15 @@ def test_scheduler_hook_error_disables_checksums(
     assert _without_checksum_fields(hooked) == _without_checksum_fields(plain)
 
 
+@pytest.mark.parametrize("where", ["enabled", "create"])
 def test_scheduler_creation_error_leaves_checksums_off(
     model_dir: str,
+    where: str,
     monkeypatch: pytest.MonkeyPatch,
     vllm_caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """R10 (a), R134 (issue 20): an error while creating the checksum
+    """R10 (a), R134 (issue 20): an error while reading the configuration
+    (other than the ValueError of invalid flags) or creating the checksum
     scheduler leaves the vLLM Scheduler working with checksums off and one
     error log; invalid flags still fail the start (R8, see
     test_non_boolean_flag_fails_scheduler_start). Catches the engine failing
@@ -1588,7 +1591,10 @@ def test_scheduler_creation_error_leaves_checksums_off(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(KVChecksumScheduler, "create", broken)
+    if where == "enabled":
+        monkeypatch.setattr(wiring, "kv_checksum_enabled", broken)
+    else:
+        monkeypatch.setattr(KVChecksumScheduler, "create", broken)
     vllm_config = make_vllm_config(
         model_dir, kv_connector=CARRIER_CONNECTOR_NAME, extra_config={ENABLE_KEY: True}
     )

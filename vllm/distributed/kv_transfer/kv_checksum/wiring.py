@@ -90,6 +90,23 @@ def _disable_after_error(owner: Any, attr: str, where: str) -> None:
         setattr(owner, attr, None)
 
 
+def _enabled(vllm_config: Any, where: str) -> bool:
+    """`kv_checksum_enabled` for a constructor hook: invalid flags raise
+    ValueError (a start-up error by design, R8); any other error is logged
+    once and leaves checksums off (R134)."""
+    try:
+        return kv_checksum_enabled(vllm_config)
+    except ValueError:
+        raise
+    except Exception:
+        logger.exception(
+            "KV checksums disabled for this engine: the configuration could not "
+            "be read in %s.",
+            where,
+        )
+        return False
+
+
 def install() -> None:
     """Install every hook, once per process."""
     global _installed
@@ -329,7 +346,7 @@ def _install_scheduler_hooks() -> None:
         Upstream: the Scheduler constructing it next to its connector.
         """
         original(self, *args, **kwargs)
-        if self.connector is None or not kv_checksum_enabled(self.vllm_config):
+        if self.connector is None or not _enabled(self.vllm_config, "Scheduler"):
             return
         try:
             kcs = _create_scheduler(self)
@@ -527,7 +544,9 @@ def _install_worker_hooks() -> None:
         Upstream: ActiveKVConnector owning a checksum worker.
         """
         original(self, vllm_config, kv_caches)
-        if _kv_cache_config.get() is None or not kv_checksum_enabled(vllm_config):
+        if _kv_cache_config.get() is None or not _enabled(
+            vllm_config, "ActiveKVConnector"
+        ):
             return
         try:
             worker = _create_worker(vllm_config, kv_caches)
