@@ -87,6 +87,7 @@ def checksum_counts(engine: SimEngine) -> KVChecksumStats:
             total.mismatched_positions += part.mismatched_positions
             total.sent += part.sent
             total.not_sent.update(part.not_sent)
+            total.quarantined_blocks += part.quarantined_blocks
     return total
 
 
@@ -120,6 +121,7 @@ def test_stats_dict_round_trip():
     stats.mismatched_positions = 4
     stats.sent = 5
     stats.not_sent["not every worker reported its checksums"] = 6
+    stats.quarantined_blocks = 7
     data = stats.to_dict()
     assert KVChecksumStats.from_dict(data) == stats
     assert all(type(v) in (dict, int) for v in data.values())
@@ -170,6 +172,7 @@ def test_make_stats_carries_counts_once(pd_pair):
     assert dict(loads.loads) == {"verified": 1, "mismatch": 1, "unverified": 1}
     assert dict(loads.unverified_reasons) == {UnverifiedReason.NO_CHECKSUMS.value: 1}
     assert loads.mismatched_positions == 1
+    assert loads.quarantined_blocks == 3  # R138: loaded positions 0-2
     assert checksum_counts(producer).sent == 3
     for engine in pd_pair:
         later = engine.scheduler.make_stats()
@@ -308,3 +311,29 @@ def test_disabled_checksums_register_no_metrics(model_dir):
     assert getattr(logger.kv_connector_prom, "kv_checksum_metrics", 0) is None
     names = {m.name for m in REGISTRY.collect()}
     assert not any(name.startswith("vllm:kv_checksum") for name in names)
+
+
+def test_prometheus_counts_quarantined_blocks(model_dir):
+    """R138, R130: a fail-open mismatch at the first of three loaded positions
+    quarantines all three loaded blocks; the count travels in SchedulerStats
+    and appears as vllm:kv_checksum_quarantined_blocks_total (0 on an engine
+    without failed loads). Catches quarantines that never reach /metrics."""
+    producer = SimEngine(model_dir, SideConfig(log_stats=True), "producer")
+    consumer = SimEngine(model_dir, SideConfig(log_stats=True), "consumer")
+    bad = produce(producer, "p-bad", prompt(1))
+    consume(consumer, producer, "c-bad", prompt(1), bad, fault=Fault("bit_flip"))
+    assert consumer.checksums.stats.quarantined_blocks == 0  # taken by make_stats
+    total = sum(
+        KVChecksumStats.from_dict(
+            (s.kv_connector_stats or {}).get(STATS_KEY)
+        ).quarantined_blocks
+        for s in consumer.scheduler_stats
+    )
+    assert total == 3
+    logger = PrometheusStatLogger(consumer.vllm_config)
+    record_all(logger, consumer)
+    assert sample("vllm:kv_checksum_quarantined_blocks_total", logger) == 3.0
+    unregister_vllm_metrics()
+    clean = PrometheusStatLogger(producer.vllm_config)
+    record_all(clean, producer)
+    assert sample("vllm:kv_checksum_quarantined_blocks_total", clean) == 0.0

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Counters of checksum verdicts and sends, kept by the scheduler (R130).
+"""Counters of checksum verdicts, sends and quarantined blocks (R130, R138).
 
 The counts are plain integers here; the wiring exposes them through vLLM's own
 KV connector stats and Prometheus path: `Scheduler.make_stats` puts
@@ -42,13 +42,15 @@ def _count(value: Any) -> int:
 
 @dataclass
 class KVChecksumStats:
-    """Verdict and payload counts since the last `take()`."""
+    """Verdict, payload and quarantine counts since the last `take()`."""
 
     loads: Counter = field(default_factory=Counter)  # status value -> loads
     unverified_reasons: Counter = field(default_factory=Counter)  # reason -> loads
     mismatched_positions: int = 0
     sent: int = 0
     not_sent: Counter = field(default_factory=Counter)  # reason -> requests
+    # loaded blocks of failed loads kept out of the prefix cache (R138)
+    quarantined_blocks: int = 0
 
     def record_verdict(self, verdict: KVChecksumVerdict) -> None:
         self.loads[verdict.status.value] += 1
@@ -66,8 +68,11 @@ class KVChecksumStats:
     def record_not_sent(self, reason: str) -> None:
         self.not_sent[reason] += 1
 
+    def record_quarantined(self, num_blocks: int) -> None:
+        self.quarantined_blocks += num_blocks
+
     def is_empty(self) -> bool:
-        return not (self.loads or self.sent or self.not_sent)
+        return not (self.loads or self.sent or self.not_sent or self.quarantined_blocks)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, serializable counts (they cross processes in SchedulerStats)."""
@@ -77,6 +82,7 @@ class KVChecksumStats:
             "mismatched_positions": self.mismatched_positions,
             "sent": self.sent,
             "not_sent": dict(self.not_sent),
+            "quarantined_blocks": self.quarantined_blocks,
         }
 
     @classmethod
@@ -90,6 +96,7 @@ class KVChecksumStats:
             mismatched_positions=_count(data.get("mismatched_positions")),
             sent=_count(data.get("sent")),
             not_sent=_counts(data.get("not_sent")),
+            quarantined_blocks=_count(data.get("quarantined_blocks")),
         )
 
     def take(self) -> "KVChecksumStats":

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Prometheus counters of checksum verdicts and sends (R130).
+"""Prometheus counters of checksum verdicts, sends and quarantines (R130).
 
 The scheduler's counts reach the API server inside vLLM's own
 `SchedulerStats.kv_connector_stats` (under `metrics.STATS_KEY`), and
@@ -16,7 +16,9 @@ server: the counters appear on vLLM's `/metrics` endpoint.
 - `vllm:kv_checksum_mismatched_blocks`: consumer block positions of mismatches;
 - `vllm:kv_checksum_payloads_sent`: producer payloads handed to a carrier;
 - `vllm:kv_checksum_payloads_not_sent{reason}`: finished producer requests
-  without a payload, by reason (`REASON_LABELS`).
+  without a payload, by reason (`REASON_LABELS`);
+- `vllm:kv_checksum_quarantined_blocks`: loaded blocks of loads that failed
+  verification, kept out of the prefix cache (R138).
 
 All are counters (prometheus_client appends `_total`) with vLLM's
 `model_name` and `engine` labels first.
@@ -55,6 +57,7 @@ REASON_LABELS: dict[str, str] = {
     UnverifiedReason.UNALIGNED_START.value: "unaligned_start",
     UnverifiedReason.NO_COMMON_BLOCK.value: "no_common_block",
     UnverifiedReason.REPLICA_MISSING.value: "replica_missing",
+    UnverifiedReason.INTERNAL_ERROR.value: "internal_error",
 }
 # The label of a reason text not in REASON_LABELS (a newer scheduler).
 OTHER_REASON = "other"
@@ -153,10 +156,19 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
             "KV checksum payloads a producer handed to its carrier.",
             [],
         )
+        quarantined = counter(
+            "vllm:kv_checksum_quarantined_blocks",
+            "Loaded KV blocks of loads that failed KV checksum verification, "
+            "kept out of the prefix cache.",
+            [],
+        )
         self.mismatched_blocks = {
             i: mismatched.labels(*values) for i, values in engines.items()
         }
         self.payloads_sent = {i: sent.labels(*values) for i, values in engines.items()}
+        self.quarantined_blocks = {
+            i: quarantined.labels(*values) for i, values in engines.items()
+        }
 
     @classmethod
     def for_connector_prom(
@@ -200,3 +212,5 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
             self.mismatched_blocks[engine_idx].inc(stats.mismatched_positions)
         if stats.sent:
             self.payloads_sent[engine_idx].inc(stats.sent)
+        if stats.quarantined_blocks:
+            self.quarantined_blocks[engine_idx].inc(stats.quarantined_blocks)
