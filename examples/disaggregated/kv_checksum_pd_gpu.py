@@ -10,6 +10,10 @@ NixlConnector (kv_both) and this package loaded through its entry point:
 - ``consumer``: checksums on, fail-closed, kv_load_failure_policy "recompute",
 - ``faulty``: like ``consumer`` plus the operator fault injector (R131),
 - ``consumer_off``: checksums off, the control for ``consumer``.
+- ``contained`` / ``uncontained`` (``containment`` phase only): fail-open
+  consumers with the fault injector at rate 1.0 (``zero_block``); the second
+  runs with ``KV_CHECKSUM_TEST_NO_CONTAINMENT=1`` (checksums and the injector
+  on, containment of failed loads off: R138's control).
 
 Phases (each prompt is sent on its own, so that every engine runs the same
 shapes and greedy outputs are comparable bit for bit; the batched rounds after
@@ -27,6 +31,13 @@ them add concurrency and measure the numerical noise floor of batching):
 3. faults: the same through ``faulty``: every injected fault must be reported
    as a mismatch (log lines matched one to one) and every such request
    recomputed with an output still equal to ``ref``'s.
+4. containment (not in the default ``--phases``; see `containment_phase`): a
+   prompt is loaded into ``contained`` and corrupted at a block position P
+   (fail-open: the request runs on it), then the same prompt is sent to the
+   same consumer as a normal local request: it must hit only blocks 0..P-1
+   and its output must equal ``ref``'s for that prefix split. The same on
+   ``uncontained`` shows the spread: the second request hits the bad block
+   and its output differs from ``ref``'s.
 
 ``--overhead-only`` starts ``ref`` and ``producer`` alone (with
 ``--overhead-control`` also ``off_again``, a second engine with checksums off)
@@ -38,6 +49,7 @@ Usage (needs vLLM 0.33.0, NIXL, transformers and this package installed):
     python kv_checksum_pd_gpu.py --out DIR [--num-equality 100] [--num-pd 200]
         [--producer-tp 2 | --consumer-tp 2]   (heterogeneous TP: two GPUs)
     python kv_checksum_pd_gpu.py --out DIR --overhead-only --model 8b
+    python kv_checksum_pd_gpu.py --out DIR --phases containment
 Exit code 0 only if every check passed; a JSON summary goes to DIR/summary.json.
 """
 
@@ -58,6 +70,12 @@ MODELS = {"tiny": "/tmp/kv-checksum-qwen3", "8b": "/tmp/kv-checksum-llama-8b"}
 MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320}
 GPU_UTILS = {"tiny": 0.15, "8b": 0.3}
 INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
+INJECTED_AT = re.compile(
+    r"KV checksum fault injection: (\w+) into request \S+ group (\d+) "
+    r"block position (\d+)\."
+)
+QUARANTINED = re.compile(r"KV checksums: quarantined (\d+) loaded blocks")
+NO_CONTAINMENT_ENV = "KV_CHECKSUM_TEST_NO_CONTAINMENT"
 MISMATCH = re.compile(r"KV checksum mismatch for request (\S+?):")
 UNVERIFIED = re.compile(r"KV checksums not verified: (.*)\.")
 
@@ -425,6 +443,165 @@ def pd_phase(
     return result
 
 
+def log_size(engine: Engine) -> int:
+    return os.path.getsize(engine.log) if os.path.exists(engine.log) else 0
+
+
+def log_since(engine: Engine, offset: int) -> str:
+    with open(engine.log, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
+def bad_load_then_local(
+    prod: Engine, consumer: Engine, prompt: list[int], max_tokens: int
+) -> dict[str, Any]:
+    """Request 1: a P/D load into ``consumer`` (its injector corrupts it);
+    request 2: the same prompt as a normal local request on ``consumer``."""
+    offset = log_size(consumer)
+    first, _ = pd_round(prod, consumer, [prompt], max_tokens)
+    second, metrics = consumer.generate([(prompt, None, max_tokens)])
+    text = log_since(consumer, offset)
+    injected = INJECTED_AT.findall(text)
+    return {
+        "injected": [(k, int(g), int(p)) for k, g, p in injected],
+        "mismatch_logged": bool(MISMATCH.search(text)),
+        "quarantined_logged": [int(n) for n in QUARANTINED.findall(text)],
+        "first_tokens": first[0]["tokens"],
+        "first_cached": first[0]["cached"],
+        "second_tokens": second[0]["tokens"],
+        "second_cached": second[0]["cached"] or 0,
+        "metrics": metrics,
+    }
+
+
+def containment_phase(
+    ref: Engine,
+    prod: Engine,
+    contained: Engine,
+    uncontained: Engine,
+    count: int,
+    seed: int,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """R138 on real engines: a bad fail-open load must not spread.
+
+    Per trial, a fresh prompt of 20 full blocks plus one token (NIXL pull loads
+    all 21 blocks; the injector zeroes loaded block P, logged with P) goes
+    through ``contained`` and then ``uncontained``: request 1 is the P/D load
+    (it runs on the corrupted KV, fail-open), request 2 the same prompt as a
+    normal local request on the same consumer.
+
+    - contained: request 2 must hit exactly blocks 0..P-1 of request 1 (its
+      ``num_cached_tokens`` is P * 16; P = 20, the partial last block, is
+      never cached anyway) and its output must equal ``ref``'s for the same
+      split: ``ref`` first prefills ``prompt[:P * 16 + 1]`` (caching blocks
+      0..P-1), then runs the prompt (hit P blocks). A difference only from
+      ``ref``'s full-hit output is also accepted as right (same KV, another
+      query split; see `single_engine`).
+    - uncontained: request 2 hits all 20 full blocks, the zeroed one included
+      (``num_cached_tokens`` 320). A trial is conclusive when the zeroed block
+      is a full one (P < 20); the spread shows when request 2's output differs
+      from ``ref``'s full-hit output and from its split output.
+    """
+    rng = random.Random(seed)
+    trials = []
+    full_blocks = 20
+    for _ in range(count):
+        prompt = [rng.randrange(3, 2048) for _ in range(full_blocks * BLOCK_SIZE + 1)]
+        on = bad_load_then_local(prod, contained, prompt, max_tokens)
+        off = bad_load_then_local(prod, uncontained, prompt, max_tokens)
+        position = on["injected"][0][2] if on["injected"] else None
+        hit_blocks = min(position, full_blocks) if position is not None else 0
+        if hit_blocks:
+            ref.generate([(prompt[: hit_blocks * BLOCK_SIZE + 1], None, 1)])
+        split, _ = ref.generate([(prompt, None, max_tokens)])
+        full, _ = ref.generate([(prompt, None, max_tokens)])
+        ref_split, ref_full = split[0]["tokens"], full[0]["tokens"]
+        off_position = off["injected"][0][2] if off["injected"] else None
+        trial = {
+            "prompt_len": len(prompt),
+            "contained": {
+                "injected": on["injected"],
+                "mismatch_logged": on["mismatch_logged"],
+                "quarantined_logged": on["quarantined_logged"],
+                "second_cached": on["second_cached"],
+                "expected_cached": hit_blocks * BLOCK_SIZE,
+                "ref_split_cached": split[0]["cached"] or 0,
+                "second_equal_to_ref_split": on["second_tokens"] == ref_split,
+                "second_equal_to_ref_full_hit": on["second_tokens"] == ref_full,
+                "first_equal_to_ref_full_hit": on["first_tokens"] == ref_full,
+            },
+            "uncontained": {
+                "injected": off["injected"],
+                "mismatch_logged": off["mismatch_logged"],
+                "quarantined_logged": off["quarantined_logged"],
+                "second_cached": off["second_cached"],
+                "conclusive": off_position is not None and off_position < full_blocks,
+                "second_equal_to_ref_full_hit": off["second_tokens"] == ref_full,
+                "second_equal_to_ref_split": off["second_tokens"] == ref_split,
+                "first_equal_to_ref_full_hit": off["first_tokens"] == ref_full,
+            },
+            "tokens": {
+                "ref_split": ref_split,
+                "ref_full_hit": ref_full,
+                "contained_first": on["first_tokens"],
+                "contained_second": on["second_tokens"],
+                "uncontained_first": off["first_tokens"],
+                "uncontained_second": off["second_tokens"],
+            },
+        }
+        trials.append(trial)
+        c, u = trial["contained"], trial["uncontained"]
+        print(
+            f"[gpu] containment: P={position} contained cached "
+            f"{c['second_cached']}/{c['expected_cached']} right="
+            f"{c['second_equal_to_ref_split'] or c['second_equal_to_ref_full_hit']}"
+            f"; uncontained P={off_position} cached {u['second_cached']} "
+            f"wrong={not u['second_equal_to_ref_full_hit']}",
+            flush=True,
+        )
+    contained_ok = [
+        t["contained"]["injected"]
+        and t["contained"]["mismatch_logged"]
+        and t["contained"]["second_cached"] == t["contained"]["expected_cached"]
+        and (
+            t["contained"]["second_equal_to_ref_split"]
+            or t["contained"]["second_equal_to_ref_full_hit"]
+        )
+        for t in trials
+    ]
+    conclusive = [t for t in trials if t["uncontained"]["conclusive"]]
+    spread = [
+        t
+        for t in conclusive
+        if not t["uncontained"]["second_equal_to_ref_full_hit"]
+        and not t["uncontained"]["second_equal_to_ref_split"]
+    ]
+    return {
+        "trials": len(trials),
+        "contained_right": sum(map(bool, contained_ok)),
+        "contained_hit_only_before_bad_block": sum(
+            t["contained"]["second_cached"] == t["contained"]["expected_cached"]
+            for t in trials
+        ),
+        "contained_quarantine_logged": sum(
+            bool(t["contained"]["quarantined_logged"]) for t in trials
+        ),
+        "uncontained_conclusive": len(conclusive),
+        "uncontained_hit_bad_block": sum(
+            t["uncontained"]["second_cached"] == full_blocks * BLOCK_SIZE
+            for t in conclusive
+        ),
+        "uncontained_second_wrong (spread)": len(spread),
+        "uncontained_quarantine_logged": sum(
+            bool(t["uncontained"]["quarantined_logged"]) for t in trials
+        ),
+        "ok": all(contained_ok) and bool(spread),
+        "trials_detail": trials,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -434,6 +611,12 @@ def main() -> int:
     parser.add_argument("--num-faults", type=int, default=100)
     parser.add_argument("--fault-rate", type=float, default=0.3)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--num-containment",
+        type=int,
+        default=8,
+        help="containment phase: trials (a bad load, then a local request)",
+    )
     parser.add_argument("--overhead-rounds", type=int, default=15)
     parser.add_argument(
         "--sync-scheduling",
@@ -446,7 +629,9 @@ def main() -> int:
         help="P/D prompts of whole blocks plus one token (see `prompts`)",
     )
     parser.add_argument(
-        "--phases", default="equality,pd,faults", help="comma-separated phases"
+        "--phases",
+        default="equality,pd,faults",
+        help="comma-separated phases (also: containment)",
     )
     parser.add_argument(
         "--in-process",
@@ -495,6 +680,34 @@ def main() -> int:
     specs[1] = (specs[1][0], {**specs[1][1], "_tp": args.producer_tp}, specs[1][2])
     for i in (2, 3, 4):
         specs[i] = (specs[i][0], {**specs[i][1], "_tp": args.consumer_tp}, specs[i][2])
+    # Containment (R138): fail-open consumers, every load corrupted; the
+    # second with containment off (checksums and the injector still on).
+    bad_loads = {
+        **on,
+        "_tp": args.consumer_tp,
+        "kv_checksum_fault_injection": {
+            "rate": 1.0,
+            "kinds": ["zero_block"],
+            "seed": 11,
+        },
+    }
+    specs.append(("contained", bad_loads, 6200))
+    specs.append(
+        (
+            "uncontained",
+            {**bad_loads, "_env": {NO_CONTAINMENT_ENV: "1"}},
+            6300,
+        )
+    )
+    phases = args.phases.split(",")
+    needed = {"ref", "producer"}
+    if "pd" in phases:
+        needed |= {"consumer", "consumer_off"}
+    if "faults" in phases:
+        needed.add("faulty")
+    if "containment" in phases:
+        needed |= {"contained", "uncontained"}
+    specs = [spec for spec in specs if spec[0] in needed]
     if args.sync_scheduling:
         os.environ["KV_CHECKSUM_ASYNC"] = "0"
     if args.in_process:
@@ -514,7 +727,10 @@ def main() -> int:
     ok = True
     try:
         for name, extra, port in specs:  # one at a time: memory profiling
-            env = {"VLLM_BATCH_INVARIANT": "1" if summary["batch_invariant"] else "0"}
+            env = {
+                **extra.get("_env", {}),
+                "VLLM_BATCH_INVARIANT": "1" if summary["batch_invariant"] else "0",
+            }
             engines[name] = Engine(ctx, name, {**extra, "_env": env}, port, args.out)
             try:
                 engines[name].wait("ready", 600)
@@ -539,7 +755,6 @@ def main() -> int:
             )
             raise SystemExit(0)
 
-        phases = args.phases.split(",")
         summary["one_past_block"] = args.one_past_block
         if "equality" in phases:
             summary["equality"] = equality_phase(ref, prod, args.num_equality)
@@ -571,6 +786,22 @@ def main() -> int:
                 equal = result["batched by 25"]["equal_to_single_engine"]
                 print(f"[gpu] {phase} batched: {equal}/{count} equal", flush=True)
                 ok &= equal == count
+        if "containment" in phases:
+            summary["containment"] = result = containment_phase(
+                ref,
+                prod,
+                engines["contained"],
+                engines["uncontained"],
+                args.num_containment,
+                4,
+                max(args.max_tokens, 16),
+            )
+            with open(os.path.join(args.out, "containment.json"), "w") as f:
+                json.dump(result, f, indent=1, default=str)
+            result = {k: v for k, v in result.items() if k != "trials_detail"}
+            summary["containment"] = result
+            print(f"[gpu] containment: {result}", flush=True)
+            ok &= result["ok"]
     except SystemExit:
         pass
     except BaseException:
