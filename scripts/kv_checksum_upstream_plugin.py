@@ -27,6 +27,7 @@ vLLM's cleanup runs, and Python's automatic collection still frees cycles.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -39,6 +40,35 @@ MODES = ("none", "off", "on")
 ENABLE_KEY = "enable_kv_checksum"
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "kv_checksum"
+
+
+PACKAGE_VARIABLE = "KV_CHECKSUM_UPSTREAM_PACKAGE"
+PACKAGE = "vllm.distributed.kv_transfer.kv_checksum"
+
+
+def _use_package_copy() -> None:
+    """Import the package from $KV_CHECKSUM_UPSTREAM_PACKAGE (e.g. the
+    kv_checksum folder of a `git archive` of one commit) instead of the
+    editable install's checkout: the editable finder's mapping is redirected
+    before anything imports the package."""
+    folder = os.environ.get(PACKAGE_VARIABLE)
+    if not folder:
+        return
+    if PACKAGE in sys.modules:
+        raise RuntimeError(f"{PACKAGE} was imported before {PACKAGE_VARIABLE} applied")
+    finders = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("__editable___vllm_kv_checksum")
+        and isinstance(getattr(m, "MAPPING", None), dict)
+    ]
+    if not finders:
+        raise RuntimeError(f"{PACKAGE_VARIABLE} needs the editable install's finder")
+    for finder in finders:
+        finder.MAPPING[PACKAGE] = os.path.abspath(folder)
+
+
+_use_package_copy()
 
 
 def _mode() -> str:
@@ -151,7 +181,9 @@ def pytest_terminal_summary(terminalreporter: object) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"kv_checksum upstream mode: {_mode()}"
+    spec = importlib.util.find_spec(PACKAGE)
+    where = spec.submodule_search_locations if spec else None
+    return f"kv_checksum upstream mode: {_mode()}; package: {where}"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -217,6 +217,8 @@ def run_mode(
     )
     if args.exact_cleanup:
         env["KV_CHECKSUM_UPSTREAM_EXACT_CLEANUP"] = "1"
+    if args.package:
+        env["KV_CHECKSUM_UPSTREAM_PACKAGE"] = str(args.package.resolve())
     targets = [f"{UNIT}/{f}" for f in args.files] or [UNIT]
     command = [
         sys.executable,
@@ -348,6 +350,12 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--no-netns", dest="netns", action="store_false")
     parser.add_argument(
+        "--package",
+        type=Path,
+        help="import the kv_checksum package from this folder (e.g. one "
+        "commit's, from git archive) instead of the editable checkout",
+    )
+    parser.add_argument(
         "--exact-cleanup",
         action="store_true",
         help="keep the gc.collect() of vLLM's per-test cleanup (much slower)",
@@ -392,7 +400,11 @@ def main() -> int:
             return 2
     summary, unexplained = summarize(modes, runs)
     times = ", ".join(f"{m} {elapsed[m]:.0f} s" for m in modes)
-    summary = f"vLLM {VLLM_VERSION} {UNIT}, run times: {times}\n\n{summary}"
+    package = args.package or "the editable checkout"
+    summary = (
+        f"vLLM {VLLM_VERSION} {UNIT}, kv_checksum package from {package}, "
+        f"run times: {times}\n\n{summary}"
+    )
     hooks = out / "hooks-on.json"
     if hooks.is_file():
         counts = json.loads(hooks.read_text())
