@@ -119,6 +119,7 @@ def install() -> None:
     _install_worker_hooks()
     _install_config_hooks()
     _install_metrics_hooks()
+    _install_containment_hooks()
 
 
 # ----------------------------------------------------------------------
@@ -815,3 +816,132 @@ def _install_metrics_hooks() -> None:
             return original(self, data)
         if rest:
             original(self, rest)
+
+
+# ----------------------------------------------------------------------
+# Containment hooks (R138)
+# ----------------------------------------------------------------------
+
+# Test deployments only: "1" keeps checksums (and fault injection) on but turns
+# containment off, so a driver can show what a bad load does without it.
+NO_CONTAINMENT_ENV = "KV_CHECKSUM_TEST_NO_CONTAINMENT"
+
+
+def _install_containment_hooks() -> None:
+    """R138. Target: the KV cache coordinator instance's cache_blocks, free and
+    pop_blocks_for_free, on each engine with checksums and prefix caching on
+    (installed when `_create_scheduler` builds its checksum scheduler, inside
+    the Scheduler.__init__ hook: no second wrapper around a vLLM method).
+
+    Why: a load that failed verification must not serve another request
+    through the prefix cache, in either mode; vLLM caches a loaded request's
+    blocks when it promotes the request (`_update_waiting_for_remote_kv`) and
+    every later block as the request computes it (`allocate_slots`,
+    `update_from_output`), all through `KVCacheCoordinator.cache_blocks`.
+    How: the checksum scheduler's `on_failed_load` hands every failed load to
+    `KVChecksumContainment`, which records from which position each group is
+    quarantined; blocks already cached there are evicted at once. After each
+    original cache_blocks of a quarantined request, the newly cached blocks at
+    quarantined positions are evicted with vLLM's own
+    `KVCacheManager.evict_blocks` (BlockPool.evict_blocks, the call vLLM's
+    `_handle_invalid_blocks` uses), before any other request's lookup; free and
+    pop_blocks_for_free release the request (a recomputed or resumed request
+    computes its KV anew). Fail-closed failures still go through vLLM's
+    `_handle_failed_recving` (R4); their blocks are never cached by vLLM
+    0.33.0 before being freed, and are evicted should they be. Checksums off:
+    no checksum scheduler is built, so nothing is set or wrapped. Errors are
+    logged and never reach vLLM.
+    Upstream: a "do not cache" mark on a request's blocks from a position on
+    (honoured by cache_full_blocks), set by the load-failure path.
+    """
+    global _create_scheduler
+    create = _create_scheduler
+
+    def create_with_containment(scheduler: Any) -> KVChecksumScheduler:
+        kcs = create(scheduler)
+        import os
+
+        if os.environ.get(NO_CONTAINMENT_ENV) == "1":
+            logger.warning(
+                "KV checksum containment is OFF (%s=1): blocks of failed loads "
+                "stay in the prefix cache. Test deployments only.",
+                NO_CONTAINMENT_ENV,
+            )
+            return kcs
+        try:
+            _contain_failed_loads(scheduler, kcs)
+        except Exception:
+            logger.exception("KV checksum containment could not be set up.")
+        return kcs
+
+    _create_scheduler = create_with_containment
+
+
+def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_checksum.containment import (
+        KVChecksumContainment,
+    )
+
+    manager = scheduler.kv_cache_manager
+    if not manager.enable_caching:
+        return  # no prefix cache: nothing can spread
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    containment = KVChecksumContainment(
+        {g: group.kv_cache_spec.block_size for g, group in enumerate(groups)},
+        kcs.fail_closed,
+        kcs.stats,
+    )
+    coordinator = manager.coordinator
+
+    def evict(req_id: str) -> None:
+        """Evict the hashes of the request's cached blocks at quarantined
+        positions (vLLM's evict_blocks; blocks stay with the request)."""
+        try:
+            start = containment.start(req_id)
+            if not start:
+                return
+            tables = coordinator.get_blocks(req_id)
+            cached = {
+                block.block_id
+                for g, q in start.items()
+                if g < len(tables)
+                for block in tables[g][q:]
+                if block.block_hash is not None and not block.is_null
+            }
+            if cached:
+                manager.evict_blocks(cached)
+        except Exception:
+            logger.exception("KV checksum containment failed for request %s", req_id)
+
+    def on_failed_load(req_id: str, verdict: Any, blocks: Any) -> None:
+        try:
+            if containment.on_failed_load(req_id, verdict, blocks):
+                evict(req_id)
+        except Exception:
+            logger.exception("KV checksum containment failed for request %s", req_id)
+
+    original_cache_blocks = coordinator.cache_blocks
+    original_free = coordinator.free
+    original_pop = coordinator.pop_blocks_for_free
+
+    def cache_blocks(request: Any, num_computed_tokens: int) -> None:
+        original_cache_blocks(request, num_computed_tokens)
+        if containment and request.request_id in containment:
+            evict(request.request_id)
+
+    def free(request_id: str) -> None:
+        original_free(request_id)
+        if containment:
+            containment.release(request_id)
+
+    def pop_blocks_for_free(request_id: str) -> Any:
+        blocks = original_pop(request_id)
+        if containment:
+            containment.release(request_id)
+        return blocks
+
+    coordinator.cache_blocks = cache_blocks
+    coordinator.free = free
+    coordinator.pop_blocks_for_free = pop_blocks_for_free
+    scheduler.kv_checksum_containment = containment
+    kcs.on_failed_load = on_failed_load
