@@ -7,7 +7,7 @@ docs/features/kv_checksum.md ("vLLM's own tests with the plugin"). Steps:
 
 1. Fetch vLLM 0.33.0's source archive from PyPI's simple index (sha256
    checked) into CACHE (next to the virtualenv, never into the repository)
-   and unpack its tests/ and pyproject.toml.
+   and unpack its tests/, examples/ and pyproject.toml.
 2. Install the extra test dependencies vLLM's tests import (tblib,
    pytest-asyncio, pytest-timeout, msgpack, ray) into CACHE/deps with
    ``pip --target``, only if missing: the project's virtualenv is not changed.
@@ -124,15 +124,18 @@ def fetch_sdist(cache: Path) -> Path:
 
 
 def unpack(sdist: Path, cache: Path) -> Path:
-    """The unpacked tests/ and pyproject.toml of the archive (once)."""
+    """The unpacked tests/, examples/ (proxies some tests start) and
+    pyproject.toml of the archive (once)."""
     root = cache / "src" / f"vllm-{VLLM_VERSION}"
-    marker = root / ".unpacked"
+    marker = root / ".unpacked-tests-examples"
     if marker.is_file():
         return root
     shutil.rmtree(root, ignore_errors=True)
     prefix = f"vllm-{VLLM_VERSION}/"
     with tarfile.open(sdist) as tar:
-        wanted = (f"{prefix}pyproject.toml", f"{prefix}tests/")
+        wanted = tuple(
+            prefix + name for name in ("pyproject.toml", "tests/", "examples/")
+        )
         members = [m for m in tar.getmembers() if m.name.startswith(wanted)]
         tar.extractall(cache / "src", members=members, filter="data")
     marker.touch()
