@@ -689,10 +689,13 @@ def test_mixed_spec_group_replica_checks(tp_size):
 
 
 def _values(kv, block_ids, num_tokens, **kw) -> np.ndarray:
-    """Block checksums of one worker's receive pass (one value per block)."""
+    """Block checksums of one worker: its receive pass's 16-token chunk values
+    (R135) summed per block."""
     worker = truth_worker(kv, block_ids, **kw)
     group = recv(worker, {REQ: blocks(num_tokens, (0, 0, block_ids))}).checksums[REQ]
-    return group[0].values[:, 0].copy()
+    chunks = group[0].values[:, 0].reshape(len(block_ids), -1)
+    with np.errstate(over="ignore"):
+        return chunks.sum(axis=1, dtype=U64)
 
 
 @pytest.mark.parametrize("num_tokens", [64, 50, 33, 7])
@@ -1304,8 +1307,9 @@ def test_multi_request_multi_group_rows():
             (1, s1, ids1, [2, 3], 32),
         ):
             group = record.checksums[req][gid]
-            # A send reports 16-token chunks (R135), a load whole blocks.
-            unit = 16 if req.startswith("send") else bs
+            # P/D sends and receives report 16-token chunks (R135), an
+            # offloaded-KV load ("load-b") whole blocks.
+            unit = bs if req == "load-b" else 16
             per = bs // unit
             want = ref.reference_block_checksums(kv[layers], unit, n, layers)
             want = np.append(want, np.zeros(len(ids) * per, dtype=U64))

@@ -240,13 +240,16 @@ def make_case(
                 producer.stop * per_block,
             ),
         )
+        # Consumer workers report per chunk of their blocks too (R135).
+        c_chunk = min(consumer.block_size, 16)
+        c_per_block = consumer.block_size // c_chunk
         consumer_truths[group_id] = (
-            consumer.start,
+            consumer.start * c_per_block,
             block_values(
                 group_tokens[: consumer.num_tokens],
-                consumer.block_size,
-                consumer.start,
-                consumer.stop,
+                c_chunk,
+                consumer.start * c_per_block,
+                consumer.stop * c_per_block,
             ),
         )
     producer_reports = make_reports(
@@ -536,7 +539,8 @@ def test_different_block_sizes_verify(b_d, b_p):
         # compared on its own, whatever the producer's block size.
         (16, 32, 5, [5]),
         (16, 64, 5, [5]),
-        (32, 16, 5, [5]),
+        # Rows are consumer chunks of min(bs, 16) tokens: row 5 is block 2.
+        (32, 16, 5, [2]),
         (8, 32, 5, [4, 5]),
         # The last chunk holds blocks 62 and the padding block 63 (R89).
         (8, 16, 124, [124]),
@@ -855,8 +859,9 @@ def test_random_layouts_verify_and_localize_corruption(
     lengths: a correct load verifies; one corrupted part mismatches at exactly
     the loaded consumer positions of the larger of its block and the
     producer's 16-token chunk."""
-    chunk = max(b_d, min(b_p, 16))
-    n_d = chunk // b_d
+    c_d = min(b_d, 16)
+    chunk = max(c_d, min(b_p, 16))
+    n_d = max(1, chunk // b_d)
     stop = -(-num_tokens // b_d)
     start = data.draw(st.integers(0, (stop - 1) // n_d)) * n_d
     case = make_case(
@@ -867,12 +872,16 @@ def test_random_layouts_verify_and_localize_corruption(
     assert_verified(case.verify())
     key = data.draw(st.sampled_from(consumer_layout.workers))
     entry = case.reports[key].groups[0]
-    row = data.draw(st.integers(0, stop - start - 1))
+    # Rows are consumer chunks of c_d tokens (R135).
+    per_block = b_d // c_d
+    row = data.draw(st.integers(0, (stop - start) * per_block - 1))
+    if (start * per_block + row) * c_d >= num_tokens:
+        row = 0  # a chunk past the last token is never compared
     column = data.draw(st.integers(0, len(entry.replica_keys) - 1))
     corrupt(case.reports, key, 0, row, column)
-    position = start + row
-    first = position // n_d * n_d
-    expected = list(range(first, min(first + n_d, stop)))
+    bad = (start * per_block + row) * c_d // chunk  # the bad chunk of K tokens
+    first, last = bad * chunk // b_d, ((bad + 1) * chunk - 1) // b_d
+    expected = list(range(max(first, start), min(last + 1, stop)))
     verdict = case.verify()
     assert verdict.status is KVChecksumStatus.MISMATCH
     assert verdict.mismatches == {0: expected}

@@ -93,6 +93,15 @@ class KVChecksumGroupInfo:
     # checksums only compare between equal TP sizes.
     tp_comparable: bool = True
 
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per value both sides report for P/D transfers (R135)."""
+        return 1 if self.is_mamba else chunk_tokens(self.block_size)
+
+    @property
+    def chunks_per_block(self) -> int:
+        return 1 if self.is_mamba else self.block_size // self.chunk_tokens
+
 
 @dataclass
 class KVChecksumVerdict:
@@ -217,9 +226,7 @@ def build_producer_payload(
     for group_id in sorted(scheduled.groups):
         start, block_ids = scheduled.groups[group_id]
         info = groups[group_id]
-        # Mamba: one state per block, sent as one value per position.
-        chunk = 1 if info.is_mamba else chunk_tokens(info.block_size)
-        per_block = 1 if info.is_mamba else info.block_size // chunk
+        chunk, per_block = info.chunk_tokens, info.chunks_per_block
         first, count = start * per_block, len(block_ids) * per_block
         detail = other_blocks_detail(reports, group_id, first, count)
         if detail is not None:
@@ -330,11 +337,11 @@ def _replica_checks(entries: list[KVChecksumGroup], num_positions: int) -> np.nd
 def _block_sizes(
     info: KVChecksumGroupInfo, producer: KVChecksumPayloadGroup
 ) -> tuple[int, int]:
-    """(b_D, b_P), b_P the producer's chunk size (R88, R135); Mamba holds one
-    state per block on both sides."""
+    """(b_D, b_P): the consumer's and the producer's chunk sizes (R88, R135);
+    Mamba holds one state per block on both sides."""
     if info.is_mamba:
         return 1, 1
-    b_d, b_p = info.block_size, producer.chunk_tokens
+    b_d, b_p = info.chunk_tokens, producer.chunk_tokens
     if b_d <= 0 or b_p <= 0 or max(b_d, b_p) % min(b_d, b_p) != 0:
         raise _GroupUnverified(
             UnverifiedReason.BLOCK_SIZES,
@@ -443,8 +450,9 @@ def _compare_group(
 ) -> np.ndarray:
     """Mismatching consumer positions of a group both sides checksummed.
 
-    `blocks` is the consumer's (start, number of positions, tokens). Raises
-    _GroupUnverified when the group cannot be compared (R88-R91).
+    `blocks` is the consumer's (start, number of positions, tokens) in units
+    of its chunks, as are the positions returned. Raises _GroupUnverified
+    when the group cannot be compared (R88-R91).
     """
     start, num_positions, num_tokens = blocks
     b_d, b_p = _block_sizes(info, producer)
@@ -541,18 +549,22 @@ def _verify_group(
         verdict.tp_incomparable_groups.append(group_id)
         return
     start, block_ids = scheduled.groups[group_id]
-    detail = other_blocks_detail(reports, group_id, start, len(block_ids))
+    # Consumer workers report one value per chunk of each loaded block (R135).
+    per_block = info.chunks_per_block
+    first, count = start * per_block, len(block_ids) * per_block
+    detail = other_blocks_detail(reports, group_id, first, count)
     if detail is not None:
         raise _GroupUnverified(UnverifiedReason.OTHER_BLOCKS, detail)
     sides = _both_sides(_consumer_side(reports, group_id), producer)
     if sides is None:
         return
     _check_fingerprint(sides[1], consumer_fingerprint)
-    blocks = (start, len(block_ids), scheduled.num_tokens)
-    positions = _compare_group(info, *sides, blocks, expected.num_tokens)
+    blocks = (first, count, scheduled.num_tokens)
+    chunks = _compare_group(info, *sides, blocks, expected.num_tokens)
     verdict.compared_groups.append(group_id)
-    if positions.size:
-        verdict.mismatches[group_id] = positions.tolist()
+    if chunks.size:
+        # The consumer block positions holding a bad chunk (R92).
+        verdict.mismatches[group_id] = np.unique(chunks // per_block).tolist()
 
 
 def _final_status(verdict: KVChecksumVerdict) -> KVChecksumStatus:

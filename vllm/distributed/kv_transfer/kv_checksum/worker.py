@@ -59,9 +59,10 @@ __all__ = [
 class ChecksumPlan:
     """The launches of one group pass and what its output columns hold.
 
-    A receive plan has one column per replica key (R46). A send plan has one
-    column per token chunk of a block (R135), every replica-0 view folded in;
-    its rows are read back as one value per chunk (`chunks` per block).
+    Output column c * len(replica_keys) + k holds token chunk c of the row's
+    block (R135) over the views of replica key k (R46); a send plan folds its
+    replica-0 views into one key. With `chunks` > 1 the rows are read back as
+    one value per chunk, in position order.
     """
 
     replica_keys: tuple[ReplicaKey, ...]
@@ -71,31 +72,42 @@ class ChecksumPlan:
     @property
     def width(self) -> int:
         """Output columns of one row."""
-        return self.chunks if self.chunks > 1 else len(self.replica_keys)
+        return self.chunks * len(self.replica_keys)
 
     @classmethod
-    def build(cls, views: Sequence[ChecksumView]) -> "ChecksumPlan":
-        """Fuse views sharing one layout into one launch each (R46, R61)."""
-        keys = tuple(sorted({view.replica_key for view in views}))
-        column = {key: i for i, key in enumerate(keys)}
-        entries = [(v, v.pieces, column[v.replica_key], 0) for v in views]
-        return cls(keys, _fused_launches(entries))
-
-    @classmethod
-    def build_send(
-        cls, views: Sequence[ChecksumView], block_size: int
+    def build(
+        cls,
+        views: Sequence[ChecksumView],
+        block_size: int,
+        chunked: bool = True,
+        fold_keys: bool = False,
     ) -> "ChecksumPlan":
-        """Chunk views of every replica-0 view, column i for chunk i (R135).
+        """Fuse chunk views sharing one layout into one launch each (R46, R61).
 
-        A rank holding no replica-0 view has no launch and reports zeros.
+        `chunked`: one value per chunk of `chunk_tokens(block_size)` tokens
+        (P/D sends and receives), else per block (offloaded-KV loads, whose
+        stored entries are per block). `fold_keys`: one column for every
+        replica key (a send pass, whose views are all replica 0). A rank with
+        no view has no launch and reports zeros.
         """
-        chunk = chunk_tokens(block_size)
+        chunk = chunk_tokens(block_size) if chunked else block_size
+        keys = (
+            (SEND_COLUMN_KEY,)
+            if fold_keys
+            else tuple(sorted({view.replica_key for view in views}))
+        )
+        key_column = {key: i for i, key in enumerate(keys)}
         entries = [
-            (view, pieces, i, i * chunk)
+            (
+                view,
+                pieces,
+                i * len(keys) + key_column.get(view.replica_key, 0),
+                i * chunk,
+            )
             for view in views
             for i, pieces in enumerate(chunk_pieces(view.pieces, chunk))
         ]
-        return cls((SEND_COLUMN_KEY,), _fused_launches(entries), block_size // chunk)
+        return cls(keys, _fused_launches(entries), block_size // chunk)
 
     def run(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         for launch in self.launches:
@@ -124,13 +136,15 @@ def _fused_launches(
 
 @dataclass(frozen=True)
 class GroupPlans:
-    """A covered group: a receive plan over every view, a send plan over replica 0."""
+    """A covered group: receive plans over every view (per chunk for P/D loads,
+    per block for offloaded-KV loads) and a send plan over replica 0."""
 
     group_id: int
     block_size: int
     fingerprint: int
     recv: ChecksumPlan
     send: ChecksumPlan
+    load: ChecksumPlan
     # One layer per distinct cache the group's checksums cover, in view order.
     layer_names: tuple[str, ...] = ()
 
@@ -142,9 +156,10 @@ class GroupPlans:
             group.group_id,
             group.block_size,
             group.fingerprint,
-            ChecksumPlan.build(group.views),
-            ChecksumPlan.build_send(send_views, group.block_size),
-            tuple(v.layer_name for v in group.views),
+            recv=ChecksumPlan.build(group.views, group.block_size),
+            send=ChecksumPlan.build(send_views, group.block_size, fold_keys=True),
+            load=ChecksumPlan.build(group.views, group.block_size, chunked=False),
+            layer_names=tuple(v.layer_name for v in group.views),
         )
 
 
@@ -275,7 +290,7 @@ class KVChecksumWorker:
     def warm_up(self) -> None:
         """Compile every launch at start-up so no compilation lands in a step (R62)."""
         for plans in self.groups.values():
-            for plan in (plans.recv, plans.send):
+            for plan in (plans.recv, plans.send, plans.load):
                 for launch in plan.launches:
                     launch.warm_up()
 
@@ -313,12 +328,17 @@ class KVChecksumWorker:
             self._to_recv.pop(req_id, None)
             self._to_load.pop(req_id, None)
         failed = set(failed_recving or ())
+        recvs: list[tuple[str, KVChecksumBlocks]] = []
         loads: list[tuple[str, KVChecksumBlocks]] = []
         for req_id in finished_recving or ():
-            blocks = self._to_recv.pop(req_id, None)
-            blocks = self._to_load.pop(req_id, None) or blocks
-            if blocks is not None and req_id not in failed:
-                loads.append((req_id, blocks))
+            recv = self._to_recv.pop(req_id, None)
+            load = self._to_load.pop(req_id, None)
+            if req_id in failed:
+                continue
+            if load is not None:
+                loads.append((req_id, load))
+            elif recv is not None:
+                recvs.append((req_id, recv))
         for req_id in failed:
             self._to_recv.pop(req_id, None)
             self._to_load.pop(req_id, None)
@@ -326,13 +346,13 @@ class KVChecksumWorker:
         self._to_send = {}
         keep_received = self.topology.pp_rank == 0 and self.topology.tp_rank == 0
         received = dict(received or {}) if keep_received else {}
-        if not loads and not sends and not received:
+        if not recvs and not loads and not sends and not received:
             return None
-        results = self._launch(loads, sends)
+        results = self._launch(recvs, loads, sends)
         pending = KVChecksumPendingRecord(
             pp_rank=self.topology.pp_rank,
             tp_rank=self.topology.tp_rank,
-            req_ids=tuple(dict.fromkeys(r for r, _ in loads + sends)),
+            req_ids=tuple(dict.fromkeys(r for r, _ in recvs + loads + sends)),
             results=results,
             skipped_groups=self.skipped_groups,
             fingerprints=self.fingerprints,
@@ -387,11 +407,11 @@ class KVChecksumWorker:
             packed, _ = pack_segments([rows])
             rows_dev = self._to_device(self._host_tensor(packed))
             out = torch.zeros(
-                (len(ids), len(plans.recv.replica_keys)),
+                (len(ids), plans.load.width),
                 dtype=torch.int64,
                 device=device,
             )
-            plans.recv.run(rows_dev[:, : len(ids)], out)
+            plans.load.run(rows_dev[:, : len(ids)], out)
             tags = block_checksum_tags(block_hashes, plans.fingerprint).view(np.int64)
             entries = out.sum(dim=1) ^ self._to_device(self._host_tensor(tags))
             table[self._to_device(self._host_tensor(ids))] = entries
@@ -405,14 +425,19 @@ class KVChecksumWorker:
 
     def _launch(
         self,
+        recvs: list[tuple[str, KVChecksumBlocks]],
         loads: list[tuple[str, KVChecksumBlocks]],
         sends: list[tuple[str, KVChecksumBlocks]],
     ) -> list[_PassResult]:
-        """Build all rows, copy them once to the device and queue every launch."""
+        """Build all rows, copy them once to the device and queue every launch.
+
+        P/D receives and sends are checksummed per chunk (R135), offloaded-KV
+        loads per block with their stored entries (R117).
+        """
         passes: list[tuple[GroupPlans, ChecksumPlan, tuple, np.ndarray, np.ndarray]]
         passes = []
         parts: list[np.ndarray] = []
-        for requests, is_recv in ((loads, True), (sends, False)):
+        for requests, kind in ((recvs, "recv"), (loads, "load"), (sends, "send")):
             if not requests:
                 continue
             for plans in self.groups.values():
@@ -420,7 +445,7 @@ class KVChecksumWorker:
                     requests, plans.group_id, plans.block_size
                 )
                 if req_ids:
-                    plan = plans.recv if is_recv else plans.send
+                    plan = getattr(plans, kind)
                     passes.append((plans, plan, req_ids, starts, counts))
                     parts.append(rows)
         if not passes:
@@ -447,12 +472,12 @@ class KVChecksumWorker:
             plan.run(rows_dev[:, column : column + n], out)
             if plan.chunks > 1:
                 # One row per chunk, in position order (R135).
-                out = out.view(n * plan.chunks, 1)
+                out = out.view(n * plan.chunks, len(plan.replica_keys))
                 starts, counts = starts * plan.chunks, counts * plan.chunks
             segment = RowSegment(plans.group_id, column, req_ids, starts, counts)
             result = _PassResult(segment, plan.replica_keys, out)
             table = self._block_table
-            if plan is plans.recv and plans.group_id in self._stored_groups:
+            if plan is plans.load and plans.group_id in self._stored_groups:
                 assert table is not None
                 result.stored_device = table[rows_dev[0, column : column + n]]
             results.append(result)
