@@ -365,11 +365,6 @@ def test_encode_rejects_duplicate_groups_and_other_versions():
             KVChecksumPayload(version, 1, 16, [group]).to_bytes()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="payload.py: to_bytes checks no TP size cap, from_bytes applies "
-    "max_tp_size (2^16) even without limits",
-)
 def test_encode_rejects_tp_size_decode_rejects():
     """R79/R134: a TP size from_bytes rejects (above MAX_TP_SIZE) is not
     encoded either.
@@ -432,10 +427,6 @@ def test_lenient_base64_of_a_valid_payload_is_invalid():
         assert_invalid(variant, base64_text=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="payload.py _b64decode: strict base64 still accepts nonzero pad bits",
-)
 def test_base64_with_nonzero_pad_bits_is_invalid():
     """R78: the last character before "=" must leave the unused bits zero;
     "...AAB=" for "...AAA=" is not canonical base64.

@@ -114,8 +114,8 @@ class KVChecksumPayload:
 
     def to_bytes(self) -> bytes:
         """Version 2 msgpack bytes with the body hash (R136); ValueError on
-        invalid fields."""
-        _check_payload(self, None)
+        fields a decoder without limits would reject."""
+        _check_payload(self, KVChecksumPayloadLimits())
         groups = [
             [
                 int(group.group_id),
@@ -221,13 +221,21 @@ def _as_bytes_like(data: object) -> memoryview:
 
 
 def _b64decode(text: str | bytes) -> bytes:
-    """Strict padded standard base64 (R78): no whitespace, no excess data."""
+    """Strict padded standard base64 (R78): no whitespace, no excess data, and
+    canonical (zero) pad bits, so one payload has exactly one encoding."""
     try:
         if sys.version_info >= (3, 11):
-            return binascii.a2b_base64(text, strict_mode=True)
-        return base64.b64decode(text, validate=True)
+            data = binascii.a2b_base64(text, strict_mode=True)
+        else:
+            data = base64.b64decode(text, validate=True)
     except ValueError as exc:  # binascii.Error, or non-ASCII str
         raise _invalid(f"bad base64 ({exc})") from None
+    tail = len(data) % 3
+    if tail:  # the last quantum must re-encode to the same characters
+        last = text[-4:] if isinstance(text, str) else text[-4:].decode("ascii")
+        if base64.b64encode(data[-tail:]).decode("ascii") != last:
+            raise _invalid("bad base64 (non-zero pad bits)")
+    return data
 
 
 def body_hash(body: bytes | memoryview) -> int:
