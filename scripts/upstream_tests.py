@@ -196,6 +196,14 @@ def check_plugin_installed() -> None:
         raise SystemExit(f"the {PLUGIN_NAME} plugin is not installed in {sys.prefix}")
 
 
+def _can_unshare_net() -> bool:
+    """Whether a private network namespace can be made here (root, util-linux)."""
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        return False
+    probe = ["unshare", "--net", "--", "ip", "link", "set", "lo", "up"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
 def run_mode(
     mode: str,
     root: Path,
@@ -243,7 +251,7 @@ def run_mode(
         "junit_family=xunit1",
         *targets,
     ]
-    if args.netns and shutil.which("unshare") and shutil.which("ip"):
+    if args.netns and _can_unshare_net():
         command = [
             "unshare",
             "--net",
