@@ -635,14 +635,15 @@ def _install_worker_hooks() -> None:
         only the output rank's KVConnectorOutput.
         How: concatenate the records of every worker and salvaged output onto
         the aggregated output (read before the original, which drops the
-        salvaged outputs). Without records (checksums off) the original's
-        result is returned untouched.
+        salvaged outputs; instance attributes only, so nothing is looked up,
+        let alone created, on stand-in objects). Without records (checksums
+        off) the original's result is returned untouched.
         Upstream: the aggregator concatenating `kv_checksums`.
         """
         records = _records_of(
             [
-                *getattr(self, "_salvaged_outputs", ()),
-                *(getattr(o, "kv_connector_output", None) for o in outputs),
+                *_instance_attribute(self, "_salvaged_outputs", ()),
+                *(_instance_attribute(o, "kv_connector_output") for o in outputs),
             ]
         )
         result = original(self, outputs, output_rank)
@@ -651,11 +652,19 @@ def _install_worker_hooks() -> None:
         return result
 
 
+def _instance_attribute(obj: Any, name: str, default: Any = None) -> Any:
+    """`obj.name` if set on the instance itself, else `default`."""
+    try:
+        return vars(obj).get(name, default)
+    except TypeError:  # no __dict__
+        return default
+
+
 def _records_of(kv_outputs: list) -> list:
     """The checksum records of KV connector outputs, in order; [] if none."""
     records: list = []
     for kv_output in kv_outputs:
-        value = getattr(kv_output, "kv_checksums", None)
+        value = _instance_attribute(kv_output, "kv_checksums")
         if isinstance(value, list):
             records.extend(value)
     return records
