@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from vllm.distributed.kv_transfer.kv_checksum.payload import (
+    KV_CHECKSUM_PAYLOAD_VERSION,
     KVChecksumPayload,
     KVChecksumPayloadGroup,
 )
@@ -30,7 +31,7 @@ def make_payload(
     rng = np.random.default_rng(0)
     values = rng.integers(0, 2**64, size=positions, dtype=np.uint64)
     group = KVChecksumPayloadGroup(0, 0x0123456789ABCDEF, block_size, 0, values)
-    return KVChecksumPayload(1, 2, num_tokens, [group])
+    return KVChecksumPayload(KV_CHECKSUM_PAYLOAD_VERSION, 2, num_tokens, [group])
 
 
 def _best_mean_us(fn: Callable[[], object], iterations: int, repeats: int) -> float:

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     KVChecksumGroup,
 )
 from vllm.distributed.kv_transfer.kv_checksum.payload import (
+    KV_CHECKSUM_PAYLOAD_VERSION,
     KVChecksumPayload,
     KVChecksumPayloadGroup,
 )
@@ -43,7 +44,7 @@ def _make_load(
         for rank in range(num_workers)
     }
     payload = KVChecksumPayload(
-        version=1,
+        version=KV_CHECKSUM_PAYLOAD_VERSION,
         tp_size=num_workers,
         num_tokens=num_tokens,
         groups=[KVChecksumPayloadGroup(0, fingerprint, block_size, 0, truth)],
