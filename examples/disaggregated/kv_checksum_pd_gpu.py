@@ -132,6 +132,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
     extra = dict(extra)
     os.environ.update(extra.pop("_env", {}))
     tensor_parallel_size = extra.pop("_tp", 1)
+    block_size = extra.pop("_block_size", BLOCK_SIZE)
     shape = extra.pop("_model", "tiny")
     model = MODELS[shape]
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -160,7 +161,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
                 os.environ.get("KV_CHECKSUM_GPU_UTIL", GPU_UTILS[shape])
             ),
             max_model_len=MAX_MODEL_LENS[shape],
-            block_size=BLOCK_SIZE,
+            block_size=block_size,
             dtype="bfloat16",
             seed=0,
             disable_log_stats=False,
@@ -641,6 +642,14 @@ def main() -> int:
         "before its first step, so batching does not depend on timing",
     )
     parser.add_argument("--producer-tp", type=int, default=1)
+    parser.add_argument(
+        "--consumer-block-size",
+        type=int,
+        default=BLOCK_SIZE,
+        help="the consumers' block size (producer and ref keep 16): 32 checks "
+        "loads in 16-token chunks (R135); vLLM 0.33.0's NIXL needs consumer "
+        "blocks that are multiples of the producer's",
+    )
     parser.add_argument("--consumer-tp", type=int, default=1)
     parser.add_argument(
         "--overhead-only",
@@ -679,7 +688,12 @@ def main() -> int:
     # other TP sizes than the TP 1 reference.
     specs[1] = (specs[1][0], {**specs[1][1], "_tp": args.producer_tp}, specs[1][2])
     for i in (2, 3, 4):
-        specs[i] = (specs[i][0], {**specs[i][1], "_tp": args.consumer_tp}, specs[i][2])
+        consumer = {
+            **specs[i][1],
+            "_tp": args.consumer_tp,
+            "_block_size": args.consumer_block_size,
+        }
+        specs[i] = (specs[i][0], consumer, specs[i][2])
     # Containment (R138): fail-open consumers, every load corrupted; the
     # second with containment off (checksums and the injector still on).
     bad_loads = {
