@@ -630,6 +630,32 @@ def test_missing_or_malformed_checksums(
     assert_outcome(result, consumer, mode)
 
 
+def test_window_blocks_freed_before_the_transfer_are_not_sent(model_dir: str) -> None:
+    """R66, R135: a sliding-window producer checksums its last
+    ceil(window / bs) + 1 blocks when the prompt ends, but vLLM frees the
+    earliest of them before the request finishes (tokens before N - window + 1
+    are skipped), so the consumer cannot load it. The payload leaves that
+    block's chunks out and the load verifies. Found by the full matrix run
+    (prompt 80, window 32, producer bs 16, consumer bs 32 after a 32-token
+    local hit): sending it was a false mismatch at consumer position 1."""
+    producer, consumer = engines(
+        model_dir,
+        SideConfig(block_size=16, groups="sliding"),
+        SideConfig(block_size=32, groups="sliding", kv_salt=1),
+    )
+    prompt = make_prompt(21, 80)
+    run_local(consumer, "local", prompt[:40] + make_prompt(22, 5))
+    params = produce(producer, "r", prompt)
+    sent = producer.sent_blocks("r").groups[0]
+    held = per_group(params["remote_block_ids"])[0]
+    assert sent[0] == 2 and held[2] == producer.null_block  # freed since
+    payload = KVChecksumPayload.from_base64(params[KV_TRANSFER_PARAMS_KEY])
+    assert [(g.start, len(g.values)) for g in payload.groups] == [(3, 2)]
+    result = consume(consumer, producer, "r", prompt, params)
+    assert result.num_local_tokens == 32
+    assert verdicts(consumer) == {"verified": 1}
+
+
 # --------------------------------------------------------------------------
 # Block sizes (R88-R92)
 # --------------------------------------------------------------------------

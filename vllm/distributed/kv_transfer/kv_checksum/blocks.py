@@ -30,6 +30,11 @@ def sliding_window_transfer_blocks(sliding_window: int, block_size: int) -> int:
     return cdiv(sliding_window, block_size) + 1
 
 
+def _null_mask(blocks: Sequence) -> np.ndarray:
+    """Which of `blocks` are vLLM's null block (freed out of a window)."""
+    return np.fromiter((b.is_null for b in blocks), dtype=bool, count=len(blocks))
+
+
 def _group_blocks(
     blocks: Sequence, group: SchedulerGroup, begin: int, end: int
 ) -> tuple[int, np.ndarray] | None:
@@ -39,9 +44,7 @@ def _group_blocks(
         drop = len(selected) - group.sliding_window_blocks
         selected = selected[drop:]
         begin += drop
-    is_null = np.fromiter(
-        (b.is_null for b in selected), dtype=bool, count=len(selected)
-    )
+    is_null = _null_mask(selected)
     real = np.flatnonzero(~is_null)
     if real.size == 0:
         return None
@@ -52,6 +55,22 @@ def _group_blocks(
         (b.block_id for b in selected[first:]), dtype=np.int64, count=real.size
     )
     return begin + first, ids
+
+
+def first_held_position(blocks: Sequence, start: int, count: int) -> int | None:
+    """The first of positions [start, start + count) after which every block
+    is still held (not null), None if the last one is not.
+
+    A sliding-window group's earliest blocks may be freed between the step
+    that checksummed a prompt and the transfer (R66): a consumer cannot load
+    them, so a producer must not send their checksums.
+    """
+    selected = blocks[start : start + count]
+    is_null = _null_mask(selected)
+    if is_null.size < count or (is_null.size and is_null[-1]):
+        return None
+    nulls = np.flatnonzero(is_null)
+    return start + (int(nulls[-1]) + 1 if nulls.size else 0)
 
 
 def select_blocks(

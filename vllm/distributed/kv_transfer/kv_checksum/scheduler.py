@@ -19,6 +19,7 @@ import numpy as np
 
 from vllm.distributed.kv_transfer.kv_checksum.blocks import (
     SchedulerGroup,
+    first_held_position,
     select_blocks,
     sliding_window_transfer_blocks,
 )
@@ -434,13 +435,18 @@ class KVChecksumScheduler:
     # ------------------------------------------------------------------
 
     def request_finished(
-        self, request: Any, kv_transfer_params: dict[str, Any] | None
+        self,
+        request: Any,
+        kv_transfer_params: dict[str, Any] | None,
+        kv_cache_manager: Any = None,
     ) -> dict[str, Any] | None:
         """Drop the request's state; a finished producer builds its payload (R74).
 
         Returns the kv_transfer_params to hand back, with "kv_checksums" added
         for KV_TRANSFER_PARAMS carriers; CONNECTOR bytes are kept for
-        `take_kv_checksums_to_send`.
+        `take_kv_checksums_to_send`. With the `kv_cache_manager`, positions
+        whose blocks vLLM freed since the prompt was checksummed (the start of
+        a sliding window) are left out of the payload.
         """
         req_id = request.request_id
         self._noted.discard(req_id)
@@ -452,6 +458,9 @@ class KVChecksumScheduler:
         payload = build_producer_payload(
             send.reports, send.blocks, self.num_workers, self.tp_size, self.group_infos
         )
+        if not isinstance(payload, str) and kv_cache_manager is not None:
+            held = kv_cache_manager.get_blocks(req_id).blocks
+            payload.groups = _held_groups(payload, send.blocks, held, self.group_infos)
         if isinstance(payload, str):
             self._warn_once(f"KV checksums not sent: {_reason_kind(payload)}.")
             logger.debug("KV checksums not sent for request %s: %s", req_id, payload)
@@ -471,6 +480,29 @@ class KVChecksumScheduler:
     def take_kv_checksums_to_send(self, req_id: str) -> bytes | None:
         """The CONNECTOR-carried bytes of a finished producer request, once."""
         return self._outgoing.pop(req_id, None)
+
+
+def _held_groups(
+    payload: KVChecksumPayload,
+    scheduled: KVChecksumBlocks,
+    held: Any,
+    infos: Mapping[int, KVChecksumGroupInfo],
+) -> list:
+    """The payload's groups without chunks of blocks freed since they were
+    checksummed (R66): a consumer cannot load those, so comparing them would
+    be a false mismatch. A group whose last block was freed is left out."""
+    groups = []
+    for group in payload.groups:
+        start, block_ids = scheduled.groups[group.group_id]
+        first = first_held_position(held[group.group_id], start, len(block_ids))
+        if first is None:
+            continue
+        cut = (first - start) * infos[group.group_id].chunks_per_block
+        cut = min(cut, len(group.values))
+        group.start += cut
+        group.values = group.values[cut:]
+        groups.append(group)
+    return groups
 
 
 def _writes_any(pending: _PendingTransfer, block_ids: np.ndarray) -> bool:

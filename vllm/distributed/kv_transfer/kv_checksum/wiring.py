@@ -453,7 +453,8 @@ def _install_scheduler_hooks() -> None:
         Why: a finished producer's payload travels with what the connector
         returns (kv_transfer_params) or in the connector's own messages.
         How: after the original, `request_finished` adds "kv_checksums" to the
-        returned params; CONNECTOR bytes go to `send_kv_checksums`. On an
+        returned params (leaving out blocks vLLM has freed since the prompt
+        was checksummed); CONNECTOR bytes go to `send_kv_checksums`. On an
         error, vLLM's own result is returned (R134).
         Upstream: the Scheduler calling the checksum scheduler there.
         """
@@ -463,7 +464,7 @@ def _install_scheduler_hooks() -> None:
             return result
         try:
             delay_free, params = result
-            params = kcs.request_finished(request, params)
+            params = kcs.request_finished(request, params, self.kv_cache_manager)
             data = kcs.take_kv_checksums_to_send(request.request_id)
             if data is not None:
                 self.connector.send_kv_checksums(request, data)
