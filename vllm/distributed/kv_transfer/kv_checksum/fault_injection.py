@@ -23,8 +23,9 @@ same one without communicating; each corrupts its own caches:
 
 Worker (pp_rank 0, tp_rank 0) logs each injection once per request at WARNING:
 "KV checksum fault injection: <kind> into request <id> group <G> block position
-<P>." The kind logged is the one applied (after fallbacks). Corrupted blocks stay
-in the prefix cache under fail-open: use it on test deployments only.
+<P>." The kind logged is the one applied (after fallbacks). Under fail-open the
+request itself runs on the corrupted KV (containment keeps it from other
+requests, R138): use it on test deployments only.
 """
 
 import hashlib
