@@ -23,7 +23,7 @@ may hold several blocks with one hash, so a lookup that found clean copies of
 the bad group's blocks elsewhere could otherwise continue into them.
 
 This module is plain bookkeeping: group ids, block positions and sizes. The
-wiring (`wiring._install_containment_hooks`) applies it to vLLM's KV cache
+wiring (`wiring._attach_containment`) applies it to vLLM's KV cache
 manager: it evicts the hashes of quarantined blocks through vLLM's own
 `BlockPool.evict_blocks` right after vLLM caches them, before any other request
 can look them up, and releases the request when vLLM frees its blocks.

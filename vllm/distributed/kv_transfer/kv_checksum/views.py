@@ -140,11 +140,10 @@ def chunk_pieces(pieces: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     if count <= 1:
         return [pieces]
     if tokens % chunk == 0:
+        # Chunk i lies in kernel block kb at token t of it.
         return [
-            pieces[:, first // tokens : first // tokens + 1, :, first % tokens :][
-                :, :, :, :chunk
-            ]
-            for first in range(0, count * chunk, chunk)
+            pieces[:, kb : kb + 1, :, t : t + chunk]
+            for kb, t in (divmod(i * chunk, tokens) for i in range(count))
         ]
     if chunk % tokens == 0:
         per = chunk // tokens

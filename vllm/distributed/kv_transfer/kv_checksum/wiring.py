@@ -24,6 +24,7 @@ The list is repeated in docs/features/kv_checksum.md ("vLLM internals").
 import contextlib
 import contextvars
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -119,7 +120,6 @@ def install() -> None:
     _install_worker_hooks()
     _install_config_hooks()
     _install_metrics_hooks()
-    _install_containment_hooks()
 
 
 # ----------------------------------------------------------------------
@@ -351,6 +351,7 @@ def _install_scheduler_hooks() -> None:
             return
         try:
             kcs = _create_scheduler(self)
+            _attach_containment(self, kcs)
             self._kv_checksum_starting_loads = []
             _note_starting_loads(self)
             self.kv_checksum_scheduler = kcs
@@ -837,11 +838,11 @@ def _install_metrics_hooks() -> None:
 NO_CONTAINMENT_ENV = "KV_CHECKSUM_TEST_NO_CONTAINMENT"
 
 
-def _install_containment_hooks() -> None:
+def _attach_containment(scheduler: Any, kcs: KVChecksumScheduler) -> None:
     """R138. Target: the KV cache coordinator instance's cache_blocks, free and
     pop_blocks_for_free, on each engine with checksums and prefix caching on
-    (installed when `_create_scheduler` builds its checksum scheduler, inside
-    the Scheduler.__init__ hook: no second wrapper around a vLLM method).
+    (attached by the Scheduler.__init__ hook once it built the checksum
+    scheduler: no second wrapper around a vLLM method).
 
     Why: a load that failed verification must not serve another request
     through the prefix cache, in either mode; vLLM caches a loaded request's
@@ -864,27 +865,17 @@ def _install_containment_hooks() -> None:
     Upstream: a "do not cache" mark on a request's blocks from a position on
     (honoured by cache_full_blocks), set by the load-failure path.
     """
-    global _create_scheduler
-    create = _create_scheduler
-
-    def create_with_containment(scheduler: Any) -> KVChecksumScheduler:
-        kcs = create(scheduler)
-        import os
-
-        if os.environ.get(NO_CONTAINMENT_ENV) == "1":
-            logger.warning(
-                "KV checksum containment is OFF (%s=1): blocks of failed loads "
-                "stay in the prefix cache. Test deployments only.",
-                NO_CONTAINMENT_ENV,
-            )
-            return kcs
-        try:
-            _contain_failed_loads(scheduler, kcs)
-        except Exception:
-            logger.exception("KV checksum containment could not be set up.")
-        return kcs
-
-    _create_scheduler = create_with_containment
+    if os.environ.get(NO_CONTAINMENT_ENV) == "1":
+        logger.warning(
+            "KV checksum containment is OFF (%s=1): blocks of failed loads "
+            "stay in the prefix cache. Test deployments only.",
+            NO_CONTAINMENT_ENV,
+        )
+        return
+    try:
+        _contain_failed_loads(scheduler, kcs)
+    except Exception:
+        logger.exception("KV checksum containment could not be set up.")
 
 
 def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:

@@ -152,13 +152,20 @@ class GroupPlans:
     def build(cls, group: GroupViews) -> "GroupPlans":
         """Raises UncoveredGroup if kernel blocks do not tile the chunks."""
         send_views = [v for v in group.views if v.replica_key[1] == 0]
+        recv = ChecksumPlan.build(group.views, group.block_size)
+        # Blocks of at most 16 tokens are one chunk: loads share the plan.
+        load = (
+            recv
+            if recv.chunks == 1
+            else ChecksumPlan.build(group.views, group.block_size, chunked=False)
+        )
         return cls(
             group.group_id,
             group.block_size,
             group.fingerprint,
-            recv=ChecksumPlan.build(group.views, group.block_size),
+            recv=recv,
             send=ChecksumPlan.build(send_views, group.block_size, fold_keys=True),
-            load=ChecksumPlan.build(group.views, group.block_size, chunked=False),
+            load=load,
             layer_names=tuple(v.layer_name for v in group.views),
         )
 
@@ -290,7 +297,7 @@ class KVChecksumWorker:
     def warm_up(self) -> None:
         """Compile every launch at start-up so no compilation lands in a step (R62)."""
         for plans in self.groups.values():
-            for plan in (plans.recv, plans.send, plans.load):
+            for plan in dict.fromkeys((plans.recv, plans.send, plans.load)):
                 for launch in plan.launches:
                     launch.warm_up()
 
@@ -434,8 +441,7 @@ class KVChecksumWorker:
         P/D receives and sends are checksummed per chunk (R135), offloaded-KV
         loads per block with their stored entries (R117).
         """
-        passes: list[tuple[GroupPlans, ChecksumPlan, tuple, np.ndarray, np.ndarray]]
-        passes = []
+        passes: list[tuple[GroupPlans, str, tuple, np.ndarray, np.ndarray]] = []
         parts: list[np.ndarray] = []
         for requests, kind in ((recvs, "recv"), (loads, "load"), (sends, "send")):
             if not requests:
@@ -445,8 +451,7 @@ class KVChecksumWorker:
                     requests, plans.group_id, plans.block_size
                 )
                 if req_ids:
-                    plan = getattr(plans, kind)
-                    passes.append((plans, plan, req_ids, starts, counts))
+                    passes.append((plans, kind, req_ids, starts, counts))
                     parts.append(rows)
         if not passes:
             return []
@@ -462,9 +467,10 @@ class KVChecksumWorker:
         _, columns = pack_segments(parts, pinned_zeros)
         rows_dev = self._to_device(host_rows[0])
         results = []
-        for (plans, plan, req_ids, starts, counts), part, column in zip(
+        for (plans, kind, req_ids, starts, counts), part, column in zip(
             passes, parts, columns
         ):
+            plan: ChecksumPlan = getattr(plans, kind)
             n = part.shape[1]
             out = torch.zeros(
                 (n, plan.width), dtype=torch.int64, device=rows_dev.device
@@ -477,7 +483,7 @@ class KVChecksumWorker:
             segment = RowSegment(plans.group_id, column, req_ids, starts, counts)
             result = _PassResult(segment, plan.replica_keys, out)
             table = self._block_table
-            if plan is plans.load and plans.group_id in self._stored_groups:
+            if kind == "load" and plans.group_id in self._stored_groups:
                 assert table is not None
                 result.stored_device = table[rows_dev[0, column : column + n]]
             results.append(result)
