@@ -521,14 +521,14 @@ def serve_part(servers: dict[str, Server], args: argparse.Namespace) -> dict[str
         == f["injected_requests"],
         "faults: no unverified load": f["unverified"] == 0,
         "faults: every request answered": every(f, "ok"),
-        "faults: loads not reported equal consumer_off": all(
-            f[phase]["equal_to_off"] - f[phase]["reported_equal_to_off"]
-            == f[phase]["requests"] - f[phase]["reported"]
-            for phase in phases
+        # A consumer that recomputes prompts while others decode changes the
+        # batches of those decodes: compare outputs one request at a time.
+        "faults: verified loads equal consumer_off (sequential)": (
+            f["sequential"]["equal_to_off"] - f["sequential"]["reported_equal_to_off"]
+            == f["sequential"]["requests"] - f["sequential"]["reported"]
         ),
-        "faults: recomputed requests equal a local computation": all(
-            f[phase]["reported_equal_to_local"] == f[phase]["reported"]
-            for phase in phases
+        "faults: recomputed requests equal a local computation (sequential)": (
+            f["sequential"]["reported_equal_to_local"] == f["sequential"]["reported"]
         ),
     }
     return result
