@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.utils.math_utils import cdiv
 
 
@@ -23,6 +24,11 @@ class SchedulerGroup:
     block_size: int
     # Blocks a sliding-window transfer keeps (0: not a sliding-window group).
     sliding_window_blocks: int = 0
+    # Mamba groups: speculative scratch blocks after the running state (R67);
+    # None for every other group.
+    mamba_spec_blocks: int | None = None
+    # False for Mamba state without TP splits, not replicated (R85).
+    tp_comparable: bool = True
 
 
 def sliding_window_transfer_blocks(sliding_window: int, block_size: int) -> int:
@@ -57,6 +63,22 @@ def _group_blocks(
     return begin + first, ids
 
 
+def _running_state_block(
+    blocks: Sequence, num_spec_blocks: int
+) -> tuple[int, np.ndarray] | None:
+    """(0, [running-state block]) of a Mamba group, None without one (R67).
+
+    The non-null blocks clipped as NIXL clips them (`clip_ssm_state_blocks`:
+    trailing speculative scratch slots dropped, the last one kept), at
+    position 0 whatever the token range: one state per request.
+    """
+    real = [b.block_id for b in blocks if not b.is_null]
+    kept = clip_ssm_state_blocks(real, num_spec_blocks)
+    if not kept:
+        return None
+    return 0, np.asarray(kept, dtype=np.int64)
+
+
 def first_held_position(blocks: Sequence, start: int, count: int) -> int | None:
     """The first of positions [start, start + count) after which every block
     is still held (not null), None if the last one is not.
@@ -83,6 +105,13 @@ def select_blocks(
     selected: dict[int, tuple[int, np.ndarray]] = {}
     for group_id, group in groups.items():
         if group_id >= len(request_blocks):
+            continue
+        if group.mamba_spec_blocks is not None:
+            state = _running_state_block(
+                request_blocks[group_id], group.mamba_spec_blocks
+            )
+            if state is not None:
+                selected[group_id] = state
             continue
         begin = first_token // group.block_size
         end = cdiv(end_token, group.block_size)

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     KVChecksumRecord,
     KVChecksumScheduled,
 )
+from vllm.distributed.kv_transfer.kv_checksum.mamba_splits import is_tp_comparable
 from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
 from vllm.distributed.kv_transfer.kv_checksum.offload import verify_offloaded_load
 from vllm.distributed.kv_transfer.kv_checksum.payload import (
@@ -131,7 +132,12 @@ class KVChecksumScheduler:
         self.hash_block_size = hash_block_size
         self.limits = limits or KVChecksumPayloadLimits(max_groups=len(self.groups))
         self.group_infos = {
-            g: KVChecksumGroupInfo(block_size=s.block_size) for g, s in groups.items()
+            g: KVChecksumGroupInfo(
+                block_size=s.block_size,
+                is_mamba=s.mamba_spec_blocks is not None,
+                tp_comparable=s.tp_comparable,
+            )
+            for g, s in groups.items()
         }
         self._block_sizes = {g: s.block_size for g, s in groups.items()}
         self.stats = KVChecksumStats()
@@ -159,7 +165,7 @@ class KVChecksumScheduler:
         hash_block_size: int | None = None,
     ) -> "KVChecksumScheduler":
         """Build from vLLM's KVCacheConfig (transfer groups only)."""
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
         groups: dict[int, SchedulerGroup] = {}
         for group_id in kv_cache_config.transfer_group_ids:
@@ -169,6 +175,13 @@ class KVChecksumScheduler:
                 window = sliding_window_transfer_blocks(
                     spec.sliding_window, spec.block_size
                 )
+            if isinstance(spec, MambaSpec):  # R67, R85
+                groups[group_id] = SchedulerGroup(
+                    spec.block_size,
+                    mamba_spec_blocks=spec.num_speculative_blocks,
+                    tp_comparable=is_tp_comparable(spec),
+                )
+                continue
             groups[group_id] = SchedulerGroup(spec.block_size, window)
         # Positions are capped per group by its own block size (R129), so a
         # producer with smaller blocks than ours is still accepted.
@@ -402,6 +415,11 @@ class KVChecksumScheduler:
             self.group_infos,
             pending.decode_error,
         )
+        if verdict.tp_incomparable_groups:
+            self._warn_once(
+                "Mamba state without TP splits differs between TP sizes: its "
+                "groups are left out of KV checksum verification."
+            )
         self._log_verdict(req_id, verdict)
         self.stats.record_verdict(verdict)
         if verdict.status != KVChecksumStatus.VERIFIED and self.on_failed_load:
@@ -493,6 +511,9 @@ def _held_groups(
     be a false mismatch. A group whose last block was freed is left out."""
     groups = []
     for group in payload.groups:
+        if infos[group.group_id].is_mamba:
+            groups.append(group)  # one running state, held until freed (R67)
+            continue
         start, block_ids = scheduled.groups[group.group_id]
         first = first_held_position(held[group.group_id], start, len(block_ids))
         if first is None:

@@ -155,8 +155,8 @@ def chunk_pieces(pieces: torch.Tensor, chunk: int) -> list[torch.Tensor]:
 
 
 def _check_attention_spec(spec: KVCacheSpec) -> AttentionSpec:
-    if isinstance(spec, MambaSpec):
-        raise UncoveredGroup("Mamba state is not covered by KV checksums yet")
+    if isinstance(spec, MambaSpec):  # Mamba groups: see mamba.plan_mamba_views
+        raise UncoveredGroup("a Mamba layer is in a mixed-spec group")
     if not isinstance(spec, AttentionSpec) or not spec.has_layer_views:
         raise UncoveredGroup("its spec has no per-token KV blocks")
     if spec.tokens_per_state != 1:

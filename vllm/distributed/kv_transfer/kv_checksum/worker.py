@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     chunk_tokens,
 )
 from vllm.distributed.kv_transfer.kv_checksum.kernels import KVChecksumLaunch
+from vllm.distributed.kv_transfer.kv_checksum.mamba import plan_mamba_views
 from vllm.distributed.kv_transfer.kv_checksum.rows import (
     RowSegment,
     pack_segments,
@@ -42,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_checksum.views import (
     plan_group_views,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
 logger = init_logger(__name__)
 
@@ -272,8 +273,14 @@ class KVChecksumWorker:
             names = [n for n in group.layer_names if n not in drafters]
             if not names:
                 continue  # R28: drafter-only groups are neither covered nor skipped
+            # Mamba groups have their own views (R36-R41).
+            planner = (
+                plan_mamba_views
+                if isinstance(group.kv_cache_spec, MambaSpec)
+                else plan_group_views
+            )
             try:
-                views = plan_group_views(group_id, group, names, kv_caches, topology)
+                views = planner(group_id, group, names, kv_caches, topology)
                 plans = GroupPlans.build(views)
             except UncoveredGroup as reason:
                 logger.warning(
