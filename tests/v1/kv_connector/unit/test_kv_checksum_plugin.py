@@ -768,12 +768,14 @@ def _child(connector: str, **extra: Any) -> dict[str, Any]:
     [
         ("NixlConnector", None, True),
         ("NixlPullConnector", None, True),
-        ("NixlPushConnector", None, False),
+        ("NixlPushConnector", None, True),
+        ("MooncakeConnector", None, True),
+        ("MooncakeStoreConnector", None, False),
         (CARRIER_CONNECTOR_NAME, None, True),
         (TEST_CONNECTOR_NAME, None, False),
         ("MultiConnector", ["NixlConnector", TEST_CONNECTOR_NAME], True),
         ("MultiConnector", [TEST_CONNECTOR_NAME, CARRIER_CONNECTOR_NAME], True),
-        ("MultiConnector", [TEST_CONNECTOR_NAME, "NixlPushConnector"], False),
+        ("MultiConnector", [TEST_CONNECTOR_NAME, "MooncakeStoreConnector"], False),
         ("MultiConnector", [], False),
         (OFFLOAD_CONNECTOR_NAME, None, True),
         ("MultiConnector", [TEST_CONNECTOR_NAME, OFFLOAD_CONNECTOR_NAME], True),
@@ -782,6 +784,8 @@ def _child(connector: str, **extra: Any) -> dict[str, Any]:
         "nixl",
         "nixl-pull",
         "nixl-push",
+        "mooncake",
+        "mooncake-store",
         "carrier-test",
         "plain-test",
         "multi-nixl",
@@ -1492,7 +1496,7 @@ def test_kv_connector_prom_with_a_partial_config_never_raises(
 
     labels = {"labelnames": ["model_name", "engine"]}
     engines = {0: ["model", "0"]}
-    # No carrier: disabled (one warning), like Mooncake in vLLM's test.
+    # No carrier: disabled (one warning).
     prom = KVConnectorProm(
         partial(TEST_CONNECTOR_NAME), **labels, per_engine_labelvalues=engines
     )

@@ -11,7 +11,8 @@ its `KVChecksumScheduler.stats`, its logs and the request's finish reason.
 
 The carrier is the test connector declaring the kv_transfer_params carrier
 (`KVChecksumCarrierTestConnector`); NIXL pull is checked at the carrier API.
-Not covered here: NIXL push, Mooncake and Mamba (R123's other cases), and a
+NIXL push and Mooncake are covered in test_kv_checksum_nixl_push.py and
+test_kv_checksum_mooncake.py. Not covered here: Mamba (R123's other cases), and a
 producer preempted inside its last prefill step before that step's output
 arrives (R75's mixed reports; covered at the verification level by R84).
 
@@ -812,10 +813,10 @@ def test_nixl_pull_carrier() -> None:
 
 
 def test_connector_declares_carrier() -> None:
-    """R100, R101: NixlConnector, NixlPullConnector and a MultiConnector with a
-    NIXL child declare a carrier; NIXL push (no checksum support here) and the
-    plain test connector do not. Catches enabling checksums on a connector that
-    cannot carry them or refusing NIXL pull."""
+    """R100, R101: NixlConnector, NixlPullConnector, NixlPushConnector (R103)
+    and a MultiConnector with a NIXL child declare a carrier; the plain test
+    connector does not. Catches enabling checksums on a connector that cannot
+    carry them or refusing NIXL pull or push."""
     plugin.register()
     from vllm.config import KVTransferConfig
 
@@ -831,6 +832,6 @@ def test_connector_declares_carrier() -> None:
     assert declares("NixlPullConnector")
     assert declares(CARRIER_CONNECTOR_NAME)
     assert declares("MultiConnector", connectors=[plain_child, nixl_child])
-    assert not declares("NixlPushConnector")
+    assert declares("NixlPushConnector")
     assert not declares(TEST_CONNECTOR_NAME)
     assert not declares("MultiConnector", connectors=[plain_child])

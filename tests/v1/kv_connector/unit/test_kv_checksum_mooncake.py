@@ -1,0 +1,487 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Mooncake P2P as a CONNECTOR carrier (R110-R115), on CPU.
+
+Producer and consumer are real vLLM 0.33.0 Schedulers with MooncakeConnector's
+scheduler side (producer and consumer roles) and simulated checksum workers
+(`kv_checksum_pd.SimEngine`). The transfer side is vLLM's
+MooncakeConnectorWorker built without Mooncake (`bare_worker`): the hooked
+methods run for real; responses go through its real msgpack encoder and
+decoder.
+"""
+
+import asyncio
+import queue
+from typing import Any
+
+import msgspec
+import pytest
+
+from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_pd import (
+    Fault,
+    SideConfig,
+    SimEngine,
+    apply_fault,
+    per_group,
+    transfer,
+)
+from vllm.distributed.kv_transfer.kv_checksum import mooncake, plugin
+from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
+from vllm.v1.request import RequestStatus
+
+MOONCAKE = "MooncakeConnector"
+MAX_BYTES = 1 << 20
+
+
+def mc_module() -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+        mooncake_connector,
+    )
+
+    return mooncake_connector
+
+
+def child_meta(meta: Any) -> Any:
+    """The Mooncake metadata, inside a MultiConnector's if there is one."""
+    return getattr(meta, "metadata", (meta,))[0]
+
+
+def mooncake_connector(engine: SimEngine) -> Any:
+    connector = engine.scheduler.connector
+    return getattr(connector, "_connectors", [connector])[0]
+
+
+def mooncake_engine(model_dir: str, name: str, producer: bool) -> SimEngine:
+    engine = SimEngine(model_dir, SideConfig(connector=MOONCAKE), name)
+    sched = mooncake_connector(engine).connector_scheduler
+    sched.is_kv_producer, sched.is_kv_consumer = producer, not producer
+    return engine
+
+
+def capture_verdicts(engine: SimEngine) -> dict[str, Any]:
+    verdicts: dict[str, Any] = {}
+    kcs = engine.checksums
+    original = kcs._verify
+
+    def verify(req_id: str, pending: Any) -> Any:
+        verdicts[req_id] = original(req_id, pending)
+        return verdicts[req_id]
+
+    kcs._verify = verify
+    return verdicts
+
+
+def deliver_next(engine: SimEngine, received: dict[str, bytes]) -> None:
+    """The next step's rank-0 checksum worker reports `received` (R99)."""
+    worker = engine.workers[0].checksum
+    original = worker.post_forward
+
+    def post_forward(finished: Any, failed: Any, _: Any, done: Any) -> Any:
+        worker.post_forward = original
+        return original(finished, failed, received, done)
+
+    worker.post_forward = post_forward
+
+
+class Stopped:
+    """A stopped loop, executor and ZMQ context in one."""
+
+    def term(self) -> None:
+        return None
+
+    def shutdown(self, wait: bool = True) -> None:
+        return None
+
+    def is_running(self) -> bool:
+        return False
+
+
+def bare_worker(vllm_config: Any, producer: bool) -> Any:
+    """vLLM's MooncakeConnectorWorker without Mooncake, hooks attached."""
+    from vllm.distributed.kv_transfer.kv_checksum import wiring
+
+    mc = mc_module()
+    worker = mc.MooncakeConnectorWorker.__new__(mc.MooncakeConnectorWorker)
+    worker._encoder = msgspec.msgpack.Encoder()
+    worker._xfer_resp_decoder = msgspec.msgpack.Decoder(mc.MooncakeXferResponse)
+    # A producer also claims the consumer role so that vLLM's start_load_kv
+    # schedules nothing on its (never started) sender loop.
+    worker.is_kv_producer, worker.is_kv_consumer = producer, True
+    worker.finished_recving_reqs = set()
+    worker._failed_recv_reqs = queue.Queue()
+    # What vLLM's shutdown (run by __del__) touches: stopped stand-ins.
+    worker.vllm_config = vllm_config
+    stopped = Stopped()
+    worker.async_zmq_ctx = worker._sender_executor = stopped
+    worker.sender_loop = worker.receiver_loop = stopped
+    wiring._attach_mooncake_worker(worker, vllm_config, mc.MooncakeXferResponse)
+    return worker
+
+
+def package_state(engine: SimEngine) -> int:
+    """Entries in the package's per-request dictionaries of one engine."""
+    kcs = engine.checksums
+    outbox = mooncake_connector(engine).connector_scheduler.__dict__.get(
+        "_kv_checksum_outbox"
+    )
+    total = len(kcs._noted) + len(kcs._sends) + len(kcs._recvs) + len(kcs._loads)
+    total += len(kcs._outgoing)
+    return total + (len(outbox.pending) if outbox is not None else 0)
+
+
+def worker_state(*workers: Any) -> int:
+    total = 0
+    for w in workers:
+        send, received = w._kv_checksum_send, w._kv_checksum_received
+        total += len(send.by_transfer) + len(send.transfer_of)
+        total += len(received.by_request)
+    return total
+
+
+def respond(p_worker: Any, d_req_blocks: dict, ok: list, err: list) -> bytes:
+    """The producer worker's transfer response for one pull (R112)."""
+    mc = mc_module()
+    response = mc.MooncakeXferResponse(
+        status=mc.MooncakeXferResponseStatus.FINISH,
+        ok_reqs=ok or None,
+        err_reqs=err or None,
+        err_msg="failed" if err else None,
+    )
+    token = mooncake.CURRENT_PULL.set(d_req_blocks)
+    try:
+        return p_worker._encoder.encode(response)
+    finally:
+        mooncake.CURRENT_PULL.reset(token)
+
+
+def run_pd(
+    producer: SimEngine,
+    consumer: SimEngine,
+    workers: tuple[Any, Any],
+    idx: int,
+    *,
+    corrupt: bool = False,
+    order: str = "payload_with_kv",
+    duplicate: bool = False,
+    old_producer: bool = False,
+) -> Any:
+    """One P/D load over Mooncake; returns the consumer's verdict.
+
+    `order`: "payload_with_kv" (the response arrives, then the worker reports
+    the load finished, as Mooncake does) or "finished_later" (the response is
+    processed several engine steps before get_transfer_results reports it).
+    """
+    p_worker, d_worker = workers
+    prompt = [(idx * 5 + i) % 50 + 1 for i in range(37)]
+    prod_id, cons_id, tid = f"p{idx}", f"c{idx}", f"t{idx}"
+    producer.add(
+        make_request(
+            prod_id,
+            prompt,
+            max_tokens=1,
+            kv_transfer_params={"do_remote_decode": True, "transfer_id": tid},
+        )
+    )
+    producer.run(prod_id)
+    meta_p = child_meta(producer.step().kv_connector_metadata)
+    assert meta_p.reqs_to_send[prod_id][0] == tid
+    p_worker.start_load_kv(meta_p)
+    verdicts = capture_verdicts(consumer)
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_bootstrap_addr": "http://p",
+        "transfer_id": tid,
+    }
+    consumer.add(make_request(cons_id, prompt, max_tokens=2, kv_transfer_params=params))
+    meta_c = child_meta(consumer.step().kv_connector_metadata)
+    assert consumer.scheduler.requests[cons_id].status == (
+        RequestStatus.WAITING_FOR_REMOTE_KVS
+    )
+    pull_meta = meta_c.reqs_to_recv["P"][cons_id]
+    end = consumer.scheduler.requests[cons_id].num_computed_tokens
+    copied = transfer(
+        producer,
+        per_group(meta_p.reqs_to_send[prod_id][1]),
+        consumer,
+        consumer.block_ids(cons_id),
+        list(range(end)),
+    )
+    if corrupt:
+        apply_fault(
+            consumer,
+            consumer.block_ids(cons_id)[0],
+            copied[0],
+            Fault("bit_flip", position=1),
+        )
+    req_blocks = {cons_id: (tid, pull_meta.local_block_ids)}
+    wire = respond(p_worker, req_blocks, [cons_id], [])
+    if old_producer:  # a peer without the package: vLLM's plain response
+        mc = mc_module()
+        wire = msgspec.msgpack.encode(
+            mc.MooncakeXferResponse(
+                status=mc.MooncakeXferResponseStatus.FINISH, ok_reqs=[cons_id]
+            )
+        )
+    pulls = {cons_id: pull_meta}
+    pull_meta.pull_tasks_count = 2 if duplicate else 1
+    d_worker.process_pulling_result(d_worker._xfer_resp_decoder.decode(wire), pulls)
+    if duplicate:  # heterogeneous TP: a second producer rank answers too,
+        # here with different bytes: only the first copy may count.
+        mc = mc_module()
+        first = d_worker._xfer_resp_decoder.decode(wire).kv_checksums[cons_id]
+        other = msgspec.msgpack.encode(
+            mooncake.response_type(mc.MooncakeXferResponse)(
+                status=mc.MooncakeXferResponseStatus.FINISH,
+                ok_reqs=[cons_id],
+                kv_checksums={cons_id: bytes(len(first))},
+            )
+        )
+        pulls = {cons_id: pull_meta}
+        d_worker.process_pulling_result(
+            d_worker._xfer_resp_decoder.decode(other), pulls
+        )
+    if order == "finished_later":
+        consumer.step()
+        consumer.step()
+    d_worker.get_finished = lambda: (
+        {prod_id},
+        set(d_worker.finished_recving_reqs),
+    )
+    results = d_worker.get_transfer_results()
+    d_worker.finished_recving_reqs.clear()
+    p_worker.get_finished = lambda: ({prod_id}, set())
+    p_worker.get_transfer_results()
+    assert results.finished_recving == {cons_id}
+    deliver_next(consumer, dict(results.kv_checksums or {}))
+    consumer.finish_load(cons_id)
+    consumer.run(cons_id)
+    return verdicts.get(cons_id)
+
+
+@pytest.fixture
+def pd(model_dir: str, cuda_stream_stubs: Any) -> tuple:
+    plugin.register()
+    producer = mooncake_engine(model_dir, "prod", True)
+    consumer = mooncake_engine(model_dir, "cons", False)
+    workers = (
+        bare_worker(producer.vllm_config, True),
+        bare_worker(consumer.vllm_config, False),
+    )
+    return producer, consumer, workers
+
+
+def test_mooncake_inside_multi_connector(
+    model_dir: str, cuda_stream_stubs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R101 with R110-R114: a MultiConnector around MooncakeConnector on both
+    sides verifies a clean load and catches a corrupted one."""
+    from tests.v1.kv_connector.unit.test_kv_checksum_nixl_push import multi_around
+
+    multi_around(monkeypatch, MOONCAKE)
+    plugin.register()
+    producer = mooncake_engine(model_dir, "prod", True)
+    consumer = mooncake_engine(model_dir, "cons", False)
+    assert type(producer.scheduler.connector).__name__ == "MultiConnector"
+    workers = (
+        bare_worker(producer.vllm_config, True),
+        bare_worker(consumer.vllm_config, False),
+    )
+    verdict = run_pd(producer, consumer, workers, 0)
+    assert verdict is not None and verdict.status == KVChecksumStatus.VERIFIED
+    verdict = run_pd(producer, consumer, workers, 1, corrupt=True)
+    assert verdict is not None and verdict.status == KVChecksumStatus.MISMATCH
+    assert package_state(producer) == 0 and package_state(consumer) == 0
+    assert worker_state(*workers) == 0
+
+
+def test_mooncake_carrier_and_declares() -> None:
+    """R110, R115, R100: CONNECTOR for producer requests with a transfer id
+    and for loads; the Mooncake store connector declares none. Catches a
+    producer request without transfer_id counted as sending (Mooncake never
+    sends it)."""
+    plugin.register()
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_checksum.config import (
+        connector_declares_carrier,
+    )
+
+    carrier = mc_module().MooncakeConnector.kv_checksum_carrier
+    conn = KVChecksumCarrier.CONNECTOR
+    prod = make_request(
+        "p", [1] * 20, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t"}
+    )
+    no_tid = make_request("q", [1] * 20, kv_transfer_params={"do_remote_decode": True})
+    cons = make_request("d", [1] * 20, kv_transfer_params={"do_remote_prefill": True})
+    assert carrier(None, prod, False) is conn
+    assert carrier(None, no_tid, False) is None
+    assert carrier(None, cons, True) is conn
+    assert carrier(None, make_request("x", [1] * 20), False) is None
+
+    def declares(name: str) -> bool:
+        return connector_declares_carrier(
+            KVTransferConfig(kv_connector=name, kv_role="kv_both")
+        )
+
+    assert declares(MOONCAKE)
+    assert not declares("MooncakeStoreConnector")
+
+
+@pytest.mark.parametrize("order", ["payload_with_kv", "finished_later"])
+def test_mooncake_clean_loads_verified(pd: tuple, order: str) -> None:
+    """R111-R114: clean loads are verified in both orders the worker can see
+    (response and completion in one call, or the completion reported steps
+    later); no per-request state is left in the schedulers or workers.
+    Catches `take` dropping bytes kept before the load finished."""
+    producer, consumer, workers = pd
+    for i in range(3):
+        verdict = run_pd(producer, consumer, workers, i, order=order)
+        assert verdict is not None and verdict.status == KVChecksumStatus.VERIFIED
+    assert package_state(producer) == 0 and package_state(consumer) == 0
+    assert worker_state(*workers) == 0
+
+
+def test_mooncake_corrupted_load_mismatch(pd: tuple) -> None:
+    """R111-R114: a load corrupted after the transfer is a mismatch."""
+    producer, consumer, workers = pd
+    verdict = run_pd(producer, consumer, workers, 0, corrupt=True)
+    assert verdict is not None and verdict.status == KVChecksumStatus.MISMATCH
+    assert package_state(consumer) == 0 and worker_state(*workers) == 0
+
+
+def test_mooncake_duplicate_and_old_producer(pd: tuple) -> None:
+    """R113, R114: two producer ranks answering (the first copy kept: the
+    second, different, one ignored) verify; a
+    producer without the package (no kv_checksums field) leaves the load
+    unverified, never stuck."""
+    producer, consumer, workers = pd
+    verdict = run_pd(producer, consumer, workers, 0, duplicate=True)
+    assert verdict is not None and verdict.status == KVChecksumStatus.VERIFIED
+    verdict = run_pd(producer, consumer, workers, 1, old_producer=True)
+    assert verdict is not None and verdict.status == KVChecksumStatus.UNVERIFIED
+    assert consumer.final["c1"].finish_reason is not None
+    assert package_state(consumer) == 0 and worker_state(*workers) == 0
+
+
+def test_mooncake_aborted_producer_keeps_nothing(pd: tuple) -> None:
+    """R111: an aborted producer request (not FINISHED_LENGTH_CAPPED) keeps
+    no payload. Catches keep() ignoring whether the request will be sent."""
+    producer, _, workers = pd
+    request = make_request(
+        "p", [1] * 20, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t"}
+    )
+    producer.add(request)
+    producer.step()
+    producer.scheduler.finish_requests("p", RequestStatus.FINISHED_ABORTED)
+    connector = mooncake_connector(producer)
+    connector.send_kv_checksums(request, b"x" * 8)
+    assert connector.connector_scheduler._kv_checksum_outbox.pending == {}
+    meta = producer.step().kv_connector_metadata
+    assert getattr(meta, "kv_checksums", None) is None
+    assert package_state(producer) == 0
+
+
+def test_mooncake_worker_bad_responses(model_dir: str) -> None:
+    """R113, R114: malformed or oversized kv_checksums, values for requests
+    this pull does not load and failed loads leave nothing behind, and never
+    fail the decode. Catches the byte cap missing (oversized bytes kept) and
+    bytes kept for a request the pull does not load (never taken: a leak)."""
+    plugin.register()
+    mc = mc_module()
+    engine = mooncake_engine(model_dir, "cons", False)
+    worker = bare_worker(engine.vllm_config, False)
+    received = worker._kv_checksum_received
+    received.max_bytes = 16
+    ext = mooncake.response_type(mc.MooncakeXferResponse)
+    finish = mc.MooncakeXferResponseStatus.FINISH
+    for sums in ([1, 2], {"d1": 5}, {"d1": b"x" * 17}, {"other": b"y" * 8}):
+        wire = msgspec.msgpack.encode(
+            ext(status=finish, ok_reqs=["d1"], kv_checksums=sums)
+        )
+        response = worker._xfer_resp_decoder.decode(wire)
+        received.keep(response, {"d1": object()})
+    assert received.by_request == {}
+    good = ext(status=finish, ok_reqs=["d1"], kv_checksums={"d1": b"z" * 8})
+    received.keep(worker._xfer_resp_decoder.decode(msgspec.msgpack.encode(good)), {})
+    assert received.by_request == {}  # not loading d1 (duplicate or late)
+    wire = msgspec.msgpack.encode(
+        ext(status=finish, ok_reqs=["d1"], kv_checksums={"d1": b"z" * 8})
+    )
+    received.keep(worker._xfer_resp_decoder.decode(wire), {"d1": object()})
+    assert received.take(["d1"], ["d1"]) == {}
+    assert received.by_request == {}
+
+
+def test_mooncake_send_kv_to_decode_context(model_dir: str) -> None:
+    """R112 on vLLM's send_kv_to_decode: the pull's request blocks are
+    visible to the encoder while the coroutine answers it, and not after.
+    Catches a context leaking into other pulls' responses."""
+    plugin.register()
+    mc = mc_module()
+    engine = mooncake_engine(model_dir, "prod", True)
+    worker = bare_worker(engine.vllm_config, True)
+    seen: list[Any] = []
+
+    class Topo:
+        def handshake_target_ranks(self, size: int) -> list[int]:
+            seen.append(mooncake.CURRENT_PULL.get())
+            return []
+
+    class Sock:
+        async def send_multipart(self, parts: tuple) -> None:
+            seen.append(parts[1])
+
+    worker.transfer_topo = Topo()
+    worker.tp_rank = 0
+    meta = mc.MooncakeXferMetadata(
+        remote_hostname="h",
+        remote_port=1,
+        remote_tp_size=1,
+        remote_tp_rank=0,
+        req_blocks={"d1": ("t1", [[1]])},
+        kv_caches_base_addr=[],
+        block_lens=[],
+        kv_block_lens=[],
+    )
+    asyncio.run(worker.send_kv_to_decode(b"id", Sock(), meta))
+    assert seen[0] == {"d1": ("t1", [[1]])}
+    assert mooncake.CURRENT_PULL.get() is None
+
+
+def test_mooncake_store_says_uncovered(vllm_caplog: pytest.LogCaptureFixture) -> None:
+    """R115: the Mooncake store connector carries no checksums and says so at
+    start-up (checksums off with one warning; fail-closed refuses to start),
+    while MooncakeConnector (P2P) enables them. Catches the P2P carrier
+    installed on the store connector too (it would claim loads it cannot
+    verify)."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_checksum.config import (
+        ENABLE_KEY,
+        kv_checksum_enabled,
+    )
+
+    plugin.register()
+
+    def config(name: str, **extra: Any) -> SimpleNamespace:
+        return SimpleNamespace(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=name,
+                kv_role="kv_both",
+                kv_connector_extra_config={ENABLE_KEY: True, **extra},
+            )
+        )
+
+    assert kv_checksum_enabled(config(MOONCAKE)) is True
+    assert kv_checksum_enabled(config("MooncakeStoreConnector")) is False
+    assert any(
+        "connector MooncakeStoreConnector declares no carrier" in r.getMessage()
+        for r in vllm_caplog.records
+    )
+    with pytest.raises(ValueError, match="MooncakeStoreConnector declares no"):
+        kv_checksum_enabled(
+            config("MooncakeStoreConnector", kv_checksum_fail_closed=True)
+        )

@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Mooncake P2P as a CONNECTOR carrier of checksums (R110-R115).
+
+The router sends a request to producer and consumer at once; the consumer
+pulls, and the only message after the KV is written is the producer's
+transfer response, so the payload rides on it:
+
+* producer scheduler: an `outbox.ChecksumOutbox` keeps the bytes of
+  a request about to be sent and hands them to the next connector metadata as
+  `kv_checksums` (R111);
+* producer worker: `SendChecksums` keeps them per transfer id; the encoder of
+  transfer responses (`ChecksumResponseEncoder`) adds them, for the requests
+  sent successfully, to the response as `kv_checksums` (consumer request id
+  -> bytes), using the request blocks of the pull being answered (R112);
+* consumer worker: the response decodes as `response_type(base)` (an extra
+  optional field, ignored by peers without it, R113); `ReceivedChecksums`
+  keeps the first copy of each loaded request's bytes before the load is
+  marked finished and hands them over with its finished_recving (R114).
+
+Only Mooncake P2P: the Mooncake store connector declares no carrier (R115).
+"""
+
+import contextvars
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# The request blocks (consumer request id -> (transfer id, blocks)) of the
+# pull the current send_kv_to_decode coroutine answers.
+CURRENT_PULL: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "kv_checksum_mooncake_pull", default=None
+)
+
+
+def mooncake_carrier(request: Any, receiving: bool) -> KVChecksumCarrier | None:
+    """R110: CONNECTOR for producer requests with a transfer id and for loads."""
+    params = request.kv_transfer_params or {}
+    remote_decode = bool(params.get("do_remote_decode"))
+    if receiving:
+        return None if remote_decode else KVChecksumCarrier.CONNECTOR
+    if remote_decode and params.get("transfer_id"):
+        return KVChecksumCarrier.CONNECTOR
+    return None
+
+
+def response_type(base: type) -> type:
+    """MooncakeXferResponse with `kv_checksums` (R113), omitted when None.
+
+    The field is typed Any so that a malformed value never fails the decode
+    of the response (and with it the load): `ReceivedChecksums.keep` checks it.
+    """
+
+    class MooncakeXferResponseWithChecksums(base, omit_defaults=True):  # type: ignore[misc, valid-type, call-arg]
+        kv_checksums: Any = None
+
+    return MooncakeXferResponseWithChecksums
+
+
+@dataclass
+class SendChecksums:
+    """Producer worker: payloads by transfer id, until the send finishes.
+
+    Written by the engine's main thread, read on the sender loop.
+    """
+
+    by_transfer: dict[str, bytes] = field(default_factory=dict)
+    transfer_of: dict[str, str] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(
+        self,
+        payloads: Mapping[str, bytes] | None,
+        reqs_to_send: Mapping[str, tuple[str, Any]],
+    ) -> None:
+        """R112: keep each shipped payload under its request's transfer id."""
+        with self.lock:
+            for req_id, data in (payloads or {}).items():
+                entry = reqs_to_send.get(req_id)
+                if entry is not None:
+                    self.by_transfer[entry[0]] = data
+                    self.transfer_of[req_id] = entry[0]
+
+    def for_response(
+        self, ok_reqs: Iterable[str], pull: Mapping[str, Any]
+    ) -> dict[str, bytes]:
+        """Consumer request id -> bytes for the requests sent successfully."""
+        out: dict[str, bytes] = {}
+        with self.lock:
+            for d_req_id in ok_reqs:
+                entry = pull.get(d_req_id)
+                data = None if entry is None else self.by_transfer.get(entry[0])
+                if data is not None:
+                    out[d_req_id] = data
+        return out
+
+    def evict(self, req_ids: Iterable[str]) -> None:
+        with self.lock:
+            for req_id in req_ids:
+                transfer_id = self.transfer_of.pop(req_id, None)
+                if transfer_id is not None:
+                    self.by_transfer.pop(transfer_id, None)
+
+
+class ChecksumResponseEncoder:
+    """Producer worker: encodes transfer responses with their checksums.
+
+    Stands in for the worker's msgpack encoder; anything but a response with
+    successfully sent requests inside a pull (`CURRENT_PULL`) is encoded
+    unchanged.
+    """
+
+    def __init__(
+        self, inner: Any, base: type, extended: type, store: SendChecksums
+    ) -> None:
+        self.inner = inner
+        self.base = base
+        self.extended = extended
+        self.store = store
+
+    def encode(self, obj: Any) -> bytes:
+        pull = CURRENT_PULL.get()
+        ok_reqs = getattr(obj, "ok_reqs", None)
+        if pull is not None and type(obj) is self.base and ok_reqs:
+            sums = self.store.for_response(ok_reqs, pull)
+            if sums:
+                fields = msgspec.structs.asdict(obj)  # type: ignore[arg-type]
+                obj = self.extended(**fields, kv_checksums=sums)
+        return self.inner.encode(obj)
+
+
+@dataclass
+class ReceivedChecksums:
+    """Consumer worker: first copy of each loading request's checksums."""
+
+    max_bytes: int
+    by_request: dict[str, bytes] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def keep(self, response: Any, loading: Mapping[str, Any]) -> None:
+        """R114 (receiver loop, before the load is marked finished): keep
+        the bytes of requests this response completes; malformed or
+        oversized values are left out (the load stays unverified)."""
+        sums = getattr(response, "kv_checksums", None)
+        if not isinstance(sums, dict):
+            return
+        with self.lock:
+            for req_id in getattr(response, "ok_reqs", None) or ():
+                data = sums.get(req_id)
+                if (
+                    req_id in loading
+                    and isinstance(data, bytes)
+                    and len(data) <= self.max_bytes
+                ):
+                    self.by_request.setdefault(req_id, data)
+
+    def take(self, finished: Iterable[str], failed: Iterable[str]) -> dict[str, bytes]:
+        """Bytes of the loads finished now; failed loads drop theirs."""
+        with self.lock:
+            taken = {
+                r: self.by_request.pop(r) for r in finished if r in self.by_request
+            }
+            for req_id in failed:
+                taken.pop(req_id, None)
+        return taken
