@@ -206,6 +206,8 @@ class SideConfig:
     fault_injection: dict[str, Any] | None = None
     # Token budget of a step (None: max_model_len); smaller ones chunk prefills.
     max_num_batched_tokens: int | None = None
+    # More kv_connector_extra_config (e.g. a real connector's own settings).
+    connector_extra: dict[str, Any] | None = None
 
     def describe(self) -> str:
         return f"TP{self.tp}/PP{self.pp}/bs{self.block_size}"
@@ -243,6 +245,7 @@ class SimEngine:
             extra["kv_checksum_fail_closed"] = side.fail_closed
         if side.fault_injection is not None:
             extra[FAULT_INJECTION_KEY] = side.fault_injection
+        extra.update(side.connector_extra or {})
         self.vllm_config = make_vllm_config(
             model_dir,
             block_size=side.block_size,

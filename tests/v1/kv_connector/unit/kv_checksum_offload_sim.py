@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""vLLM's CPU offload tier on CPU: the real OffloadingConnector scheduler side
+(alone or under MultiConnector), real checksum workers, simulated transfers.
+
+`OffloadSimEngine` extends `SimEngine` (real Scheduler with the plugin's
+hooks, CPU KV caches, one `KVChecksumWorker` per rank). Its workers each get
+the plugin's `OffloadWorkerSide` over a stand-in for vLLM's CPU offloading
+worker (the real one needs CUDA streams): host tensors [chunks, bytes per
+chunk] per layer, into which each step's store jobs copy GPU blocks and from
+which load jobs copy them back, at the places vLLM's worker does: loads
+before the forward (after `start_loads`, as `start_load_kv`), stores after it
+(after `save_stores`, as `wait_for_save`). Finished async loads and completed
+jobs are reported in the same step's KVConnectorOutput.
+"""
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    iter_engine_core_outputs,
+    make_kv_connector_output,
+    make_model_runner_output,
+)
+from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
+from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
+    OffloadWorkerSide,
+    host_slots,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
+    create_host_fault_injector,
+)
+
+
+class _Namespace:
+    """A plain attribute holder standing in for vLLM objects."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+
+
+def offload_metadata(metadata: Any) -> Any:
+    """The OffloadingConnectorMetadata of a step (also inside MultiConnector's)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+    )
+
+    for meta in (metadata, *getattr(metadata, "metadata", ())):
+        if isinstance(meta, OffloadingConnectorMetadata):
+            return meta
+    return None
+
+
+def offloading_connector(connector: Any) -> Any:
+    """The scheduler's OffloadingConnector (itself or a MultiConnector child)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    for child in (connector, *getattr(connector, "_connectors", ())):
+        if isinstance(child, OffloadingConnector):
+            return child
+    raise AssertionError("no OffloadingConnector")
+
+
+class OffloadSimEngine(SimEngine):
+    """A SimEngine whose connector is vLLM's OffloadingConnector (CPU backend)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        side: SideConfig,
+        name: str,
+        entries: bool = True,
+    ) -> None:
+        super().__init__(model_dir, side, name)
+        self.offload = offloading_connector(self.scheduler.connector)
+        manager = self.offload.connector_scheduler.manager
+        self.num_chunks = manager._num_chunks
+        self.blocks_per_chunk = self.offload.connector_scheduler.config.blocks_per_chunk
+        self.host: list[dict[str, torch.Tensor]] = []
+        self.sides: list[OffloadWorkerSide | None] = []
+        for worker in self.workers:
+            host = {
+                name: torch.zeros(
+                    (self.num_chunks, self._block_bytes(cache) * self.blocks_per_chunk),
+                    dtype=torch.uint8,
+                )
+                for name, cache in worker.caches.items()
+            }
+            self.host.append(host)
+            if not side.enabled or not entries:
+                self.sides.append(None)
+                continue
+            connector_worker = _Namespace(
+                spec=_Namespace(
+                    num_chunks=self.num_chunks,
+                    blocks_per_chunk=self.blocks_per_chunk,
+                ),
+                kv_cache_config=self.scheduler.kv_cache_config,
+                worker=_Namespace(
+                    _load_handler=_Namespace(src_tensors=list(host.values()))
+                ),
+            )
+            injector = create_host_fault_injector(
+                self.offload._vllm_config, worker.tp_rank, worker.pp_rank
+            )
+            self.sides.append(
+                OffloadWorkerSide(worker.checksum, connector_worker, injector)
+            )
+        self.num_loads = 0
+        self.num_stores = 0
+
+    def _block_bytes(self, cache: torch.Tensor) -> int:
+        return cache.numel() * cache.element_size() // self.side.num_blocks
+
+    def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
+        """[num_blocks, bytes] byte view of one layer's cache, no copy."""
+        return cache.view(torch.uint8).reshape(self.side.num_blocks, -1)
+
+    def _copy(self, job: Any, to_host: bool) -> None:
+        """vLLM's CPU worker: GPU blocks <-> host sub-blocks, every layer."""
+        gpu_spec = job.src_spec if to_host else job.dst_spec
+        cpu_spec = job.dst_spec if to_host else job.src_spec
+        cpu_ids = np.asarray(cpu_spec.block_ids, dtype=np.int64)
+        slots = host_slots(gpu_spec, cpu_ids, self.blocks_per_chunk)
+        gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+        for worker, host in zip(self.workers, self.host):
+            for name, cache in worker.caches.items():
+                blocks = self._blocks(cache)
+                sub = host[name].view(self.num_chunks * self.blocks_per_chunk, -1)
+                if to_host:
+                    sub[torch.from_numpy(slots)] = blocks[torch.from_numpy(gpu_ids)]
+                else:
+                    blocks[torch.from_numpy(gpu_ids)] = sub[torch.from_numpy(slots)]
+
+    def step(self) -> Any:
+        """One engine step with offload transfers; returns the SchedulerOutput."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+
+        scheduler = self.scheduler
+        output = scheduler.schedule()
+        self.history.append(output)
+        meta = offload_metadata(output.kv_connector_metadata)
+        scheduled = getattr(output, "kv_checksum_scheduled", None)
+        for worker, side in zip(self.workers, self.sides):
+            worker.checksum.bind(scheduled)
+            if side is not None and meta is not None:
+                side.start_loads(meta)
+        load_jobs = dict(meta.load_jobs) if meta is not None else {}
+        store_jobs = dict(meta.store_jobs) if meta is not None else {}
+        for job in load_jobs.values():
+            self._copy(job, to_host=False)
+            self.num_loads += 1
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            end = request.num_computed_tokens
+            start = end - num_tokens
+            tokens = np.asarray(request.all_token_ids[start:end])
+            self.write_tokens(self.block_ids(req_id), tokens, np.arange(start, end))
+        for side in self.sides:
+            if side is not None and meta is not None:
+                side.save_stores(meta, list(store_jobs))
+        for job in store_jobs.values():
+            self._copy(job, to_host=True)
+            self.num_stores += 1
+        finished = {job.req_id for job in load_jobs.values() if not job.sync}
+        records = []
+        for worker in self.workers:
+            pending = worker.checksum.post_forward(
+                finished, set(), None, output.finished_req_ids
+            )
+            if pending is not None:
+                records.append(pending)
+        kv_output = make_kv_connector_output(finished_recving=finished)
+        completed = {j: len(self.workers) for j in (*load_jobs, *store_jobs)}
+        worker_meta: Any = OffloadingWorkerMetadata(completed_jobs=completed)
+        multi = getattr(scheduler.connector, "_connectors", None)
+        if multi is not None:
+            from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+                MultiKVConnectorWorkerMetadata,
+            )
+
+            worker_meta = MultiKVConnectorWorkerMetadata(
+                metadata=tuple(
+                    worker_meta if c is self.offload else None for c in multi
+                )
+            )
+        kv_output.kv_connector_worker_meta = worker_meta
+        kv_output.kv_checksums = records or None  # type: ignore[attr-defined]
+        model_output = make_model_runner_output(
+            output, scheduler=scheduler, kv_connector_output=kv_output
+        )
+        engine_outputs = scheduler.update_from_output(output, model_output)
+        for out in iter_engine_core_outputs(engine_outputs):
+            if out.finish_reason is not None:
+                self.final[out.request_id] = out
+        return output

@@ -1,0 +1,479 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Checksums on vLLM 0.33.0's CPU offload tier (R139 with R116-R121, R131).
+
+The scheduler side is vLLM's real Scheduler and OffloadingConnector (alone
+and under MultiConnector with NixlConnector); the worker side is the
+plugin's `OffloadWorkerSide` over real checksum workers, with transfers
+simulated on CPU (`kv_checksum_offload_sim`): vLLM's CPU offloading worker
+needs CUDA streams, so its copies themselves run on the GPU only
+(examples/offload/kv_checksum_offload_gpu.py).
+"""
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
+    OffloadSimEngine,
+    offload_metadata,
+)
+from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
+from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
+    HostCopyDropper,
+    HostEntryTable,
+    failed_keys,
+    host_slots,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
+    HOST_FAULT_KEY,
+    HostFaultConfig,
+    HostFaultInjector,
+    read_host_fault_config,
+)
+
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+
+BS = 16
+OFFLOAD_EXTRA = {"cpu_bytes_to_use": 1 << 22}
+
+
+class Spec:
+    """A GPU or CPU LoadStoreSpec stand-in (block ids, group sizes, indices)."""
+
+    def __init__(
+        self,
+        block_ids: Sequence[int],
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+    ) -> None:
+        self.block_ids = np.asarray(block_ids, dtype=np.int32)
+        if group_sizes is not None:
+            self.group_sizes = list(group_sizes)
+            self.block_indices = list(block_indices or [0] * len(group_sizes))
+
+
+def reference_slots(gpu: Spec, cpu_ids: Sequence[int], bpc: int) -> list[int]:
+    """Per block, the way vLLM's CPU worker walks chunks: one block at a time."""
+    slots, chunk_offset = [], 0
+    for size, start in zip(gpu.group_sizes, gpu.block_indices):
+        if not size:
+            continue
+        chunk, sub = chunk_offset, start % bpc
+        for _ in range(size):
+            slots.append(int(cpu_ids[chunk]) * bpc + sub)
+            sub += 1
+            if sub == bpc:
+                chunk, sub = chunk + 1, 0
+        chunk_offset = chunk + (1 if sub else 0)
+    return slots
+
+
+@pytest.mark.parametrize("bpc", [1, 2, 4])
+def test_R118_host_slots_match_per_block_reference(bpc: int) -> None:
+    """Each GPU block's host slot, also for chunks of several blocks and
+    groups starting mid-chunk. Bug caught: ignoring `block_indices % bpc`
+    (the skipped sub-blocks) or not advancing chunks between groups."""
+    rng = random.Random(bpc)
+    for _ in range(50):
+        sizes = [rng.randrange(0, 7) for _ in range(rng.randrange(1, 4))]
+        starts = [rng.randrange(0, 9) for _ in sizes]
+        gpu = Spec(range(sum(sizes)), sizes, starts)
+        n_chunks = sum(-(-(s % bpc + n) // bpc) for n, s in zip(sizes, starts) if n)
+        cpu_ids = rng.sample(range(100), n_chunks)
+        got = host_slots(gpu, np.asarray(cpu_ids, dtype=np.int64), bpc)
+        assert got.tolist() == reference_slots(gpu, cpu_ids, bpc)
+
+
+def test_R117_entries_move_with_the_host_copy() -> None:
+    """A store moves block entries to the host slots, a load writes them back
+    at the new GPU block ids. Bug caught: restoring from the GPU ids' own
+    slots (a load into other blocks than were stored)."""
+    table = torch.arange(10, dtype=torch.int64) * 7 + 1
+    entries = HostEntryTable(table, num_chunks=8, blocks_per_chunk=2)
+    entries.save(Spec([2, 3, 4], [3], [1]), Spec([5, 6]))
+    before = table.clone()
+    table.zero_()
+    entries.restore(Spec([5, 6]), Spec([7, 8, 9], [3], [1]))
+    assert table[[7, 8, 9]].tolist() == before[[2, 3, 4]].tolist()
+    assert table[:7].tolist() == [0] * 7
+
+
+def test_R121_failed_keys_are_the_mismatched_positions() -> None:
+    """Only keys overlapping a mismatched block of their group are bad.
+    Bug caught: dropping every key of the load or matching other groups."""
+    ranges = [(0, 16, "a0"), (16, 32, "b0"), (32, 48, "c0"), (16, 32, "b1")]
+    group = {"a0": 0, "b0": 0, "c0": 0, "b1": 1}.__getitem__
+    assert failed_keys(ranges, {0: [1]}, {0: 16, 1: 16}, group) == {"b0"}
+    assert failed_keys(ranges, {1: [1]}, {0: 16, 1: 16}, group) == {"b1"}
+    assert failed_keys(ranges, {0: [0, 2]}, {0: 16}, group) == {"a0", "c0"}
+
+
+def test_R121_dropper_frees_a_copy_once_its_load_completed() -> None:
+    """On vLLM's CPUOffloadingManager: a referenced bad copy is hidden, then
+    freed (lookup MISS, chunk reusable) when its load completes. Bug caught:
+    freeing a chunk a load still reads, or never freeing it."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    manager = CPUOffloadingManager(num_chunks=4)
+    ctx = ReqContext(req_id="r", kv_transfer_params=None)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(2)]
+    manager.prepare_store(keys, ctx)
+    manager.complete_store(keys, ctx)
+    manager.prepare_load(keys[:1], ctx)  # the load holds keys[0]
+    dropper = HostCopyDropper()
+    dropper.add(keys[:1])
+    dropper.drop_ready(manager)
+    assert dropper.hides(keys[0]) and manager._policy.get(keys[0]) is not None
+    manager.complete_load(keys[:1], ctx)
+    dropper.drop_ready(manager)
+    assert not dropper.hides(keys[0]) and dropper.dropped == 1
+    assert manager.lookup(keys[0], ctx) == LookupResult.MISS
+    assert manager.lookup(keys[1], ctx) == LookupResult.HIT
+    assert manager._get_num_free_chunks() == 3
+
+
+def test_R131_host_fault_config_and_decisions() -> None:
+    """Bad settings are start-up errors; decisions equal on every worker."""
+
+    class Config:
+        kv_connector_extra_config: dict
+
+    config = Config()
+    config.kv_connector_extra_config = {}
+    assert read_host_fault_config(config) is None
+    for bad in ({"rate": 2}, {"rate": 0.5, "kinds": ["zero"]}, {"rate": 1, "x": 1}):
+        config.kv_connector_extra_config = {HOST_FAULT_KEY: bad}
+        with pytest.raises(ValueError):
+            read_host_fault_config(config)
+    injector = HostFaultInjector(HostFaultConfig(1.0), first_worker=True)
+    other = HostFaultInjector(HostFaultConfig(1.0), first_worker=False)
+    assert injector.decide("r", 3, 0, 8) == other.decide("r", 3, 0, 8)
+    never = HostFaultInjector(HostFaultConfig(0.0), first_worker=True)
+    assert never.decide("r", 3, 0, 8) is None
+
+
+@pytest.mark.parametrize("kind", ["host_bit_flip", "host_other_block"])
+def test_R131_host_faults_change_the_host_copy(kind: str) -> None:
+    """A bit flip changes exactly one bit of the chosen sub-block; another
+    block's bytes replace the chunk with the source chunk's."""
+    torch.manual_seed(0)
+    host = [torch.randint(0, 255, (8, 64), dtype=torch.uint8) for _ in range(2)]
+    before = [t.clone() for t in host]
+    injector = HostFaultInjector(HostFaultConfig(1.0, (kind,)), first_worker=True)
+    injection = injector.corrupt("r", 3, 1, 2, host)
+    assert injection is not None and injection.kind == kind
+    if kind == "host_bit_flip":
+        diff = (host[0] ^ before[0]).numpy()
+        assert np.count_nonzero(diff) == 1 and np.flatnonzero(diff)[0] // 64 == 3
+        assert np.flatnonzero(diff)[0] % 64 >= 32  # sub-block 1 of 2
+        assert torch.equal(host[1], before[1])
+    else:
+        source = injection.source_chunk_id
+        assert source is not None and source != 3
+        for t, b in zip(host, before):
+            assert torch.equal(t[3], b[source])
+
+
+# ----------------------------------------------------------------------
+# The real Scheduler and OffloadingConnector
+# ----------------------------------------------------------------------
+
+
+def offload_side(multi: bool = False, **kw: Any) -> SideConfig:
+    if not multi:
+        return SideConfig(
+            num_blocks=24,
+            connector="OffloadingConnector",
+            connector_extra=dict(OFFLOAD_EXTRA),
+            **kw,
+        )
+    return SideConfig(
+        num_blocks=24,
+        connector="MultiConnector",
+        connector_extra={
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": dict(OFFLOAD_EXTRA),
+                },
+            ]
+        },
+        **kw,
+    )
+
+
+def run_shared_prefixes(
+    engine: OffloadSimEngine, count: int, num_prefixes: int = 6, seed: int = 0
+) -> list[list[int]]:
+    """Requests over shared 4-block prefixes, round-robin, one at a time: each
+    prefix is evicted from the 24 GPU blocks before it is used again."""
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(3, 200) for _ in range(4 * BS)] for _ in range(num_prefixes)
+    ]
+    prompts = []
+    for i in range(count):
+        prompt = prefixes[i % num_prefixes] + [
+            rng.randrange(3, 200) for _ in range(BS + 1)
+        ]
+        prompts.append(prompt)
+        req_id = f"r{seed}-{i}"
+        engine.add(make_request(req_id, prompt, max_tokens=2, block_size=BS))
+        engine.run(req_id)
+    return prompts
+
+
+def verdicts(engine: OffloadSimEngine) -> dict[str, int]:
+    return dict(engine.checksums.stats.loads)
+
+
+def test_R118_store_runs_carry_the_request_hashes(model_dir: str) -> None:
+    """Each store job's runs: its GPU blocks and the request's block hashes
+    at their positions. Bug caught: hashes off by one position."""
+    engine = OffloadSimEngine(model_dir, offload_side(), "runs")
+    prompt = list(range(100, 100 + 4 * BS + 1))
+    request = make_request("a", prompt, max_tokens=1, block_size=BS)
+    engine.add(request)
+    output = engine.step()
+    meta = offload_metadata(output.kv_connector_metadata)
+    runs = meta.kv_checksum_store_runs
+    assert set(runs) == set(meta.store_jobs)
+    for job_id, job in meta.store_jobs.items():
+        ((group, start, ids, hashes),) = runs[job_id]
+        assert group == 0 and ids == job.src_spec.block_ids.tolist()
+        assert hashes == list(request.block_hashes[start : start + len(ids)])
+
+
+def test_R139_offload_loads_verified_end_to_end(model_dir: str) -> None:
+    """Loads back from host memory are all verified: entries saved with the
+    store, restored at the load's GPU blocks. Bugs caught (each tried): no
+    entry restore on load (every load a mismatch); hash runs shifted by one
+    position (mismatch); host source not declared (loads never checked)."""
+    engine = OffloadSimEngine(model_dir, offload_side(), "e2e")
+    run_shared_prefixes(engine, 30)
+    counts = verdicts(engine)
+    assert engine.num_loads >= 20
+    assert counts.get("verified", 0) == engine.num_loads, counts
+    assert counts.get("mismatch", 0) == 0 and counts.get("unverified", 0) == 0
+
+
+def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:
+    """The control: the same run without restoring entries on load (the
+    block table keeps whatever the GPU block held before) makes loads fail,
+    so the end-to-end test can fail."""
+    engine = OffloadSimEngine(model_dir, offload_side(), "noentries")
+    for side in engine.sides:
+        assert side is not None
+        side.entries.restore = lambda *args: None  # type: ignore[method-assign]
+    run_shared_prefixes(engine, 18)
+    counts = verdicts(engine)
+    assert engine.num_loads > 0 and counts.get("mismatch", 0) > 0, counts
+
+
+@pytest.mark.parametrize("kind", ["host_bit_flip", "host_other_block"])
+def test_R121_host_fault_is_caught_and_the_copy_dropped(
+    model_dir: str, kind: str
+) -> None:
+    """A corrupted host copy: the load mismatches, fail-closed fails it, the
+    bad copies leave the CPU tier (no later request loads them) and the
+    request is recomputed. Bug caught: on_kv_checksum_failure not dropping
+    (the next request of the prefix loads the bad copy again)."""
+    faults = {"rate": 1.0, "kinds": [kind]}
+    side = offload_side(fail_closed=True, policy="recompute")
+    side.connector_extra = {**OFFLOAD_EXTRA, HOST_FAULT_KEY: faults}
+    engine = OffloadSimEngine(model_dir, side, f"fault-{kind}")
+    run_shared_prefixes(engine, 12)
+    counts = verdicts(engine)
+    offload = engine.offload.__dict__["_kv_checksum_offload"]
+    assert counts.get("mismatch", 0) > 0, counts
+    assert counts.get("verified", 0) == 0, counts
+    assert offload.dropper.dropped >= counts["mismatch"]
+    assert not offload.dropper.pending
+    for req_id, final in engine.final.items():
+        assert final.finish_reason is not None, req_id
+
+
+def test_R121_a_dropped_copy_is_not_loaded_again(model_dir: str) -> None:
+    """After a failed check the bad host copy is gone: the recomputed
+    request offloads a good one, and the next request of the same prefix
+    loads that and verifies. Bug caught (tried): on_kv_checksum_failure not
+    dropping the copy (vLLM then keeps the bad chunk, skips re-storing the
+    key, and the next load mismatches again)."""
+    faults = {"rate": 1.0, "kinds": ["host_other_block"]}
+    side = offload_side(fail_closed=True, policy="recompute")
+    side.connector_extra = {**OFFLOAD_EXTRA, HOST_FAULT_KEY: faults}
+    engine = OffloadSimEngine(model_dir, side, "dropped")
+    prompts = run_shared_prefixes(engine, 7)  # request 6 reloads prefix 0
+    assert verdicts(engine) == {"mismatch": 1}
+    offload = engine.offload.__dict__["_kv_checksum_offload"]
+    assert offload.dropper.dropped > 0
+    for worker_side in engine.sides:
+        assert worker_side is not None
+        worker_side.injector = None  # no more faults
+    for i in range(1, 6):  # evict prefix 0 from the GPU again
+        engine.add(
+            make_request(f"x{i}", prompts[i][:-1] + [9, 9], max_tokens=1, block_size=BS)
+        )
+        engine.run(f"x{i}")
+    loads = engine.num_loads
+    engine.add(
+        make_request("again", prompts[0][:-1] + [5, 5], max_tokens=1, block_size=BS)
+    )
+    engine.run("again")
+    assert engine.num_loads > loads
+    assert verdicts(engine).get("mismatch") == 1, verdicts(engine)
+    assert verdicts(engine).get("verified", 0) >= 1
+
+
+def test_R1_checksums_off_nothing_attached(model_dir: str) -> None:
+    """Checksums off: no state on the connector, no runs on the metadata,
+    vLLM's manager lookup untouched."""
+    engine = OffloadSimEngine(model_dir, offload_side(enabled=False), "off")
+    manager = engine.offload.connector_scheduler.manager
+    assert "lookup" not in manager.__dict__
+    assert "_kv_checksum_offload" not in engine.offload.__dict__
+    run_shared_prefixes(engine, 8)
+    for output in engine.history:
+        meta = offload_metadata(output.kv_connector_metadata)
+        assert meta is None or not hasattr(meta, "kv_checksum_store_runs")
+    assert engine.checksums is None
+    assert engine.offload.get_kv_checksum_sources(None) == set()
+
+
+def test_R139_multi_connector_offload_loads_verified(model_dir: str) -> None:
+    """MultiConnector(NixlConnector, OffloadingConnector): offload loads are
+    checked through the Offloading child (host source) and verified."""
+    engine = OffloadSimEngine(model_dir, offload_side(multi=True), "multi")
+    run_shared_prefixes(engine, 18)
+    counts = verdicts(engine)
+    assert engine.num_loads > 0
+    assert counts.get("verified", 0) == engine.num_loads, counts
+    assert counts.get("mismatch", 0) == 0 and counts.get("unverified", 0) == 0
+
+
+def test_R139_multi_connector_pd_load_takes_the_nixl_path(model_dir: str) -> None:
+    """Under the same MultiConnector a P/D request (do_remote_prefill) is a
+    P/D receive with the NIXL kv_transfer_params carrier, not an offload
+    load: each load is verified by its own path."""
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+        consumer_kv_transfer_params,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+
+    engine = OffloadSimEngine(model_dir, offload_side(multi=True), "multi-pd")
+    prompt = list(range(100, 100 + 3 * BS + 1))
+    params = consumer_kv_transfer_params(
+        "remote-a", remote_block_ids=[1, 2, 3], remote_engine_id="p0"
+    )
+    engine.add(
+        make_request(
+            "pd", prompt, max_tokens=1, kv_transfer_params=params, block_size=BS
+        )
+    )
+    engine.scheduler.schedule()
+    kcs = engine.checksums
+    assert "pd" in kcs._recvs and "pd" not in kcs._loads
+    assert kcs._recvs["pd"].carrier == KVChecksumCarrier.KV_TRANSFER_PARAMS
+    request = engine.scheduler.requests["pd"]
+    assert engine.scheduler.connector.get_kv_checksum_sources(request) == set()
+
+
+class _Recorder:
+    """Records calls by name, in order (a connector worker or worker side)."""
+
+    def __init__(self, calls: list[str], prefix: str) -> None:
+        self.calls, self.prefix = calls, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kw: self.calls.append(f"{self.prefix}.{name}")
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None:
+    """The worker-side wrappers of OffloadingConnector (vLLM's class): with no
+    checksum state an exact pass-through to the original (R1); with it, the
+    entries move before the original submits loads, and this step's (and
+    flushed) stores save theirs (R118). Bug caught: saving flushed stores
+    after the original popped them from the metadata."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    calls: list[str] = []
+    connector = object.__new__(OffloadingConnector)
+    connector.connector_worker = _Recorder(calls, "vllm")
+    meta = OffloadingConnectorMetadata(
+        load_jobs={},
+        store_jobs={7: TransferJob("r", Spec([1]), Spec([2]))},
+        jobs_to_flush={7},
+    )
+    connector._connector_metadata = meta
+    if enabled:
+        connector._kv_checksum_offload_worker = _Recorder(calls, "side")
+    before = dict(connector.__dict__)
+    OffloadingConnector.handle_preemptions(connector, meta)
+    OffloadingConnector.start_load_kv(connector, None)
+    OffloadingConnector.wait_for_save(connector)
+    vllm_calls = [
+        "vllm.handle_preemptions",
+        "vllm.start_kv_transfers",
+        "vllm.prepare_store_kv",
+    ]
+    if not enabled:
+        assert calls == vllm_calls
+    else:
+        assert calls == [
+            "side.save_stores",
+            vllm_calls[0],
+            "side.start_loads",
+            vllm_calls[1],
+            "side.save_stores",
+            vllm_calls[2],
+        ]
+    assert connector.__dict__ == before
+
+
+def test_R121_manager_lookup_hides_bad_copies(model_dir: str) -> None:
+    """The instance wrapper on vLLM's CPUOffloadingManager.lookup answers MISS
+    for a bad copy still pending removal, and the original otherwise. Bug
+    caught: a bad copy its load still holds hit by the next request."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    engine = OffloadSimEngine(model_dir, offload_side(), "lookup")
+    run_shared_prefixes(engine, 1)
+    offload = engine.offload.__dict__["_kv_checksum_offload"]
+    manager = offload.manager
+    ctx = ReqContext(req_id="x", kv_transfer_params=None)
+    key = next(iter(manager._policy.chunks))
+    assert manager.lookup(key, ctx) == LookupResult.HIT
+    offload.dropper.pending.add(key)
+    assert manager.lookup(key, ctx) == LookupResult.MISS
+
+
+def test_R117_worker_registration_skips_other_backends() -> None:
+    """register_kv_checksum_worker on vLLM's OffloadingConnector class: a
+    backend other than the CPU one gets no entry table (its loads are not
+    declared either), and nothing is registered with the checksum worker."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    calls: list[str] = []
+    connector = object.__new__(OffloadingConnector)
+    connector.connector_worker = type("W", (), {"spec": object()})()
+    OffloadingConnector.register_kv_checksum_worker(connector, _Recorder(calls, "w"))
+    assert "_kv_checksum_offload_worker" not in connector.__dict__
+    assert calls == []

@@ -1,0 +1,345 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Block checksum entries for vLLM's CPU offload tier (R139 with R116-R121).
+
+vLLM 0.33.0's OffloadingConnector (CPU backend) copies GPU blocks into host
+chunks (stores) and back (loads) as transfer jobs: a store job's source spec
+lists GPU block ids per KV cache group with each group's first logical block
+index; its destination lists CPU chunk ids, each holding `blocks_per_chunk`
+GPU blocks. This module moves each block's checksum entry (R117) with it:
+
+- scheduler side, `store_runs`: the (group, first position, GPU block ids,
+  block hashes) runs of each store job, so each worker can write the entries
+  of the blocks it is about to offload (`save_block_checksums`);
+- worker side, `HostEntryTable`: one int64 entry per host sub-block slot
+  (chunk id * blocks_per_chunk + offset), filled from the worker's block table
+  when a store is queued and written back into the table at the GPU block ids
+  when a load is submitted, so the load's finished report carries the stored
+  entries (R118). The table lives on the KV cache's device, next to the block
+  table, so moving entries is one indexed copy queued on the current stream:
+  no host sync on the engine step (R55);
+- scheduler side, `failed_keys` and `HostCopyDropper`: a failed check drops
+  the host copies of the mismatched positions (R121), so no later request
+  loads them.
+
+Nothing here knows vLLM's wiring; wiring.py calls in.
+"""
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_checksum.offload import position_hashes
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# (group id, first position, GPU block ids, block hash at each block's last token)
+StoreRun = tuple[int, int, list[int], list[bytes]]
+
+# The hit source whose loads are verified (CacheHitSource.HOST.value).
+HOST_SOURCE = "host"
+
+
+@dataclass(frozen=True)
+class OffloadGroup:
+    """One offloaded KV cache group, in the order of the GPU specs' groups."""
+
+    group_id: int
+    block_size: int  # tokens per GPU block
+    hash_block_size: int  # tokens per request block hash
+
+
+def offload_groups(group_configs: Iterable[Any]) -> tuple[OffloadGroup, ...]:
+    """The groups of OffloadingConnectorScheduler's `kv_group_configs`."""
+    groups = []
+    for config in group_configs:
+        per_hash = config.tokens_per_chunk // max(1, config.hashes_per_chunk)
+        groups.append(OffloadGroup(config.group_idx, config.tokens_per_block, per_hash))
+    return tuple(groups)
+
+
+def _gpu_runs(gpu_spec: Any) -> list[tuple[int, int, np.ndarray]]:
+    """(group index, first logical block, GPU block ids) per non-empty group."""
+    ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+    sizes = np.asarray(gpu_spec.group_sizes, dtype=np.int64)
+    ends = np.cumsum(sizes)
+    return [
+        (i, int(gpu_spec.block_indices[i]), ids[end - size : end])
+        for i, (size, end) in enumerate(zip(sizes.tolist(), ends.tolist()))
+        if size
+    ]
+
+
+def store_runs(
+    store_jobs: Mapping[int, Any],
+    requests: Mapping[str, Any],
+    groups: Sequence[OffloadGroup],
+) -> dict[int, list[StoreRun]]:
+    """Per store job, the runs whose entries the workers save (R118).
+
+    `requests` maps request ids to vLLM Requests (for their block hashes).
+    A run of a group with no hash for one of its positions (a partial block)
+    is left out: its host copy then carries no fresh entry and a load of it
+    ends unverified, never a false mismatch.
+    """
+    runs: dict[int, list[StoreRun]] = {}
+    for job_id, job in store_jobs.items():
+        request = requests.get(job.req_id)
+        if request is None or not hasattr(job.src_spec, "group_sizes"):
+            continue
+        job_runs: list[StoreRun] = []
+        for index, start, ids in _gpu_runs(job.src_spec):
+            if index >= len(groups):
+                continue
+            group = groups[index]
+            hashes = position_hashes(
+                request.block_hashes,
+                start,
+                len(ids),
+                group.block_size,
+                group.hash_block_size,
+            )
+            if hashes is not None:
+                job_runs.append((group.group_id, start, ids.tolist(), hashes))
+        if job_runs:
+            runs[job_id] = job_runs
+    return runs
+
+
+def host_slots(gpu_spec: Any, cpu_ids: np.ndarray, blocks_per_chunk: int) -> np.ndarray:
+    """The host sub-block slot of each GPU block of a transfer, in spec order.
+
+    Group i's blocks start at logical block `block_indices[i]`, so its first
+    block sits at offset `block_indices[i] % blocks_per_chunk` of the group's
+    first chunk (vLLM's CPU worker skips the same sub-blocks); the chunks of
+    consecutive groups follow each other in `cpu_ids`.
+    """
+    slots = []
+    chunk_offset = 0
+    for _, start, ids in _gpu_runs(gpu_spec):
+        skip = start % blocks_per_chunk
+        logical = skip + np.arange(len(ids), dtype=np.int64)
+        chunks = cpu_ids[chunk_offset + logical // blocks_per_chunk]
+        slots.append(chunks * blocks_per_chunk + logical % blocks_per_chunk)
+        chunk_offset += -(-(skip + len(ids)) // blocks_per_chunk)
+    if not slots:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(slots)
+
+
+def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` on `device`: one non-blocking copy from pinned memory (R55)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostEntryTable:
+    """The checksum entries of the host copies of one worker (R117, R118).
+
+    Indexed like the host sub-blocks: slot = chunk id * blocks_per_chunk +
+    offset. `block_table` is the worker's table from `init_block_checksums`.
+    """
+
+    def __init__(
+        self, block_table: torch.Tensor, num_chunks: int, blocks_per_chunk: int
+    ) -> None:
+        self.block_table = block_table
+        self.blocks_per_chunk = max(1, blocks_per_chunk)
+        self.entries = torch.zeros(
+            num_chunks * self.blocks_per_chunk,
+            dtype=torch.int64,
+            device=block_table.device,
+        )
+
+    def _indices(self, gpu_spec: Any, cpu_spec: Any) -> tuple[torch.Tensor, ...]:
+        cpu_ids = np.asarray(cpu_spec.block_ids, dtype=np.int64)
+        slots = host_slots(gpu_spec, cpu_ids, self.blocks_per_chunk)
+        gpu_ids = np.concatenate(
+            [ids for _, _, ids in _gpu_runs(gpu_spec)] or [np.zeros(0, np.int64)]
+        )
+        device = self.block_table.device
+        return _on_device(gpu_ids, device), _on_device(slots, device)
+
+    def save(self, gpu_spec: Any, cpu_spec: Any) -> None:
+        """A store: the GPU blocks' entries go to their host slots."""
+        gpu_ids, slots = self._indices(gpu_spec, cpu_spec)
+        if len(slots):
+            self.entries[slots] = self.block_table[gpu_ids]
+
+    def restore(self, cpu_spec: Any, gpu_spec: Any) -> None:
+        """A load: the host slots' entries go to the GPU blocks written."""
+        gpu_ids, slots = self._indices(gpu_spec, cpu_spec)
+        if len(slots):
+            self.block_table[gpu_ids] = self.entries[slots]
+
+
+def failed_keys(
+    load_key_ranges: Iterable[tuple[int, int, Any]],
+    mismatches: Mapping[int, list[int]],
+    block_sizes: Mapping[int, int],
+    group_of_key: Any,
+) -> set[Any]:
+    """The offload keys of a load that hold a mismatched position (R121).
+
+    `load_key_ranges` are the load's (first token, end token, key);
+    `group_of_key(key)` is the key's KV cache group id. A key is bad when its
+    token range overlaps a mismatched block of its group.
+    """
+    bad = set()
+    ranges = list(load_key_ranges)
+    for group_id, positions in mismatches.items():
+        size = block_sizes.get(group_id)
+        if size is None or not positions:
+            continue
+        starts = np.asarray(positions, dtype=np.int64) * size
+        for lo, hi, key in ranges:
+            if group_of_key(key) != group_id:
+                continue
+            if bool(((starts < hi) & (starts + size > lo)).any()):
+                bad.add(key)
+    return bad
+
+
+@dataclass
+class HostCopyDropper:
+    """Drops bad host copies from a CPU offloading manager (R121).
+
+    A copy still referenced by its load cannot be freed yet: it is kept in
+    `pending`, answers MISS to lookups (`hides`) and is freed by `drop_ready`
+    once its load completed.
+    """
+
+    pending: set[Any] = field(default_factory=set)
+    dropped: int = 0
+
+    def hides(self, key: Any) -> bool:
+        return key in self.pending
+
+    def add(self, keys: Iterable[Any]) -> None:
+        self.pending.update(keys)
+
+    def drop_ready(self, manager: Any) -> None:
+        """Free every pending key no load holds (ref_cnt 0, stored)."""
+        if not self.pending:
+            return
+        policy = manager._policy
+        for key in list(self.pending):
+            chunk = policy.get(key)
+            if chunk is None:
+                self.pending.discard(key)
+                continue
+            if not chunk.is_ready or chunk.ref_cnt != 0:
+                continue
+            policy.remove(key)
+            manager._free_chunk(chunk)
+            manager._num_evictable_cache_chunks -= 1
+            self.pending.discard(key)
+            self.dropped += 1
+            logger.warning(
+                "KV checksums: dropped a host copy that failed verification."
+            )
+
+
+class OffloadSchedulerSide:
+    """The checksum state of one OffloadingConnectorScheduler (R119, R121).
+
+    `connector_scheduler` is vLLM's OffloadingConnectorScheduler; its manager
+    must be the CPU backend's (only its host copies carry entries).
+    """
+
+    def __init__(self, connector_scheduler: Any) -> None:
+        self.connector_scheduler = connector_scheduler
+        self.manager = connector_scheduler.manager
+        self.groups = offload_groups(connector_scheduler.config.kv_group_configs)
+        self.block_sizes = {g.group_id: g.block_size for g in self.groups}
+        self.dropper = HostCopyDropper()
+
+    def requests(self) -> dict[str, Any]:
+        """The connector's requests now (a finishing one may leave in a step)."""
+        return {
+            req_id: state.req
+            for req_id, state in self.connector_scheduler._req_status.items()
+        }
+
+    def attach_runs(self, metadata: Any, requests: Mapping[str, Any]) -> None:
+        """Put each store job's runs on the metadata for the workers (R118)."""
+        runs = store_runs(metadata.store_jobs, requests, self.groups)
+        if runs:
+            metadata.kv_checksum_store_runs = runs
+
+    def on_failure(self, request: Any, mismatches: Mapping[int, list[int]]) -> None:
+        """Drop the host copies of the mismatched positions (R121)."""
+        from vllm.v1.kv_offload.base import get_offload_group_idx
+
+        state = self.connector_scheduler._req_status.get(request.request_id)
+        if state is None:
+            return
+        keys = failed_keys(
+            state.load_key_ranges, mismatches, self.block_sizes, get_offload_group_idx
+        )
+        self.dropper.add(keys)
+        self.dropper.drop_ready(self.manager)
+
+    def after_output(self) -> None:
+        """Free bad copies whose loads completed in this output."""
+        self.dropper.drop_ready(self.manager)
+
+
+class OffloadWorkerSide:
+    """The checksum state of one OffloadingConnectorWorker (R117, R118)."""
+
+    def __init__(
+        self, checksum_worker: Any, connector_worker: Any, injector: Any = None
+    ) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+            get_offloading_group_ids,
+        )
+
+        spec = connector_worker.spec
+        table = checksum_worker.init_block_checksums(
+            get_offloading_group_ids(connector_worker.kv_cache_config)
+        )
+        self.checksum_worker = checksum_worker
+        self.connector_worker = connector_worker
+        self.entries = HostEntryTable(table, spec.num_chunks, spec.blocks_per_chunk)
+        self.injector = injector
+
+    def save_stores(self, metadata: Any, job_ids: Iterable[int]) -> None:
+        """Entries of the blocks these store jobs copy, into their host slots.
+
+        Queued on the current stream after the forward that wrote the blocks
+        and before the store's copy stream waits on it.
+        """
+        runs = getattr(metadata, "kv_checksum_store_runs", None) or {}
+        for job_id in job_ids:
+            job = metadata.store_jobs.get(job_id)
+            if job is None:
+                continue
+            self.checksum_worker.save_block_checksums(runs.get(job_id, ()))
+            self.entries.save(job.src_spec, job.dst_spec)
+
+    def start_loads(self, metadata: Any) -> None:
+        """Before loads are submitted: faults (if configured), then entries."""
+        for job in metadata.load_jobs.values():
+            if self.injector is not None:
+                self._inject(job)
+            self.entries.restore(job.src_spec, job.dst_spec)
+
+    def _inject(self, job: Any) -> None:
+        worker = self.connector_worker.worker
+        handler = getattr(worker, "_load_handler", None)
+        host = getattr(handler, "src_tensors", None)
+        cpu_ids = np.asarray(job.src_spec.block_ids, dtype=np.int64)
+        if not host or not len(cpu_ids) or not hasattr(job.dst_spec, "block_indices"):
+            return
+        runs = _gpu_runs(job.dst_spec)
+        if not runs:
+            return
+        bpc = self.entries.blocks_per_chunk
+        self.injector.corrupt(job.req_id, int(cpu_ids[0]), runs[0][1] % bpc, bpc, host)
