@@ -28,9 +28,17 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum import connectors
+from vllm.distributed.kv_transfer.kv_checksum import (
+    connectors,
+    mamba_splits,
+    mooncake,
+    nixl_push,
+    offload_connectors,
+)
+from vllm.distributed.kv_transfer.kv_checksum import outbox as outbox_module
 from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     kv_checksum_enabled,
@@ -40,6 +48,9 @@ from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
     create_fault_injector,
 )
 from vllm.distributed.kv_transfer.kv_checksum.metrics import STATS_KEY, split_stats
+from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
+    create_host_fault_injector,
+)
 from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
     KVChecksumPromMetrics,
 )
@@ -120,6 +131,8 @@ def install() -> None:
     _install_worker_hooks()
     _install_config_hooks()
     _install_metrics_hooks()
+    _install_offload_connector()
+    _install_mamba_split_hooks()
 
 
 # ----------------------------------------------------------------------
@@ -200,6 +213,8 @@ def _install_connector_api() -> None:
 
     NixlPullConnector.kv_checksum_carrier = nixl_pull_carrier  # type: ignore[attr-defined]
     _install_multi_connector(MultiConnector)
+    _install_nixl_push()
+    _install_mooncake()
 
 
 def _install_multi_connector(multi: type) -> None:
@@ -296,6 +311,438 @@ def _capture_received(multi: Any) -> None:
 
 
 # ----------------------------------------------------------------------
+# NIXL push carrier (R103-R109)
+# ----------------------------------------------------------------------
+
+
+def _install_nixl_push() -> None:
+    """Target: NixlPushConnector (carrier methods), NixlPushConnectorScheduler
+    .build_connector_meta, NixlPushConnectorWorker.start_load_kv,
+    ._do_start_push_kv and .get_transfer_results.
+
+    Why: push moves the payload on the WRITE's completion notif (R104-R107).
+    How: class methods for the carrier API; thin wrappers that pass through
+    unless the instance holds checksum state, which only
+    `send_kv_checksums` (producer scheduler) and
+    `register_kv_checksum_worker` (worker, checksums on) create.
+    Upstream: NixlPushConnector carrying checksums itself.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+        NixlPushConnector,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
+        NixlPushConnectorScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+        NixlPushConnectorWorker,
+    )
+
+    def kv_checksum_carrier(
+        self: Any, request: Any, receiving: bool
+    ) -> KVChecksumCarrier | None:
+        return nixl_push.nixl_push_carrier(request, receiving)
+
+    def send_kv_checksums(self: Any, request: Any, checksums: bytes) -> None:
+        sched = self.connector_scheduler
+        outbox = sched.__dict__.setdefault(
+            "_kv_checksum_outbox", outbox_module.ChecksumOutbox()
+        )
+        pushed = request.request_id in sched._newly_finished_push_blocks
+        outbox.keep(request.request_id, checksums, pushed)
+
+    def register_kv_checksum_worker(self: Any, worker: Any) -> None:
+        _attach_nixl_push_worker(self.connector_worker, self._vllm_config)
+
+    NixlPushConnector.kv_checksum_carrier = kv_checksum_carrier  # type: ignore[attr-defined]
+    NixlPushConnector.send_kv_checksums = send_kv_checksums  # type: ignore[attr-defined]
+    NixlPushConnector.register_kv_checksum_worker = register_kv_checksum_worker  # type: ignore[attr-defined]
+
+    @_wrap(NixlPushConnectorScheduler, "build_connector_meta")
+    def build_connector_meta(original: Callable, self: Any, *args: Any) -> Any:
+        """R104: the kept payloads travel with the finished blocks they belong
+        to, as `push_finished_kv_checksums`; the outbox is emptied."""
+        meta = original(self, *args)
+        outbox = self.__dict__.get("_kv_checksum_outbox")
+        if outbox is not None:
+            try:
+                shipped = outbox.ship(meta.push_finished_blocks)
+                if shipped:
+                    meta.push_finished_kv_checksums = shipped
+            except Exception:
+                _disable_after_error(
+                    self, "_kv_checksum_outbox", "build_connector_meta"
+                )
+        return meta
+
+    @_wrap(NixlPushConnectorWorker, "start_load_kv")
+    def start_load_kv(original: Callable, self: Any, metadata: Any) -> Any:
+        """R105: payloads reach the writer before the blocks they go with;
+        the consumer's registrations ask for checksum notifs."""
+        store = self.__dict__.get("_kv_checksum_push")
+        if store is not None:
+            try:
+                store.add(getattr(metadata, "push_finished_kv_checksums", None))
+                nixl_push.advertise(metadata.push_registrations)
+            except Exception:
+                _disable_after_error(self, "_kv_checksum_push", "start_load_kv")
+        return original(self, metadata)
+
+    @_wrap(NixlPushConnectorWorker, "_do_start_push_kv")
+    def do_start_push_kv(
+        original: Callable, self: Any, request_id: str, blocks: Any, reg: Any
+    ) -> Any:
+        """R105, R106: the WRITEs of this request carry its checksums when its
+        consumer asked for them (see `_attach_nixl_push_worker`)."""
+        store = self.__dict__.get("_kv_checksum_push")
+        if store is None or not nixl_push.wants_checksum_notif(reg):
+            return original(self, request_id, blocks, reg)
+        nixl_push.PUSH_WRITE.data = store.get(request_id)
+        try:
+            return original(self, request_id, blocks, reg)
+        finally:
+            nixl_push.PUSH_WRITE.data = None
+
+    @_wrap(NixlPushConnectorWorker, "get_transfer_results")
+    def get_transfer_results(original: Callable, self: Any) -> Any:
+        """R107: finished loads report their first checksums; sent or
+        expired requests drop theirs."""
+        results = original(self)
+        store = self.__dict__.get("_kv_checksum_push")
+        if store is None:
+            return results
+        try:
+            store.evict(results.finished_sending)
+            notifs = self._pending_completion_notifs
+            if isinstance(notifs, nixl_push.ChecksumNotifQueue):
+                taken = notifs.take(
+                    results.finished_recving, list(self._recving_metadata)
+                )
+                if taken:
+                    results.kv_checksums = {**taken, **(results.kv_checksums or {})}
+        except Exception:
+            _disable_after_error(self, "_kv_checksum_push", "get_transfer_results")
+        return results
+
+
+def _attach_nixl_push_worker(worker: Any, vllm_config: Any) -> None:
+    """With checksums on only: the payload store, the notif queue that reads
+    checksum notifs (kept items and all) and an instance wrapper of the NIXL
+    agent's `make_prepped_xfer` swapping in the checksum notif (R105, R107)."""
+    if worker is None or "_kv_checksum_push" in worker.__dict__:
+        return
+    max_bytes = read_flags(vllm_config.kv_transfer_config).max_payload_bytes
+    nixl_push.ChecksumNotifQueue.attach(worker._pending_completion_notifs, max_bytes)
+    agent = worker.nixl_wrapper
+    original = agent.make_prepped_xfer
+
+    def make_prepped_xfer(*args: Any, **kwargs: Any) -> Any:
+        if "notif_msg" in kwargs:
+            kwargs["notif_msg"] = nixl_push.PUSH_WRITE.notif_for(kwargs["notif_msg"])
+        return original(*args, **kwargs)
+
+    agent.make_prepped_xfer = make_prepped_xfer
+    worker._kv_checksum_push = nixl_push.PushSendStore()
+
+
+# ----------------------------------------------------------------------
+# CPU offload tier (R139 with R116-R121)
+# ----------------------------------------------------------------------
+
+
+def _install_offload_connector() -> None:
+    """R139. Target: OffloadingConnector (the API methods), its
+    build_connector_meta, update_connector_output, handle_preemptions,
+    start_load_kv and wait_for_save.
+
+    Why: its CPU backend copies blocks to host chunks and back; each block's
+    checksum entry must travel with it, and loads from host memory must be
+    declared so they are verified (R117-R121).
+    How: class methods for the API; thin wrappers that call the original and
+    pass through unless the instance holds checksum state, which only
+    `_attach_offload_schedulers` (Scheduler.__init__ hook, checksums on) and
+    `register_kv_checksum_worker` (worker, checksums on) create. The store
+    runs ride on the connector metadata; entries move before the original
+    submits loads (start_load_kv) and when stores are queued (wait_for_save,
+    handle_preemptions' flushed stores).
+    Upstream: OffloadingConnector moving an opaque per-block payload with
+    each block and declaring its host source.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    def get_kv_checksum_sources(self: Any, request: Any) -> set[str]:
+        side = self.__dict__.get("_kv_checksum_offload")
+        return set() if side is None else {offload_connectors.HOST_SOURCE}
+
+    def on_kv_checksum_failure(
+        self: Any, request: Any, mismatches: dict[int, list[int]]
+    ) -> None:
+        side = self.__dict__.get("_kv_checksum_offload")
+        if side is not None:
+            side.on_failure(request, mismatches)
+
+    def register_kv_checksum_worker(self: Any, worker: Any) -> None:
+        _attach_offload_worker(self, worker)
+
+    OffloadingConnector.get_kv_checksum_sources = get_kv_checksum_sources  # type: ignore[attr-defined]
+    OffloadingConnector.on_kv_checksum_failure = on_kv_checksum_failure  # type: ignore[attr-defined]
+    OffloadingConnector.register_kv_checksum_worker = register_kv_checksum_worker  # type: ignore[attr-defined]
+
+    @_wrap(OffloadingConnector, "build_connector_meta")
+    def build_connector_meta(original: Callable, self: Any, *args: Any) -> Any:
+        """R118: each store job's runs (block hashes) go to the workers."""
+        side = self.__dict__.get("_kv_checksum_offload")
+        if side is None:
+            return original(self, *args)
+        requests = side.requests()
+        meta = original(self, *args)
+        try:
+            side.attach_runs(meta, requests)
+        except Exception:
+            _disable_after_error(self, "_kv_checksum_offload", "build_connector_meta")
+        return meta
+
+    @_wrap(OffloadingConnector, "update_connector_output")
+    def update_connector_output(original: Callable, self: Any, *args: Any) -> Any:
+        """R121: bad host copies whose loads completed are freed."""
+        result = original(self, *args)
+        side = self.__dict__.get("_kv_checksum_offload")
+        if side is not None:
+            try:
+                side.after_output()
+            except Exception:
+                _disable_after_error(self, "_kv_checksum_offload", "offload output")
+        return result
+
+    @_wrap(OffloadingConnector, "handle_preemptions")
+    def handle_preemptions(original: Callable, self: Any, meta: Any) -> Any:
+        """R118: stores the original submits at once take their entries first."""
+        side = self.__dict__.get("_kv_checksum_offload_worker")
+        if side is not None and getattr(meta, "jobs_to_flush", None):
+            try:
+                side.save_stores(meta, meta.jobs_to_flush)
+            except Exception:
+                _disable_after_error(self, "_kv_checksum_offload_worker", "preempt")
+        return original(self, meta)
+
+    @_wrap(OffloadingConnector, "start_load_kv")
+    def start_load_kv(original: Callable, self: Any, *args: Any, **kw: Any) -> Any:
+        """R118, R131: host faults (if configured), then entries of loads."""
+        side = self.__dict__.get("_kv_checksum_offload_worker")
+        if side is not None:
+            try:
+                side.start_loads(self._connector_metadata)
+            except Exception:
+                _disable_after_error(self, "_kv_checksum_offload_worker", "load")
+        return original(self, *args, **kw)
+
+    @_wrap(OffloadingConnector, "wait_for_save")
+    def wait_for_save(original: Callable, self: Any) -> Any:
+        """R118: entries of this step's store jobs, into their host slots."""
+        side = self.__dict__.get("_kv_checksum_offload_worker")
+        if side is not None:
+            try:
+                meta = self._connector_metadata
+                side.save_stores(meta, list(meta.store_jobs))
+            except Exception:
+                _disable_after_error(self, "_kv_checksum_offload_worker", "store")
+        return original(self)
+
+
+def _offload_children(connector: Any) -> list[Any]:
+    """The OffloadingConnectors of a connector (itself, or MultiConnector's)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    children = getattr(connector, "_connectors", None) or [connector]
+    return [c for c in children if isinstance(c, OffloadingConnector)]
+
+
+def _attach_offload_schedulers(connector: Any) -> None:
+    """With checksums on only (Scheduler.__init__ hook): checksum state on
+    each OffloadingConnector whose manager is the CPU backend's (R119)."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    for child in _offload_children(connector):
+        sched = child.connector_scheduler
+        if sched is None or not isinstance(sched.manager, CPUOffloadingManager):
+            logger.warning(
+                "KV checksums: this OffloadingConnector backend is not covered; "
+                "its loads are not checked."
+            )
+            continue
+        side = offload_connectors.OffloadSchedulerSide(sched)
+        original_lookup = sched.manager.lookup
+
+        def lookup(
+            key: Any, *args: Any, _o: Callable = original_lookup, _side: Any = side
+        ) -> Any:
+            from vllm.v1.kv_offload.base import LookupResult
+
+            return LookupResult.MISS if _side.dropper.hides(key) else _o(key, *args)
+
+        sched.manager.lookup = lookup  # type: ignore[method-assign, assignment]
+        child._kv_checksum_offload = side
+
+
+def _attach_offload_worker(connector: Any, worker: Any) -> None:
+    """With checksums on only: host entry table (and host fault injector,
+    R131) of a CPU-backend OffloadingConnector worker (R117)."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    connector_worker = connector.connector_worker
+    if connector_worker is None or not isinstance(
+        connector_worker.spec, CPUOffloadingSpec
+    ):
+        return
+    topology = worker.topology
+    injector = create_host_fault_injector(
+        connector._vllm_config, topology.tp_rank, topology.pp_rank
+    )
+    connector._kv_checksum_offload_worker = offload_connectors.OffloadWorkerSide(
+        worker, connector_worker, injector
+    )
+
+
+# ----------------------------------------------------------------------
+# Mooncake P2P carrier (R110-R115)
+# ----------------------------------------------------------------------
+
+
+def _install_mooncake() -> None:
+    """Target: MooncakeConnector (carrier methods), MooncakeConnectorScheduler
+    .build_connector_meta, MooncakeConnectorWorker.start_load_kv,
+    .send_kv_to_decode, .process_pulling_result and .get_transfer_results.
+
+    Why: Mooncake moves the payload on the transfer response (R111-R114).
+    How: class methods for the carrier API; thin wrappers that pass through
+    unless the instance holds checksum state, which only `send_kv_checksums`
+    (producer scheduler) and `register_kv_checksum_worker` (worker,
+    checksums on) create. Not installed if vLLM's Mooncake module cannot be
+    imported. The Mooncake store connector is left alone (R115).
+    Upstream: MooncakeConnector carrying checksums itself.
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+            mooncake_connector as mc,
+        )
+    except Exception:
+        logger.debug("Mooncake connector not importable: no checksum carrier.")
+        return
+
+    def kv_checksum_carrier(
+        self: Any, request: Any, receiving: bool
+    ) -> KVChecksumCarrier | None:
+        return mooncake.mooncake_carrier(request, receiving)
+
+    def send_kv_checksums(self: Any, request: Any, checksums: bytes) -> None:
+        sched = self.connector_scheduler
+        outbox = sched.__dict__.setdefault(
+            "_kv_checksum_outbox", outbox_module.ChecksumOutbox()
+        )
+        sending = request.request_id in sched._reqs_need_send
+        outbox.keep(request.request_id, checksums, sending)
+
+    def register_kv_checksum_worker(self: Any, worker: Any) -> None:
+        _attach_mooncake_worker(
+            self.connector_worker, self._vllm_config, mc.MooncakeXferResponse
+        )
+
+    connector = mc.MooncakeConnector
+    connector.kv_checksum_carrier = kv_checksum_carrier  # type: ignore[attr-defined]
+    connector.send_kv_checksums = send_kv_checksums  # type: ignore[attr-defined]
+    connector.register_kv_checksum_worker = register_kv_checksum_worker  # type: ignore[attr-defined]
+
+    @_wrap(mc.MooncakeConnectorScheduler, "build_connector_meta")
+    def build_connector_meta(original: Callable, self: Any, *args: Any) -> Any:
+        """R111: kept payloads travel with the blocks as `kv_checksums`."""
+        meta = original(self, *args)
+        outbox = self.__dict__.get("_kv_checksum_outbox")
+        if outbox is not None:
+            try:
+                shipped = outbox.ship(meta.reqs_to_send)
+                if shipped:
+                    meta.kv_checksums = shipped
+            except Exception:
+                _disable_after_error(
+                    self, "_kv_checksum_outbox", "build_connector_meta"
+                )
+        return meta
+
+    @_wrap(mc.MooncakeConnectorWorker, "start_load_kv")
+    def start_load_kv(original: Callable, self: Any, metadata: Any) -> Any:
+        """R112: payloads are stored before the send is marked ready."""
+        send = self.__dict__.get("_kv_checksum_send")
+        if send is not None:
+            try:
+                send.add(getattr(metadata, "kv_checksums", None), metadata.reqs_to_send)
+            except Exception:
+                _disable_after_error(self, "_kv_checksum_send", "start_load_kv")
+        return original(self, metadata)
+
+    @_wrap(mc.MooncakeConnectorWorker, "send_kv_to_decode")
+    async def send_kv_to_decode(
+        original: Callable, self: Any, identity: Any, sock: Any, meta: Any
+    ) -> Any:
+        """R112: responses to this pull may carry its requests' checksums."""
+        if self.__dict__.get("_kv_checksum_send") is None:
+            return await original(self, identity, sock, meta)
+        token = mooncake.CURRENT_PULL.set(meta.req_blocks)
+        try:
+            return await original(self, identity, sock, meta)
+        finally:
+            mooncake.CURRENT_PULL.reset(token)
+
+    @_wrap(mc.MooncakeConnectorWorker, "process_pulling_result")
+    def process_pulling_result(
+        original: Callable, self: Any, response: Any, pull_metas: Any
+    ) -> Any:
+        """R114: keep the checksums before the loads are marked finished."""
+        received = self.__dict__.get("_kv_checksum_received")
+        if received is not None:
+            try:
+                received.keep(response, pull_metas)
+            except Exception:
+                logger.exception("KV checksums of a Mooncake response ignored.")
+        return original(self, response, pull_metas)
+
+    @_wrap(mc.MooncakeConnectorWorker, "get_transfer_results")
+    def get_transfer_results(original: Callable, self: Any) -> Any:
+        """R114: finished loads report their checksums; sent requests drop
+        their payloads."""
+        results = original(self)
+        received = self.__dict__.get("_kv_checksum_received")
+        if received is None:
+            return results
+        try:
+            self._kv_checksum_send.evict(results.finished_sending)
+            taken = received.take(results.finished_recving, results.failed_recving)
+            if taken:
+                results.kv_checksums = {**taken, **(results.kv_checksums or {})}
+        except Exception:
+            _disable_after_error(self, "_kv_checksum_received", "get_transfer_results")
+        return results
+
+
+def _attach_mooncake_worker(worker: Any, vllm_config: Any, base: type) -> None:
+    """With checksums on only: the payload stores, the response encoder that
+    adds checksums and the decoder that reads them (R112-R114)."""
+    if worker is None or "_kv_checksum_send" in worker.__dict__:
+        return
+    max_bytes = read_flags(vllm_config.kv_transfer_config).max_payload_bytes
+    extended = mooncake.response_type(base)
+    send = mooncake.SendChecksums()
+    worker._encoder = mooncake.ChecksumResponseEncoder(
+        worker._encoder, base, extended, send
+    )
+    worker._xfer_resp_decoder = msgspec.msgpack.Decoder(extended)
+    worker._kv_checksum_received = mooncake.ReceivedChecksums(max_bytes)
+    worker._kv_checksum_send = send
+
+
+# ----------------------------------------------------------------------
 # Scheduler hooks (R10 a-f, R73)
 # ----------------------------------------------------------------------
 
@@ -351,6 +798,7 @@ def _install_scheduler_hooks() -> None:
             return
         try:
             kcs = _create_scheduler(self)
+            _attach_offload_schedulers(self.connector)
             _attach_containment(self, kcs)
             self._kv_checksum_starting_loads = []
             _note_starting_loads(self)
@@ -946,3 +1394,106 @@ def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
     coordinator.pop_blocks_for_free = pop_blocks_for_free
     scheduler.kv_checksum_containment = containment
     kcs.on_failed_load = on_failed_load
+
+
+# ----------------------------------------------------------------------
+# Mamba state splits (R44): attached to each layer's MambaSpec
+# ----------------------------------------------------------------------
+
+
+def _mamba1_splits(layer: Any, tp_size: int, dim_first: bool) -> Any:
+    return mamba_splits.mamba1_state_splits(tp_size, layer.intermediate_size, dim_first)
+
+
+def _mamba2_splits(layer: Any, tp_size: int, dim_first: bool) -> Any:
+    """vLLM pads one group to TP groups (`layer.n_groups` is the padded count)
+    and then builds conv1d as a plain ColumnParallelLinear: the checkpoint's
+    group count was 1."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    one_group = tp_size > 1 and not isinstance(layer.conv1d, MergedColumnParallelLinear)
+    return mamba_splits.mamba2_state_splits(
+        tp_size,
+        layer.intermediate_size,
+        1 if one_group else layer.n_groups,
+        layer.num_heads,
+        layer.ssm_state_size,
+        dim_first,
+    )
+
+
+def _gdn_splits(layer: Any, tp_size: int, dim_first: bool) -> Any:
+    return mamba_splits.gdn_state_splits(
+        tp_size,
+        layer.num_k_heads,
+        layer.num_v_heads,
+        layer.head_k_dim,
+        layer.head_v_dim,
+        dim_first,
+    )
+
+
+# (module, class, layer -> splits): the layers R44 names.
+_MAMBA_SPLIT_LAYERS = (
+    ("vllm.model_executor.layers.mamba.mamba_mixer", "MambaMixer", _mamba1_splits),
+    ("vllm.model_executor.layers.mamba.mamba_mixer2", "MambaMixer2", _mamba2_splits),
+    (
+        "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
+        "QwenGatedDeltaNetAttention",
+        _gdn_splits,
+    ),
+    (
+        "vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn",
+        "OlmoHybridGatedDeltaNetAttention",
+        _gdn_splits,
+    ),
+)
+
+
+def _install_mamba_split_hooks() -> None:
+    import importlib
+
+    for module_name, class_name, calculator in _MAMBA_SPLIT_LAYERS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except Exception:  # a layer this vLLM build lacks: nothing to describe
+            logger.debug("KV checksums: no %s.%s", module_name, class_name)
+            continue
+        _wrap_mamba_spec(cls, calculator)
+
+
+def _wrap_mamba_spec(cls: type, calculator: Callable[[Any, int, bool], Any]) -> None:
+    @_wrap(cls, "get_kv_cache_spec")
+    def get_kv_cache_spec(original: Callable, self: Any, vllm_config: Any) -> Any:
+        """R44. Target: get_kv_cache_spec of MambaMixer, MambaMixer2 and the
+        Qwen and Olmo GDN layers (inherited from MambaBase).
+
+        Why: the worker numbers split Mamba rows globally and the scheduler
+        must know a group is comparable across TP sizes (R85); vLLM 0.33.0's
+        MambaSpec has no `state_splits` field.
+        How: after the original, the calculator's result (None for sizes TP
+        does not divide) is set on the returned spec as an instance
+        attribute, which survives pickling to the engine core and its deep
+        copies into group specs. Disabled: the original's spec untouched;
+        an error leaves the spec without splits (equal-TP comparison only).
+        Upstream: `MambaSpec.state_splits` (default None) filled from a
+        `MambaBase.get_state_splits()` (default None) in get_kv_cache_spec.
+        """
+        spec = original(self, vllm_config)
+        if spec is None or not _enabled(vllm_config, "get_kv_cache_spec"):
+            return spec
+        try:
+            from vllm.model_executor.layers.mamba.mamba_utils import (
+                is_conv_state_dim_first,
+            )
+
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            splits = calculator(self, tp_size, is_conv_state_dim_first())
+            mamba_splits.attach_state_splits(spec, splits)
+        except Exception:
+            logger.exception(
+                "KV checksums: no TP splits for %s; its Mamba state verifies "
+                "at equal TP only.",
+                type(self).__name__,
+            )
+        return spec
