@@ -50,6 +50,8 @@ Usage (needs vLLM 0.33.0, NIXL, transformers and this package installed):
         [--producer-tp 2 | --consumer-tp 2]   (heterogeneous TP: two GPUs)
     python kv_checksum_pd_gpu.py --out DIR --overhead-only --model 8b
     python kv_checksum_pd_gpu.py --out DIR --phases containment
+    python kv_checksum_pd_gpu.py --out DIR --model mamba2 --num-equality 20 \
+        --num-pd 60 --num-faults 40 --fault-rate 0.5   (Mamba2 state, issue 14)
 Exit code 0 only if every check passed; a JSON summary goes to DIR/summary.json.
 """
 
@@ -65,10 +67,25 @@ import time
 import traceback
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kv_checksum_pd_connectors as pd_connectors  # noqa: E402
+
 BLOCK_SIZE = 16
-MODELS = {"tiny": "/tmp/kv-checksum-qwen3", "8b": "/tmp/kv-checksum-llama-8b"}
-MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320}
-GPU_UTILS = {"tiny": 0.15, "8b": 0.3}
+MODELS = {
+    "tiny": "/tmp/kv-checksum-qwen3",
+    "8b": "/tmp/kv-checksum-llama-8b",
+    "mamba2": "/tmp/kv-checksum-mamba2",
+    "mamba2-g2": "/tmp/kv-checksum-mamba2-g2",
+}
+MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320, "mamba2": 4608, "mamba2-g2": 4608}
+GPU_UTILS = {"tiny": 0.15, "8b": 0.3, "mamba2": 0.12, "mamba2-g2": 0.12}
+# Models with Mamba state (issue 14): vLLM picks their block size (attention
+# pages aligned to Mamba pages, "align" cache mode with prefix caching) and
+# NIXL needs the dim-first conv state layout. A P/D consumer computes the last
+# prompt token from the loaded state h(N - 1), so its outputs are compared with
+# a checksums-off consumer's, not with a single engine's.
+HYBRID_MODELS = {"mamba2", "mamba2-g2"}
+HYBRID_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
 INJECTED_AT = re.compile(
     r"KV checksum fault injection: (\w+) into request \S+ group (\d+) "
@@ -84,6 +101,9 @@ def build_model(shape: str) -> str:
     """A random-weight model made locally (no model hub); returns its folder.
 
     ``tiny``: a 4-layer Qwen3 with saved random weights (peaky logits).
+    ``mamba2``: a 4-layer Mamba2ForCausalLM with saved random weights, one
+    group (n_groups = 1: B/C replicated across TP ranks, R40), bf16;
+    ``mamba2-g2``: the same with two groups (B/C sharded at TP 2).
     ``8b``: only the config of an 8B dense Llama (32 layers, 8 KV heads of 128);
     the engines fill the weights randomly with vLLM's dummy loader.
     """
@@ -93,6 +113,8 @@ def build_model(shape: str) -> str:
     model = MODELS[shape]
     if os.path.exists(f"{model}/config.json"):
         return model
+    if shape in ("mamba2", "mamba2-g2"):
+        return build_mamba2(model, 2 if shape == "mamba2-g2" else 1)
     if shape == "8b":
         LlamaConfig(
             vocab_size=128256,
@@ -127,6 +149,31 @@ def build_model(shape: str) -> str:
     return model
 
 
+def build_mamba2(model: str, n_groups: int) -> str:
+    """A random tiny Mamba2 (pure Mamba2 state; its SSD kernels are in the
+    offline bundle, unlike Qwen3-Next's MoE and FlashInfer GDN paths)."""
+    import torch
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Mamba2Config(
+        vocab_size=2048,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_heads=8,
+        head_dim=64,
+        n_groups=n_groups,
+        state_size=16,
+        expand=2,
+        initializer_range=0.08,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    Mamba2ForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
+    return model
+
+
 def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> None:
     """One engine process: build an LLM, then serve generate commands."""
     extra = dict(extra)
@@ -134,7 +181,13 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
     tensor_parallel_size = extra.pop("_tp", 1)
     block_size = extra.pop("_block_size", BLOCK_SIZE)
     shape = extra.pop("_model", "tiny")
+    kv_connector = extra.pop("_connector", "NixlConnector")
+    kv_role = extra.pop("_role", "kv_both")
+    kv_engine_id = extra.pop("_engine_id", None)
     model = MODELS[shape]
+    if shape in HYBRID_MODELS:
+        os.environ.update(HYBRID_ENV)
+        block_size = None  # vLLM aligns the block size to the Mamba page
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -168,8 +221,9 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
             tensor_parallel_size=tensor_parallel_size,
             async_scheduling=os.environ.get("KV_CHECKSUM_ASYNC", "1") == "1",
             kv_transfer_config=KVTransferConfig(
-                kv_connector="NixlConnector",
-                kv_role="kv_both",
+                kv_connector=kv_connector,
+                kv_role=kv_role,
+                engine_id=kv_engine_id,
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config=extra,
             ),
@@ -235,6 +289,7 @@ class Engine:
 
     def __init__(self, ctx: Any, name: str, extra: dict, port: int, out: str) -> None:
         self.name = name
+        self.port = port
         self.log = os.path.join(out, f"{name}.log")
         self.cmds = ctx.Queue()
         self.results = ctx.Queue()
@@ -291,18 +346,20 @@ def batches(items: list, size: int) -> list[list]:
 
 
 def producer_params() -> dict:
-    return {"do_remote_decode": True}
+    return pd_connectors.producer_params()
 
 
 def pd_round(
     producer: Engine, consumer: Engine, batch: list[list[int]], max_tokens: int
 ) -> tuple[list, dict]:
-    """Prefill on the producer, decode on the consumer after a NIXL pull."""
-    produced, _ = producer.generate([(p, producer_params(), 1) for p in batch])
+    """Prefill on the producer, decode on the consumer after the transfer."""
+    sent = [(p, producer_params(), 1) for p in batch]
+    produced, _ = producer.generate(sent)
     requests = []
-    for prompt, out in zip(batch, produced):
-        kvp = dict(out["kvp"] or {})
-        kvp.pop("remote_prefill_cached_tokens", None)
+    for (prompt, params, _), out in zip(sent, produced):
+        kvp = pd_connectors.consumer_params(
+            producer.name, producer.port, params, out["kvp"]
+        )
         requests.append((prompt, kvp, max_tokens))
     return consumer.generate(requests)
 
@@ -643,6 +700,12 @@ def main() -> int:
     )
     parser.add_argument("--producer-tp", type=int, default=1)
     parser.add_argument(
+        "--connector",
+        choices=pd_connectors.CHOICES,
+        default="nixl-pull",
+        help="P/D connector of all engines but ref (kv_checksum_pd_connectors)",
+    )
+    parser.add_argument(
         "--consumer-block-size",
         type=int,
         default=BLOCK_SIZE,
@@ -722,6 +785,7 @@ def main() -> int:
     if "containment" in phases:
         needed |= {"contained", "uncontained"}
     specs = [spec for spec in specs if spec[0] in needed]
+    connector_info = pd_connectors.configure(specs, args.connector)
     if args.sync_scheduling:
         os.environ["KV_CHECKSUM_ASYNC"] = "0"
     if args.in_process:
@@ -734,9 +798,11 @@ def main() -> int:
     engines: dict[str, Engine] = {}
     summary: dict[str, Any] = {
         "model": args.model,
-        "batch_invariant": not args.overhead_only,
+        # vLLM's batch-invariant mode has no Mamba kernels.
+        "batch_invariant": not args.overhead_only and args.model not in HYBRID_MODELS,
         "async_scheduling": not args.sync_scheduling,
         "in_process": args.in_process,
+        **connector_info,
     }
     ok = True
     try:
@@ -795,6 +861,9 @@ def main() -> int:
             print(f"[gpu] {phase}: {equal}/{count} equal, {time.time() - t0:.0f}s")
             with open(os.path.join(args.out, f"{phase}.json"), "w") as f:
                 json.dump(result, f, indent=1, default=str)
+            if args.model in HYBRID_MODELS:
+                ok &= hybrid_outputs_ok(result, count)
+                continue
             ok &= equal == count
             if "batched by 25" in result:
                 equal = result["batched by 25"]["equal_to_single_engine"]
@@ -839,6 +908,9 @@ def main() -> int:
         summary["faults"]["false_alarms"] = sorted(mismatched - injected)
         summary["faults"]["kinds"] = sorted({k for k, _ in logs["faulty"]["injected"]})
         ok &= bool(injected) and injected == mismatched
+        if args.model in HYBRID_MODELS and "recomputed" in summary["faults"]:
+            # Every caught state fault is recomputed (fail-closed "recompute").
+            ok &= summary["faults"]["recomputed"] == len(injected)
     for name in ("producer", "consumer", "faulty"):
         if name in logs:
             ok &= not logs[name]["sync_errors"]
@@ -848,6 +920,29 @@ def main() -> int:
         json.dump(summary, f, indent=1, default=str)
     print(json.dumps(summary, indent=1, default=str), flush=True)
     return 0 if ok else 1
+
+
+def hybrid_outputs_ok(result: dict[str, Any], count: int) -> bool:
+    """Issue 14's output check for Mamba models: P/D outputs with checksums
+    on equal a checksums-off consumer's (one at a time and batched); every
+    load of the clean consumer loaded KV. Equality with a single engine is
+    reported only (the consumer computes the last prompt token from h(N - 1)
+    in a one-token step, a single engine inside its prefill)."""
+    if "P/D on vs P/D off differing" not in result:
+        return True  # faults phase: judged by the log scan
+    batched = result.get("batched by 25", {})
+    print(
+        f"[gpu] mamba: on vs off differing {result['P/D on vs P/D off differing']}, "
+        f"batched {batched.get('P/D on vs P/D off differing')}, loaded "
+        f"{result['kv_loaded']}/{count} + {batched.get('kv_loaded')}/{count}",
+        flush=True,
+    )
+    return (
+        not result["P/D on vs P/D off differing"]
+        and not batched.get("P/D on vs P/D off differing")
+        and result["kv_loaded"] == count
+        and batched.get("kv_loaded") == count
+    )
 
 
 def measure_overhead(

@@ -1,0 +1,432 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Real-engine validation of KV checksums on vLLM's CPU offload tier (R139).
+
+Engines (separate processes on one GPU, tiny random-weight Qwen3 built by
+`kv_checksum_pd_gpu.build_model`), each with a small GPU KV cache
+(`num_gpu_blocks_override`) and the OffloadingConnector's CPU backend:
+
+- ``off``: checksums off (the reference),
+- ``on``: checksums on, fail-closed, kv_load_failure_policy "recompute",
+- ``faulty``: like ``on`` plus host-copy fault injection
+  (`kv_checksum_host_fault_injection`, both kinds),
+- ``multi``: like ``on`` but through MultiConnector(NixlConnector,
+  OffloadingConnector) (``--phases`` includes ``multi``).
+
+Workload: prompts made of one of `--num-prefixes` shared prefixes and a
+unique suffix, sent round-robin over the prefixes in batches, so each
+prefix has been evicted from the GPU cache by the time it is used again and
+is loaded back from host memory.
+
+Phases:
+1. loads: the same requests on ``off`` and ``on``: outputs must be equal; on
+   ``on``, at least `--min-loads` verified loads (the package's own verdict
+   counter `vllm:kv_checksum_loads`), 0 mismatches and 0 unverified.
+2. faults: the same requests on ``faulty``: every injected fault is followed
+   by a mismatch of that request, every bad host copy is dropped (one log
+   line per copy), and every output equals ``off``'s (recomputed).
+3. multi: the same requests on ``multi``: verified loads, none failing,
+   outputs equal to ``off``'s.
+4. overhead: ``off`` and ``on`` timed on the same batches, interleaved.
+
+Usage (vLLM 0.33.0, NIXL, transformers and this package installed):
+    PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
+        python examples/offload/kv_checksum_offload_gpu.py --out DIR
+Exit code 0 only if every check passed; DIR/summary.json holds the results.
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import re
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "disaggregated"))
+
+from kv_checksum_pd_gpu import MISMATCH, MODELS, UNVERIFIED, build_model  # noqa: E402
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 1024
+HOST_INJECTION = re.compile(
+    r"KV checksum host fault injection: (\w+) into request (\S+) chunk (\d+)\."
+)
+DROPPED = "KV checksums: dropped a host copy that failed verification."
+
+
+def offload_config(extra: dict, multi: bool) -> dict:
+    """kv_transfer_config keyword arguments of one engine."""
+    offload = {"cpu_bytes_to_use": 512 << 20}
+    flags = {k: v for k, v in extra.items() if not k.startswith("_")}
+    host_faults = flags.pop("kv_checksum_host_fault_injection", None)
+    if host_faults is not None:
+        offload["kv_checksum_host_fault_injection"] = host_faults
+    if not multi:
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_connector_extra_config": {**offload, **flags},
+        }
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_connector_extra_config": {
+            **flags,
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": offload,
+                },
+            ],
+        },
+    }
+
+
+def engine_main(name: str, extra: dict, log: str, cmds: Any, results: Any) -> None:
+    """One engine process: build an LLM, then serve generate commands."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(extra.get("_port", 5600))
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(
+            model=MODELS["tiny"],
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            gpu_memory_utilization=0.12,
+            # A fixed KV size skips memory profiling, which fails when engines
+            # starting beside each other free memory while one profiles.
+            kv_cache_memory_bytes=1 << 30,
+            num_gpu_blocks_override=int(extra.get("_gpu_blocks", 256)),
+            max_model_len=MAX_MODEL_LEN,
+            block_size=BLOCK_SIZE,
+            dtype="bfloat16",
+            seed=0,
+            disable_log_stats=False,
+            kv_transfer_config=KVTransferConfig(
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                **offload_config(extra, bool(extra.get("_multi"))),
+            ),
+        )
+        results.put((name, "ready", None))
+    except BaseException:
+        results.put((name, "error", traceback.format_exc()))
+        return
+    while True:
+        cmd = cmds.get()
+        if cmd[0] == "stop":
+            break
+        try:
+            batch, max_tokens = cmd[1], cmd[2]
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                detokenize=False,
+            )
+            start = time.perf_counter()
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in batch],
+                params,
+                use_tqdm=False,
+            )
+            elapsed = time.perf_counter() - start
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            results.put((name, "gen", (tokens, read_counters(llm), elapsed)))
+        except BaseException:
+            results.put((name, "error", traceback.format_exc()))
+
+
+def read_counters(llm: Any) -> dict[str, float]:
+    """The package's verdict counters (cumulative) of this engine."""
+    counts: dict[str, float] = {}
+    try:
+        for metric in llm.get_metrics():
+            if metric.name == "vllm:kv_checksum_loads":
+                key = (metric.labels or {}).get("verdict", "?")
+                counts[key] = counts.get(key, 0) + float(metric.value)
+            elif metric.name == "vllm:kv_checksum_mismatched_blocks":
+                counts["mismatched_blocks"] = counts.get(
+                    "mismatched_blocks", 0
+                ) + float(metric.value)
+    except Exception as e:
+        counts["error"] = -1.0
+        print(f"metrics unavailable: {e!r}", flush=True)
+    return counts
+
+
+class Engine:
+    """Handle of one engine process."""
+
+    def __init__(self, ctx: Any, name: str, extra: dict, out: str) -> None:
+        self.name = name
+        self.log = os.path.join(out, f"{name}.log")
+        self.cmds = ctx.Queue()
+        self.results = ctx.Queue()
+        self.proc = ctx.Process(
+            target=engine_main, args=(name, extra, self.log, self.cmds, self.results)
+        )
+        self.proc.start()
+
+    def wait(self, kind: str, timeout: float) -> Any:
+        end = time.time() + timeout
+        while time.time() < end:
+            try:
+                _, got, payload = self.results.get(timeout=5)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"{self.name} died; see {self.log}") from None
+                continue
+            if got == "error":
+                raise RuntimeError(f"{self.name}: {payload}")
+            if got == kind:
+                return payload
+        raise TimeoutError(f"{self.name}: no {kind} in {timeout}s")
+
+    def generate(self, batch: list, max_tokens: int, timeout: float = 120) -> tuple:
+        self.cmds.put(("gen", batch, max_tokens))
+        return self.wait("gen", timeout)
+
+    def run_all(self, batches: list, max_tokens: int) -> tuple[list, dict, float]:
+        tokens: list = []
+        counters: dict = {}
+        total = 0.0
+        for batch in batches:
+            out, counters, elapsed = self.generate(batch, max_tokens)
+            tokens.extend(out)
+            total += elapsed
+        return tokens, counters, total
+
+    def stop(self) -> None:
+        self.cmds.put(("stop",))
+        self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def workload(args: argparse.Namespace, seed: int) -> list[list[list[int]]]:
+    """Batches of prompts: a shared prefix (round-robin) plus a unique suffix."""
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(3, 2048) for _ in range(args.prefix_blocks * BLOCK_SIZE)]
+        for _ in range(args.num_prefixes)
+    ]
+    prompts = [
+        prefixes[i % args.num_prefixes]
+        + [rng.randrange(3, 2048) for _ in range(BLOCK_SIZE + 1)]
+        for i in range(args.num_requests)
+    ]
+    size = args.batch
+    return [prompts[i : i + size] for i in range(0, len(prompts), size)]
+
+
+def scan(path: str) -> dict[str, Any]:
+    with open(path, errors="replace") as f:
+        text = f.read()
+    return {
+        "injected": HOST_INJECTION.findall(text),
+        "mismatched": MISMATCH.findall(text),
+        "unverified": UNVERIFIED.findall(text),
+        "dropped": text.count(DROPPED),
+        "errors": text.count("KV checksums disabled for this engine"),
+    }
+
+
+def differing(a: list, b: list) -> list[int]:
+    return [i for i, (x, y) in enumerate(zip(a, b)) if x != y] + (
+        [-1] if len(a) != len(b) else []
+    )
+
+
+def check(summary: dict, name: str, ok: bool, detail: Any) -> None:
+    summary["checks"][name] = {"ok": bool(ok), "detail": detail}
+    print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+
+
+def phase_loads(engines: dict, batches: list, args: Any, summary: dict) -> list:
+    ref, _, t_off = engines["off"].run_all(batches, args.max_tokens)
+    got, counters, t_on = engines["on"].run_all(batches, args.max_tokens)
+    log = scan(engines["on"].log)
+    summary["loads"] = {"counters": counters, "log": _short(log), "time_s": t_on}
+    verified = counters.get("verified", 0)
+    check(summary, "loads: outputs equal", not differing(ref, got), differing(ref, got))
+    check(summary, "loads: verified >= min", verified >= args.min_loads, verified)
+    bad = counters.get("mismatch", 0) + counters.get("unverified", 0)
+    check(
+        summary,
+        "loads: 0 mismatch, 0 unverified",
+        bad == 0 and not log["mismatched"] and not log["unverified"],
+        counters,
+    )
+    check(summary, "loads: no checksum errors", log["errors"] == 0, log["errors"])
+    return ref
+
+
+def phase_faults(
+    engines: dict, batches: list, ref: list, args: Any, summary: dict
+) -> None:
+    got, counters, _ = engines["faulty"].run_all(batches, args.max_tokens)
+    log = scan(engines["faulty"].log)
+    injected = {req for _, req, _ in log["injected"]}
+    mismatched = set(log["mismatched"])
+    summary["faults"] = {"counters": counters, "log": _short(log)}
+    check(
+        summary, "faults: some injected", len(log["injected"]) > 0, len(log["injected"])
+    )
+    check(
+        summary,
+        "faults: every fault caught",
+        injected <= mismatched,
+        sorted(injected - mismatched),
+    )
+    check(
+        summary,
+        "faults: every bad copy dropped",
+        log["dropped"] >= len(log["injected"]),
+        {"dropped": log["dropped"], "injected": len(log["injected"])},
+    )
+    check(
+        summary,
+        "faults: outputs equal (recomputed)",
+        not differing(ref, got),
+        differing(ref, got),
+    )
+
+
+def phase_multi(
+    engines: dict, batches: list, ref: list, args: Any, summary: dict
+) -> None:
+    got, counters, _ = engines["multi"].run_all(batches, args.max_tokens)
+    log = scan(engines["multi"].log)
+    summary["multi"] = {"counters": counters, "log": _short(log)}
+    check(summary, "multi: outputs equal", not differing(ref, got), differing(ref, got))
+    check(
+        summary,
+        "multi: verified offload loads",
+        counters.get("verified", 0) > 0,
+        counters,
+    )
+    bad = counters.get("mismatch", 0) + counters.get("unverified", 0)
+    check(summary, "multi: 0 mismatch, 0 unverified", bad == 0, counters)
+
+
+def phase_overhead(engines: dict, args: Any, summary: dict) -> None:
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(args.overhead_rounds):
+        batches = workload(args, seed=1000 + r)
+        order = ("off", "on") if r % 2 == 0 else ("on", "off")
+        for name in order:
+            _, _, elapsed = engines[name].run_all(batches, args.max_tokens)
+            times[name].append(elapsed)
+    n = args.num_requests
+    stats = {
+        name: {
+            "req_per_s": [n / t for t in ts],
+            "mean_req_per_s": statistics.mean(n / t for t in ts),
+            "stdev_req_per_s": statistics.pstdev(n / t for t in ts),
+        }
+        for name, ts in times.items()
+    }
+    ratio = stats["on"]["mean_req_per_s"] / stats["off"]["mean_req_per_s"]
+    stats["on_over_off"] = ratio
+    summary["overhead"] = stats
+    print(f"overhead: {json.dumps(stats)}", flush=True)
+
+
+def _short(log: dict) -> dict:
+    return {
+        "injected": len(log["injected"]),
+        "injected_kinds": sorted({k for k, _, _ in log["injected"]}),
+        "mismatched": len(log["mismatched"]),
+        "unverified": log["unverified"][:5],
+        "dropped": log["dropped"],
+        "errors": log["errors"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--phases", default="loads,faults,multi,overhead")
+    parser.add_argument("--num-prefixes", type=int, default=48)
+    parser.add_argument("--prefix-blocks", type=int, default=12)
+    parser.add_argument("--num-requests", type=int, default=640)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--gpu-blocks", type=int, default=256)
+    parser.add_argument("--min-loads", type=int, default=500)
+    parser.add_argument("--fault-rate", type=float, default=0.2)
+    parser.add_argument("--overhead-rounds", type=int, default=4)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    phases = set(args.phases.split(","))
+    summary: dict[str, Any] = {"args": vars(args), "checks": {}, "errors": []}
+    build_model("tiny")
+    base = {"_gpu_blocks": args.gpu_blocks}
+    on = {**base, "enable_kv_checksum": True, "kv_checksum_fail_closed": True}
+    configs = {"off": base, "on": on}
+    if "faults" in phases:
+        faults = {
+            "rate": args.fault_rate,
+            "kinds": ["host_bit_flip", "host_other_block"],
+        }
+        configs["faulty"] = {**on, "kv_checksum_host_fault_injection": faults}
+    if "multi" in phases:
+        configs["multi"] = {**on, "_multi": True, "_port": 5611}
+    ctx = mp.get_context("spawn")
+    engines: dict[str, Engine] = {}
+    start = time.time()
+    try:
+        for name, extra in configs.items():
+            engines[name] = Engine(ctx, name, extra, args.out)
+        for name in list(engines):
+            try:
+                engines[name].wait("ready", 240)
+            except Exception as e:
+                summary["errors"].append(f"{name}: {e}")
+                print(f"engine {name} failed: {e}", flush=True)
+                engines.pop(name).stop()
+        batches = workload(args, seed=0)
+        ref: list = []
+        steps = [
+            ("loads", lambda: phase_loads(engines, batches, args, summary)),
+            ("faults", lambda: phase_faults(engines, batches, ref, args, summary)),
+            ("multi", lambda: phase_multi(engines, batches, ref, args, summary)),
+            ("overhead", lambda: phase_overhead(engines, args, summary)),
+        ]
+        for name, run in steps:
+            if name not in phases:
+                continue
+            try:
+                result = run()
+                if name == "loads":
+                    ref = result
+            except Exception:
+                summary["errors"].append(f"{name}: {traceback.format_exc()}")
+                print(f"phase {name} failed:\n{traceback.format_exc()}", flush=True)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+        summary["wall_s"] = time.time() - start
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    ok = not summary["errors"] and all(c["ok"] for c in summary["checks"].values())
+    print(f"{'ALL PASSED' if ok else 'FAILED'} in {summary['wall_s']:.0f}s", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
