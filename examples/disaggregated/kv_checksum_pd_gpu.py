@@ -174,6 +174,15 @@ def build_mamba2(model: str, n_groups: int) -> str:
     return model
 
 
+def shutdown_engine(llm: Any) -> None:
+    """End the engine core process now: left to the interpreter's exit, it can
+    outlive this process and keep its output pipes (and the GPU) open."""
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=10)
+    except Exception:
+        traceback.print_exc()
+
+
 def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> None:
     """One engine process: build an LLM, then serve generate commands."""
     extra = dict(extra)
@@ -235,6 +244,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
     while True:
         cmd = cmds.get()
         if cmd[0] == "stop":
+            shutdown_engine(llm)
             break
         try:
             batch = cmd[1]

@@ -11,7 +11,12 @@ Engines (separate processes on one GPU, tiny random-weight Qwen3 built by
 - ``faulty``: like ``on`` plus host-copy fault injection
   (`kv_checksum_host_fault_injection`, both kinds),
 - ``multi``: like ``on`` but through MultiConnector(NixlConnector,
-  OffloadingConnector) (``--phases`` includes ``multi``).
+  OffloadingConnector) (``--phases`` includes ``multi``),
+- ``fresh``: no connector, no prefix caching: every prompt computed whole,
+  the reference of a recomputed request.
+
+All in vLLM's batch-invariant mode (``--no-batch-invariant`` turns it off), so
+a recompute does not change the tokens of the requests batched beside it.
 
 Workload: prompts made of one of `--num-prefixes` shared prefixes and a
 unique suffix, sent round-robin over the prefixes in batches, so each
@@ -24,7 +29,8 @@ Phases:
    counter `vllm:kv_checksum_loads`), 0 mismatches and 0 unverified.
 2. faults: the same requests on ``faulty``: every injected fault is followed
    by a mismatch of that request, every bad host copy is dropped (one log
-   line per copy), and every output equals ``off``'s (recomputed).
+   line per copy); recomputed requests equal ``fresh``'s outputs, all others
+   ``off``'s.
 3. multi: the same requests on ``multi``: verified loads, none failing,
    outputs equal to ``off``'s.
 4. overhead: ``off`` and ``on`` timed on the same batches, interleaved.
@@ -50,7 +56,13 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "disaggregated"))
 
-from kv_checksum_pd_gpu import MISMATCH, MODELS, UNVERIFIED, build_model  # noqa: E402
+from kv_checksum_pd_gpu import (  # noqa: E402
+    MISMATCH,
+    MODELS,
+    UNVERIFIED,
+    build_model,
+    shutdown_engine,
+)
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -95,6 +107,9 @@ def engine_main(name: str, extra: dict, log: str, cmds: Any, results: Any) -> No
     os.dup2(fd, 2)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(extra.get("_port", 5600))
+    # Outputs independent of batch composition: a recompute changes the
+    # batches of the requests beside it, which must not change their tokens.
+    os.environ["VLLM_BATCH_INVARIANT"] = "1" if extra.get("_batch_invariant") else "0"
     try:
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
@@ -114,7 +129,11 @@ def engine_main(name: str, extra: dict, log: str, cmds: Any, results: Any) -> No
             dtype="bfloat16",
             seed=0,
             disable_log_stats=False,
-            kv_transfer_config=KVTransferConfig(
+            # ``fresh`` computes every prompt whole (what a recompute does).
+            enable_prefix_caching=not extra.get("_fresh"),
+            kv_transfer_config=None
+            if extra.get("_fresh")
+            else KVTransferConfig(
                 kv_role="kv_both",
                 kv_load_failure_policy="recompute",
                 **offload_config(extra, bool(extra.get("_multi"))),
@@ -127,6 +146,7 @@ def engine_main(name: str, extra: dict, log: str, cmds: Any, results: Any) -> No
     while True:
         cmd = cmds.get()
         if cmd[0] == "stop":
+            shutdown_engine(llm)
             break
         try:
             batch, max_tokens = cmd[1], cmd[2]
@@ -298,11 +318,23 @@ def phase_faults(
         log["dropped"] >= len(log["injected"]),
         {"dropped": log["dropped"], "injected": len(log["injected"])},
     )
+    # A recomputed request computes its whole prompt: its reference is
+    # ``fresh``; every other request's is ``off``.
+    fresh, _, _ = engines["fresh"].run_all(batches, args.max_tokens)
+    index = {req.split("-")[0] for req in injected}
+    recomputed = [i for i in range(len(got)) if str(i) in index]
+    others = [i for i in range(len(got)) if str(i) not in index]
     check(
         summary,
-        "faults: outputs equal (recomputed)",
-        not differing(ref, got),
-        differing(ref, got),
+        "faults: recomputed outputs equal a whole-prompt computation",
+        all(got[i] == fresh[i] for i in recomputed),
+        [i for i in recomputed if got[i] != fresh[i]],
+    )
+    check(
+        summary,
+        "faults: other outputs equal checksums off",
+        all(got[i] == ref[i] for i in others),
+        [i for i in others if got[i] != ref[i]],
     )
 
 
@@ -370,12 +402,15 @@ def main() -> int:
     parser.add_argument("--min-loads", type=int, default=500)
     parser.add_argument("--fault-rate", type=float, default=0.2)
     parser.add_argument("--overhead-rounds", type=int, default=4)
+    parser.add_argument(
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=True
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     phases = set(args.phases.split(","))
     summary: dict[str, Any] = {"args": vars(args), "checks": {}, "errors": []}
     build_model("tiny")
-    base = {"_gpu_blocks": args.gpu_blocks}
+    base = {"_gpu_blocks": args.gpu_blocks, "_batch_invariant": args.batch_invariant}
     on = {**base, "enable_kv_checksum": True, "kv_checksum_fail_closed": True}
     configs = {"off": base, "on": on}
     if "faults" in phases:
@@ -384,6 +419,7 @@ def main() -> int:
             "kinds": ["host_bit_flip", "host_other_block"],
         }
         configs["faulty"] = {**on, "kv_checksum_host_fault_injection": faults}
+        configs["fresh"] = {**base, "_fresh": True}
     if "multi" in phases:
         configs["multi"] = {**on, "_multi": True, "_port": 5611}
     ctx = mp.get_context("spawn")
