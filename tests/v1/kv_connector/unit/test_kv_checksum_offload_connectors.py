@@ -96,12 +96,31 @@ def test_R117_entries_move_with_the_host_copy() -> None:
     slots (a load into other blocks than were stored)."""
     table = torch.arange(10, dtype=torch.int64) * 7 + 1
     entries = HostEntryTable(table, num_chunks=8, blocks_per_chunk=2)
-    entries.save(Spec([2, 3, 4], [3], [1]), Spec([5, 6]))
+    entries.save([(Spec([2, 3, 4], [3], [1]), Spec([5, 6]))])
     before = table.clone()
     table.zero_()
-    entries.restore(Spec([5, 6]), Spec([7, 8, 9], [3], [1]))
+    entries.restore([(Spec([7, 8, 9], [3], [1]), Spec([5, 6]))])
     assert table[[7, 8, 9]].tolist() == before[[2, 3, 4]].tolist()
     assert table[:7].tolist() == [0] * 7
+
+
+def test_R117_one_step_of_several_transfers_moves_every_entry() -> None:
+    """A step's stores and loads move together (one copy each): every block
+    keeps its own entry. Bug caught: offsetting the second transfer's slots
+    by the first one's (entries of one request landing on another's)."""
+    table = torch.arange(12, dtype=torch.int64) * 5 + 3
+    entries = HostEntryTable(table, num_chunks=8, blocks_per_chunk=2)
+    stores = [
+        (Spec([1, 2], [2], [0]), Spec([4])),
+        (Spec([5, 6, 7], [3], [1]), Spec([0, 6])),
+    ]
+    entries.save(stores)
+    before = table.clone()
+    table.zero_()
+    entries.restore([(Spec([9, 10, 11], [3], [1]), Spec([0, 6]))])
+    entries.restore([(Spec([3, 4], [2], [0]), Spec([4]))])
+    assert table[[3, 4]].tolist() == before[[1, 2]].tolist()
+    assert table[[9, 10, 11]].tolist() == before[[5, 6, 7]].tolist()
 
 
 def test_R121_failed_keys_are_the_mismatched_positions() -> None:

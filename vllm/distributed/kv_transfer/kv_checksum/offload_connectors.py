@@ -157,24 +157,35 @@ class HostEntryTable:
             device=block_table.device,
         )
 
-    def _indices(self, gpu_spec: Any, cpu_spec: Any) -> tuple[torch.Tensor, ...]:
-        cpu_ids = np.asarray(cpu_spec.block_ids, dtype=np.int64)
-        slots = host_slots(gpu_spec, cpu_ids, self.blocks_per_chunk)
-        gpu_ids = np.concatenate(
-            [ids for _, _, ids in _gpu_runs(gpu_spec)] or [np.zeros(0, np.int64)]
-        )
+    def _indices(
+        self, transfers: Sequence[tuple[Any, Any]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPU block ids and host slots of (GPU spec, CPU spec) transfers,
+        concatenated: one device copy each for a whole step."""
+        gpu_ids: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        for gpu_spec, cpu_spec in transfers:
+            cpu_ids = np.asarray(cpu_spec.block_ids, dtype=np.int64)
+            slots.append(host_slots(gpu_spec, cpu_ids, self.blocks_per_chunk))
+            gpu_ids.extend(ids for _, _, ids in _gpu_runs(gpu_spec))
+        empty = np.zeros(0, dtype=np.int64)
         device = self.block_table.device
-        return _on_device(gpu_ids, device), _on_device(slots, device)
+        return (
+            _on_device(np.concatenate(gpu_ids or [empty]), device),
+            _on_device(np.concatenate(slots or [empty]), device),
+        )
 
-    def save(self, gpu_spec: Any, cpu_spec: Any) -> None:
-        """A store: the GPU blocks' entries go to their host slots."""
-        gpu_ids, slots = self._indices(gpu_spec, cpu_spec)
+    def save(self, transfers: Sequence[tuple[Any, Any]]) -> None:
+        """Stores (GPU spec, CPU spec): the GPU blocks' entries go to their
+        host slots."""
+        gpu_ids, slots = self._indices(transfers)
         if len(slots):
             self.entries[slots] = self.block_table[gpu_ids]
 
-    def restore(self, cpu_spec: Any, gpu_spec: Any) -> None:
-        """A load: the host slots' entries go to the GPU blocks written."""
-        gpu_ids, slots = self._indices(gpu_spec, cpu_spec)
+    def restore(self, transfers: Sequence[tuple[Any, Any]]) -> None:
+        """Loads (GPU spec, CPU spec): the host slots' entries go to the GPU
+        blocks written."""
+        gpu_ids, slots = self._indices(transfers)
         if len(slots):
             self.block_table[gpu_ids] = self.entries[slots]
 
@@ -317,19 +328,22 @@ class OffloadWorkerSide:
         and before the store's copy stream waits on it.
         """
         runs = getattr(metadata, "kv_checksum_store_runs", None) or {}
-        for job_id in job_ids:
-            job = metadata.store_jobs.get(job_id)
-            if job is None:
-                continue
-            self.checksum_worker.save_block_checksums(runs.get(job_id, ()))
-            self.entries.save(job.src_spec, job.dst_spec)
+        jobs = {j: metadata.store_jobs[j] for j in job_ids if j in metadata.store_jobs}
+        if not jobs:
+            return
+        self.checksum_worker.save_block_checksums(
+            [run for job_id in jobs for run in runs.get(job_id, ())]
+        )
+        self.entries.save([(job.src_spec, job.dst_spec) for job in jobs.values()])
 
     def start_loads(self, metadata: Any) -> None:
         """Before loads are submitted: faults (if configured), then entries."""
-        for job in metadata.load_jobs.values():
-            if self.injector is not None:
+        jobs = list(metadata.load_jobs.values())
+        if self.injector is not None:
+            for job in jobs:
                 self._inject(job)
-            self.entries.restore(job.src_spec, job.dst_spec)
+        if jobs:
+            self.entries.restore([(job.dst_spec, job.src_spec) for job in jobs])
 
     def _inject(self, job: Any) -> None:
         worker = self.connector_worker.worker

@@ -408,27 +408,42 @@ class KVChecksumWorker:
         table = self._block_table
         if table is None:
             return
-        device = self.topology.device
+        # One launch per group for every run of the call (a step's stores).
+        by_group: dict[int, list[tuple[str, KVChecksumBlocks]]] = {}
+        hashes: dict[int, list[bytes]] = {}
         for group_id, start, block_ids, block_hashes in runs:
             if group_id not in self._stored_groups or not len(block_ids):
                 continue
-            plans = self.groups[group_id]
+            size = self.groups[group_id].block_size
             ids = np.asarray(block_ids, dtype=np.int64)
+            requests = by_group.setdefault(group_id, [])
             blocks = KVChecksumBlocks(
-                (start + len(ids)) * plans.block_size, {group_id: (start, ids)}
+                (start + len(ids)) * size, {group_id: (start, ids)}
             )
-            rows = segment_rows([("", blocks)], group_id, plans.block_size)[3]
-            packed, _ = pack_segments([rows])
-            rows_dev = self._to_device(self._host_tensor(packed))
-            out = torch.zeros(
-                (len(ids), plans.load.width),
-                dtype=torch.int64,
-                device=device,
-            )
-            plans.load.run(rows_dev[:, : len(ids)], out)
-            tags = block_checksum_tags(block_hashes, plans.fingerprint).view(np.int64)
-            entries = out.sum(dim=1) ^ self._to_device(self._host_tensor(tags))
-            table[self._to_device(self._host_tensor(ids))] = entries
+            requests.append((str(len(requests)), blocks))
+            hashes.setdefault(group_id, []).extend(block_hashes)
+        for group_id, requests in by_group.items():
+            self._save_group_entries(table, group_id, requests, hashes[group_id])
+
+    def _save_group_entries(
+        self,
+        table: torch.Tensor,
+        group_id: int,
+        requests: list[tuple[str, KVChecksumBlocks]],
+        block_hashes: list[bytes],
+    ) -> None:
+        """Entries of one group's runs: one launch, one table write (R118)."""
+        plans = self.groups[group_id]
+        rows = segment_rows(requests, group_id, plans.block_size)[3]
+        count = rows.shape[1]
+        packed, _ = pack_segments([rows])
+        out = torch.zeros(
+            (count, plans.load.width), dtype=torch.int64, device=self.topology.device
+        )
+        plans.load.run(self._to_device(self._host_tensor(packed))[:, :count], out)
+        tags = block_checksum_tags(block_hashes, plans.fingerprint).view(np.int64)
+        entries = out.sum(dim=1) ^ self._to_device(self._host_tensor(tags))
+        table[self._to_device(self._host_tensor(rows[0].copy()))] = entries
 
     def _host_tensor(self, array: np.ndarray) -> torch.Tensor:
         """`array` as a tensor, in pinned memory when it is copied to a GPU."""
