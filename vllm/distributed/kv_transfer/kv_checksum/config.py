@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_checksum.fault_injection import FAULT_KINDS
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -23,6 +22,11 @@ MAX_PAYLOAD_BYTES_KEY = "kv_checksum_max_payload_bytes"
 FAULT_INJECTION_KEY = "kv_checksum_fault_injection"
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+
+# The kinds of `kv_checksum_fault_injection` (R131; fault_injection.py applies
+# them). Defined here, with the other settings, so config imports no module of
+# the package and everything else may import config.
+FAULT_KINDS = ("bit_flip", "zero_block", "swap_blocks", "stale_block")
 
 _FLAG_KEYS = (ENABLE_KEY, FAIL_CLOSED_KEY, MAX_PAYLOAD_BYTES_KEY, FAULT_INJECTION_KEY)
 

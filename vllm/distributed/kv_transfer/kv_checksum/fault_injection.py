@@ -37,11 +37,15 @@ import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+from vllm.distributed.kv_transfer.kv_checksum.config import (
+    FAULT_KINDS,
+    read_fault_injection,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-FAULT_KINDS = ("bit_flip", "zero_block", "swap_blocks", "stale_block")
+__all__ = ["FAULT_KINDS", "KVFaultInjector", "create_fault_injector"]
 
 # vLLM's null block: never a meaningful stale source.
 _NULL_BLOCK_ID = 0
@@ -307,8 +311,6 @@ def create_fault_injector(
     vllm_config: Any, tp_rank: int, pp_rank: int
 ) -> KVFaultInjector | None:
     """The injector configured in `kv_checksum_fault_injection`, else None."""
-    from vllm.distributed.kv_transfer.kv_checksum.config import read_fault_injection
-
     config = read_fault_injection(getattr(vllm_config, "kv_transfer_config", None))
     if config is None:
         return None
