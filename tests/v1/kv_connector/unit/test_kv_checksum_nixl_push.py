@@ -130,7 +130,9 @@ def package_state(engine: SimEngine) -> int:
     outbox = push_connector(engine).connector_scheduler.__dict__.get(
         "_kv_checksum_outbox"
     )
-    total = len(kcs._noted) + len(kcs._sends) + len(kcs._recvs) + len(kcs._loads)
+    total = (
+        len(kcs._noted) + len(kcs._sends) + len(kcs._recvs) + len(kcs.offload.pending)
+    )
     total += len(kcs._outgoing)
     return total + (len(outbox.pending) if outbox is not None else 0)
 

@@ -7,8 +7,8 @@ producer it registers a request's prompt blocks in the step that finishes the
 prompt and, when the request finishes, sums the workers' parts into the payload
 the carrier moves. On a consumer it registers the blocks a load writes in the
 step the load starts and verifies them once every worker reported (SPEC 9-13);
-loads of offloaded KV from sources the connector declares are checked against
-the block entries stored with them (SPEC 18).
+loads of offloaded KV go to its `KVChecksumOffloadLoads` (SPEC 18), whose
+verdicts it logs and counts like the P/D ones.
 """
 
 from collections.abc import Callable, Iterable, Mapping
@@ -32,7 +32,14 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.mamba_splits import is_tp_comparable
 from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
-from vllm.distributed.kv_transfer.kv_checksum.offload import verify_offloaded_load
+from vllm.distributed.kv_transfer.kv_checksum.offload_loads import (
+    ChecksumSourcesFn,
+    FailureFn,
+    KVChecksumOffloadLoads,
+    PendingOffloadLoad,
+    ignore_failure,
+    no_sources,
+)
 from vllm.distributed.kv_transfer.kv_checksum.payload import (
     KVChecksumPayload,
     KVChecksumPayloadLimits,
@@ -64,21 +71,9 @@ P2P_SOURCE = "p2p"
 CarrierFn = Callable[[Any, bool], KVChecksumCarrier | None]
 # hit_sources(request, num_external_tokens) -> names of the sources of the hit
 HitSourcesFn = Callable[[Any, int], set[str]]
-# checksum_sources(request) -> hit sources whose loads carry stored checksums
-ChecksumSourcesFn = Callable[[Any], set[str]]
-# on_failure(request, mismatches) -> None: a checked offload load failed (R121)
-FailureFn = Callable[[Any, dict[int, list[int]]], None]
 # on_failed_load(request id, verdict, loaded blocks) -> None: any load that did
 # not verify, P/D or offload, in both modes (R138 containment)
 FailedLoadFn = Callable[[str, KVChecksumVerdict, KVChecksumBlocks], None]
-
-
-def _no_sources(request: Any) -> set[str]:
-    return set()
-
-
-def _ignore_failure(request: Any, mismatches: dict[int, list[int]]) -> None:
-    return None
 
 
 @dataclass
@@ -97,13 +92,6 @@ class _PendingReceive(_PendingTransfer):
     decode_error: str = ""
 
 
-@dataclass
-class _PendingLoad(_PendingTransfer):
-    """A load of offloaded KV, checked against the entries stored with it (R119)."""
-
-    request: Any = None
-
-
 class KVChecksumScheduler:
     """Per-request checksum bookkeeping and verification in the scheduler."""
 
@@ -116,8 +104,8 @@ class KVChecksumScheduler:
         carrier: CarrierFn,
         hit_sources: HitSourcesFn,
         limits: KVChecksumPayloadLimits | None = None,
-        checksum_sources: ChecksumSourcesFn = _no_sources,
-        on_failure: FailureFn = _ignore_failure,
+        checksum_sources: ChecksumSourcesFn = no_sources,
+        on_failure: FailureFn = ignore_failure,
         hash_block_size: int | None = None,
     ) -> None:
         self.groups = dict(groups)
@@ -126,10 +114,7 @@ class KVChecksumScheduler:
         self.fail_closed = fail_closed
         self.carrier = carrier
         self.hit_sources = hit_sources
-        self.checksum_sources = checksum_sources
-        self.on_failure = on_failure
         self.on_failed_load: FailedLoadFn | None = None
-        self.hash_block_size = hash_block_size
         self.limits = limits or KVChecksumPayloadLimits(max_groups=len(self.groups))
         self.group_infos = {
             g: KVChecksumGroupInfo(
@@ -139,12 +124,17 @@ class KVChecksumScheduler:
             )
             for g, s in groups.items()
         }
-        self._block_sizes = {g: s.block_size for g, s in groups.items()}
+        self.offload = KVChecksumOffloadLoads(
+            num_workers,
+            {g: s.block_size for g, s in groups.items()},
+            hash_block_size,
+            checksum_sources,
+            on_failure,
+        )
         self.stats = KVChecksumStats()
         self._noted: set[str] = set()
         self._sends: dict[str, _PendingTransfer] = {}
         self._recvs: dict[str, _PendingReceive] = {}
-        self._loads: dict[str, _PendingLoad] = {}
         self._outgoing: dict[str, bytes] = {}
         self._step = KVChecksumScheduled()
         self._warned: set[str] = set()
@@ -160,8 +150,8 @@ class KVChecksumScheduler:
         hit_sources: HitSourcesFn,
         max_model_len: int,
         max_payload_bytes: int,
-        checksum_sources: ChecksumSourcesFn = _no_sources,
-        on_failure: FailureFn = _ignore_failure,
+        checksum_sources: ChecksumSourcesFn = no_sources,
+        on_failure: FailureFn = ignore_failure,
         hash_block_size: int | None = None,
     ) -> "KVChecksumScheduler":
         """Build from vLLM's KVCacheConfig (transfer groups only)."""
@@ -263,11 +253,12 @@ class KVChecksumScheduler:
         num_external = request.num_computed_tokens - num_local_computed_tokens
         if num_external <= 0:
             return
-        sources = set(self.hit_sources(request, num_external))
-        if not sources or not sources <= set(self.checksum_sources(request)):
+        if not self.offload.is_checked(
+            request, set(self.hit_sources(request, num_external))
+        ):
             return
         selected = self._loaded_blocks(request, blocks, num_local_computed_tokens)
-        self._loads[request.request_id] = _PendingLoad(selected, request=request)
+        self.offload.add(request, selected)
         self._step.reqs_to_load[request.request_id] = selected
 
     def _loaded_blocks(
@@ -320,7 +311,7 @@ class KVChecksumScheduler:
 
     def _finish_load(self, req_id: str, skip: set[str], invalid: np.ndarray) -> bool:
         """Verify one finished load; returns whether it must fail (R72, R73)."""
-        load = self._loads.pop(req_id, None)
+        load = self.offload.pending.pop(req_id, None)
         pending = self._recvs.pop(req_id, None)
         must_fail = (
             load is not None
@@ -345,27 +336,17 @@ class KVChecksumScheduler:
         self.stats.record_verdict(verdict)
         return self.fail_closed
 
-    def _check_offload_load(self, req_id: str, load: _PendingLoad) -> bool:
+    def _check_offload_load(self, req_id: str, load: PendingOffloadLoad) -> bool:
         """Verify an offload load (R120); tell the connector of a failure (R121).
 
         Returns whether the load must fail (fail-closed and not verified).
         """
-        verdict = verify_offloaded_load(
-            load.reports,
-            load.blocks,
-            self.num_workers,
-            load.request.block_hashes,
-            self._block_sizes,
-            self.hash_block_size,
-        )
+        verdict = self.offload.verify(load)
         self._log_verdict(req_id, verdict)
         self.stats.record_verdict(verdict)
         if verdict.status == KVChecksumStatus.VERIFIED:
             return False
-        try:
-            self.on_failure(load.request, dict(verdict.mismatches))
-        except Exception:
-            logger.exception("on_kv_checksum_failure failed for request %s", req_id)
+        self.offload.report_failure(req_id, load, verdict)
         if self.on_failed_load is not None:
             self.on_failed_load(req_id, verdict, load.blocks)
         return self.fail_closed
@@ -373,10 +354,10 @@ class KVChecksumScheduler:
     def _store(self, record: KVChecksumRecord) -> None:
         key = (record.pp_rank, record.tp_rank)
         for req_id in record.checksums:
-            pending = (
+            pending: _PendingTransfer | PendingOffloadLoad | None = (
                 self._sends.get(req_id)
                 or self._recvs.get(req_id)
-                or self._loads.get(req_id)
+                or self.offload.pending.get(req_id)
             )
             report = KVChecksumWorkerReport.from_record(record, req_id)
             if pending is not None and report is not None:
@@ -469,7 +450,7 @@ class KVChecksumScheduler:
         req_id = request.request_id
         self._noted.discard(req_id)
         self._recvs.pop(req_id, None)
-        self._loads.pop(req_id, None)
+        self.offload.pending.pop(req_id, None)
         send = self._sends.pop(req_id, None)
         if send is None or not _finished_normally(request):
             return kv_transfer_params
@@ -526,7 +507,9 @@ def _held_groups(
     return groups
 
 
-def _writes_any(pending: _PendingTransfer, block_ids: np.ndarray) -> bool:
+def _writes_any(
+    pending: _PendingTransfer | PendingOffloadLoad, block_ids: np.ndarray
+) -> bool:
     """Whether a load wrote any of `block_ids`."""
     if block_ids.size == 0:
         return False

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The scheduler's loads of offloaded KV, checked against stored entries.
+
+A load whose every hit source is one the connector declares as storing block
+checksums (R119) is registered when it starts, collects each worker's report
+and, when it finishes, is compared with the entries that came back with the KV
+(R120); a failure is handed to the connector so it drops the bad copies (R121).
+`KVChecksumScheduler` owns one of these next to its P/D bookkeeping and logs
+and counts the verdicts of both alike.
+"""
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+from vllm.distributed.kv_transfer.kv_checksum.offload import verify_offloaded_load
+from vllm.distributed.kv_transfer.kv_checksum.verification import (
+    KVChecksumVerdict,
+    KVChecksumWorkerReport,
+    WorkerKey,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# checksum_sources(request) -> hit sources whose loads carry stored checksums
+ChecksumSourcesFn = Callable[[Any], set[str]]
+# on_failure(request, mismatches) -> None: a checked offload load failed (R121)
+FailureFn = Callable[[Any, dict[int, list[int]]], None]
+
+
+def no_sources(request: Any) -> set[str]:
+    return set()
+
+
+def ignore_failure(request: Any, mismatches: dict[int, list[int]]) -> None:
+    return None
+
+
+@dataclass
+class PendingOffloadLoad:
+    """A started load of offloaded KV waiting for every worker's report."""
+
+    blocks: KVChecksumBlocks
+    request: Any
+    reports: dict[WorkerKey, KVChecksumWorkerReport] = field(default_factory=dict)
+
+
+class KVChecksumOffloadLoads:
+    """Registry and verification of offload loads (R119-R121)."""
+
+    def __init__(
+        self,
+        num_workers: int,
+        block_sizes: Mapping[int, int],
+        hash_block_size: int | None,
+        checksum_sources: ChecksumSourcesFn = no_sources,
+        on_failure: FailureFn = ignore_failure,
+    ) -> None:
+        self.num_workers = num_workers
+        self.block_sizes = dict(block_sizes)
+        self.hash_block_size = hash_block_size
+        self.checksum_sources = checksum_sources
+        self.on_failure = on_failure
+        self.pending: dict[str, PendingOffloadLoad] = {}
+
+    def is_checked(self, request: Any, hit_sources: set[str]) -> bool:
+        """Whether every source of the load stores checksums (R119)."""
+        return bool(hit_sources) and hit_sources <= set(self.checksum_sources(request))
+
+    def add(self, request: Any, blocks: KVChecksumBlocks) -> None:
+        self.pending[request.request_id] = PendingOffloadLoad(blocks, request)
+
+    def verify(self, load: PendingOffloadLoad) -> KVChecksumVerdict:
+        """Each worker's loaded blocks against the entries that came back (R120)."""
+        return verify_offloaded_load(
+            load.reports,
+            load.blocks,
+            self.num_workers,
+            load.request.block_hashes,
+            self.block_sizes,
+            self.hash_block_size,
+        )
+
+    def report_failure(
+        self, req_id: str, load: PendingOffloadLoad, verdict: KVChecksumVerdict
+    ) -> None:
+        """Tell the connector, in both modes, so it drops bad copies (R121)."""
+        try:
+            self.on_failure(load.request, dict(verdict.mismatches))
+        except Exception:
+            logger.exception("on_kv_checksum_failure failed for request %s", req_id)
