@@ -100,15 +100,15 @@ class OffloadSimEngine(SimEngine):
                     blocks_per_chunk=self.blocks_per_chunk,
                 ),
                 kv_cache_config=self.scheduler.kv_cache_config,
-                worker=_Namespace(
-                    _load_handler=_Namespace(src_tensors=list(host.values()))
-                ),
             )
             injector = create_host_fault_injector(
                 self.offload._vllm_config, worker.tp_rank, worker.pp_rank
             )
+            tensors = list(host.values())
             self.sides.append(
-                OffloadWorkerSide(worker.checksum, connector_worker, injector)
+                OffloadWorkerSide(
+                    worker.checksum, connector_worker, injector, lambda t=tensors: t
+                )
             )
         self.num_loads = 0
         self.num_stores = 0

@@ -12,6 +12,7 @@ needs CUDA streams, so its copies themselves run on the GPU only
 
 import random
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     offload_metadata,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
+from vllm.distributed.kv_transfer.kv_checksum import wiring
 from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
     HostCopyDropper,
     HostEntryTable,
@@ -134,7 +136,8 @@ def test_R121_failed_keys_are_the_mismatched_positions() -> None:
 
 
 def test_R121_dropper_frees_a_copy_once_its_load_completed() -> None:
-    """On vLLM's CPUOffloadingManager: a referenced bad copy is hidden, then
+    """On vLLM's CPUOffloadingManager, through the wiring's removal of a host
+    copy: a referenced bad copy is hidden, then
     freed (lookup MISS, chunk reusable) when its load completes. Bug caught:
     freeing a chunk a load still reads, or never freeing it."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
@@ -146,12 +149,16 @@ def test_R121_dropper_frees_a_copy_once_its_load_completed() -> None:
     manager.prepare_store(keys, ctx)
     manager.complete_store(keys, ctx)
     manager.prepare_load(keys[:1], ctx)  # the load holds keys[0]
+    sched = SimpleNamespace(
+        manager=manager, config=SimpleNamespace(kv_group_configs=[]), _req_status={}
+    )
+    try_remove = wiring._offload_scheduler_side(sched).try_remove
     dropper = HostCopyDropper()
     dropper.add(keys[:1])
-    dropper.drop_ready(manager)
+    dropper.drop_ready(try_remove)
     assert dropper.hides(keys[0]) and manager._policy.get(keys[0]) is not None
     manager.complete_load(keys[:1], ctx)
-    dropper.drop_ready(manager)
+    dropper.drop_ready(try_remove)
     assert not dropper.hides(keys[0]) and dropper.dropped == 1
     assert manager.lookup(keys[0], ctx) == LookupResult.MISS
     assert manager.lookup(keys[1], ctx) == LookupResult.HIT
@@ -400,7 +407,7 @@ def test_R139_multi_connector_pd_load_takes_the_nixl_path(model_dir: str) -> Non
     )
     engine.scheduler.schedule()
     kcs = engine.checksums
-    assert "pd" in kcs._recvs and "pd" not in kcs._loads
+    assert "pd" in kcs._recvs and "pd" not in kcs.offload.pending
     assert kcs._recvs["pd"].carrier == KVChecksumCarrier.KV_TRANSFER_PARAMS
     request = engine.scheduler.requests["pd"]
     assert engine.scheduler.connector.get_kv_checksum_sources(request) == set()
@@ -474,7 +481,7 @@ def test_R121_manager_lookup_hides_bad_copies(model_dir: str) -> None:
     engine = OffloadSimEngine(model_dir, offload_side(), "lookup")
     run_shared_prefixes(engine, 1)
     offload = engine.offload.__dict__["_kv_checksum_offload"]
-    manager = offload.manager
+    manager = engine.offload.connector_scheduler.manager
     ctx = ReqContext(req_id="x", kv_transfer_params=None)
     key = next(iter(manager._policy.chunks))
     assert manager.lookup(key, ctx) == LookupResult.HIT

@@ -25,7 +25,7 @@ GPU blocks. This module moves each block's checksum entry (R117) with it:
 Nothing here knows vLLM's wiring; wiring.py calls in.
 """
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,11 @@ StoreRun = tuple[int, int, list[int], list[bytes]]
 
 # The hit source whose loads are verified (CacheHitSource.HOST.value).
 HOST_SOURCE = "host"
+
+# try_remove(key) -> True: the host copy was freed; False: a load still holds
+# it; None: no such copy (any more). Supplied by the wiring, which knows the
+# offloading manager's internals.
+TryRemoveFn = Callable[[Any], bool | None]
 
 
 @dataclass(frozen=True)
@@ -235,48 +240,43 @@ class HostCopyDropper:
     def add(self, keys: Iterable[Any]) -> None:
         self.pending.update(keys)
 
-    def drop_ready(self, manager: Any) -> None:
-        """Free every pending key no load holds (ref_cnt 0, stored)."""
-        if not self.pending:
-            return
-        policy = manager._policy
+    def drop_ready(self, try_remove: TryRemoveFn) -> None:
+        """Free every pending copy no load holds any more."""
         for key in list(self.pending):
-            chunk = policy.get(key)
-            if chunk is None:
-                self.pending.discard(key)
+            removed = try_remove(key)
+            if removed is False:
                 continue
-            if not chunk.is_ready or chunk.ref_cnt != 0:
-                continue
-            policy.remove(key)
-            manager._free_chunk(chunk)
-            manager._num_evictable_cache_chunks -= 1
             self.pending.discard(key)
-            self.dropped += 1
-            logger.warning(
-                "KV checksums: dropped a host copy that failed verification."
-            )
+            if removed:
+                self.dropped += 1
+                logger.warning(
+                    "KV checksums: dropped a host copy that failed verification."
+                )
 
 
 class OffloadSchedulerSide:
     """The checksum state of one OffloadingConnectorScheduler (R119, R121).
 
-    `connector_scheduler` is vLLM's OffloadingConnectorScheduler; its manager
-    must be the CPU backend's (only its host copies carry entries).
+    Plain inputs from the wiring: the connector's group configs, its current
+    requests, a request's loaded key ranges (first token, end token, key) and
+    the manager's removal of a host copy.
     """
 
-    def __init__(self, connector_scheduler: Any) -> None:
-        self.connector_scheduler = connector_scheduler
-        self.manager = connector_scheduler.manager
-        self.groups = offload_groups(connector_scheduler.config.kv_group_configs)
+    def __init__(
+        self,
+        group_configs: Iterable[Any],
+        requests: Callable[[], Mapping[str, Any]],
+        load_key_ranges: Callable[[str], Iterable[tuple[int, int, Any]] | None],
+        try_remove: TryRemoveFn,
+        group_of_key: Callable[[Any], int],
+    ) -> None:
+        self.groups = offload_groups(group_configs)
         self.block_sizes = {g.group_id: g.block_size for g in self.groups}
+        self.requests = requests
+        self.load_key_ranges = load_key_ranges
+        self.try_remove = try_remove
+        self.group_of_key = group_of_key
         self.dropper = HostCopyDropper()
-
-    def requests(self) -> dict[str, Any]:
-        """The connector's requests now (a finishing one may leave in a step)."""
-        return {
-            req_id: state.req
-            for req_id, state in self.connector_scheduler._req_status.items()
-        }
 
     def attach_runs(self, metadata: Any, requests: Mapping[str, Any]) -> None:
         """Put each store job's runs on the metadata for the workers (R118)."""
@@ -286,27 +286,27 @@ class OffloadSchedulerSide:
 
     def on_failure(self, request: Any, mismatches: Mapping[int, list[int]]) -> None:
         """Drop the host copies of the mismatched positions (R121)."""
-        from vllm.v1.kv_offload.base import get_offload_group_idx
-
-        state = self.connector_scheduler._req_status.get(request.request_id)
-        if state is None:
+        ranges = self.load_key_ranges(request.request_id)
+        if ranges is None:
             return
-        keys = failed_keys(
-            state.load_key_ranges, mismatches, self.block_sizes, get_offload_group_idx
-        )
+        keys = failed_keys(ranges, mismatches, self.block_sizes, self.group_of_key)
         self.dropper.add(keys)
-        self.dropper.drop_ready(self.manager)
+        self.dropper.drop_ready(self.try_remove)
 
     def after_output(self) -> None:
         """Free bad copies whose loads completed in this output."""
-        self.dropper.drop_ready(self.manager)
+        self.dropper.drop_ready(self.try_remove)
 
 
 class OffloadWorkerSide:
     """The checksum state of one OffloadingConnectorWorker (R117, R118)."""
 
     def __init__(
-        self, checksum_worker: Any, connector_worker: Any, injector: Any = None
+        self,
+        checksum_worker: Any,
+        connector_worker: Any,
+        injector: Any = None,
+        host_tensors: Callable[[], Sequence[torch.Tensor]] = list,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
             get_offloading_group_ids,
@@ -320,6 +320,7 @@ class OffloadWorkerSide:
         self.connector_worker = connector_worker
         self.entries = HostEntryTable(table, spec.num_chunks, spec.blocks_per_chunk)
         self.injector = injector
+        self.host_tensors = host_tensors
 
     def save_stores(self, metadata: Any, job_ids: Iterable[int]) -> None:
         """Entries of the blocks these store jobs copy, into their host slots.
@@ -346,9 +347,7 @@ class OffloadWorkerSide:
             self.entries.restore([(job.dst_spec, job.src_spec) for job in jobs])
 
     def _inject(self, job: Any) -> None:
-        worker = self.connector_worker.worker
-        handler = getattr(worker, "_load_handler", None)
-        host = getattr(handler, "src_tensors", None)
+        host = self.host_tensors()
         cpu_ids = np.asarray(job.src_spec.block_ids, dtype=np.int64)
         if not host or not len(cpu_ids) or not hasattr(job.dst_spec, "block_indices"):
             return

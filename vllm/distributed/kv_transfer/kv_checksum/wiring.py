@@ -573,7 +573,7 @@ def _attach_offload_schedulers(connector: Any) -> None:
                 "its loads are not checked."
             )
             continue
-        side = offload_connectors.OffloadSchedulerSide(sched)
+        side = _offload_scheduler_side(sched)
         original_lookup = sched.manager.lookup
 
         def lookup(
@@ -585,6 +585,42 @@ def _attach_offload_schedulers(connector: Any) -> None:
 
         sched.manager.lookup = lookup  # type: ignore[method-assign, assignment]
         child._kv_checksum_offload = side
+
+
+def _offload_scheduler_side(sched: Any) -> Any:
+    """The scheduler-side state over vLLM 0.33.0's OffloadingConnectorScheduler
+    and CPUOffloadingManager internals: the requests and their loaded key
+    ranges (`_req_status`), and freeing a host copy (`_policy`, `_free_chunk`,
+    the evictable count). Upstream: a "remove key" call on the manager and a
+    public view of the connector's requests."""
+    from vllm.v1.kv_offload.base import get_offload_group_idx
+
+    def requests() -> dict[str, Any]:
+        return {rid: state.req for rid, state in sched._req_status.items()}
+
+    def load_key_ranges(req_id: str) -> Any:
+        state = sched._req_status.get(req_id)
+        return None if state is None else state.load_key_ranges
+
+    def try_remove(key: Any) -> bool | None:
+        manager = sched.manager
+        chunk = manager._policy.get(key)
+        if chunk is None:
+            return None
+        if not chunk.is_ready or chunk.ref_cnt != 0:
+            return False
+        manager._policy.remove(key)
+        manager._free_chunk(chunk)
+        manager._num_evictable_cache_chunks -= 1
+        return True
+
+    return offload_connectors.OffloadSchedulerSide(
+        sched.config.kv_group_configs,
+        requests,
+        load_key_ranges,
+        try_remove,
+        get_offload_group_idx,
+    )
 
 
 def _attach_offload_worker(connector: Any, worker: Any) -> None:
@@ -601,8 +637,14 @@ def _attach_offload_worker(connector: Any, worker: Any) -> None:
     injector = create_host_fault_injector(
         connector._vllm_config, topology.tp_rank, topology.pp_rank
     )
+
+    def host_tensors() -> list[Any]:
+        # vLLM 0.33.0: the CPU worker's load handler reads from these tensors.
+        handler = getattr(connector_worker.worker, "_load_handler", None)
+        return list(getattr(handler, "src_tensors", None) or [])
+
     connector._kv_checksum_offload_worker = offload_connectors.OffloadWorkerSide(
-        worker, connector_worker, injector
+        worker, connector_worker, injector, host_tensors
     )
 
 
