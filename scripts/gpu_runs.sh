@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU proofs of the guide, one per call, on the offline H200 host of this
+# project's device tool (or any CUDA host with the same layout).
+#
+#   bash scripts/gpu_runs.sh install-bundle   # carry gpu_bundle (57 MiB)
+#   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve,
+#                                             #  gpu_mooncake/slim), same warm machine
+#   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, push, mooncake, mamba2,
+#                                             # mamba2-tp2, offload, pull
+#
+# Each run writes its driver's output to $OUT/RUN.log (a file, not a pipe: an
+# engine left behind cannot hold the call open), its summary to
+# $OUT/RUN.summary.json and everything else to $OUT/RUN.tar.gz, prints the
+# log's last lines, and ends every vLLM process it left. Extra ARGS go to the
+# driver. SITE (default /tmp/site) is where the bundle is installed.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+site=${SITE:-/tmp/site}
+out=${OUT:-/tmp/gpu_runs}
+limit=${KV_CHECKSUM_RUN_LIMIT:-540}
+export PYTHONPATH=$site VLLM_USE_FLASHINFER_SAMPLER=0
+# Two-GPU hosts: no NVLink multicast (see ../shared/gpu and the device notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+run() {
+    local name=$1
+    shift
+    mkdir -p "$out/$name"
+    echo "[gpu_runs] $name: $*"
+    (cd "$repo" && timeout --kill-after=20 "$limit" python3 "$@" --out "$out/$name") \
+        >"$out/$name.log" 2>&1
+    local rc=$?
+    pkill -9 -f "EngineCore|vllm.entrypoints|kv_checksum_.*_gpu.py" 2>/dev/null
+    # Few files come back from the device tool: the summary, the log, one archive.
+    for summary in summary.json pd.json; do
+        [ -f "$out/$name/$summary" ] && cp "$out/$name/$summary" "$out/$name.$summary"
+    done
+    tar -czf "$out/$name.tar.gz" -C "$out" "$name" && rm -rf "${out:?}/$name"
+    tail -n 40 "$out/$name.log"
+    echo "[gpu_runs] $name: exit $rc"
+    return $rc
+}
+
+pd=examples/disaggregated/kv_checksum_pd_gpu.py
+what=${1:-}
+shift || true
+case "$what" in
+install-bundle)
+    SITE=$site bash "$repo/scripts/gpu_install.sh"
+    ;;
+install-wheels)
+    for dir in gpu_nixl gpu_serve gpu_mooncake/slim; do
+        if compgen -G "$repo/$dir/*.whl" >/dev/null; then
+            python3 -m pip install -q --no-index --no-deps --no-compile \
+                --target "$site" "$repo/$dir"/*.whl 2>&1 | grep -v WARNING
+            echo "[gpu_runs] installed $dir"
+        fi
+    done
+    ;;
+serve) run serve examples/disaggregated/kv_checksum_serve_pd.py "$@" ;;
+pull) run pull "$pd" --phases pd,faults "$@" ;;
+push) run push "$pd" --connector nixl-push --phases pd,faults --num-pd 60 \
+    --num-faults 40 "$@" ;;
+mooncake) run mooncake "$pd" --connector mooncake --phases pd,faults --num-pd 60 \
+    --num-faults 40 "$@" ;;
+mamba2) run mamba2 "$pd" --model mamba2 --num-equality 20 --num-pd 60 \
+    --num-faults 40 --fault-rate 0.5 "$@" ;;
+mamba2-tp2) run mamba2-tp2 "$pd" --model mamba2-g2 --producer-tp 2 --phases pd \
+    --num-pd 60 "$@" ;;
+offload) run offload examples/offload/kv_checksum_offload_gpu.py "$@" ;;
+*)
+    sed -n '2,16p' "$0"
+    exit 2
+    ;;
+esac
