@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""vLLM's CPU offload tier on CPU: the real OffloadingConnector scheduler side
-(alone or under MultiConnector), real checksum workers, simulated transfers.
+"""vLLM's CPU offload tier on CPU: the real OffloadingConnector or
+SimpleCPUOffloadConnector scheduler side (alone or under MultiConnector), real
+checksum workers, simulated transfers.
 
 `OffloadSimEngine` extends `SimEngine` (real Scheduler with the plugin's
 hooks, CPU KV caches, one `KVChecksumWorker` per rank). Its workers each get
@@ -14,6 +15,7 @@ before the forward (after `start_loads`, as `start_load_kv`), stores after it
 jobs are reported in the same step's KVConnectorOutput.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,9 @@ from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
     create_host_fault_injector,
+)
+from vllm.distributed.kv_transfer.kv_checksum.simple_offload import (
+    SimpleOffloadWorkerSide,
 )
 
 
@@ -191,6 +196,170 @@ class OffloadSimEngine(SimEngine):
                 )
             )
         kv_output.kv_connector_worker_meta = worker_meta
+        kv_output.kv_checksums = records or None  # type: ignore[attr-defined]
+        model_output = make_model_runner_output(
+            output, scheduler=scheduler, kv_connector_output=kv_output
+        )
+        engine_outputs = scheduler.update_from_output(output, model_output)
+        for out in iter_engine_core_outputs(engine_outputs):
+            if out.finish_reason is not None:
+                self.final[out.request_id] = out
+        return output
+
+
+# ----------------------------------------------------------------------
+# SimpleCPUOffloadConnector
+# ----------------------------------------------------------------------
+
+
+def simple_offload_metadata(metadata: Any) -> Any:
+    """The SimpleCPUOffloadMetadata of a step (also inside MultiConnector's)."""
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
+
+    for meta in (metadata, *getattr(metadata, "metadata", ())):
+        if isinstance(meta, SimpleCPUOffloadMetadata):
+            return meta
+    return None
+
+
+def simple_offload_connector(connector: Any) -> Any:
+    """The scheduler's SimpleCPUOffloadConnector (itself or a MultiConnector
+    child)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
+        SimpleCPUOffloadConnector,
+    )
+
+    for child in (connector, *getattr(connector, "_connectors", ())):
+        if isinstance(child, SimpleCPUOffloadConnector):
+            return child
+    raise AssertionError("no SimpleCPUOffloadConnector")
+
+
+class SimpleOffloadSimEngine(SimEngine):
+    """A SimEngine whose connector is vLLM's SimpleCPUOffloadConnector.
+
+    The scheduler side is vLLM's own (eager or lazy mode); each worker gets
+    the plugin's `SimpleOffloadWorkerSide` over host tensors [CPU blocks,
+    bytes per block] per layer, standing in for vLLM's SimpleCPUOffloadWorker
+    (its DMA copies need CUDA). Per step, as vLLM's worker: the load event's
+    copy after `start_loads` (start_load_kv), the forward, then the store
+    event's copy after `save_stores` (wait_for_save); both events complete in
+    the same step (loads as finished_recving of the event's requests, stores
+    as SimpleCPUOffloadWorkerMetadata counts). `tamper(meta)`, when set, may
+    change a step's metadata before the workers see it (a tier bug).
+    """
+
+    def __init__(
+        self, model_dir: str, side: SideConfig, name: str, entries: bool = True
+    ) -> None:
+        super().__init__(model_dir, side, name)
+        self.offload = simple_offload_connector(self.scheduler.connector)
+        manager = self.offload.scheduler_manager
+        self.num_cpu_blocks = manager.num_cpu_blocks
+        self.host: list[dict[str, torch.Tensor]] = []
+        self.sides: list[SimpleOffloadWorkerSide | None] = []
+        self.tamper: Callable[[Any], None] | None = None
+        groups = self.scheduler.kv_cache_config.prefix_cacheable_group_ids
+        for worker in self.workers:
+            host = {
+                name: torch.zeros(
+                    (self.num_cpu_blocks, self._block_bytes(cache)), dtype=torch.uint8
+                )
+                for name, cache in worker.caches.items()
+            }
+            self.host.append(host)
+            if not side.enabled or not entries:
+                self.sides.append(None)
+                continue
+            injector = create_host_fault_injector(
+                self.offload._vllm_config, worker.tp_rank, worker.pp_rank
+            )
+            tensors = list(host.values())
+            self.sides.append(
+                SimpleOffloadWorkerSide(
+                    worker.checksum,
+                    groups,
+                    self.num_cpu_blocks,
+                    injector,
+                    lambda t=tensors: t,
+                )
+            )
+        self.num_loads = 0
+        self.num_loaded_blocks = 0
+        self.num_stored_blocks = 0
+
+    def _block_bytes(self, cache: torch.Tensor) -> int:
+        return cache.numel() * cache.element_size() // self.side.num_blocks
+
+    def _copy(self, gpu_ids: list[int], cpu_ids: list[int], to_host: bool) -> None:
+        gpu = torch.as_tensor(gpu_ids, dtype=torch.int64)
+        cpu = torch.as_tensor(cpu_ids, dtype=torch.int64)
+        for worker, host in zip(self.workers, self.host):
+            for name, cache in worker.caches.items():
+                blocks = cache.view(torch.uint8).reshape(self.side.num_blocks, -1)
+                if to_host:
+                    host[name][cpu] = blocks[gpu]
+                else:
+                    blocks[gpu] = host[name][cpu]
+
+    def step(self) -> Any:
+        """One engine step with offload transfers; returns the SchedulerOutput."""
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        scheduler = self.scheduler
+        output = scheduler.schedule()
+        self.history.append(output)
+        meta = simple_offload_metadata(output.kv_connector_metadata)
+        if meta is not None and self.tamper is not None:
+            self.tamper(meta)
+        scheduled = getattr(output, "kv_checksum_scheduled", None)
+        for worker, side in zip(self.workers, self.sides):
+            worker.checksum.bind(scheduled)
+            if side is not None and meta is not None:
+                side.start_loads(meta)
+        finished: set[str] = set()
+        if meta is not None and meta.load_cpu_blocks:
+            self._copy(meta.load_gpu_blocks, meta.load_cpu_blocks, to_host=False)
+            self.num_loads += 1
+            self.num_loaded_blocks += len(meta.load_cpu_blocks)
+            finished = set(meta.load_event_to_reqs.get(meta.load_event, ()))
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            end = request.num_computed_tokens
+            start = end - num_tokens
+            tokens = np.asarray(request.all_token_ids[start:end])
+            self.write_tokens(self.block_ids(req_id), tokens, np.arange(start, end))
+        stored = meta is not None and bool(meta.store_gpu_blocks)
+        for side in self.sides:
+            if side is not None and stored:
+                side.save_stores(meta)
+        if stored:
+            self._copy(meta.store_gpu_blocks, meta.store_cpu_blocks, to_host=True)
+            self.num_stored_blocks += len(meta.store_gpu_blocks)
+        records = []
+        for worker in self.workers:
+            pending = worker.checksum.post_forward(
+                finished, set(), None, output.finished_req_ids
+            )
+            if pending is not None:
+                records.append(pending)
+        kv_output = make_kv_connector_output(finished_recving=finished)
+        if stored:
+            worker_meta: Any = SimpleCPUOffloadWorkerMetadata(
+                completed_store_events={meta.store_event: len(self.workers)}
+            )
+            multi = getattr(scheduler.connector, "_connectors", None)
+            if multi is not None:
+                from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E501
+                    MultiKVConnectorWorkerMetadata,
+                )
+
+                worker_meta = MultiKVConnectorWorkerMetadata(
+                    metadata=tuple(
+                        worker_meta if c is self.offload else None for c in multi
+                    )
+                )
+            kv_output.kv_connector_worker_meta = worker_meta
         kv_output.kv_checksums = records or None  # type: ignore[attr-defined]
         model_output = make_model_runner_output(
             output, scheduler=scheduler, kv_connector_output=kv_output

@@ -2,9 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Class-level hooks on vLLM's connectors pass through without checksum state.
 
-The NIXL push, Mooncake and OffloadingConnector hooks wrap methods of vLLM's
-classes for every instance; only instances the plugin attached checksum state
-to (checksums on) may behave differently (R16: checksums off is plain vLLM).
+The NIXL push, Mooncake, OffloadingConnector and SimpleCPUOffloadConnector
+hooks wrap methods of vLLM's classes for every instance; only instances the
+plugin attached checksum state to (checksums on) may behave differently (R16:
+checksums off is plain vLLM).
 Each wrapper is called on an instance without that state and must end exactly
 as vLLM's original does on an identical instance: same result or same
 exception, same attributes set.
@@ -25,6 +26,7 @@ MODULES = (
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker",
     "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector",
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
 )
 
 
@@ -67,13 +69,15 @@ def _outcome(function: Any, cls: type, args: list[Any]) -> tuple[Any, ...]:
 
 
 def test_every_connector_hook_found() -> None:
-    """The list is not empty by accident: the 14 class-level hooks of NIXL
-    push (4), Mooncake (5) and the OffloadingConnector (5) are all found."""
+    """The list is not empty by accident: the 17 class-level hooks of NIXL
+    push (4), Mooncake (5), the OffloadingConnector (5) and the
+    SimpleCPUOffloadConnector (3) are all found."""
     names = {f"{cls.__name__}.{attr}" for cls, attr in WRAPPED}
     assert "NixlPushConnectorWorker.get_transfer_results" in names
     assert "MooncakeConnectorWorker.process_pulling_result" in names
     assert "OffloadingConnector.wait_for_save" in names
-    assert len(WRAPPED) >= 14
+    assert "SimpleCPUOffloadConnector.build_connector_meta" in names
+    assert len(WRAPPED) >= 17
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,9 @@ logger = init_logger(__name__)
 # (group id, first position, GPU block ids, block hash at each block's last token)
 StoreRun = tuple[int, int, list[int], list[bytes]]
 
+# Block ids or host slots: a device index, an array or a list.
+IndexLike = torch.Tensor | np.ndarray | Sequence[int]
+
 # The hit source whose loads are verified (CacheHitSource.HOST.value).
 HOST_SOURCE = "host"
 
@@ -183,16 +186,31 @@ class HostEntryTable:
     def save(self, transfers: Sequence[tuple[Any, Any]]) -> None:
         """Stores (GPU spec, CPU spec): the GPU blocks' entries go to their
         host slots."""
-        gpu_ids, slots = self._indices(transfers)
-        if len(slots):
-            self.entries[slots] = self.block_table[gpu_ids]
+        self.save_ids(*self._indices(transfers))
 
     def restore(self, transfers: Sequence[tuple[Any, Any]]) -> None:
         """Loads (GPU spec, CPU spec): the host slots' entries go to the GPU
         blocks written."""
-        gpu_ids, slots = self._indices(transfers)
-        if len(slots):
-            self.block_table[gpu_ids] = self.entries[slots]
+        self.restore_ids(*self._indices(transfers))
+
+    def save_ids(self, gpu_ids: IndexLike, slots: IndexLike) -> None:
+        """The entries of `gpu_ids` go to the host `slots` (parallel: one GPU
+        block id and one slot per stored block)."""
+        host = self._index(slots)
+        if len(host):
+            self.entries[host] = self.block_table[self._index(gpu_ids)]
+
+    def restore_ids(self, gpu_ids: IndexLike, slots: IndexLike) -> None:
+        """The entries of the host `slots` go to `gpu_ids` (parallel)."""
+        host = self._index(slots)
+        if len(host):
+            self.block_table[self._index(gpu_ids)] = self.entries[host]
+
+    def _index(self, ids: IndexLike) -> torch.Tensor:
+        """`ids` as an int64 index on the table's device (R55: no sync)."""
+        if isinstance(ids, torch.Tensor):
+            return ids
+        return _on_device(np.asarray(ids, dtype=np.int64), self.block_table.device)
 
 
 def failed_keys(

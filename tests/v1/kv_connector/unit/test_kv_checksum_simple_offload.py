@@ -1,0 +1,585 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Checksums on vLLM 0.33.0's SimpleCPUOffloadConnector (R139, R116-R121, R131).
+
+The scheduler side is vLLM's real Scheduler and SimpleCPUOffloadConnector
+(eager and lazy mode); the worker side is the plugin's
+`SimpleOffloadWorkerSide` over real checksum workers, with the DMA copies of
+vLLM's SimpleCPUOffloadWorker simulated on CPU (`kv_checksum_offload_sim`):
+they need CUDA, so the real worker runs on the GPU only
+(examples/offload/kv_checksum_offload_gpu.py --connector simple).
+"""
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
+    SimpleOffloadSimEngine,
+    simple_offload_metadata,
+)
+from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
+from vllm.distributed.kv_transfer.kv_checksum import wiring
+from vllm.distributed.kv_transfer.kv_checksum.offload_faults import HOST_FAULT_KEY
+from vllm.distributed.kv_transfer.kv_checksum.simple_offload import (
+    SimpleOffloadSchedulerSide,
+    block_places,
+    store_runs,
+)
+
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+
+BS = 16
+SIMPLE_EXTRA = {"cpu_bytes_to_use": 1 << 22, "num_cpu_blocks": 64}
+
+
+def key(hash_byte: int, group: int) -> bytes:
+    """A block cache key: a 32-byte hash and the 4-byte big-endian group."""
+    return bytes([hash_byte]) * 32 + group.to_bytes(4, "big")
+
+
+def test_R117_block_places_from_cache_keys() -> None:
+    """Position = covered tokens / block size - 1 of the block's group; a
+    block not cached, or cached under a hash ending inside it, has no place.
+    Bug caught (tried): position = tokens // size (one past the block), so
+    every entry is tagged and weighted for the next position."""
+    keys = [
+        (key(1, 0), 16),
+        (key(2, 1), 96),
+        (None, None),
+        (key(3, 0), 40),
+        (key(4, 0), 48),
+    ]
+    places = block_places(keys, [16, 32])
+    assert places.groups.tolist() == [0, 1, -1, 0, 0]
+    assert places.positions.tolist() == [0, 2, -1, -1, 2]
+    assert places.hashes == [
+        bytes([1]) * 32,
+        bytes([2]) * 32,
+        b"",
+        b"",
+        bytes([4]) * 32,
+    ]
+
+
+def test_R118_store_runs_sorted_and_cut() -> None:
+    """Runs of consecutive positions per group, whatever the store order (lazy
+    mode stores a request's tail first); each block keeps its own hash.
+    Bug caught (tried): blocks taken in store order and cut only where the
+    group changes, i.e. consecutive positions from the first stored block
+    assumed (eager mode's order; lazy mode's tail-first order breaks it)."""
+    keys = [
+        (key(9, 0), 64),  # position 3
+        (key(8, 0), 48),  # 2
+        (key(7, 0), 32),  # 1
+        (key(5, 1), 16),  # group 1, position 0
+        (key(6, 0), 96),  # 5
+        (None, None),
+    ]
+    runs = store_runs([10, 11, 12, 13, 14, 15], block_places(keys, [16, 16]))
+    assert runs == [
+        (0, 1, [12, 11, 10], [bytes([7]) * 32, bytes([8]) * 32, bytes([9]) * 32]),
+        (0, 5, [14], [bytes([6]) * 32]),
+        (1, 0, [13], [bytes([5]) * 32]),
+    ]
+
+
+def test_R119_a_load_of_a_copy_without_entry_is_not_declared() -> None:
+    """A CPU block stored from a block with no place carries no entry: a load
+    reading it is not checked (never a false mismatch); storing the block
+    again with a place declares its loads again. Bug caught (tried):
+    declaring every load (a stale host slot compared as if it were the
+    block's entry)."""
+    gpu = {1: (key(1, 0), 16), 2: (key(2, 0), 40)}
+    loads = {"a": [7], "b": [8]}
+    side = SimpleOffloadSchedulerSide(
+        [16],
+        lambda ids: [gpu[i] for i in ids],
+        lambda ids: [(None, None) for _ in ids],
+        loads.get,
+        lambda cpu_id: None,
+    )
+    meta = type("M", (), {})()
+    meta.store_gpu_blocks, meta.store_cpu_blocks = [1, 2], [7, 8]
+    side.attach(meta)
+    assert meta.kv_checksum_store_runs == [(0, 0, [1], [bytes([1]) * 32])]
+    request = type("R", (), {"request_id": "a"})()
+    assert side.sources(request) == {"host"}
+    request.request_id = "b"
+    assert side.sources(request) == set()
+    gpu[2] = (key(2, 0), 32)
+    side.attach(meta)
+    assert side.sources(request) == {"host"} and not side.unentried
+
+
+# ----------------------------------------------------------------------
+# The real Scheduler and SimpleCPUOffloadConnector
+# ----------------------------------------------------------------------
+
+
+def simple_side(lazy: bool = False, multi: bool = False, **kw: Any) -> SideConfig:
+    extra = {**SIMPLE_EXTRA, "lazy_offload": lazy}
+    if not multi:
+        return SideConfig(
+            num_blocks=24,
+            connector="SimpleCPUOffloadConnector",
+            connector_extra=extra,
+            **kw,
+        )
+    return SideConfig(
+        num_blocks=24,
+        connector="MultiConnector",
+        connector_extra={
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                {
+                    "kv_connector": "SimpleCPUOffloadConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra,
+                },
+            ]
+        },
+        **kw,
+    )
+
+
+def with_faults(side: SideConfig, kind: str) -> SideConfig:
+    faults = {"rate": 1.0, "kinds": [kind]}
+    side.connector_extra = {**(side.connector_extra or {}), HOST_FAULT_KEY: faults}
+    return side
+
+
+def run_shared_prefixes(
+    engine: SimpleOffloadSimEngine, count: int, num_prefixes: int = 6, seed: int = 0
+) -> list[list[int]]:
+    """Requests over shared 4-block prefixes, round-robin, one at a time: each
+    prefix is evicted from the 24 GPU blocks before it is used again."""
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(3, 200) for _ in range(4 * BS)] for _ in range(num_prefixes)
+    ]
+    prompts = []
+    for i in range(count):
+        prompt = prefixes[i % num_prefixes] + [
+            rng.randrange(3, 200) for _ in range(BS + 1)
+        ]
+        prompts.append(prompt)
+        req_id = f"r{seed}-{i}"
+        engine.add(make_request(req_id, prompt, max_tokens=2, block_size=BS))
+        engine.run(req_id)
+    return prompts
+
+
+def verdicts(engine: SimpleOffloadSimEngine) -> dict[str, int]:
+    return dict(engine.checksums.stats.loads)
+
+
+def scheduler_side(engine: SimpleOffloadSimEngine) -> Any:
+    return engine.offload.__dict__["_kv_checksum_simple_offload"]
+
+
+def assert_no_request_state(engine: SimpleOffloadSimEngine) -> None:
+    """Nothing per request is left once every request finished."""
+    side = scheduler_side(engine)
+    assert not side.dropper.pending and not side.unentried
+    assert not engine.checksums.offload.pending
+    manager = engine.offload.scheduler_manager
+    assert not manager._reqs_to_load and not manager._reqs_to_store
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_R139_simple_offload_loads_verified_end_to_end(
+    model_dir: str, lazy: bool
+) -> None:
+    """Loads back from host memory are all verified, in eager mode and in
+    lazy mode (which stores evicted cached GPU blocks, tail first); no
+    per-request state is left. Bugs caught (each tried): no entry restore
+    on load (mismatch); place position off by one (mismatch); consecutive
+    positions assumed from a store's first block (lazy mismatches); host
+    table indexed by GPU block id (mismatch); host source not declared
+    (never checked)."""
+    engine = SimpleOffloadSimEngine(model_dir, simple_side(lazy), f"e2e-{lazy}")
+    run_shared_prefixes(engine, 24)
+    counts = verdicts(engine)
+    assert engine.num_loads >= 12 and engine.num_stored_blocks > 0
+    assert counts.get("verified", 0) == engine.num_loads, counts
+    assert counts.get("mismatch", 0) == 0 and counts.get("unverified", 0) == 0
+    assert_no_request_state(engine)
+
+
+def test_R118_lazy_mode_stores_evicted_cached_blocks(model_dir: str) -> None:
+    """Lazy mode stores GPU blocks that are cached and free (no request holds
+    them any more), in free-queue order; every stored block's run names the
+    block's own place, and some stores come tail first. Bug caught (tried):
+    consecutive positions assumed from a store's first block, as eager
+    stores are (the places of the tail-first stores come out wrong)."""
+    engine = SimpleOffloadSimEngine(model_dir, simple_side(lazy=True), "lazy")
+    stored: list[tuple[int, int, int]] = []
+
+    def record(meta: Any) -> None:
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        runs = getattr(meta, "kv_checksum_store_runs", [])
+        places = {
+            block: (group, start + i)
+            for group, start, ids, _ in runs
+            for i, block in enumerate(ids)
+        }
+        for block in meta.store_gpu_blocks:
+            b = pool.blocks[block]
+            assert b.block_hash is not None
+            stored.append((block, *places[block]))
+            assert places[block][1] == b.block_hash_num_tokens // BS - 1
+
+    engine.tamper = record
+    run_shared_prefixes(engine, 8)
+    assert len(stored) >= 8
+    assert any(p1 > p2 for (_, _, p1), (_, _, p2) in zip(stored, stored[1:]))
+
+
+def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:
+    """The control: no entry restore on load (the block table keeps whatever
+    the GPU block held before) makes loads fail, so the end-to-end test can
+    fail."""
+    engine = SimpleOffloadSimEngine(model_dir, simple_side(), "noentries")
+    for side in engine.sides:
+        assert side is not None
+        side.entries.restore_ids = lambda *args: None  # type: ignore[method-assign]
+    run_shared_prefixes(engine, 12)
+    counts = verdicts(engine)
+    assert engine.num_loads > 0 and counts.get("mismatch", 0) > 0, counts
+
+
+@pytest.mark.parametrize("kind", ["host_bit_flip", "host_other_block"])
+def test_R121_simple_host_fault_is_caught_and_the_copy_dropped(
+    model_dir: str, kind: str
+) -> None:
+    """A corrupted host copy: the load mismatches, fail-closed recomputes the
+    request, the bad CPU block leaves the CPU prefix cache. Bug caught
+    (tried): on_kv_checksum_failure not dropping (dropped stays 0)."""
+    side = with_faults(simple_side(fail_closed=True, policy="recompute"), kind)
+    engine = SimpleOffloadSimEngine(model_dir, side, f"fault-{kind}")
+    run_shared_prefixes(engine, 12)
+    counts = verdicts(engine)
+    dropper = scheduler_side(engine).dropper
+    assert counts.get("mismatch", 0) > 0 and counts.get("verified", 0) == 0, counts
+    assert dropper.dropped >= counts["mismatch"]
+    for final in engine.final.values():
+        assert final.finish_reason is not None
+    assert_no_request_state(engine)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_R121_a_dropped_simple_copy_is_not_loaded_again(
+    model_dir: str, lazy: bool
+) -> None:
+    """After a failed check the bad CPU block is gone: the recomputed request
+    stores a good copy and the next request of the prefix loads that and
+    verifies. Bug caught (tried): on_kv_checksum_failure not dropping (vLLM
+    keeps the bad block cached, never re-stores the hash, and the next load
+    mismatches again)."""
+    side = with_faults(
+        simple_side(lazy, fail_closed=True, policy="recompute"), "host_other_block"
+    )
+    engine = SimpleOffloadSimEngine(model_dir, side, f"dropped-{lazy}")
+    prompts = run_shared_prefixes(engine, 7)  # request 6 reloads prefix 0
+    assert verdicts(engine) == {"mismatch": 1}
+    assert scheduler_side(engine).dropper.dropped > 0
+    for worker_side in engine.sides:
+        assert worker_side is not None
+        worker_side.injector = None  # no more faults
+    for i in range(1, 6):  # evict prefix 0 from the GPU again
+        engine.add(
+            make_request(f"x{i}", prompts[i][:-1] + [9, 9], max_tokens=1, block_size=BS)
+        )
+        engine.run(f"x{i}")
+    loads = engine.num_loads
+    engine.add(
+        make_request("again", prompts[0][:-1] + [5, 5], max_tokens=1, block_size=BS)
+    )
+    engine.run("again")
+    assert engine.num_loads > loads
+    assert verdicts(engine).get("mismatch") == 1, verdicts(engine)
+    assert verdicts(engine).get("verified", 0) >= 1
+
+
+@pytest.mark.parametrize("faults", [False, True], ids=["clean", "faults"])
+def test_R131_one_load_event_of_several_requests(model_dir: str, faults: bool) -> None:
+    """Requests loading in the same event (flat block lists, no request in
+    them): clean, each verifies; with host faults, each request's own first
+    block is corrupted, and exactly the requests named by the injections
+    fail. Bug caught (tried): injecting at the event's first block for
+    every request (one corrupted block, several requests blamed)."""
+    side = simple_side(fail_closed=True, policy="recompute")
+    if faults:
+        side = with_faults(side, "host_other_block")
+    engine = SimpleOffloadSimEngine(model_dir, side, f"batch-{faults}")
+    prompts = run_shared_prefixes(engine, 6)  # fills the CPU tier
+    failed: list[str] = []
+    offload = scheduler_side(engine)
+    original = offload.on_failure
+
+    def on_failure(request: Any, mismatches: dict[int, list[int]]) -> None:
+        failed.append(request.request_id)
+        original(request, mismatches)
+
+    offload.on_failure = on_failure
+    events: list[list[str]] = []
+
+    def record(meta: Any) -> None:
+        if meta.load_cpu_blocks:
+            events.append(list(meta.load_event_to_reqs[meta.load_event]))
+
+    engine.tamper = record
+    batch = [f"b{i}" for i in range(3)]
+    for i, req_id in enumerate(batch):
+        prompt = prompts[i][:-1] + [11, 11]
+        engine.add(make_request(req_id, prompt, max_tokens=1, block_size=BS))
+    for _ in range(40):
+        if all(r in engine.final for r in batch):
+            break
+        engine.step()
+    assert sorted(events[0]) == batch
+    counts = verdicts(engine)
+    if not faults:
+        assert counts == {"verified": 3} and not failed
+        return
+    injected = [
+        i.req_id for w in engine.sides if w is not None for i in w.injector.injections
+    ]
+    assert sorted(set(injected)) == batch and sorted(failed) == batch
+    assert counts == {"mismatch": 3}
+    assert engine.checksums.stats.mismatched_positions == 3
+
+
+def test_R120_right_block_at_the_wrong_place_mismatches(model_dir: str) -> None:
+    """A tier bug that loads another request's valid copy of the same position
+    (a CPU block id mix-up) moves that copy's bytes and its own entry: same
+    position weights, but the entry's tag names the other block's hash, so
+    the load mismatches at that position and only that copy is dropped.
+    Bug caught (tried): entries tagged without the block hash (a bytes-only
+    checksum, as storage-tier CRCs are): the mixed-up block would verify."""
+    engine = SimpleOffloadSimEngine(model_dir, simple_side(), "wrong-place")
+    prompts = run_shared_prefixes(engine, 6)
+    pool = engine.offload.scheduler_manager.cpu_block_pool
+    mixed: list[int] = []
+
+    def mix_up(meta: Any) -> None:
+        cpu = meta.load_cpu_blocks
+        if not cpu or mixed:
+            return
+        asked = pool.blocks[cpu[0]]
+        other = next(
+            b.block_id
+            for b in pool.blocks
+            if b.block_hash is not None
+            and b.block_hash != asked.block_hash
+            and b.block_hash_num_tokens == asked.block_hash_num_tokens
+        )
+        mixed.append(other)
+        cpu[0] = other
+
+    engine.tamper = mix_up
+    engine.add(make_request("w", prompts[0][:-1] + [7, 7], max_tokens=1, block_size=BS))
+    engine.run("w")
+    assert mixed
+    assert verdicts(engine) == {"mismatch": 1}
+    assert engine.checksums.stats.mismatched_positions == 1
+    side = scheduler_side(engine)
+    assert side.dropper.dropped == 1
+
+
+def test_R1_simple_checksums_off_nothing_attached(model_dir: str) -> None:
+    """Checksums off: no state on the connector, no runs on the metadata, no
+    source declared. Bug caught (tried): get_kv_checksum_sources declaring
+    the host source without checksum state."""
+    engine = SimpleOffloadSimEngine(model_dir, simple_side(enabled=False), "off")
+    run_shared_prefixes(engine, 8)
+    assert engine.num_loads > 0
+    assert "_kv_checksum_simple_offload" not in engine.offload.__dict__
+    for output in engine.history:
+        meta = simple_offload_metadata(output.kv_connector_metadata)
+        assert meta is None or not hasattr(meta, "kv_checksum_store_runs")
+    assert engine.checksums is None
+    assert engine.offload.get_kv_checksum_sources(None) == set()
+
+
+def test_R139_multi_connector_simple_offload_loads_verified(model_dir: str) -> None:
+    """MultiConnector(NixlConnector, SimpleCPUOffloadConnector): host loads
+    are checked through the SimpleCPU child and verified. Bug caught
+    (tried): the Scheduler hook looking at the top connector only (the
+    child gets no checksum state, its loads are never checked)."""
+    engine = SimpleOffloadSimEngine(model_dir, simple_side(multi=True), "multi")
+    run_shared_prefixes(engine, 12)
+    counts = verdicts(engine)
+    assert engine.num_loads > 0
+    assert counts.get("verified", 0) == engine.num_loads, counts
+    assert counts.get("mismatch", 0) == 0 and counts.get("unverified", 0) == 0
+
+
+class _Recorder:
+    """Records calls by name, in order (a worker handler or worker side)."""
+
+    def __init__(self, calls: list[str], prefix: str) -> None:
+        self.calls, self.prefix = calls, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kw: self.calls.append(f"{self.prefix}.{name}")
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_R1_R118_simple_worker_hooks_on_the_real_class(enabled: bool) -> None:
+    """The worker-side wrappers of SimpleCPUOffloadConnector (vLLM's class):
+    with no checksum state an exact pass-through (R1); with it, entries move
+    before the original submits the load and the store (R118). Bug caught
+    (tried): entries saved after vLLM's wait_for_save (its store copy then
+    waits on an event recorded before the entries were written)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
+        SimpleCPUOffloadConnector,
+    )
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
+
+    wiring.install()
+    calls: list[str] = []
+    connector = object.__new__(SimpleCPUOffloadConnector)
+    connector.worker_handler = _Recorder(calls, "vllm")  # type: ignore[assignment]
+    connector._connector_metadata = SimpleCPUOffloadMetadata(
+        load_event=0, load_gpu_blocks=[3], load_cpu_blocks=[4]
+    )
+    if enabled:
+        connector._kv_checksum_simple_offload_worker = _Recorder(calls, "side")
+    before = dict(connector.__dict__)
+    SimpleCPUOffloadConnector.start_load_kv(connector, None)
+    SimpleCPUOffloadConnector.wait_for_save(connector)
+    vllm_calls = ["vllm.start_load_kv", "vllm.wait_for_save"]
+    if not enabled:
+        assert calls == vllm_calls
+    else:
+        assert calls == [
+            "side.start_loads",
+            vllm_calls[0],
+            "side.save_stores",
+            vllm_calls[1],
+        ]
+    assert connector.__dict__ == before
+
+
+def test_R117_simple_worker_side_moves_entries_by_cpu_block() -> None:
+    """A store copies the stored GPU blocks' entries to their CPU blocks'
+    slots; a load writes them back at the load's GPU ids. Bug caught
+    (tried): indexing the host table by GPU block id."""
+
+    class Worker:
+        def __init__(self) -> None:
+            self.table = torch.arange(10, dtype=torch.int64) * 3 + 1
+
+        def init_block_checksums(self, group_ids: Any) -> torch.Tensor:
+            return self.table
+
+        def save_block_checksums(self, runs: Any) -> None:
+            pass
+
+    from vllm.distributed.kv_transfer.kv_checksum.simple_offload import (
+        SimpleOffloadWorkerSide,
+    )
+
+    worker = Worker()
+    side = SimpleOffloadWorkerSide(worker, [0], num_cpu_blocks=6)
+    meta = type("M", (), {})()
+    meta.store_gpu_blocks, meta.store_cpu_blocks = [2, 5], [4, 0]
+    side.save_stores(meta)
+    before = worker.table.clone()
+    worker.table.zero_()
+    meta.load_gpu_blocks, meta.load_cpu_blocks = [7, 8], [0, 4]
+    side.start_loads(meta)
+    assert worker.table[[7, 8]].tolist() == before[[5, 2]].tolist()
+    assert np.count_nonzero(worker.table.numpy()) == 2
+
+
+def test_R121_dropped_copy_hidden_at_once_freed_after_its_load() -> None:
+    """On vLLM's BlockPool, through the wiring's removal: a bad CPU block a
+    load still holds leaves the prefix cache at once (no lookup hits it) and
+    returns to the free pool, uncached, when the load releases it; another
+    copy stays. Bug caught (tried): freeing the block at once, while the
+    load still reads it (the pool could hand it to a store mid-copy)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(8, enable_caching=True, hash_block_size=BS)
+    blocks = pool.get_new_blocks(2)
+    for i, block in enumerate(blocks):
+        pool._insert_block_hash(key(i + 1, 0), block, num_tokens=BS)
+    pool.touch(blocks[:1])  # the load's reference
+    pool.free_blocks(blocks)  # the stores' references
+    manager = SimpleNamespace(
+        group_block_sizes=(BS,),
+        cpu_block_pool=pool,
+        _gpu_block_pool=pool,
+        _reqs_to_load={
+            "r": SimpleNamespace(
+                transfer_meta=SimpleNamespace(cpu_block_ids=[blocks[0].block_id])
+            )
+        },
+        _abandoned_reqs_to_load={},
+    )
+    side = wiring._simple_offload_scheduler_side(manager)
+    request = SimpleNamespace(request_id="r")
+    side.on_failure(request, {0: [0]})
+    assert side.dropper.dropped == 1 and not side.dropper.pending
+    assert pool.cached_block_hash_to_block.get_one_block(key(1, 0)) is None
+    assert pool.cached_block_hash_to_block.get_one_block(key(2, 0)) is blocks[1]
+    assert blocks[0].ref_cnt == 1
+    free = pool.get_num_free_blocks()
+    pool.free_blocks(blocks[:1])  # the load completes
+    assert pool.get_num_free_blocks() == free + 1 and blocks[0].block_hash is None
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["cpu", "disk"])
+def test_R117_simple_worker_registration(disk: bool) -> None:
+    """register_kv_checksum_worker on vLLM's SimpleCPUOffloadConnector class:
+    a CPU handler gets a host entry table of one slot per CPU block over the
+    worker's block table (groups: the prefix-cacheable ones) and the host
+    fault injector of its config; the disk backend (no CPU tensors) gets
+    nothing. Bug caught: sizing the host table by GPU blocks (a CPU block id
+    past the GPU count then fails every store)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
+        SimpleCPUOffloadConnector,
+    )
+
+    wiring.install()
+    registered: list[Any] = []
+
+    class Worker:
+        topology = SimpleNamespace(tp_rank=0, pp_rank=0)
+        table = torch.zeros(8, dtype=torch.int64)
+
+        def init_block_checksums(self, group_ids: Any) -> torch.Tensor:
+            registered.append(tuple(group_ids))
+            return self.table
+
+    host = {"layer": torch.zeros((20, 4), dtype=torch.int8)}
+    connector = object.__new__(SimpleCPUOffloadConnector)
+    connector.worker_handler = SimpleNamespace(  # type: ignore[assignment]
+        cpu_kv_caches=None if disk else host,
+        num_cpu_blocks=20,
+        kv_cache_config=SimpleNamespace(prefix_cacheable_group_ids=(0,)),
+    )
+    extra = {HOST_FAULT_KEY: {"rate": 1.0}}
+    connector._vllm_config = SimpleNamespace(  # type: ignore[assignment]
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra)
+    )
+    SimpleCPUOffloadConnector.register_kv_checksum_worker(connector, Worker())
+    side = connector.__dict__.get("_kv_checksum_simple_offload_worker")
+    if disk:
+        assert side is None and registered == []
+        return
+    assert registered == [(0,)]
+    assert side.entries.entries.shape == (20,)
+    assert side.entries.block_table is Worker.table
+    assert side.injector is not None and side.host_tensors() == [host["layer"]]

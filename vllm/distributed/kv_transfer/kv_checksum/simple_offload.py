@@ -1,0 +1,265 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Block checksum entries for vLLM's SimpleCPUOffloadConnector (R139, R116-R121).
+
+vLLM 0.33.0's SimpleCPUOffloadConnector copies GPU blocks into CPU blocks
+(stores) and back (loads) as flat, parallel block id lists keyed by event ids:
+no request is attached to a store, and in lazy mode the stored blocks are
+cached GPU blocks near eviction, whose requests may be long gone. A block's
+entry (R117) depends on its position in its request and on the request's
+block hash at its last token; both travel with the GPU block itself: vLLM's
+block pool caches a full block under that hash (with its KV cache group) and
+the number of prefix tokens it covers, (position + 1) * block size. So:
+
+- scheduler side, `SimpleOffloadSchedulerSide.attach`: after vLLM built the
+  step's metadata, the (group, position, [GPU block ids], [hashes]) runs of
+  the stored blocks, read from those cache keys (`block_places`), go on the
+  metadata for the workers. CPU blocks stored without a known place (a block
+  cached under a partial hash) are remembered, and a load that reads one is
+  not declared (no false mismatch); storing the block again with a place
+  forgets it;
+- worker side, `SimpleOffloadWorkerSide`: at a store event the workers write
+  the entries of the stored blocks (`save_block_checksums`) and copy them
+  into a host-slot table indexed by CPU block id (`HostEntryTable` with one
+  block per chunk); before a load event's copy is submitted, the entries of
+  the loaded CPU blocks go back into the block table at the GPU block ids,
+  queued on the current stream (no host sync, R55);
+- scheduler side, `on_failure`: the CPU blocks of a failed load at the
+  mismatched positions are dropped (R121) through `HostCopyDropper`; the
+  wiring's removal takes the block's hashes out of the CPU prefix cache at
+  once (no later lookup hits it) and vLLM frees the block when the load that
+  reads it releases it.
+
+Nothing here knows vLLM's wiring; wiring.py calls in with plain callables.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
+    HOST_SOURCE,
+    HostCopyDropper,
+    HostEntryTable,
+    StoreRun,
+    TryRemoveFn,
+    failed_keys,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# (cache key: block hash + 4-byte big-endian group id, prefix tokens covered)
+# of a block, as vLLM's block pool keeps them; (None, None) when not cached.
+BlockKey = tuple[bytes | None, int | None]
+# block ids -> their cache keys, in order
+BlockKeysFn = Callable[[Sequence[int]], list[BlockKey]]
+# request id -> the CPU block ids its pending load reads (None: no load)
+LoadBlocksFn = Callable[[str], Sequence[int] | None]
+
+_GROUP_BYTES = 4
+
+
+@dataclass(frozen=True)
+class BlockPlaces:
+    """Where each block sits in the requests that cached it.
+
+    `positions` is -1 where the place is unknown (not cached, or cached under
+    a hash that ends inside the block); `hashes[i]` is then b"".
+    """
+
+    groups: np.ndarray
+    positions: np.ndarray
+    hashes: list[bytes]
+
+    @property
+    def known(self) -> np.ndarray:
+        return self.positions >= 0
+
+
+def block_places(keys: Sequence[BlockKey], block_sizes: Sequence[int]) -> BlockPlaces:
+    """(group, position, hash at the last token) of each block, from its
+    cache key and covered tokens; `block_sizes[g]` is group g's block size.
+
+    A full block at position p of group g covers (p + 1) * block_sizes[g]
+    tokens, and its hash is the request's hash at its last token (vLLM's
+    `cache_full_blocks`), which is what its entry is tagged with (R117).
+    """
+    count = len(keys)
+    groups = np.full(count, -1, dtype=np.int64)
+    tokens = np.zeros(count, dtype=np.int64)
+    for i, (key, num_tokens) in enumerate(keys):
+        if key is not None and num_tokens:
+            groups[i] = int.from_bytes(key[-_GROUP_BYTES:], "big")
+            tokens[i] = num_tokens
+    sizes = np.asarray(block_sizes, dtype=np.int64)
+    valid = (groups >= 0) & (groups < len(sizes))
+    size = np.where(valid, sizes[np.where(valid, groups, 0)], 1)
+    full = valid & (tokens > 0) & (tokens % size == 0)
+    positions = np.where(full, tokens // size - 1, -1)
+    hashes = [
+        key[:-_GROUP_BYTES] if ok and key is not None else b""
+        for (key, _), ok in zip(keys, full.tolist())
+    ]
+    return BlockPlaces(groups, positions, hashes)
+
+
+def store_runs(block_ids: Sequence[int], places: BlockPlaces) -> list[StoreRun]:
+    """The runs `save_block_checksums` takes for blocks at known places.
+
+    A run is cut wherever the group changes or the next position is not the
+    next one, so every block keeps its own position whatever the store order
+    (lazy-mode stores come in eviction order, a request's tail first; eager
+    ones in order). Sorting by (group, position) first only keeps the runs
+    few. Each block's entry depends on its own position and hash only, so
+    blocks of different requests may share a run.
+    """
+    known = np.flatnonzero(places.known)
+    if not len(known):
+        return []
+    groups = places.groups[known]
+    positions = places.positions[known]
+    order = known[np.lexsort((positions, groups))]
+    groups, positions = places.groups[order], places.positions[order]
+    ids = np.asarray(block_ids, dtype=np.int64)[order]
+    cuts = np.flatnonzero((np.diff(groups) != 0) | (np.diff(positions) != 1)) + 1
+    runs: list[StoreRun] = []
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(order)]):
+        runs.append(
+            (
+                int(groups[lo]),
+                int(positions[lo]),
+                ids[lo:hi].tolist(),
+                [places.hashes[i] for i in order[lo:hi].tolist()],
+            )
+        )
+    return runs
+
+
+class SimpleOffloadSchedulerSide:
+    """The checksum state of one SimpleCPUOffloadScheduler (R118, R119, R121).
+
+    Plain inputs from the wiring: each group's block size, the cache keys of
+    GPU and of CPU blocks, the CPU blocks of a request's pending load, and
+    the removal of a CPU block from the CPU prefix cache.
+    """
+
+    def __init__(
+        self,
+        block_sizes: Sequence[int],
+        gpu_keys: BlockKeysFn,
+        cpu_keys: BlockKeysFn,
+        load_blocks: LoadBlocksFn,
+        try_remove: TryRemoveFn,
+    ) -> None:
+        self.block_sizes = list(block_sizes)
+        self.gpu_keys = gpu_keys
+        self.cpu_keys = cpu_keys
+        self.load_blocks = load_blocks
+        self.try_remove = try_remove
+        self.dropper = HostCopyDropper()
+        # CPU block ids whose host copy carries no entry (bounded by the pool).
+        self.unentried: set[int] = set()
+
+    def attach(self, metadata: Any) -> None:
+        """The runs of this step's stores, and each loading request's block
+        count (for host fault injection, R131), on the metadata (R118)."""
+        gpu_ids = list(getattr(metadata, "store_gpu_blocks", None) or ())
+        if gpu_ids:
+            places = block_places(self.gpu_keys(gpu_ids), self.block_sizes)
+            cpu_ids = np.asarray(metadata.store_cpu_blocks, dtype=np.int64)
+            known = places.known
+            self.unentried.difference_update(cpu_ids[known].tolist())
+            if not known.all():
+                self.unentried.update(cpu_ids[~known].tolist())
+            runs = store_runs(gpu_ids, places)
+            if runs:
+                metadata.kv_checksum_store_runs = runs
+        event = getattr(metadata, "load_event", -1)
+        req_ids = (getattr(metadata, "load_event_to_reqs", None) or {}).get(event)
+        if req_ids:
+            metadata.kv_checksum_load_counts = [
+                (req_id, len(self.load_blocks(req_id) or ())) for req_id in req_ids
+            ]
+
+    def sources(self, request: Any) -> set[str]:
+        """The host source, unless the load reads a copy with no entry."""
+        cpu_ids = self.load_blocks(request.request_id)
+        if cpu_ids and not self.unentried.isdisjoint(cpu_ids):
+            logger.debug("KV checksums: a host load reads copies with no entry.")
+            return set()
+        return {HOST_SOURCE}
+
+    def on_failure(self, request: Any, mismatches: dict[int, list[int]]) -> None:
+        """Drop the CPU blocks of the load at the mismatched positions (R121)."""
+        cpu_ids = list(self.load_blocks(request.request_id) or ())
+        if not cpu_ids or not mismatches:
+            return
+        places = block_places(self.cpu_keys(cpu_ids), self.block_sizes)
+        ranges = []
+        group_of: dict[int, int] = {}
+        for cpu_id, group, position in zip(
+            cpu_ids, places.groups.tolist(), places.positions.tolist()
+        ):
+            if position < 0:
+                continue
+            size = self.block_sizes[group]
+            ranges.append((position * size, (position + 1) * size, cpu_id))
+            group_of[cpu_id] = group
+        sizes = dict(enumerate(self.block_sizes))
+        bad = failed_keys(ranges, mismatches, sizes, group_of.__getitem__)
+        self.dropper.add(bad)
+        self.dropper.drop_ready(self.try_remove)
+
+
+class SimpleOffloadWorkerSide:
+    """The checksum state of one SimpleCPUOffloadWorker (R117, R118, R131)."""
+
+    def __init__(
+        self,
+        checksum_worker: Any,
+        group_ids: Sequence[int],
+        num_cpu_blocks: int,
+        injector: Any = None,
+        host_tensors: Callable[[], Sequence[torch.Tensor]] = list,
+    ) -> None:
+        table = checksum_worker.init_block_checksums(group_ids)
+        self.checksum_worker = checksum_worker
+        self.entries = HostEntryTable(table, num_cpu_blocks, 1)
+        self.injector = injector
+        self.host_tensors = host_tensors
+
+    def save_stores(self, metadata: Any) -> None:
+        """Entries of this step's stored blocks, into their CPU blocks' slots.
+
+        Queued on the current stream after the forward and before the store
+        copy waits on it (vLLM's wait_for_save records that event after us).
+        """
+        gpu_ids = getattr(metadata, "store_gpu_blocks", None)
+        if not gpu_ids:
+            return
+        runs = getattr(metadata, "kv_checksum_store_runs", None) or []
+        self.checksum_worker.save_block_checksums(runs)
+        self.entries.save_ids(gpu_ids, metadata.store_cpu_blocks)
+
+    def start_loads(self, metadata: Any) -> None:
+        """Before the load copy is submitted: faults (if configured), then the
+        loaded CPU blocks' entries into the block table at the GPU ids."""
+        cpu_ids = getattr(metadata, "load_cpu_blocks", None)
+        if not cpu_ids:
+            return
+        if self.injector is not None:
+            self._inject(metadata, cpu_ids)
+        self.entries.restore_ids(metadata.load_gpu_blocks, cpu_ids)
+
+    def _inject(self, metadata: Any, cpu_ids: Sequence[int]) -> None:
+        """Each loading request's first CPU block may be corrupted (R131)."""
+        host = self.host_tensors()
+        offset = 0
+        for req_id, count in getattr(metadata, "kv_checksum_load_counts", None) or ():
+            if count and offset < len(cpu_ids) and host:
+                self.injector.corrupt(req_id, int(cpu_ids[offset]), 0, 1, host)
+            offset += count
