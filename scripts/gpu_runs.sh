@@ -6,7 +6,8 @@
 #   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve,
 #                                             #  gpu_mooncake/slim), same warm machine
 #   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, push, mooncake, mamba2,
-#                                             # mamba2-tp2, offload, pull
+#                                             # mamba2-tp2, offload, simple-offload,
+#                                             # pull
 #
 # Each run writes its driver's output to $OUT/RUN.log (a file, not a pipe: an
 # engine left behind cannot hold the call open), its summary to
@@ -68,6 +69,8 @@ mamba2) run mamba2 "$pd" --model mamba2 --num-equality 20 --num-pd 60 \
 mamba2-tp2) run mamba2-tp2 "$pd" --model mamba2-g2 --producer-tp 2 --phases pd \
     --num-pd 60 "$@" ;;
 offload) run offload examples/offload/kv_checksum_offload_gpu.py "$@" ;;
+simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
+    --connector simple "$@" ;;
 *)
     sed -n '2,16p' "$0"
     exit 2

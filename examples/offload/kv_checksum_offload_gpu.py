@@ -4,14 +4,16 @@
 
 Engines (separate processes on one GPU, tiny random-weight Qwen3 built by
 `kv_checksum_pd_gpu.build_model`), each with a small GPU KV cache
-(`num_gpu_blocks_override`) and the OffloadingConnector's CPU backend:
+(`num_gpu_blocks_override`) and the OffloadingConnector's CPU backend, or
+with ``--connector simple`` (``simple-lazy``) SimpleCPUOffloadConnector in
+eager (lazy) mode:
 
 - ``off``: checksums off (the reference),
 - ``on``: checksums on, fail-closed, kv_load_failure_policy "recompute",
 - ``faulty``: like ``on`` plus host-copy fault injection
   (`kv_checksum_host_fault_injection`, both kinds),
-- ``multi``: like ``on`` but through MultiConnector(NixlConnector,
-  OffloadingConnector) (``--phases`` includes ``multi``),
+- ``multi``: like ``on`` but through MultiConnector(NixlConnector, the
+  offload connector) (``--phases`` includes ``multi``),
 - ``fresh``: no connector, no prefix caching: every prompt computed whole,
   the reference of a recomputed request.
 
@@ -37,7 +39,8 @@ Phases:
 
 Usage (vLLM 0.33.0, NIXL, transformers and this package installed):
     PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
-        python examples/offload/kv_checksum_offload_gpu.py --out DIR
+        python examples/offload/kv_checksum_offload_gpu.py --out DIR \
+        [--connector simple|simple-lazy]
 Exit code 0 only if every check passed; DIR/summary.json holds the results.
 """
 
@@ -72,16 +75,25 @@ HOST_INJECTION = re.compile(
 DROPPED = "KV checksums: dropped a host copy that failed verification."
 
 
+# --connector: the offload connector and its own settings.
+CONNECTORS = {
+    "offloading": ("OffloadingConnector", {}),
+    "simple": ("SimpleCPUOffloadConnector", {}),
+    "simple-lazy": ("SimpleCPUOffloadConnector", {"lazy_offload": True}),
+}
+
+
 def offload_config(extra: dict, multi: bool) -> dict:
     """kv_transfer_config keyword arguments of one engine."""
-    offload = {"cpu_bytes_to_use": 512 << 20}
+    name, settings = CONNECTORS[extra.get("_connector", "offloading")]
+    offload = {"cpu_bytes_to_use": 512 << 20, **settings}
     flags = {k: v for k, v in extra.items() if not k.startswith("_")}
     host_faults = flags.pop("kv_checksum_host_fault_injection", None)
     if host_faults is not None:
         offload["kv_checksum_host_fault_injection"] = host_faults
     if not multi:
         return {
-            "kv_connector": "OffloadingConnector",
+            "kv_connector": name,
             "kv_connector_extra_config": {**offload, **flags},
         }
     return {
@@ -91,7 +103,7 @@ def offload_config(extra: dict, multi: bool) -> dict:
             "connectors": [
                 {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
                 {
-                    "kv_connector": "OffloadingConnector",
+                    "kv_connector": name,
                     "kv_role": "kv_both",
                     "kv_connector_extra_config": offload,
                 },
@@ -405,12 +417,22 @@ def main() -> int:
     parser.add_argument(
         "--batch-invariant", action=argparse.BooleanOptionalAction, default=True
     )
+    parser.add_argument(
+        "--connector",
+        choices=sorted(CONNECTORS),
+        default="offloading",
+        help="OffloadingConnector, or SimpleCPUOffloadConnector (eager or lazy)",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     phases = set(args.phases.split(","))
     summary: dict[str, Any] = {"args": vars(args), "checks": {}, "errors": []}
     build_model("tiny")
-    base = {"_gpu_blocks": args.gpu_blocks, "_batch_invariant": args.batch_invariant}
+    base = {
+        "_gpu_blocks": args.gpu_blocks,
+        "_batch_invariant": args.batch_invariant,
+        "_connector": args.connector,
+    }
     on = {**base, "enable_kv_checksum": True, "kv_checksum_fail_closed": True}
     configs = {"off": base, "on": on}
     if "faults" in phases:
