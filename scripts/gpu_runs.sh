@@ -5,9 +5,9 @@
 #   bash scripts/gpu_runs.sh install-bundle   # carry gpu_bundle (57 MiB)
 #   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve,
 #                                             #  gpu_mooncake/slim), same warm machine
-#   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, push, mooncake, mamba2,
-#                                             # mamba2-tp2, offload, simple-offload,
-#                                             # pull
+#   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, pull, pull-offload, push,
+#                                             # mooncake, mamba2, mamba2-tp2, offload,
+#                                             # simple-offload
 #
 # Each run writes its driver's output to $OUT/RUN.log (a file, not a pipe: an
 # engine left behind cannot hold the call open), its summary to
@@ -60,6 +60,8 @@ install-wheels)
     ;;
 serve) run serve examples/disaggregated/kv_checksum_serve_pd.py "$@" ;;
 pull) run pull "$pd" --phases pd,faults "$@" ;;
+pull-offload) run pull-offload "$pd" --connector nixl-offload --phases pd,faults \
+    --num-pd 60 --num-faults 40 "$@" ;;
 push) run push "$pd" --connector nixl-push --phases pd,faults --num-pd 60 \
     --num-faults 40 "$@" ;;
 mooncake) run mooncake "$pd" --connector mooncake --phases pd,faults --num-pd 60 \

@@ -6,6 +6,9 @@
   producer's returned kv_transfer_params (the engines as before).
 - ``nixl-push``: NixlPushConnector, kv_both; the same params exchange (the
   producer WRITEs into the consumer's blocks after its registration).
+- ``nixl-offload``: MultiConnector(NixlConnector, OffloadingConnector), the
+  production pair: P/D loads verified by the NIXL path with an offload tier
+  beside it (issue 16, part 2).
 - ``mooncake``: MooncakeConnector over Mooncake's TCP transport
   (``mooncake_protocol: "tcp"``), producer kv_producer and consumers
   kv_consumer, each engine with its own engine id and bootstrap port; the
@@ -29,7 +32,17 @@ import uuid
 from typing import Any
 
 CONNECTOR_ENV = "KV_CHECKSUM_PD_CONNECTOR"
-CHOICES = ("nixl-pull", "nixl-push", "mooncake")
+CHOICES = ("nixl-pull", "nixl-push", "mooncake", "nixl-offload")
+# nixl-offload: the common production pair, P/D loads through NIXL pull and a
+# CPU offload tier beside it (its own loads are checked by the offload driver).
+NIXL_OFFLOAD = [
+    {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+    {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+    },
+]
 BOOTSTRAP_OFFSET = 10
 MOONCAKE_SYSTEM_LIBS = (
     "libibverbs.so.1",
@@ -83,6 +96,10 @@ def configure(specs: list[tuple[str, dict, int]], name: str) -> dict[str, Any]:
         extra = dict(extra)
         if name == "nixl-push":
             extra["_connector"] = "NixlPushConnector"
+        elif name == "nixl-offload":
+            extra.update(_connector="MultiConnector", connectors=NIXL_OFFLOAD)
+            # The sync check is for this package: vLLM's offload worker is not.
+            extra["_env"] = {**extra.get("_env", {}), "KV_CHECKSUM_SYNC_CHECK": "0"}
         else:
             extra.update(
                 _connector="MooncakeConnector",
