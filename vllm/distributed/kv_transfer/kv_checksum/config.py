@@ -63,20 +63,23 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def read_fault_injection(kv_transfer_config: Any) -> FaultInjectionConfig | None:
-    """The `kv_checksum_fault_injection` setting (R131); None when absent.
+def read_fault_setting(
+    kv_transfer_config: Any, key: str, valid_kinds: tuple[str, ...]
+) -> FaultInjectionConfig | None:
+    """A fault-injection setting (R131) under `key`; None when absent.
 
     The value is a dict {"rate": number in [0, 1], "kinds": list of
-    FAULT_KINDS (default all), "seed": int (default 0)}; anything else,
-    unknown keys included, is a start-up error.
+    `valid_kinds` (default all), "seed": int (default 0)}; anything else,
+    unknown keys included, is a start-up error. Shared by the loaded-KV
+    injector and the host-copy injector of the offload tiers.
     """
     if kv_transfer_config is None:
         return None
     extra = kv_transfer_config.kv_connector_extra_config or {}
-    value = extra.get(FAULT_INJECTION_KEY)
+    value = extra.get(key)
     if value is None:
         return None
-    where = f"kv_connector_extra_config[{FAULT_INJECTION_KEY!r}]"
+    where = f"kv_connector_extra_config[{key!r}]"
     if not isinstance(value, dict):
         raise ValueError(f"{where} must be a dict, got {value!r}")
     unknown = sorted(set(value) - {"rate", "kinds", "seed"}, key=str)
@@ -89,20 +92,25 @@ def read_fault_injection(kv_transfer_config: Any) -> FaultInjectionConfig | None
         or not (math.isfinite(rate) and 0 <= rate <= 1)
     ):
         raise ValueError(f"{where}['rate'] must be a number in [0, 1], got {rate!r}")
-    kinds = value.get("kinds", list(FAULT_KINDS))
+    kinds = value.get("kinds", list(valid_kinds))
     if (
         not isinstance(kinds, (list, tuple))
         or not kinds
-        or any(k not in FAULT_KINDS for k in kinds)
+        or any(k not in valid_kinds for k in kinds)
     ):
         raise ValueError(
-            f"{where}['kinds'] must be a non-empty list of {list(FAULT_KINDS)}, "
+            f"{where}['kinds'] must be a non-empty list of {list(valid_kinds)}, "
             f"got {kinds!r}"
         )
     seed = value.get("seed", 0)
     if not _is_int(seed):
         raise ValueError(f"{where}['seed'] must be an integer, got {seed!r}")
     return FaultInjectionConfig(float(rate), tuple(dict.fromkeys(kinds)), seed)
+
+
+def read_fault_injection(kv_transfer_config: Any) -> FaultInjectionConfig | None:
+    """The `kv_checksum_fault_injection` setting (R131); None when absent."""
+    return read_fault_setting(kv_transfer_config, FAULT_INJECTION_KEY, FAULT_KINDS)
 
 
 def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:

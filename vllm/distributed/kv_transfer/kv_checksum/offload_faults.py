@@ -29,6 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.distributed.kv_transfer.kv_checksum.config import (
+    FaultInjectionConfig,
+    read_fault_setting,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -39,12 +43,10 @@ _BIT_FLIP_BYTES = 256
 
 
 @dataclass(frozen=True)
-class HostFaultConfig:
+class HostFaultConfig(FaultInjectionConfig):
     """The operator's host-copy fault injection settings."""
 
-    rate: float
     kinds: tuple[str, ...] = HOST_FAULT_KINDS
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,28 +63,12 @@ class HostInjection:
 
 
 def read_host_fault_config(kv_transfer_config: Any) -> HostFaultConfig | None:
-    """The configured host-copy faults, None when absent; bad values raise."""
-    if kv_transfer_config is None:
+    """The configured host-copy faults, None when absent; bad values raise
+    (the same rules as `kv_checksum_fault_injection`)."""
+    config = read_fault_setting(kv_transfer_config, HOST_FAULT_KEY, HOST_FAULT_KINDS)
+    if config is None:
         return None
-    extra = kv_transfer_config.kv_connector_extra_config or {}
-    value = extra.get(HOST_FAULT_KEY)
-    if value is None:
-        return None
-    where = f"kv_connector_extra_config[{HOST_FAULT_KEY!r}]"
-    if not isinstance(value, dict) or set(value) - {"rate", "kinds", "seed"}:
-        raise ValueError(f"{where} must be a dict with rate, kinds, seed")
-    rate = value.get("rate")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
-        raise ValueError(f"{where}['rate'] must be a number in [0, 1]")
-    if not 0.0 <= float(rate) <= 1.0:
-        raise ValueError(f"{where}['rate'] must be in [0, 1], got {rate}")
-    kinds = tuple(value.get("kinds") or HOST_FAULT_KINDS)
-    if any(k not in HOST_FAULT_KINDS for k in kinds):
-        raise ValueError(f"{where}['kinds'] must be some of {HOST_FAULT_KINDS}")
-    seed = value.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"{where}['seed'] must be an int")
-    return HostFaultConfig(float(rate), kinds, seed)
+    return HostFaultConfig(config.rate, config.kinds, config.seed)
 
 
 class HostFaultInjector:
