@@ -297,14 +297,24 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
 class Engine:
     """Handle of one engine process."""
 
-    def __init__(self, ctx: Any, name: str, extra: dict, port: int, out: str) -> None:
+    def __init__(
+        self,
+        ctx: Any,
+        name: str,
+        extra: dict,
+        port: int,
+        out: str,
+        target: Any = None,
+    ) -> None:
+        """`target(name, extra, port, log, cmds, results)` runs the engine
+        (default: this driver's `engine_main`)."""
         self.name = name
         self.port = port
         self.log = os.path.join(out, f"{name}.log")
         self.cmds = ctx.Queue()
         self.results = ctx.Queue()
         self.proc = ctx.Process(
-            target=engine_main,
+            target=target or engine_main,
             args=(name, extra, port, self.log, self.cmds, self.results),
         )
         self.proc.start()
@@ -330,9 +340,10 @@ class Engine:
 
     def stop(self) -> None:
         self.cmds.put(("stop",))
-        self.proc.join(5)
+        self.proc.join(20)  # the engine shuts its core down first
         if self.proc.is_alive():
             self.proc.kill()
+            self.proc.join(5)
 
 
 def prompts(

@@ -48,7 +48,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import queue
 import random
 import re
 import statistics
@@ -59,6 +58,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "disaggregated"))
 
+import kv_checksum_pd_gpu as pd_gpu  # noqa: E402
 from kv_checksum_pd_gpu import (  # noqa: E402
     MISMATCH,
     MODELS,
@@ -112,13 +112,15 @@ def offload_config(extra: dict, multi: bool) -> dict:
     }
 
 
-def engine_main(name: str, extra: dict, log: str, cmds: Any, results: Any) -> None:
+def engine_main(
+    name: str, extra: dict, port: int, log: str, cmds: Any, results: Any
+) -> None:
     """One engine process: build an LLM, then serve generate commands."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(extra.get("_port", 5600))
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     # Outputs independent of batch composition: a recompute changes the
     # batches of the requests beside it, which must not change their tokens.
     os.environ["VLLM_BATCH_INVARIANT"] = "1" if extra.get("_batch_invariant") else "0"
@@ -199,35 +201,14 @@ def read_counters(llm: Any) -> dict[str, float]:
     return counts
 
 
-class Engine:
-    """Handle of one engine process."""
+class Engine(pd_gpu.Engine):
+    """Handle of one offload engine process (the P/D driver's, another main)."""
 
     def __init__(self, ctx: Any, name: str, extra: dict, out: str) -> None:
-        self.name = name
-        self.log = os.path.join(out, f"{name}.log")
-        self.cmds = ctx.Queue()
-        self.results = ctx.Queue()
-        self.proc = ctx.Process(
-            target=engine_main, args=(name, extra, self.log, self.cmds, self.results)
-        )
-        self.proc.start()
+        port = int(extra.get("_port", 5600))
+        super().__init__(ctx, name, extra, port, out, target=engine_main)
 
-    def wait(self, kind: str, timeout: float) -> Any:
-        end = time.time() + timeout
-        while time.time() < end:
-            try:
-                _, got, payload = self.results.get(timeout=5)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"{self.name} died; see {self.log}") from None
-                continue
-            if got == "error":
-                raise RuntimeError(f"{self.name}: {payload}")
-            if got == kind:
-                return payload
-        raise TimeoutError(f"{self.name}: no {kind} in {timeout}s")
-
-    def generate(self, batch: list, max_tokens: int, timeout: float = 120) -> tuple:
+    def run_batch(self, batch: list, max_tokens: int, timeout: float = 120) -> tuple:
         self.cmds.put(("gen", batch, max_tokens))
         return self.wait("gen", timeout)
 
@@ -236,17 +217,10 @@ class Engine:
         counters: dict = {}
         total = 0.0
         for batch in batches:
-            out, counters, elapsed = self.generate(batch, max_tokens)
+            out, counters, elapsed = self.run_batch(batch, max_tokens)
             tokens.extend(out)
             total += elapsed
         return tokens, counters, total
-
-    def stop(self) -> None:
-        self.cmds.put(("stop",))
-        self.proc.join(20)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
 
 
 def workload(args: argparse.Namespace, seed: int) -> list[list[list[int]]]:
