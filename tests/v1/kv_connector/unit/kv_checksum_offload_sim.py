@@ -46,31 +46,94 @@ class _Namespace:
         self.__dict__.update(kwargs)
 
 
-def offload_metadata(metadata: Any) -> Any:
-    """The OffloadingConnectorMetadata of a step (also inside MultiConnector's)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-        OffloadingConnectorMetadata,
-    )
-
+def metadata_of(metadata: Any, kind: type) -> Any:
+    """A step's connector metadata of `kind` (also inside MultiConnector's)."""
     for meta in (metadata, *getattr(metadata, "metadata", ())):
-        if isinstance(meta, OffloadingConnectorMetadata):
+        if isinstance(meta, kind):
             return meta
     return None
 
 
+def connector_of(connector: Any, kind: type) -> Any:
+    """The scheduler's connector of `kind` (itself or a MultiConnector child)."""
+    for child in (connector, *getattr(connector, "_connectors", ())):
+        if isinstance(child, kind):
+            return child
+    raise AssertionError(f"no {kind.__name__}")
+
+
+def offload_metadata(metadata: Any) -> Any:
+    """The OffloadingConnectorMetadata of a step."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+    )
+
+    return metadata_of(metadata, OffloadingConnectorMetadata)
+
+
 def offloading_connector(connector: Any) -> Any:
-    """The scheduler's OffloadingConnector (itself or a MultiConnector child)."""
+    """The scheduler's OffloadingConnector."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
 
-    for child in (connector, *getattr(connector, "_connectors", ())):
-        if isinstance(child, OffloadingConnector):
-            return child
-    raise AssertionError("no OffloadingConnector")
+    return connector_of(connector, OffloadingConnector)
 
 
-class OffloadSimEngine(SimEngine):
+class _OffloadSimBase(SimEngine):
+    """The parts of a step both offload simulations share: the forward, the
+    workers' checksum records and handing the step's output to vLLM."""
+
+    offload: Any
+
+    def _block_bytes(self, cache: torch.Tensor) -> int:
+        return cache.numel() * cache.element_size() // self.side.num_blocks
+
+    def _forward(self, output: Any) -> None:
+        """Write the tokens every scheduled request computes this step."""
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            end = request.num_computed_tokens
+            start = end - num_tokens
+            tokens = np.asarray(request.all_token_ids[start:end])
+            self.write_tokens(self.block_ids(req_id), tokens, np.arange(start, end))
+
+    def _records(self, finished: set[str], output: Any) -> list[Any]:
+        records = []
+        for worker in self.workers:
+            pending = worker.checksum.post_forward(
+                finished, set(), None, output.finished_req_ids
+            )
+            if pending is not None:
+                records.append(pending)
+        return records
+
+    def _worker_meta(self, meta: Any) -> Any:
+        """`meta` of the offload connector, as MultiConnector wraps it."""
+        multi = getattr(self.scheduler.connector, "_connectors", None)
+        if multi is None:
+            return meta
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiKVConnectorWorkerMetadata,
+        )
+
+        return MultiKVConnectorWorkerMetadata(
+            metadata=tuple(meta if c is self.offload else None for c in multi)
+        )
+
+    def _finish(self, output: Any, kv_output: Any, records: list[Any]) -> Any:
+        kv_output.kv_checksums = records or None
+        model_output = make_model_runner_output(
+            output, scheduler=self.scheduler, kv_connector_output=kv_output
+        )
+        engine_outputs = self.scheduler.update_from_output(output, model_output)
+        for out in iter_engine_core_outputs(engine_outputs):
+            if out.finish_reason is not None:
+                self.final[out.request_id] = out
+        return output
+
+
+class OffloadSimEngine(_OffloadSimBase):
     """A SimEngine whose connector is vLLM's OffloadingConnector (CPU backend)."""
 
     def __init__(
@@ -118,9 +181,6 @@ class OffloadSimEngine(SimEngine):
         self.num_loads = 0
         self.num_stores = 0
 
-    def _block_bytes(self, cache: torch.Tensor) -> int:
-        return cache.numel() * cache.element_size() // self.side.num_blocks
-
     def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
         """[num_blocks, bytes] byte view of one layer's cache, no copy."""
         return cache.view(torch.uint8).reshape(self.side.num_blocks, -1)
@@ -161,12 +221,7 @@ class OffloadSimEngine(SimEngine):
         for job in load_jobs.values():
             self._copy(job, to_host=False)
             self.num_loads += 1
-        for req_id, num_tokens in output.num_scheduled_tokens.items():
-            request = scheduler.requests[req_id]
-            end = request.num_computed_tokens
-            start = end - num_tokens
-            tokens = np.asarray(request.all_token_ids[start:end])
-            self.write_tokens(self.block_ids(req_id), tokens, np.arange(start, end))
+        self._forward(output)
         for side in self.sides:
             if side is not None and meta is not None:
                 side.save_stores(meta, list(store_jobs))
@@ -174,37 +229,13 @@ class OffloadSimEngine(SimEngine):
             self._copy(job, to_host=True)
             self.num_stores += 1
         finished = {job.req_id for job in load_jobs.values() if not job.sync}
-        records = []
-        for worker in self.workers:
-            pending = worker.checksum.post_forward(
-                finished, set(), None, output.finished_req_ids
-            )
-            if pending is not None:
-                records.append(pending)
+        records = self._records(finished, output)
         kv_output = make_kv_connector_output(finished_recving=finished)
         completed = {j: len(self.workers) for j in (*load_jobs, *store_jobs)}
-        worker_meta: Any = OffloadingWorkerMetadata(completed_jobs=completed)
-        multi = getattr(scheduler.connector, "_connectors", None)
-        if multi is not None:
-            from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
-                MultiKVConnectorWorkerMetadata,
-            )
-
-            worker_meta = MultiKVConnectorWorkerMetadata(
-                metadata=tuple(
-                    worker_meta if c is self.offload else None for c in multi
-                )
-            )
-        kv_output.kv_connector_worker_meta = worker_meta
-        kv_output.kv_checksums = records or None  # type: ignore[attr-defined]
-        model_output = make_model_runner_output(
-            output, scheduler=scheduler, kv_connector_output=kv_output
+        kv_output.kv_connector_worker_meta = self._worker_meta(
+            OffloadingWorkerMetadata(completed_jobs=completed)
         )
-        engine_outputs = scheduler.update_from_output(output, model_output)
-        for out in iter_engine_core_outputs(engine_outputs):
-            if out.finish_reason is not None:
-                self.final[out.request_id] = out
-        return output
+        return self._finish(output, kv_output, records)
 
 
 # ----------------------------------------------------------------------
@@ -213,29 +244,22 @@ class OffloadSimEngine(SimEngine):
 
 
 def simple_offload_metadata(metadata: Any) -> Any:
-    """The SimpleCPUOffloadMetadata of a step (also inside MultiConnector's)."""
+    """The SimpleCPUOffloadMetadata of a step."""
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
-    for meta in (metadata, *getattr(metadata, "metadata", ())):
-        if isinstance(meta, SimpleCPUOffloadMetadata):
-            return meta
-    return None
+    return metadata_of(metadata, SimpleCPUOffloadMetadata)
 
 
 def simple_offload_connector(connector: Any) -> Any:
-    """The scheduler's SimpleCPUOffloadConnector (itself or a MultiConnector
-    child)."""
+    """The scheduler's SimpleCPUOffloadConnector."""
     from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
         SimpleCPUOffloadConnector,
     )
 
-    for child in (connector, *getattr(connector, "_connectors", ())):
-        if isinstance(child, SimpleCPUOffloadConnector):
-            return child
-    raise AssertionError("no SimpleCPUOffloadConnector")
+    return connector_of(connector, SimpleCPUOffloadConnector)
 
 
-class SimpleOffloadSimEngine(SimEngine):
+class SimpleOffloadSimEngine(_OffloadSimBase):
     """A SimEngine whose connector is vLLM's SimpleCPUOffloadConnector.
 
     The scheduler side is vLLM's own (eager or lazy mode); each worker gets
@@ -288,9 +312,6 @@ class SimpleOffloadSimEngine(SimEngine):
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
 
-    def _block_bytes(self, cache: torch.Tensor) -> int:
-        return cache.numel() * cache.element_size() // self.side.num_blocks
-
     def _copy(self, gpu_ids: list[int], cpu_ids: list[int], to_host: bool) -> None:
         gpu = torch.as_tensor(gpu_ids, dtype=torch.int64)
         cpu = torch.as_tensor(cpu_ids, dtype=torch.int64)
@@ -323,12 +344,7 @@ class SimpleOffloadSimEngine(SimEngine):
             self.num_loads += 1
             self.num_loaded_blocks += len(meta.load_cpu_blocks)
             finished = set(meta.load_event_to_reqs.get(meta.load_event, ()))
-        for req_id, num_tokens in output.num_scheduled_tokens.items():
-            request = scheduler.requests[req_id]
-            end = request.num_computed_tokens
-            start = end - num_tokens
-            tokens = np.asarray(request.all_token_ids[start:end])
-            self.write_tokens(self.block_ids(req_id), tokens, np.arange(start, end))
+        self._forward(output)
         stored = meta is not None and bool(meta.store_gpu_blocks)
         for side in self.sides:
             if side is not None and stored:
@@ -336,36 +352,12 @@ class SimpleOffloadSimEngine(SimEngine):
         if stored:
             self._copy(meta.store_gpu_blocks, meta.store_cpu_blocks, to_host=True)
             self.num_stored_blocks += len(meta.store_gpu_blocks)
-        records = []
-        for worker in self.workers:
-            pending = worker.checksum.post_forward(
-                finished, set(), None, output.finished_req_ids
-            )
-            if pending is not None:
-                records.append(pending)
+        records = self._records(finished, output)
         kv_output = make_kv_connector_output(finished_recving=finished)
         if stored:
-            worker_meta: Any = SimpleCPUOffloadWorkerMetadata(
-                completed_store_events={meta.store_event: len(self.workers)}
+            kv_output.kv_connector_worker_meta = self._worker_meta(
+                SimpleCPUOffloadWorkerMetadata(
+                    completed_store_events={meta.store_event: len(self.workers)}
+                )
             )
-            multi = getattr(scheduler.connector, "_connectors", None)
-            if multi is not None:
-                from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E501
-                    MultiKVConnectorWorkerMetadata,
-                )
-
-                worker_meta = MultiKVConnectorWorkerMetadata(
-                    metadata=tuple(
-                        worker_meta if c is self.offload else None for c in multi
-                    )
-                )
-            kv_output.kv_connector_worker_meta = worker_meta
-        kv_output.kv_checksums = records or None  # type: ignore[attr-defined]
-        model_output = make_model_runner_output(
-            output, scheduler=scheduler, kv_connector_output=kv_output
-        )
-        engine_outputs = scheduler.update_from_output(output, model_output)
-        for out in iter_engine_core_outputs(engine_outputs):
-            if out.finish_reason is not None:
-                self.final[out.request_id] = out
-        return output
+        return self._finish(output, kv_output, records)
