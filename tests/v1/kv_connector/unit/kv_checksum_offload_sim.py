@@ -15,6 +15,7 @@ before the forward (after `start_loads`, as `start_load_kv`), stores after it
 jobs are reported in the same step's KVConnectorOutput.
 """
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     iter_engine_core_outputs,
     make_kv_connector_output,
     make_model_runner_output,
+    make_request,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
 from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
@@ -361,3 +363,34 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
                 )
             )
         return self._finish(output, kv_output, records)
+
+
+def run_shared_prefixes(
+    engine: SimEngine,
+    count: int,
+    num_prefixes: int = 6,
+    seed: int = 0,
+    block_size: int = 16,
+) -> list[list[int]]:
+    """Requests over shared 4-block prefixes, round-robin, one at a time: each
+    prefix is evicted from the 24 GPU blocks before it is used again."""
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(3, 200) for _ in range(4 * block_size)]
+        for _ in range(num_prefixes)
+    ]
+    prompts = []
+    for i in range(count):
+        prompt = prefixes[i % num_prefixes] + [
+            rng.randrange(3, 200) for _ in range(block_size + 1)
+        ]
+        prompts.append(prompt)
+        req_id = f"r{seed}-{i}"
+        engine.add(make_request(req_id, prompt, max_tokens=2, block_size=block_size))
+        engine.run(req_id)
+    return prompts
+
+
+def verdicts(engine: SimEngine) -> dict[str, int]:
+    """The engine's load verdict counts."""
+    return dict(engine.checksums.stats.loads)

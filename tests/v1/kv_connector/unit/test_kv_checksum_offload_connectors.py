@@ -23,6 +23,8 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     OffloadSimEngine,
     offload_metadata,
+    run_shared_prefixes,
+    verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
 from vllm.distributed.kv_transfer.kv_checksum import wiring
@@ -235,31 +237,6 @@ def offload_side(multi: bool = False, **kw: Any) -> SideConfig:
         },
         **kw,
     )
-
-
-def run_shared_prefixes(
-    engine: OffloadSimEngine, count: int, num_prefixes: int = 6, seed: int = 0
-) -> list[list[int]]:
-    """Requests over shared 4-block prefixes, round-robin, one at a time: each
-    prefix is evicted from the 24 GPU blocks before it is used again."""
-    rng = random.Random(seed)
-    prefixes = [
-        [rng.randrange(3, 200) for _ in range(4 * BS)] for _ in range(num_prefixes)
-    ]
-    prompts = []
-    for i in range(count):
-        prompt = prefixes[i % num_prefixes] + [
-            rng.randrange(3, 200) for _ in range(BS + 1)
-        ]
-        prompts.append(prompt)
-        req_id = f"r{seed}-{i}"
-        engine.add(make_request(req_id, prompt, max_tokens=2, block_size=BS))
-        engine.run(req_id)
-    return prompts
-
-
-def verdicts(engine: OffloadSimEngine) -> dict[str, int]:
-    return dict(engine.checksums.stats.loads)
 
 
 def test_R118_store_runs_carry_the_request_hashes(model_dir: str) -> None:

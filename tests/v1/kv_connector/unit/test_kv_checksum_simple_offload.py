@@ -10,7 +10,6 @@ they need CUDA, so the real worker runs on the GPU only
 (examples/offload/kv_checksum_offload_gpu.py --connector simple).
 """
 
-import random
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,9 @@ import torch
 from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     SimpleOffloadSimEngine,
+    run_shared_prefixes,
     simple_offload_metadata,
+    verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
 from vllm.distributed.kv_transfer.kv_checksum import wiring
@@ -151,31 +152,6 @@ def with_faults(side: SideConfig, kind: str) -> SideConfig:
     faults = {"rate": 1.0, "kinds": [kind]}
     side.connector_extra = {**(side.connector_extra or {}), HOST_FAULT_KEY: faults}
     return side
-
-
-def run_shared_prefixes(
-    engine: SimpleOffloadSimEngine, count: int, num_prefixes: int = 6, seed: int = 0
-) -> list[list[int]]:
-    """Requests over shared 4-block prefixes, round-robin, one at a time: each
-    prefix is evicted from the 24 GPU blocks before it is used again."""
-    rng = random.Random(seed)
-    prefixes = [
-        [rng.randrange(3, 200) for _ in range(4 * BS)] for _ in range(num_prefixes)
-    ]
-    prompts = []
-    for i in range(count):
-        prompt = prefixes[i % num_prefixes] + [
-            rng.randrange(3, 200) for _ in range(BS + 1)
-        ]
-        prompts.append(prompt)
-        req_id = f"r{seed}-{i}"
-        engine.add(make_request(req_id, prompt, max_tokens=2, block_size=BS))
-        engine.run(req_id)
-    return prompts
-
-
-def verdicts(engine: SimpleOffloadSimEngine) -> dict[str, int]:
-    return dict(engine.checksums.stats.loads)
 
 
 def scheduler_side(engine: SimpleOffloadSimEngine) -> Any:
