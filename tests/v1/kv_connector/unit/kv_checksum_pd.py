@@ -707,3 +707,46 @@ def consume(
         num_local_tokens=local,
         recv_blocks=consumer.recv_blocks(req_id),
     )
+
+
+# ----------------------------------------------------------------------
+# Helpers of the CONNECTOR-carrier tests (NIXL push, Mooncake)
+# ----------------------------------------------------------------------
+
+
+def capture_verdicts(engine: SimEngine) -> dict[str, Any]:
+    """Every P/D verdict the engine's checksum scheduler reaches, by request."""
+    verdicts: dict[str, Any] = {}
+    kcs = engine.checksums
+    original = kcs._verify
+
+    def verify(req_id: str, pending: Any) -> Any:
+        verdicts[req_id] = original(req_id, pending)
+        return verdicts[req_id]
+
+    kcs._verify = verify
+    return verdicts
+
+
+def deliver_next(engine: SimEngine, received: dict[str, bytes]) -> None:
+    """The next step's rank-0 checksum worker reports `received` (R99)."""
+    worker = engine.workers[0].checksum
+    original = worker.post_forward
+
+    def post_forward(finished: Any, failed: Any, _: Any, done: Any) -> Any:
+        worker.post_forward = original
+        return original(finished, failed, received, done)
+
+    worker.post_forward = post_forward
+
+
+def package_state(engine: SimEngine, connector_scheduler: Any) -> int:
+    """Entries in the package's per-request dictionaries of one engine: its
+    checksum scheduler's and the carrier outbox on `connector_scheduler`."""
+    kcs = engine.checksums
+    outbox = connector_scheduler.__dict__.get("_kv_checksum_outbox")
+    total = (
+        len(kcs._noted) + len(kcs._sends) + len(kcs._recvs) + len(kcs.offload.pending)
+    )
+    total += len(kcs._outgoing)
+    return total + (len(outbox.pending) if outbox is not None else 0)

@@ -23,9 +23,12 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     SideConfig,
     SimEngine,
     apply_fault,
+    capture_verdicts,
+    deliver_next,
     per_group,
     transfer,
 )
+from tests.v1.kv_connector.unit.kv_checksum_pd import package_state as harness_state
 from vllm.distributed.kv_transfer.kv_checksum import mooncake, plugin
 from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
 from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
@@ -58,31 +61,6 @@ def mooncake_engine(model_dir: str, name: str, producer: bool) -> SimEngine:
     sched = mooncake_connector(engine).connector_scheduler
     sched.is_kv_producer, sched.is_kv_consumer = producer, not producer
     return engine
-
-
-def capture_verdicts(engine: SimEngine) -> dict[str, Any]:
-    verdicts: dict[str, Any] = {}
-    kcs = engine.checksums
-    original = kcs._verify
-
-    def verify(req_id: str, pending: Any) -> Any:
-        verdicts[req_id] = original(req_id, pending)
-        return verdicts[req_id]
-
-    kcs._verify = verify
-    return verdicts
-
-
-def deliver_next(engine: SimEngine, received: dict[str, bytes]) -> None:
-    """The next step's rank-0 checksum worker reports `received` (R99)."""
-    worker = engine.workers[0].checksum
-    original = worker.post_forward
-
-    def post_forward(finished: Any, failed: Any, _: Any, done: Any) -> Any:
-        worker.post_forward = original
-        return original(finished, failed, received, done)
-
-    worker.post_forward = post_forward
 
 
 class Stopped:
@@ -122,15 +100,7 @@ def bare_worker(vllm_config: Any, producer: bool) -> Any:
 
 def package_state(engine: SimEngine) -> int:
     """Entries in the package's per-request dictionaries of one engine."""
-    kcs = engine.checksums
-    outbox = mooncake_connector(engine).connector_scheduler.__dict__.get(
-        "_kv_checksum_outbox"
-    )
-    total = (
-        len(kcs._noted) + len(kcs._sends) + len(kcs._recvs) + len(kcs.offload.pending)
-    )
-    total += len(kcs._outgoing)
-    return total + (len(outbox.pending) if outbox is not None else 0)
+    return harness_state(engine, mooncake_connector(engine).connector_scheduler)
 
 
 def worker_state(*workers: Any) -> int:

@@ -23,9 +23,12 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     SideConfig,
     SimEngine,
     apply_fault,
+    capture_verdicts,
+    deliver_next,
     per_group,
     transfer,
 )
+from tests.v1.kv_connector.unit.kv_checksum_pd import package_state as harness_state
 from vllm.distributed.kv_transfer.kv_checksum import nixl_push, plugin
 from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
 from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
@@ -48,31 +51,6 @@ def push_connector(engine: SimEngine) -> Any:
 
 def push_engine(model_dir: str, name: str, **kw: Any) -> SimEngine:
     return SimEngine(model_dir, SideConfig(connector=PUSH, **kw), name)
-
-
-def capture_verdicts(engine: SimEngine) -> dict[str, Any]:
-    verdicts: dict[str, Any] = {}
-    kcs = engine.checksums
-    original = kcs._verify
-
-    def verify(req_id: str, pending: Any) -> Any:
-        verdicts[req_id] = original(req_id, pending)
-        return verdicts[req_id]
-
-    kcs._verify = verify
-    return verdicts
-
-
-def deliver_next(engine: SimEngine, received: dict[str, bytes]) -> None:
-    """The next step's rank-0 checksum worker reports `received` (R99)."""
-    worker = engine.workers[0].checksum
-    original = worker.post_forward
-
-    def post_forward(finished: Any, failed: Any, _: Any, done: Any) -> Any:
-        worker.post_forward = original
-        return original(finished, failed, received, done)
-
-    worker.post_forward = post_forward
 
 
 def produce_push(producer: SimEngine, req_id: str, prompt: list[int]) -> tuple:
@@ -126,15 +104,7 @@ def notif(meta_p: Any, reg: dict, prod_id: str, cons_id: str, tp: int = 1) -> by
 
 def package_state(engine: SimEngine) -> int:
     """Entries in the package's per-request dictionaries of one engine."""
-    kcs = engine.checksums
-    outbox = push_connector(engine).connector_scheduler.__dict__.get(
-        "_kv_checksum_outbox"
-    )
-    total = (
-        len(kcs._noted) + len(kcs._sends) + len(kcs._recvs) + len(kcs.offload.pending)
-    )
-    total += len(kcs._outgoing)
-    return total + (len(outbox.pending) if outbox is not None else 0)
+    return harness_state(engine, push_connector(engine).connector_scheduler)
 
 
 def run_pd(
