@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_checksum.offload import position_hashes
+from vllm.distributed.kv_transfer.kv_checksum.worker import host_to_device
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -139,14 +140,6 @@ def host_slots(gpu_spec: Any, cpu_ids: np.ndarray, blocks_per_chunk: int) -> np.
     return np.concatenate(slots)
 
 
-def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`array` on `device`: one non-blocking copy from pinned memory (R55)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 class HostEntryTable:
     """The checksum entries of the host copies of one worker (R117, R118).
 
@@ -179,8 +172,8 @@ class HostEntryTable:
         empty = np.zeros(0, dtype=np.int64)
         device = self.block_table.device
         return (
-            _on_device(np.concatenate(gpu_ids or [empty]), device),
-            _on_device(np.concatenate(slots or [empty]), device),
+            host_to_device(np.concatenate(gpu_ids or [empty]), device),
+            host_to_device(np.concatenate(slots or [empty]), device),
         )
 
     def save(self, transfers: Sequence[tuple[Any, Any]]) -> None:
@@ -210,7 +203,7 @@ class HostEntryTable:
         """`ids` as an int64 index on the table's device (R55: no sync)."""
         if isinstance(ids, torch.Tensor):
             return ids
-        return _on_device(np.asarray(ids, dtype=np.int64), self.block_table.device)
+        return host_to_device(np.asarray(ids, dtype=np.int64), self.block_table.device)
 
 
 def failed_keys(

@@ -253,6 +253,15 @@ def finalize_records(items: Iterable[object] | None) -> list[KVChecksumRecord]:
     return records
 
 
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` as an int64 tensor on `device`: one non-blocking copy from
+    pinned host memory, queued on the current stream (no host sync, R55)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class KVChecksumWorker:
     """Computes one worker's partial checksums of sent and received blocks."""
 
@@ -440,17 +449,11 @@ class KVChecksumWorker:
         out = torch.zeros(
             (count, plans.load.width), dtype=torch.int64, device=self.topology.device
         )
-        plans.load.run(self._to_device(self._host_tensor(packed))[:, :count], out)
+        device = self.topology.device
+        plans.load.run(host_to_device(packed, device)[:, :count], out)
         tags = block_checksum_tags(block_hashes, plans.fingerprint).view(np.int64)
-        entries = out.sum(dim=1) ^ self._to_device(self._host_tensor(tags))
-        table[self._to_device(self._host_tensor(rows[0].copy()))] = entries
-
-    def _host_tensor(self, array: np.ndarray) -> torch.Tensor:
-        """`array` as a tensor, in pinned memory when it is copied to a GPU."""
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.topology.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory()
+        entries = out.sum(dim=1) ^ host_to_device(tags, device)
+        table[host_to_device(rows[0], device)] = entries
 
     def _launch(
         self,
