@@ -95,7 +95,7 @@ def test_hook_without_checksum_state_is_vllms_method_r16(cls: type, attr: str) -
 
 
 def test_async_hooks_return_coroutines() -> None:
-    """A wrapped coroutine function stays one for vLLM's event loop."""
+    """R16: a wrapped coroutine function stays one for vLLM's event loop."""
     for cls, attr in WRAPPED:
         original = vars(cls)[attr].__kv_checksum_original__
         if asyncio.iscoroutinefunction(original):

@@ -90,7 +90,7 @@ def test_server_configs_are_the_quick_start_r1(example: ModuleType) -> None:
 
 
 def test_metric_totals_filter_by_label(example: ModuleType) -> None:
-    """The verdict checks read the right samples of /metrics.
+    """R130: the verdict checks read the right samples of /metrics.
 
     Bug this fails: summing every verdict as "verified" (a run with mismatches
     would then pass "verified == requests").
