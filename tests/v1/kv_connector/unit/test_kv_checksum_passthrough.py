@@ -69,7 +69,7 @@ def _outcome(function: Any, cls: type, args: list[Any]) -> tuple[Any, ...]:
 
 
 def test_every_connector_hook_found() -> None:
-    """The list is not empty by accident: the 17 class-level hooks of NIXL
+    """R16: the list is not empty by accident: the 17 class-level hooks of NIXL
     push (4), Mooncake (5), the OffloadingConnector (5) and the
     SimpleCPUOffloadConnector (3) are all found."""
     names = {f"{cls.__name__}.{attr}" for cls, attr in WRAPPED}
