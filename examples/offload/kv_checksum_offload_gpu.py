@@ -73,6 +73,11 @@ HOST_INJECTION = re.compile(
     r"KV checksum host fault injection: (\w+) into request (\S+) chunk (\d+)\."
 )
 DROPPED = "KV checksums: dropped a host copy that failed verification."
+# Largest logprob gap (nats) between two greedy candidates still counted as a
+# near-tie: bf16 rounding of another computation order moves this tiny model's
+# logprobs by a few hundredths; a block of wrong KV moves them by far more.
+NEAR_TIE = 0.1
+TOP = 2  # logprobs per generated token: the top two candidates
 
 
 # --connector: the offload connector and its own settings.
@@ -169,6 +174,7 @@ def engine_main(
                 max_tokens=max_tokens,
                 ignore_eos=True,
                 detokenize=False,
+                logprobs=TOP,
             )
             start = time.perf_counter()
             outs = llm.generate(
@@ -178,7 +184,15 @@ def engine_main(
             )
             elapsed = time.perf_counter() - start
             tokens = [list(o.outputs[0].token_ids) for o in outs]
-            results.put((name, "gen", (tokens, read_counters(llm), elapsed)))
+            top = [
+                [
+                    {int(t): float(lp.logprob) for t, lp in step.items()}
+                    for step in o.outputs[0].logprobs or []
+                ]
+                for o in outs
+            ]
+            reply = (tokens, read_counters(llm), elapsed, top)
+            results.put((name, "gen", reply))
         except BaseException:
             results.put((name, "error", traceback.format_exc()))
 
@@ -205,7 +219,7 @@ class Engine(pd_gpu.Engine):
     """Handle of one offload engine process (the P/D driver's, another main)."""
 
     def __init__(self, ctx: Any, name: str, extra: dict, out: str) -> None:
-        port = int(extra.get("_port", 5600))
+        port = int(extra.get("_port", 5600)) + pd_gpu.PORT_OFFSET
         super().__init__(ctx, name, extra, port, out, target=engine_main)
 
     def run_batch(self, batch: list, max_tokens: int, timeout: float = 120) -> tuple:
@@ -213,14 +227,55 @@ class Engine(pd_gpu.Engine):
         return self.wait("gen", timeout)
 
     def run_all(self, batches: list, max_tokens: int) -> tuple[list, dict, float]:
+        """Tokens per request, the last counters, the time in generate; the
+        top logprobs of each request's tokens are kept in `self.top`."""
         tokens: list = []
+        self.top: list = []
         counters: dict = {}
         total = 0.0
         for batch in batches:
-            out, counters, elapsed = self.run_batch(batch, max_tokens)
+            out, counters, elapsed, top = self.run_batch(batch, max_tokens)
             tokens.extend(out)
+            self.top.extend(top)
             total += elapsed
         return tokens, counters, total
+
+
+def parting(a: list[int], a_top: list[dict], b: list[int], b_top: list[dict]) -> Any:
+    """Where two greedy outputs of one prompt part and how close the choice
+    was: None if equal, else (position, gap), the gap being the largest of
+    the two runs' logprob differences between the two tokens chosen there
+    (infinite when either token is outside the other run's top `TOP`)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x == y:
+            continue
+        gaps = [
+            abs(top[x] - top[y]) if x in top and y in top else float("inf")
+            for top in (
+                a_top[i] if i < len(a_top) else {},
+                b_top[i] if i < len(b_top) else {},
+            )
+        ]
+        return i, max(gaps)
+    return None if len(a) == len(b) else (min(len(a), len(b)), float("inf"))
+
+
+def compare_outputs(
+    ref: list, ref_top: list, got: list, got_top: list, indices: list[int]
+) -> dict[str, Any]:
+    """Requests `indices` of two runs: which are equal, which part at a
+    near-tie (`NEAR_TIE`), which part otherwise (a wrong output)."""
+    ties, wrong = {}, {}
+    for i in indices:
+        part = parting(ref[i], ref_top[i], got[i], got_top[i])
+        if part is None:
+            continue
+        (ties if part[1] <= NEAR_TIE else wrong)[i] = part
+    return {
+        "equal": len(indices) - len(ties) - len(wrong),
+        "near_tie": ties,
+        "wrong": wrong,
+    }
 
 
 def workload(args: argparse.Namespace, seed: int) -> list[list[list[int]]]:
@@ -278,13 +333,14 @@ def phase_loads(engines: dict, batches: list, args: Any, summary: dict) -> list:
         counters,
     )
     check(summary, "loads: no checksum errors", log["errors"] == 0, log["errors"])
-    return ref
+    return ref, engines["off"].top
 
 
 def phase_faults(
-    engines: dict, batches: list, ref: list, args: Any, summary: dict
+    engines: dict, batches: list, ref: tuple, args: Any, summary: dict
 ) -> None:
     got, counters, _ = engines["faulty"].run_all(batches, args.max_tokens)
+    got_top = engines["faulty"].top
     log = scan(engines["faulty"].log)
     injected = {req for _, req, _ in log["injected"]}
     mismatched = set(log["mismatched"])
@@ -304,33 +360,53 @@ def phase_faults(
         log["dropped"] >= len(log["injected"]),
         {"dropped": log["dropped"], "injected": len(log["injected"])},
     )
-    # A recomputed request computes its whole prompt: its reference is
-    # ``fresh``; every other request's is ``off``.
+    # A recomputed request computes its prompt again: its reference is
+    # ``fresh`` (the whole prompt computed); every other request's is ``off``.
+    # Dropped copies change what later requests find cached, so some of them
+    # compute a prefix that ``off`` loaded: their tokens may part from
+    # ``off``'s at a near-tie, never with a clear margin.
     fresh, _, _ = engines["fresh"].run_all(batches, args.max_tokens)
+    fresh_top = engines["fresh"].top
     index = {req.split("-")[0] for req in injected}
     recomputed = [i for i in range(len(got)) if str(i) in index]
     others = [i for i in range(len(got)) if str(i) not in index]
+    vs_fresh = compare_outputs(fresh, fresh_top, got, got_top, recomputed)
+    vs_off = compare_outputs(ref[0], ref[1], got, got_top, others)
+    summary["faults"]["recomputed_vs_fresh"] = vs_fresh
+    summary["faults"]["others_vs_off"] = vs_off
     check(
         summary,
-        "faults: recomputed outputs equal a whole-prompt computation",
-        all(got[i] == fresh[i] for i in recomputed),
-        [i for i in recomputed if got[i] != fresh[i]],
+        "faults: recomputed outputs equal a whole-prompt computation (or part "
+        "at a near-tie)",
+        not vs_fresh["wrong"],
+        vs_fresh,
     )
     check(
         summary,
-        "faults: other outputs equal checksums off",
-        all(got[i] == ref[i] for i in others),
-        [i for i in others if got[i] != ref[i]],
+        "faults: other outputs equal checksums off (or part at a near-tie)",
+        not vs_off["wrong"],
+        vs_off,
     )
 
 
 def phase_multi(
-    engines: dict, batches: list, ref: list, args: Any, summary: dict
+    engines: dict, batches: list, ref: tuple, args: Any, summary: dict
 ) -> None:
     got, counters, _ = engines["multi"].run_all(batches, args.max_tokens)
     log = scan(engines["multi"].log)
     summary["multi"] = {"counters": counters, "log": _short(log)}
-    check(summary, "multi: outputs equal", not differing(ref, got), differing(ref, got))
+    # NixlConnector sets its own KV cache layout, so the attention kernels
+    # read the same KV in another order: near-ties may part.
+    vs_off = compare_outputs(
+        ref[0], ref[1], got, engines["multi"].top, list(range(len(got)))
+    )
+    summary["multi"]["vs_off"] = vs_off
+    check(
+        summary,
+        "multi: outputs equal checksums off (or part at a near-tie)",
+        not vs_off["wrong"],
+        vs_off,
+    )
     check(
         summary,
         "multi: verified offload loads",
@@ -432,7 +508,7 @@ def main() -> int:
                 print(f"engine {name} failed: {e}", flush=True)
                 engines.pop(name).stop()
         batches = workload(args, seed=0)
-        ref: list = []
+        ref: tuple = ([], [])
         steps = [
             ("loads", lambda: phase_loads(engines, batches, args, summary)),
             ("faults", lambda: phase_faults(engines, batches, ref, args, summary)),
