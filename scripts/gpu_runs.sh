@@ -6,8 +6,10 @@
 #   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve,
 #                                             #  gpu_mooncake/slim), same warm machine
 #   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, pull, pull-offload, push,
-#                                             # mooncake, mamba2, mamba2-tp2, offload,
+#                                             # mooncake, hybrid, hybrid-tp2, offload,
 #                                             # simple-offload
+#   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
+#                                             # RUN2 on GPU 1 at the same time
 #
 # Each run writes its driver's output to $OUT/RUN.log (a file, not a pipe: an
 # engine left behind cannot hold the call open), its summary to
@@ -31,7 +33,9 @@ run() {
     (cd "$repo" && timeout --kill-after=20 "$limit" python3 "$@" --out "$out/$name") \
         >"$out/$name.log" 2>&1
     local rc=$?
-    pkill -9 -f "EngineCore|vllm.entrypoints|kv_checksum_.*_gpu.py" 2>/dev/null
+    # A pair's other run may still be going: its caller ends the leftovers.
+    [ -n "${KV_CHECKSUM_PAIRED:-}" ] ||
+        pkill -9 -f "EngineCore|vllm.entrypoints|kv_checksum_.*_gpu.py" 2>/dev/null
     # Few files come back from the device tool: the summary, the log, one archive.
     for summary in summary.json pd.json; do
         [ -f "$out/$name/$summary" ] && cp "$out/$name/$summary" "$out/$name.$summary"
@@ -42,10 +46,33 @@ run() {
     return $rc
 }
 
+# Two runs at once on a two-GPU host, one per GPU, ports apart; the models are
+# built first so that the two drivers do not write the same folder.
+pair() {
+    local first=$1 second=$2
+    (cd "$repo/examples/disaggregated" && python3 -c "
+import kv_checksum_pd_gpu as d
+for shape in ('tiny', 'hybrid', 'hybrid-g2'):
+    print('[gpu_runs] model', d.build_model(shape))") || echo "[gpu_runs] model build failed"
+    CUDA_VISIBLE_DEVICES=0 KV_CHECKSUM_PAIRED=1 bash "$0" "$first" &
+    local a=$!
+    CUDA_VISIBLE_DEVICES=1 KV_CHECKSUM_PAIRED=1 KV_CHECKSUM_PORT_OFFSET=1000 \
+        bash "$0" "$second" &
+    local b=$!
+    wait $a
+    local rc_a=$?
+    wait $b
+    local rc_b=$?
+    pkill -9 -f "EngineCore|vllm.entrypoints|kv_checksum_.*_gpu.py" 2>/dev/null
+    echo "[gpu_runs] pair: $first exit $rc_a, $second exit $rc_b"
+    [ $rc_a -eq 0 ] && [ $rc_b -eq 0 ]
+}
+
 pd=examples/disaggregated/kv_checksum_pd_gpu.py
 what=${1:-}
 shift || true
 case "$what" in
+pair) pair "$@" ;;
 install-bundle)
     SITE=$site bash "$repo/scripts/gpu_install.sh"
     ;;
@@ -59,22 +86,26 @@ install-wheels)
     done
     ;;
 serve) run serve examples/disaggregated/kv_checksum_serve_pd.py "$@" ;;
-pull) run pull "$pd" --phases pd,faults "$@" ;;
+# --parallel-start: every engine at once with a fixed KV cache (about 100 s
+# instead of 50 s per engine).
+pull) run pull "$pd" --phases pd,faults --parallel-start "$@" ;;
 pull-offload) run pull-offload "$pd" --connector nixl-offload --phases pd,faults \
-    --num-pd 60 --num-faults 40 "$@" ;;
+    --num-pd 60 --num-faults 40 --parallel-start "$@" ;;
 push) run push "$pd" --connector nixl-push --phases pd,faults --num-pd 60 \
-    --num-faults 40 "$@" ;;
+    --num-faults 40 --parallel-start "$@" ;;
 mooncake) run mooncake "$pd" --connector mooncake --phases pd,faults --num-pd 60 \
-    --num-faults 40 "$@" ;;
-mamba2) run mamba2 "$pd" --model mamba2 --num-equality 20 --num-pd 60 \
-    --num-faults 40 --fault-rate 0.5 "$@" ;;
-mamba2-tp2) run mamba2-tp2 "$pd" --model mamba2-g2 --producer-tp 2 --phases pd \
-    --num-pd 60 "$@" ;;
+    --num-faults 40 --parallel-start "$@" ;;
+# Nemotron-H (Mamba2 + attention): vLLM 0.33.0's NIXL refuses models with
+# Mamba groups only (`--model mamba2` reproduces that).
+hybrid) run hybrid "$pd" --model hybrid --num-equality 20 --num-pd 60 \
+    --num-faults 40 --fault-rate 0.5 --parallel-start "$@" ;;
+hybrid-tp2) run hybrid-tp2 "$pd" --model hybrid-g2 --producer-tp 2 --phases pd \
+    --num-pd 60 --parallel-start "$@" ;;
 offload) run offload examples/offload/kv_checksum_offload_gpu.py "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 *)
-    sed -n '2,16p' "$0"
+    sed -n '2,18p' "$0"
     exit 2
     ;;
 esac

@@ -25,6 +25,7 @@ preflight of ``TransferEngine()`` in the summary.
 
 import ctypes
 import glob
+import itertools
 import os
 import subprocess
 import sys
@@ -32,6 +33,9 @@ import uuid
 from typing import Any
 
 CONNECTOR_ENV = "KV_CHECKSUM_PD_CONNECTOR"
+# The request id the driver chooses (see `producer_params`).
+REQUEST_ID = "_request_id"
+REQUEST_NUMBERS = itertools.count(10**9)
 CHOICES = ("nixl-pull", "nixl-push", "mooncake", "nixl-offload")
 # nixl-offload: the common production pair, P/D loads through NIXL pull and a
 # CPU offload tier beside it (its own loads are checked by the offload driver).
@@ -58,8 +62,20 @@ def connector() -> str:
 
 
 def producer_params() -> dict:
-    """A producer request's kv_transfer_params (Mooncake: a new transfer id)."""
-    params: dict[str, Any] = {"do_remote_decode": True}
+    """A producer request's kv_transfer_params (Mooncake: a new transfer id).
+
+    ``REQUEST_ID`` (taken out by the engine before vLLM sees the params) is
+    the request id of both the producer and the consumer request, as a proxy
+    gives both one X-Request-Id: NIXL push matches a consumer's registration
+    to the producer's finished blocks by that id, and the offline engines'
+    own counters ("0", "1", ...) drift apart as soon as one producer serves
+    two consumers. Ids are numbers because `LLM.generate` sorts its outputs
+    by int(request id); they grow, so a batch keeps its order.
+    """
+    params: dict[str, Any] = {
+        "do_remote_decode": True,
+        REQUEST_ID: str(next(REQUEST_NUMBERS)),
+    }
     if connector() == "mooncake":
         params["transfer_id"] = f"kvc-{uuid.uuid4().hex}"
     return params
@@ -70,8 +86,10 @@ def consumer_params(producer: str, port: int, sent: dict, returned: Any) -> dict
     if connector() != "mooncake":
         kvp = dict(returned or {})
         kvp.pop("remote_prefill_cached_tokens", None)
+        kvp[REQUEST_ID] = sent[REQUEST_ID]
         return kvp
     return {
+        REQUEST_ID: sent[REQUEST_ID],
         "do_remote_prefill": True,
         "remote_engine_id": engine_id(producer),
         "remote_bootstrap_addr": f"http://127.0.0.1:{port + BOOTSTRAP_OFFSET}",

@@ -50,12 +50,13 @@ Usage (needs vLLM 0.33.0, NIXL, transformers and this package installed):
         [--producer-tp 2 | --consumer-tp 2]   (heterogeneous TP: two GPUs)
     python kv_checksum_pd_gpu.py --out DIR --overhead-only --model 8b
     python kv_checksum_pd_gpu.py --out DIR --phases containment
-    python kv_checksum_pd_gpu.py --out DIR --model mamba2 --num-equality 20 \
+    python kv_checksum_pd_gpu.py --out DIR --model hybrid --num-equality 20 \
         --num-pd 60 --num-faults 40 --fault-rate 0.5   (Mamba2 state, issue 14)
 Exit code 0 only if every check passed; a JSON summary goes to DIR/summary.json.
 """
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -76,15 +77,24 @@ MODELS = {
     "8b": "/tmp/kv-checksum-llama-8b",
     "mamba2": "/tmp/kv-checksum-mamba2",
     "mamba2-g2": "/tmp/kv-checksum-mamba2-g2",
+    "hybrid": "/tmp/kv-checksum-nemotron-h",
+    "hybrid-g2": "/tmp/kv-checksum-nemotron-h-g2",
 }
-MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320, "mamba2": 4608, "mamba2-g2": 4608}
-GPU_UTILS = {"tiny": 0.15, "8b": 0.3, "mamba2": 0.12, "mamba2-g2": 0.12}
+MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320}
+GPU_UTILS = {"tiny": 0.15, "8b": 0.3}
 # Models with Mamba state (issue 14): vLLM picks their block size (attention
 # pages aligned to Mamba pages, "align" cache mode with prefix caching) and
 # NIXL needs the dim-first conv state layout. A P/D consumer computes the last
 # prompt token from the loaded state h(N - 1), so its outputs are compared with
 # a checksums-off consumer's, not with a single engine's.
-HYBRID_MODELS = {"mamba2", "mamba2-g2"}
+HYBRID_MODELS = {"mamba2", "mamba2-g2", "hybrid", "hybrid-g2"}
+for _shape in HYBRID_MODELS:
+    MAX_MODEL_LENS[_shape] = 4608
+    GPU_UTILS[_shape] = 0.12
+# Mamba2 layer, attention layer, Mamba2 layer, MLP layer (Nemotron-H's
+# pattern letters): vLLM 0.33.0's NIXL needs an attention group (its handshake,
+# `_build_fa_remote`, fails on a model with Mamba groups only).
+HYBRID_PATTERN = "M*M-"
 HYBRID_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
 INJECTED_AT = re.compile(
@@ -93,6 +103,10 @@ INJECTED_AT = re.compile(
 )
 QUARANTINED = re.compile(r"KV checksums: quarantined (\d+) loaded blocks")
 NO_CONTAINMENT_ENV = "KV_CHECKSUM_TEST_NO_CONTAINMENT"
+# Added to every engine's ports, so that two drivers can share a host (one per
+# GPU, `scripts/gpu_runs.sh pair`).
+PARALLEL_KV_BYTES = 1 << 30  # --parallel-start: each engine's KV cache
+PORT_OFFSET = int(os.environ.get("KV_CHECKSUM_PORT_OFFSET", "0"))
 MISMATCH = re.compile(r"KV checksum mismatch for request (\S+?):")
 UNVERIFIED = re.compile(r"KV checksums not verified: (.*)\.")
 
@@ -104,6 +118,8 @@ def build_model(shape: str) -> str:
     ``mamba2``: a 4-layer Mamba2ForCausalLM with saved random weights, one
     group (n_groups = 1: B/C replicated across TP ranks, R40), bf16;
     ``mamba2-g2``: the same with two groups (B/C sharded at TP 2).
+    ``hybrid`` (``hybrid-g2``): a 4-layer NemotronHForCausalLM, Mamba2 and
+    attention layers (`HYBRID_PATTERN`), one (two) Mamba2 groups, bf16.
     ``8b``: only the config of an 8B dense Llama (32 layers, 8 KV heads of 128);
     the engines fill the weights randomly with vLLM's dummy loader.
     """
@@ -115,6 +131,8 @@ def build_model(shape: str) -> str:
         return model
     if shape in ("mamba2", "mamba2-g2"):
         return build_mamba2(model, 2 if shape == "mamba2-g2" else 1)
+    if shape in ("hybrid", "hybrid-g2"):
+        return build_hybrid(model, 2 if shape == "hybrid-g2" else 1)
     if shape == "8b":
         LlamaConfig(
             vocab_size=128256,
@@ -174,6 +192,39 @@ def build_mamba2(model: str, n_groups: int) -> str:
     return model
 
 
+def build_hybrid(model: str, n_groups: int) -> str:
+    """A random tiny Nemotron-H: Mamba2 state and attention KV in one model
+    (dense MLP, no MoE; its kernels are in the offline bundle)."""
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    config = NemotronHConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        hybrid_override_pattern=HYBRID_PATTERN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        n_groups=n_groups,
+        ssm_state_size=16,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=128,
+        max_position_embeddings=MAX_MODEL_LENS["hybrid"],
+        initializer_range=0.08,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    assert config.hybrid_override_pattern == HYBRID_PATTERN, config
+    NemotronHForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
+    return model
+
+
 def shutdown_engine(llm: Any) -> None:
     """End the engine core process now: left to the interpreter's exit, it can
     outlive this process and keep its output pipes (and the GPU) open."""
@@ -193,6 +244,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
     kv_connector = extra.pop("_connector", "NixlConnector")
     kv_role = extra.pop("_role", "kv_both")
     kv_engine_id = extra.pop("_engine_id", None)
+    kv_bytes = extra.pop("_kv_bytes", None)
     model = MODELS[shape]
     if shape in HYBRID_MODELS:
         os.environ.update(HYBRID_ENV)
@@ -223,6 +275,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
                 os.environ.get("KV_CHECKSUM_GPU_UTIL", GPU_UTILS[shape])
             ),
             max_model_len=MAX_MODEL_LENS[shape],
+            kv_cache_memory_bytes=kv_bytes,
             block_size=block_size,
             dtype="bfloat16",
             seed=0,
@@ -248,6 +301,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
             break
         try:
             batch = cmd[1]
+            llm.request_counter = request_ids(batch)
             params = [
                 SamplingParams(
                     temperature=0.0,
@@ -292,6 +346,22 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
             results.put((name, "gen", (reply, metrics)))
         except BaseException:
             results.put((name, "error", traceback.format_exc()))
+
+
+OWN_REQUEST_NUMBERS = itertools.count(10**15)
+
+
+def request_ids(batch: list) -> Any:
+    """The vLLM request ids of a batch, in order: the driver's own where its
+    params carry one (`pd_connectors.REQUEST_ID`, taken out here), else the
+    engine's next number (above the driver's). `LLM.generate` takes each id
+    from `llm.request_counter` and sorts its outputs by int(id).
+    """
+    ids = []
+    for _, kvp, _ in batch:
+        chosen = kvp.pop(pd_connectors.REQUEST_ID, None) if kvp else None
+        ids.append(chosen or str(next(OWN_REQUEST_NUMBERS)))
+    return iter(ids)
 
 
 class Engine:
@@ -719,6 +789,12 @@ def main() -> int:
         "(VLLM_ENABLE_V1_MULTIPROCESSING=0): a batch is all in the scheduler "
         "before its first step, so batching does not depend on timing",
     )
+    parser.add_argument(
+        "--parallel-start",
+        action="store_true",
+        help="start every engine at once, each with a fixed 1 GiB KV cache "
+        "(kv_cache_memory_bytes: no memory profiling to race)",
+    )
     parser.add_argument("--producer-tp", type=int, default=1)
     parser.add_argument(
         "--connector",
@@ -797,6 +873,7 @@ def main() -> int:
             6300,
         )
     )
+    specs = [(name, extra, port + PORT_OFFSET) for name, extra, port in specs]
     phases = args.phases.split(",")
     needed = {"ref", "producer"}
     if "pd" in phases:
@@ -815,7 +892,7 @@ def main() -> int:
         os.environ["KV_CHECKSUM_SYNC_CHECK"] = "0"
         specs = specs[:2]
         if args.overhead_control:
-            specs.append(("off_again", base, 6100))
+            specs.append(("off_again", base, 6100 + PORT_OFFSET))
     engines: dict[str, Engine] = {}
     summary: dict[str, Any] = {
         "model": args.model,
@@ -827,12 +904,23 @@ def main() -> int:
     }
     ok = True
     try:
+        if args.parallel_start:
+            for name, extra, port in specs:
+                env = {
+                    **extra.get("_env", {}),
+                    "VLLM_BATCH_INVARIANT": "1" if summary["batch_invariant"] else "0",
+                }
+                extra = {**extra, "_env": env, "_kv_bytes": PARALLEL_KV_BYTES}
+                engines[name] = Engine(ctx, name, extra, port, args.out)
         for name, extra, port in specs:  # one at a time: memory profiling
             env = {
                 **extra.get("_env", {}),
                 "VLLM_BATCH_INVARIANT": "1" if summary["batch_invariant"] else "0",
             }
-            engines[name] = Engine(ctx, name, {**extra, "_env": env}, port, args.out)
+            if name not in engines:
+                engines[name] = Engine(
+                    ctx, name, {**extra, "_env": env}, port, args.out
+                )
             try:
                 engines[name].wait("ready", 600)
             except RuntimeError:

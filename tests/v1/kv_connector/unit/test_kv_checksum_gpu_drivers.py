@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The GPU drivers' host-side rules, checked on CPU before device time is spent.
+
+- The P/D driver gives a producer request and the consumer request that loads
+  its KV one request id, as a proxy does with X-Request-Id: NIXL push (R104)
+  matches a consumer's registration to the producer's finished blocks by that
+  id. An H200 run with the engines' own counters hung: the producer had
+  served two consumers ("0", "1"), the checksums-off consumer's first request
+  was "0" again.
+- The offload driver accepts an output that parts from its reference only at
+  a near-tie of the two greedy candidates (numerics of another computation
+  order), never one that parts with a clear margin (wrong KV).
+"""
+
+import importlib
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = Path(__file__).parents[4] / "examples"
+
+
+@pytest.fixture
+def drivers(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, ModuleType]:
+    monkeypatch.syspath_prepend(str(EXAMPLES / "disaggregated"))
+    monkeypatch.syspath_prepend(str(EXAMPLES / "offload"))
+    for name in (
+        "kv_checksum_pd_connectors",
+        "kv_checksum_pd_gpu",
+        "kv_checksum_offload_gpu",
+    ):
+        sys.modules.pop(name, None)
+    connectors = importlib.import_module("kv_checksum_pd_connectors")
+    pd_gpu = importlib.import_module("kv_checksum_pd_gpu")
+    offload_gpu = importlib.import_module("kv_checksum_offload_gpu")
+    monkeypatch.delenv(connectors.CONNECTOR_ENV, raising=False)
+    return pd_gpu, offload_gpu
+
+
+@pytest.mark.parametrize("connector", ["nixl-pull", "nixl-push", "mooncake"])
+def test_producer_and_consumer_share_one_request_id_r104(
+    drivers: tuple[ModuleType, ModuleType],
+    connector: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R104 (push matches by request id): each consumer request gets the id of
+    the producer request whose KV it loads; ids are numbers that grow within
+    a batch (`LLM.generate` sorts its outputs by int(id)), unique per pair.
+
+    Bugs this fails: leaving ids to each engine's counter (the hang above);
+    non-numeric ids (vLLM's sort raised ValueError on the H200).
+    """
+    pd_gpu, _ = drivers
+    connectors = pd_gpu.pd_connectors
+    monkeypatch.setenv(connectors.CONNECTOR_ENV, connector)
+    returned = {"do_remote_prefill": True, "remote_prefill_cached_tokens": 3}
+    sent = [connectors.producer_params() for _ in range(3)]
+    loads = [connectors.consumer_params("producer", 5700, p, returned) for p in sent]
+    produced = list(pd_gpu.request_ids([([1], dict(p), 1) for p in sent]))
+    consumed = list(pd_gpu.request_ids([([1], kvp, 4) for kvp in loads]))
+    assert produced == consumed
+    assert len(set(produced)) == 3
+    assert [int(i) for i in produced] == sorted(int(i) for i in produced)
+    # The id is taken out before vLLM sees the params.
+    assert all(connectors.REQUEST_ID not in kvp for kvp in loads)
+    # Requests without an id of the driver still get unique numeric ids.
+    own = list(pd_gpu.request_ids([([1], None, 1), ([2], {}, 1)]))
+    assert len(set(own) | set(produced)) == 5
+    assert all(i.isdigit() for i in own)
+
+
+def test_parting_tells_near_ties_from_wrong_outputs(
+    drivers: tuple[ModuleType, ModuleType],
+) -> None:
+    """A difference counts as a near-tie only when, at the first differing
+    token, both tokens are in both runs' top candidates within `NEAR_TIE`.
+
+    Bugs this fails: comparing only the first run's logprobs (a wrong output
+    whose own run was sure of its token would pass); looking at the last
+    instead of the first differing position; counting a token outside the
+    top candidates as a tie.
+    """
+    _, offload = drivers
+    tie = offload.NEAR_TIE
+    ref, ref_top = [5, 7, 9], [{5: -0.1, 6: -3.0}, {7: -0.70, 8: -0.72}, {9: -0.2}]
+    close = [5, 8, 1]
+    close_top = [{5: -0.1, 6: -3.0}, {8: -0.69, 7: -0.71}, {1: -0.1}]
+    assert offload.parting(ref, ref_top, ref, ref_top) is None
+    position, gap = offload.parting(ref, ref_top, close, close_top)
+    assert position == 1 and gap == pytest.approx(0.02)
+    # Sure of its own token: its run's gap is large.
+    sure_top = [{5: -0.1, 6: -3.0}, {8: -0.01, 7: -4.0}, {1: -0.1}]
+    assert offload.parting(ref, ref_top, close, sure_top)[1] > tie
+    # A token outside the other run's top candidates.
+    far_top = [{5: -0.1, 6: -3.0}, {8: -0.69, 3: -0.71}, {1: -0.1}]
+    assert math.isinf(offload.parting(ref, ref_top, close, far_top)[1])
+    result = offload.compare_outputs(
+        [ref, ref, ref],
+        [ref_top] * 3,
+        [ref, close, close],
+        [ref_top, close_top, sure_top],
+        [0, 1, 2],
+    )
+    assert result["equal"] == 1
+    assert list(result["near_tie"]) == [1]
+    assert list(result["wrong"]) == [2]
