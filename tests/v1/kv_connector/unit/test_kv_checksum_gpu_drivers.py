@@ -21,6 +21,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.cpu
+
 EXAMPLES = Path(__file__).parents[4] / "examples"
 
 
@@ -108,3 +110,36 @@ def test_parting_tells_near_ties_from_wrong_outputs(
     assert result["equal"] == 1
     assert list(result["near_tie"]) == [1]
     assert list(result["wrong"]) == [2]
+
+
+def test_hybrid_model_has_attention_and_mamba2_layers_r36(
+    drivers: tuple[ModuleType, ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R36 on real engines needs a model vLLM 0.33.0's NIXL can transfer: its
+    handshake (`_build_fa_remote`) needs an attention group, which a pure
+    Mamba2 model lacks (StopIteration on the H200). The driver's ``hybrid``
+    model is a Nemotron-H that vLLM resolves as hybrid, with Mamba2 and
+    attention layers and the requested Mamba2 group count.
+
+    Bugs this fails: a pattern without "*" (a pure Mamba2 model again); a
+    transformers version that ignores ``hybrid_override_pattern`` and builds
+    its default 52-layer pattern.
+    """
+    from vllm.config import ModelConfig
+
+    pd_gpu, _ = drivers
+    for shape, groups in (("hybrid", 1), ("hybrid-g2", 2)):
+        folder = str(tmp_path / shape)
+        monkeypatch.setitem(pd_gpu.MODELS, shape, folder)
+        assert pd_gpu.build_model(shape) == folder
+        config = ModelConfig(
+            model=folder, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True
+        )
+        assert config.architectures == ["NemotronHForCausalLM"]
+        assert config.is_hybrid
+        pattern = config.hf_config.hybrid_override_pattern
+        assert pattern == pd_gpu.HYBRID_PATTERN
+        assert "*" in pattern and "M" in pattern
+        assert config.hf_config.n_groups == groups
