@@ -143,3 +143,37 @@ def test_hybrid_model_has_attention_and_mamba2_layers_r36(
         assert pattern == pd_gpu.HYBRID_PATTERN
         assert "*" in pattern and "M" in pattern
         assert config.hf_config.n_groups == groups
+
+
+def test_pd_output_check_compares_with_the_checksums_off_consumer(
+    drivers: tuple[ModuleType, ModuleType],
+) -> None:
+    """A P/D phase passes when the checksums-on consumer equals the off
+    consumer and every request loaded, whatever the single engine says (the
+    off consumer parted from it on the same 3/60 prompts on the H200); the
+    faults phase needs every recompute equal to a whole-prompt prefill.
+
+    Bugs this fails: dropping the on vs off comparison (one at a time or
+    batched); counting a recomputed request of the clean consumer as a load;
+    not checking recomputes in the faults phase.
+    """
+    pd_gpu, _ = drivers
+    clean = {
+        "P/D on vs P/D off differing": [],
+        "kv_loaded": 4,
+        "equal_to_single_engine": 1,
+        "batched by 25": {"P/D on vs P/D off differing": [], "kv_loaded": 4},
+    }
+    assert pd_gpu.pd_outputs_ok(clean, 4, hybrid=False)
+    assert not pd_gpu.pd_outputs_ok(
+        {**clean, "P/D on vs P/D off differing": [2]}, 4, hybrid=False
+    )
+    batched_diff = {"P/D on vs P/D off differing": [0], "kv_loaded": 4}
+    assert not pd_gpu.pd_outputs_ok(
+        {**clean, "batched by 25": batched_diff}, 4, hybrid=True
+    )
+    assert not pd_gpu.pd_outputs_ok({**clean, "kv_loaded": 3}, 4, hybrid=True)
+    faults = {"recomputed": 3, "recomputed_equal_to_fresh_prefill": 3}
+    assert pd_gpu.pd_outputs_ok(faults, 4, hybrid=False)
+    wrong = {**faults, "recomputed_equal_to_fresh_prefill": 2}
+    assert not pd_gpu.pd_outputs_ok(wrong, 4, hybrid=False)
