@@ -24,13 +24,15 @@ them add concurrency and measure the numerical noise floor of batching):
    Batched: 25 at a time on ``ref`` twice and on ``producer`` (reported).
 2. pd: prompts prefilled on ``producer``, decoded on ``consumer`` after a NIXL
    pull, one per launch and then 25 at a time (new prompts): no mismatch or
-   unverified load may be logged, and each output must equal ``ref``'s greedy
-   output computed the same way: ``ref`` runs every prompt twice, fresh and
-   then from its prefix cache (see `single_engine`). The same loads also go
-   through ``consumer_off``; its outputs are compared with ``consumer``'s.
+   unverified load may be logged, every request must load KV, and the same
+   loads through ``consumer_off`` must give the same outputs (`pd_outputs_ok`).
+   Equality with ``ref``'s greedy output computed the same way (``ref`` runs
+   every prompt twice, fresh and then from its prefix cache, see
+   `single_engine`) is reported: a consumer computes the last prompt token
+   over loaded KV, which can part from a single engine with checksums off too.
 3. faults: the same through ``faulty``: every injected fault must be reported
    as a mismatch (log lines matched one to one) and every such request
-   recomputed with an output still equal to ``ref``'s.
+   recomputed with an output equal to ``ref``'s fresh prefill.
 4. containment (not in the default ``--phases``; see `containment_phase`): a
    prompt is loaded into ``contained`` and corrupted at a block position P
    (fail-open: the request runs on it), then the same prompt is sent to the
