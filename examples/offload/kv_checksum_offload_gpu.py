@@ -184,17 +184,20 @@ def engine_main(
             )
             elapsed = time.perf_counter() - start
             tokens = [list(o.outputs[0].token_ids) for o in outs]
-            top = [
-                [
-                    {int(t): float(lp.logprob) for t, lp in step.items()}
-                    for step in o.outputs[0].logprobs or []
-                ]
-                for o in outs
-            ]
+            top = [top_logprobs(o.outputs[0].logprobs) for o in outs]
             reply = (tokens, read_counters(llm), elapsed, top)
             results.put((name, "gen", reply))
         except BaseException:
             results.put((name, "error", traceback.format_exc()))
+
+
+def top_logprobs(logprobs: Any) -> list[dict[int, float]]:
+    """A completion's logprobs (vLLM's list of dicts or FlatLogprobs, a
+    position possibly None) as plain {token id: logprob} dicts per token."""
+    return [
+        {int(t): float(lp.logprob) for t, lp in (step or {}).items()}
+        for step in logprobs or []
+    ]
 
 
 def read_counters(llm: Any) -> dict[str, float]:

@@ -177,3 +177,25 @@ def test_pd_output_check_compares_with_the_checksums_off_consumer(
     assert pd_gpu.pd_outputs_ok(faults, 4, hybrid=False)
     wrong = {**faults, "recomputed_equal_to_fresh_prefill": 2}
     assert not pd_gpu.pd_outputs_ok(wrong, 4, hybrid=False)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["list", "flat"])
+def test_top_logprobs_reads_vllm_logprobs(
+    drivers: tuple[ModuleType, ModuleType], flat: bool
+) -> None:
+    """The offload driver reads vLLM's own sample logprobs containers (a list
+    of dicts, or FlatLogprobs) into the dicts `parting` compares, a missing
+    position as an empty dict.
+
+    Bugs this fails: calling ``.items()`` on a None position; keeping
+    vLLM's Logprob objects (not comparable as numbers); losing a position.
+    """
+    from vllm.logprobs import Logprob, create_sample_logprobs
+
+    _, offload = drivers
+    logprobs = create_sample_logprobs(flat)
+    logprobs.append({5: Logprob(-0.25, 1), 6: Logprob(-2.0, 2)})
+    logprobs.append(None)
+    logprobs.append({7: Logprob(-0.5, 1)})
+    assert offload.top_logprobs(logprobs) == [{5: -0.25, 6: -2.0}, {}, {7: -0.5}]
+    assert offload.top_logprobs(None) == []
