@@ -32,7 +32,7 @@ Knobs for the scheduler tests (all on `SideConfig`):
 """
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -714,17 +714,23 @@ def consume(
 # ----------------------------------------------------------------------
 
 
-def capture_verdicts(engine: SimEngine) -> dict[str, Any]:
-    """Every P/D verdict the engine's checksum scheduler reaches, by request."""
-    verdicts: dict[str, Any] = {}
-    kcs = engine.checksums
+def on_verdicts(kcs: Any, record: Callable[[str, Any], None]) -> None:
+    """`record(request id, verdict)` for every P/D verdict the checksum
+    scheduler `kcs` reaches (a spy on its `_verify`)."""
     original = kcs._verify
 
     def verify(req_id: str, pending: Any) -> Any:
-        verdicts[req_id] = original(req_id, pending)
-        return verdicts[req_id]
+        verdict = original(req_id, pending)
+        record(req_id, verdict)
+        return verdict
 
     kcs._verify = verify
+
+
+def capture_verdicts(engine: SimEngine) -> dict[str, Any]:
+    """Every P/D verdict the engine's checksum scheduler reaches, by request."""
+    verdicts: dict[str, Any] = {}
+    on_verdicts(engine.checksums, verdicts.__setitem__)
     return verdicts
 
 

@@ -30,6 +30,7 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     CARRIER_CONNECTOR_NAME,
     SideConfig,
     SimEngine,
+    capture_verdicts,
     consume,
     produce,
     register_carrier_connector,
@@ -54,7 +55,6 @@ from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.verification import (
     KVChecksumStatus,
-    KVChecksumVerdict,
 )
 from vllm.distributed.kv_transfer.kv_checksum.worker import create_kv_checksum_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -393,19 +393,6 @@ def test_invalid_config_is_startup_error(value):
 def prompt(i: int, length: int = 70) -> list[int]:
     """Distinct prompts (no prefix-cache hits between requests)."""
     return [1000 + 100 * i + t for t in range(length)]
-
-
-def capture_verdicts(engine: SimEngine) -> dict[str, KVChecksumVerdict]:
-    verdicts: dict[str, KVChecksumVerdict] = {}
-    kcs = engine.checksums
-    original = kcs._verify
-
-    def verify(req_id: str, pending: Any) -> KVChecksumVerdict:
-        verdicts[req_id] = original(req_id, pending)
-        return verdicts[req_id]
-
-    kcs._verify = verify
-    return verdicts
 
 
 SIDES: dict[str, dict[str, Any]] = {

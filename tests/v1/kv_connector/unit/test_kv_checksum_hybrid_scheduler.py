@@ -58,8 +58,6 @@ from tests.v1.kv_connector.unit import test_kv_checksum_mamba_models as models
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     consumer_kv_transfer_params,
     fill_random_bytes,
-    make_kv_connector_output,
-    make_model_runner_output,
     make_request,
     make_vllm_config,
     producer_kv_transfer_params,
@@ -67,6 +65,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     KVChecksumCarrierTestConnector,
     kv_bytes,
+    on_verdicts,
     per_group,
     register_carrier_connector,
 )
@@ -80,6 +79,7 @@ from tests.v1.kv_connector.unit.test_kv_checksum_mamba import (
 )
 from tests.v1.kv_connector.unit.test_kv_checksum_mamba_scheduler import (
     SPEC,
+    finish_step,
     speculative_config,
 )
 from vllm.distributed.kv_transfer.kv_checksum.checksum import (
@@ -455,25 +455,7 @@ class HybridSide:
         return state_blocks
 
     def finish(self, output: Any, finished_recving: Iterable[str] = ()) -> None:
-        """The workers' checksum calls and `update_from_output` of a step."""
-        records = []
-        for engine in self.ranks:
-            engine.worker.bind(getattr(output, "kv_checksum_scheduled", None))
-            pending = engine.worker.post_forward(
-                set(finished_recving), set(), None, output.finished_req_ids
-            )
-            if pending is not None:
-                records.append(pending)
-        kv_output = make_kv_connector_output(finished_recving=finished_recving)
-        kv_output.kv_checksums = records or None  # type: ignore[attr-defined]
-        model_output = make_model_runner_output(
-            output, scheduler=self.scheduler, kv_connector_output=kv_output
-        )
-        outputs = self.scheduler.update_from_output(output, model_output)
-        for engine_outputs in outputs.values():
-            for out in engine_outputs.outputs:
-                if out.finish_reason is not None:
-                    self.finals[out.request_id] = out
+        finish_step(self, output, finished_recving)
 
 
 def running_state_block(
@@ -564,14 +546,7 @@ def build_side(
     )
     kcs = side.checksums
     assert kcs is not None
-    verify = kcs._verify
-
-    def spy(req_id: str, pending: Any) -> KVChecksumVerdict:
-        verdict = verify(req_id, pending)
-        side.verdicts.append((req_id, verdict))
-        return verdict
-
-    monkeypatch.setattr(kcs, "_verify", spy)
+    on_verdicts(kcs, lambda req_id, verdict: side.verdicts.append((req_id, verdict)))
     return side
 
 

@@ -42,6 +42,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     CARRIER_CONNECTOR_NAME,
+    on_verdicts,
     per_group,
     register_carrier_connector,
 )
@@ -140,25 +141,31 @@ class MambaSide:
         self.write(state_block, states)
 
     def finish(self, output: Any, finished_recving: Iterable[str] = ()) -> None:
-        """The workers' checksum calls and `update_from_output` of a step."""
-        records = []
-        for engine in self.ranks:
-            engine.worker.bind(getattr(output, "kv_checksum_scheduled", None))
-            pending = engine.worker.post_forward(
-                set(finished_recving), set(), None, output.finished_req_ids
-            )
-            if pending is not None:
-                records.append(pending)
-        kv_output = make_kv_connector_output(finished_recving=finished_recving)
-        kv_output.kv_checksums = records or None  # type: ignore[attr-defined]
-        model_output = make_model_runner_output(
-            output, scheduler=self.scheduler, kv_connector_output=kv_output
+        finish_step(self, output, finished_recving)
+
+
+def finish_step(side: Any, output: Any, finished_recving: Iterable[str] = ()) -> None:
+    """The workers' checksum calls and `update_from_output` of a step of a
+    side with simulated `ranks`, a real `scheduler` and `finals` (the
+    requests' last outputs)."""
+    records = []
+    for engine in side.ranks:
+        engine.worker.bind(getattr(output, "kv_checksum_scheduled", None))
+        pending = engine.worker.post_forward(
+            set(finished_recving), set(), None, output.finished_req_ids
         )
-        outputs = self.scheduler.update_from_output(output, model_output)
-        for engine_outputs in outputs.values():
-            for out in engine_outputs.outputs:
-                if out.finish_reason is not None:
-                    self.finals[out.request_id] = out
+        if pending is not None:
+            records.append(pending)
+    kv_output = make_kv_connector_output(finished_recving=finished_recving)
+    kv_output.kv_checksums = records or None  # type: ignore[attr-defined]
+    model_output = make_model_runner_output(
+        output, scheduler=side.scheduler, kv_connector_output=kv_output
+    )
+    outputs = side.scheduler.update_from_output(output, model_output)
+    for engine_outputs in outputs.values():
+        for out in engine_outputs.outputs:
+            if out.finish_reason is not None:
+                side.finals[out.request_id] = out
 
 
 def build_side(
@@ -202,14 +209,7 @@ def build_side(
     side = MambaSide(scheduler, ranks, tp, num_spec, [])
     kcs = side.checksums
     assert kcs is not None and kcs.group_infos[0].is_mamba
-    verify = kcs._verify
-
-    def spy(req_id: str, pending: Any) -> KVChecksumVerdict:
-        verdict = verify(req_id, pending)
-        side.verdicts.append((req_id, verdict))
-        return verdict
-
-    monkeypatch.setattr(kcs, "_verify", spy)
+    on_verdicts(kcs, lambda req_id, verdict: side.verdicts.append((req_id, verdict)))
     return side
 
 
