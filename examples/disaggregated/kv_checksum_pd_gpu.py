@@ -125,7 +125,6 @@ def build_model(shape: str) -> str:
     ``8b``: only the config of an 8B dense Llama (32 layers, 8 KV heads of 128);
     the engines fill the weights randomly with vLLM's dummy loader.
     """
-    import torch
     from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM
 
     model = MODELS[shape]
@@ -150,9 +149,7 @@ def build_model(shape: str) -> str:
             torch_dtype="bfloat16",
         ).save_pretrained(model)
         return model
-    torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=2048,
         hidden_size=512,
         intermediate_size=1024,
         num_hidden_layers=4,
@@ -160,24 +157,36 @@ def build_model(shape: str) -> str:
         num_key_value_heads=4,
         head_dim=64,
         max_position_embeddings=MAX_MODEL_LENS[shape],
-        initializer_range=0.08,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **TINY_VOCAB,
     )
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
-    return model
+    return save_random(Qwen3ForCausalLM, config, model)
+
+
+# Every tiny model's vocabulary, special tokens and weight scale (peaky logits).
+TINY_VOCAB = dict(
+    vocab_size=2048,
+    initializer_range=0.08,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def save_random(model_class: Any, config: Any, folder: str) -> str:
+    """Random weights (seed 0) of `model_class(config)`, saved in bf16."""
+    import torch
+
+    torch.manual_seed(0)
+    model_class(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
 
 
 def build_mamba2(model: str, n_groups: int) -> str:
     """A random tiny Mamba2 (pure Mamba2 state; its SSD kernels are in the
     offline bundle, unlike Qwen3-Next's MoE and FlashInfer GDN paths)."""
-    import torch
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
-    torch.manual_seed(0)
     config = Mamba2Config(
-        vocab_size=2048,
         hidden_size=256,
         num_hidden_layers=4,
         num_heads=8,
@@ -185,24 +194,17 @@ def build_mamba2(model: str, n_groups: int) -> str:
         n_groups=n_groups,
         state_size=16,
         expand=2,
-        initializer_range=0.08,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **TINY_VOCAB,
     )
-    Mamba2ForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
-    return model
+    return save_random(Mamba2ForCausalLM, config, model)
 
 
 def build_hybrid(model: str, n_groups: int) -> str:
     """A random tiny Nemotron-H: Mamba2 state and attention KV in one model
     (dense MLP, no MoE; its kernels are in the offline bundle)."""
-    import torch
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    torch.manual_seed(0)
     config = NemotronHConfig(
-        vocab_size=2048,
         hidden_size=256,
         hybrid_override_pattern=HYBRID_PATTERN,
         num_attention_heads=4,
@@ -217,14 +219,10 @@ def build_hybrid(model: str, n_groups: int) -> str:
         expand=2,
         chunk_size=128,
         max_position_embeddings=MAX_MODEL_LENS["hybrid"],
-        initializer_range=0.08,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **TINY_VOCAB,
     )
     assert config.hybrid_override_pattern == HYBRID_PATTERN, config
-    NemotronHForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
-    return model
+    return save_random(NemotronHForCausalLM, config, model)
 
 
 def shutdown_engine(llm: Any) -> None:
