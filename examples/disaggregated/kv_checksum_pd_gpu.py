@@ -68,6 +68,7 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -249,11 +250,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
     if shape in HYBRID_MODELS:
         os.environ.update(HYBRID_ENV)
         block_size = None  # vLLM aligns the block size to the Mamba page
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    engine_process_setup(log, port)
     sync_check = os.environ.get("KV_CHECKSUM_SYNC_CHECK", "1") == "1"
     if (
         sync_check
@@ -261,12 +258,12 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
         and not extra.get("kv_checksum_fault_injection")
     ):
         os.environ["VLLM_GPU_SYNC_CHECK"] = "error"
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.config import KVTransferConfig
-        from vllm.inputs import TokensPrompt
 
-        llm = LLM(
+    def build() -> Any:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        return LLM(
             model=model,
             skip_tokenizer_init=True,
             load_format="dummy" if shape == "8b" else "auto",
@@ -290,60 +287,92 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
                 kv_connector_extra_config=extra,
             ),
         )
-        results.put((name, "ready", None))
+
+    def answer(llm: Any, cmd: tuple) -> tuple:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        batch = cmd[1]
+        llm.request_counter = request_ids(batch)
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                detokenize=False,
+                extra_args={"kv_transfer_params": kvp} if kvp else None,
+                # A prefill always computes the whole prompt, so a prompt
+                # produced twice sends the same KV both times.
+                skip_reading_prefix_cache=(
+                    True if kvp and kvp.get("do_remote_decode") else None
+                ),
+            )
+            for _, kvp, max_tokens in batch
+        ]
+        start = time.perf_counter()
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p, _, _ in batch],
+            params,
+            use_tqdm=False,
+        )
+        elapsed = time.perf_counter() - start
+        reply = [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "kvp": o.kv_transfer_params,
+                "cached": o.num_cached_tokens,
+            }
+            for o in outs
+        ]
+        try:
+            metrics = {
+                f"{m.name}{sorted((m.labels or {}).items())}": getattr(m, "value", None)
+                for m in llm.get_metrics()
+                if "kv_checksum" in m.name
+            }
+        except Exception as e:
+            metrics = {"error": repr(e)}
+        metrics["elapsed_s"] = elapsed
+        return reply, metrics
+
+    serve_commands(name, build, answer, cmds, results)
+
+
+def engine_process_setup(log: str, port: int) -> None:
+    """An engine process writes to its own log file (not a pipe: a core left
+    behind cannot hold the driver's output open) and sets its NIXL side
+    channel."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+
+
+def serve_commands(
+    name: str,
+    build: Callable[[], Any],
+    answer: Callable[[Any, tuple], Any],
+    cmds: Any,
+    results: Any,
+) -> None:
+    """An engine process's loop: `build()` the LLM and say "ready" (or
+    "error" and return), then reply `answer(llm, cmd)` to each ("gen", ...)
+    command (an error reply if it raises) until ("stop",) shuts the core
+    down."""
+    try:
+        llm = build()
     except BaseException:
         results.put((name, "error", traceback.format_exc()))
         return
+    results.put((name, "ready", None))
     while True:
         cmd = cmds.get()
         if cmd[0] == "stop":
             shutdown_engine(llm)
             break
         try:
-            batch = cmd[1]
-            llm.request_counter = request_ids(batch)
-            params = [
-                SamplingParams(
-                    temperature=0.0,
-                    max_tokens=max_tokens,
-                    ignore_eos=True,
-                    detokenize=False,
-                    extra_args={"kv_transfer_params": kvp} if kvp else None,
-                    # A prefill always computes the whole prompt, so a prompt
-                    # produced twice sends the same KV both times.
-                    skip_reading_prefix_cache=(
-                        True if kvp and kvp.get("do_remote_decode") else None
-                    ),
-                )
-                for _, kvp, max_tokens in batch
-            ]
-            start = time.perf_counter()
-            outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p, _, _ in batch],
-                params,
-                use_tqdm=False,
-            )
-            elapsed = time.perf_counter() - start
-            reply = [
-                {
-                    "tokens": list(o.outputs[0].token_ids),
-                    "kvp": o.kv_transfer_params,
-                    "cached": o.num_cached_tokens,
-                }
-                for o in outs
-            ]
-            try:
-                metrics = {
-                    f"{m.name}{sorted((m.labels or {}).items())}": getattr(
-                        m, "value", None
-                    )
-                    for m in llm.get_metrics()
-                    if "kv_checksum" in m.name
-                }
-            except Exception as e:
-                metrics = {"error": repr(e)}
-            metrics["elapsed_s"] = elapsed
-            results.put((name, "gen", (reply, metrics)))
+            results.put((name, "gen", answer(llm, cmd)))
         except BaseException:
             results.put((name, "error", traceback.format_exc()))
 

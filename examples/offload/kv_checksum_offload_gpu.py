@@ -64,7 +64,6 @@ from kv_checksum_pd_gpu import (  # noqa: E402
     MODELS,
     UNVERIFIED,
     build_model,
-    shutdown_engine,
 )
 
 BLOCK_SIZE = 16
@@ -121,20 +120,16 @@ def engine_main(
     name: str, extra: dict, port: int, log: str, cmds: Any, results: Any
 ) -> None:
     """One engine process: build an LLM, then serve generate commands."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    pd_gpu.engine_process_setup(log, port)
     # Outputs independent of batch composition: a recompute changes the
     # batches of the requests beside it, which must not change their tokens.
     os.environ["VLLM_BATCH_INVARIANT"] = "1" if extra.get("_batch_invariant") else "0"
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.config import KVTransferConfig
-        from vllm.inputs import TokensPrompt
 
-        llm = LLM(
+    def build() -> Any:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        return LLM(
             model=MODELS["tiny"],
             skip_tokenizer_init=True,
             enforce_eager=True,
@@ -158,37 +153,31 @@ def engine_main(
                 **offload_config(extra, bool(extra.get("_multi"))),
             ),
         )
-        results.put((name, "ready", None))
-    except BaseException:
-        results.put((name, "error", traceback.format_exc()))
-        return
-    while True:
-        cmd = cmds.get()
-        if cmd[0] == "stop":
-            shutdown_engine(llm)
-            break
-        try:
-            batch, max_tokens = cmd[1], cmd[2]
-            params = SamplingParams(
-                temperature=0.0,
-                max_tokens=max_tokens,
-                ignore_eos=True,
-                detokenize=False,
-                logprobs=TOP,
-            )
-            start = time.perf_counter()
-            outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in batch],
-                params,
-                use_tqdm=False,
-            )
-            elapsed = time.perf_counter() - start
-            tokens = [list(o.outputs[0].token_ids) for o in outs]
-            top = [top_logprobs(o.outputs[0].logprobs) for o in outs]
-            reply = (tokens, read_counters(llm), elapsed, top)
-            results.put((name, "gen", reply))
-        except BaseException:
-            results.put((name, "error", traceback.format_exc()))
+
+    def answer(llm: Any, cmd: tuple) -> tuple:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        batch, max_tokens = cmd[1], cmd[2]
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            detokenize=False,
+            logprobs=TOP,
+        )
+        start = time.perf_counter()
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in batch],
+            params,
+            use_tqdm=False,
+        )
+        elapsed = time.perf_counter() - start
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        top = [top_logprobs(o.outputs[0].logprobs) for o in outs]
+        return tokens, read_counters(llm), elapsed, top
+
+    pd_gpu.serve_commands(name, build, answer, cmds, results)
 
 
 def top_logprobs(logprobs: Any) -> list[dict[int, float]]:

@@ -199,3 +199,52 @@ def test_top_logprobs_reads_vllm_logprobs(
     logprobs.append({7: Logprob(-0.5, 1)})
     assert offload.top_logprobs(logprobs) == [{5: -0.25, 6: -2.0}, {}, {7: -0.5}]
     assert offload.top_logprobs(None) == []
+
+
+def test_engine_command_loop_replies_and_stops(
+    drivers: tuple[ModuleType, ModuleType],
+) -> None:
+    """Both drivers' engine processes run one loop (`serve_commands`): "ready"
+    after the build, one reply per command, an "error" reply (not a dead
+    process) when a command raises, the core shut down at "stop"; a failed
+    build replies "error" and serves nothing.
+
+    Bugs this fails: replying "ready" before the build finished; a command's
+    exception ending the loop (the driver would wait for its timeout);
+    leaving the engine core running at "stop".
+    """
+    import queue
+
+    pd_gpu, _ = drivers
+    shut: list[int] = []
+
+    class Core:
+        def shutdown(self, timeout: float) -> None:
+            shut.append(1)
+
+    class FakeLLM:
+        llm_engine = type("Engine", (), {"engine_core": Core()})()
+
+    def answer(llm: object, cmd: tuple) -> object:
+        if cmd[1] == "boom":
+            raise ValueError("boom")
+        return cmd[1] * 2
+
+    cmds: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+    for cmd in (("gen", 2), ("gen", "boom"), ("gen", 5), ("stop",)):
+        cmds.put(cmd)
+    pd_gpu.serve_commands("e", FakeLLM, answer, cmds, results)
+    got = [results.get_nowait() for _ in range(4)]
+    assert [(n, kind) for n, kind, _ in got] == [("e", "ready")] + [
+        ("e", k) for k in ("gen", "error", "gen")
+    ]
+    assert got[1][2] == 4 and got[3][2] == 10 and "boom" in got[2][2]
+    assert shut == [1] and results.empty()
+
+    def fail() -> object:
+        raise RuntimeError("no GPU")
+
+    pd_gpu.serve_commands("f", fail, answer, queue.Queue(), results)
+    name, kind, text = results.get_nowait()
+    assert (name, kind) == ("f", "error") and "no GPU" in text
