@@ -75,11 +75,12 @@ def test_producer_and_consumer_share_one_request_id_r104(
     assert all(i.isdigit() for i in own)
 
 
-def test_parting_tells_near_ties_from_wrong_outputs(
+def test_parting_tells_near_ties_from_wrong_outputs_r139(
     drivers: tuple[ModuleType, ModuleType],
 ) -> None:
-    """A difference counts as a near-tie only when, at the first differing
-    token, both tokens are in both runs' top candidates within `NEAR_TIE`.
+    """R139's GPU proof (a failed load back is recomputed right): a
+    difference counts as a near-tie only when, at the first differing token,
+    both tokens are in both runs' top candidates within `NEAR_TIE`.
 
     Bugs this fails: comparing only the first run's logprobs (a wrong output
     whose own run was sure of its token would pass); looking at the last
@@ -145,13 +146,15 @@ def test_hybrid_model_has_attention_and_mamba2_layers_r36(
         assert config.hf_config.n_groups == groups
 
 
-def test_pd_output_check_compares_with_the_checksums_off_consumer(
+def test_pd_output_check_compares_with_the_checksums_off_consumer_r4(
     drivers: tuple[ModuleType, ModuleType],
 ) -> None:
-    """A P/D phase passes when the checksums-on consumer equals the off
-    consumer and every request loaded, whatever the single engine says (the
-    off consumer parted from it on the same 3/60 prompts on the H200); the
-    faults phase needs every recompute equal to a whole-prompt prefill.
+    """R4 on real engines (a failed check recomputes through vLLM's own
+    policy, a clean load changes nothing): a P/D phase passes when the
+    checksums-on consumer equals the off consumer and every request loaded,
+    whatever the single engine says (the off consumer parted from it on the
+    same 3/60 prompts on the H200); the faults phase needs every recompute
+    equal to a whole-prompt prefill.
 
     Bugs this fails: dropping the on vs off comparison (one at a time or
     batched); counting a recomputed request of the clean consumer as a load;
@@ -180,10 +183,10 @@ def test_pd_output_check_compares_with_the_checksums_off_consumer(
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["list", "flat"])
-def test_top_logprobs_reads_vllm_logprobs(
+def test_top_logprobs_reads_vllm_logprobs_r139(
     drivers: tuple[ModuleType, ModuleType], flat: bool
 ) -> None:
-    """The offload driver reads vLLM's own sample logprobs containers (a list
+    """R139's output check reads vLLM's own sample logprobs containers (a list
     of dicts, or FlatLogprobs) into the dicts `parting` compares, a missing
     position as an empty dict.
 
@@ -204,10 +207,11 @@ def test_top_logprobs_reads_vllm_logprobs(
 def test_engine_command_loop_replies_and_stops(
     drivers: tuple[ModuleType, ModuleType],
 ) -> None:
-    """Both drivers' engine processes run one loop (`serve_commands`): "ready"
-    after the build, one reply per command, an "error" reply (not a dead
-    process) when a command raises, the core shut down at "stop"; a failed
-    build replies "error" and serves nothing.
+    """Driver plumbing, no SPEC requirement of its own (every GPU proof runs
+    through it). Both drivers' engine processes run one loop
+    (`serve_commands`): "ready" after the build, one reply per command, an
+    "error" reply (not a dead process) when a command raises, the core shut
+    down at "stop"; a failed build replies "error" and serves nothing.
 
     Bugs this fails: replying "ready" before the build finished; a command's
     exception ending the loop (the driver would wait for its timeout);
