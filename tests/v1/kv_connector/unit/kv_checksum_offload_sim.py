@@ -394,3 +394,32 @@ def run_shared_prefixes(
 def verdicts(engine: SimEngine) -> dict[str, int]:
     """The engine's load verdict counts."""
     return dict(engine.checksums.stats.loads)
+
+
+def reload_after_drop(
+    engine: SimEngine, prompts: list[list[int]], block_size: int = 16
+) -> None:
+    """After `run_shared_prefixes(engine, 7)` dropped prefix 0's bad host
+    copy: faults off, prefix 0 evicted from the GPU again, then reloaded. The
+    recompute stored a fresh copy, so the reload verifies and the one
+    mismatch stays the only one (R121)."""
+    for worker_side in engine.sides:
+        assert worker_side is not None
+        worker_side.injector = None  # no more faults
+    for i in range(1, 6):  # evict prefix 0 from the GPU again
+        engine.add(
+            make_request(
+                f"x{i}", prompts[i][:-1] + [9, 9], max_tokens=1, block_size=block_size
+            )
+        )
+        engine.run(f"x{i}")
+    loads = engine.num_loads
+    engine.add(
+        make_request(
+            "again", prompts[0][:-1] + [5, 5], max_tokens=1, block_size=block_size
+        )
+    )
+    engine.run("again")
+    assert engine.num_loads > loads
+    assert verdicts(engine).get("mismatch") == 1, verdicts(engine)
+    assert verdicts(engine).get("verified", 0) >= 1

@@ -23,6 +23,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     OffloadSimEngine,
     offload_metadata,
+    reload_after_drop,
     run_shared_prefixes,
     verdicts,
 )
@@ -319,22 +320,7 @@ def test_R121_a_dropped_copy_is_not_loaded_again(model_dir: str) -> None:
     assert verdicts(engine) == {"mismatch": 1}
     offload = engine.offload.__dict__["_kv_checksum_offload"]
     assert offload.dropper.dropped > 0
-    for worker_side in engine.sides:
-        assert worker_side is not None
-        worker_side.injector = None  # no more faults
-    for i in range(1, 6):  # evict prefix 0 from the GPU again
-        engine.add(
-            make_request(f"x{i}", prompts[i][:-1] + [9, 9], max_tokens=1, block_size=BS)
-        )
-        engine.run(f"x{i}")
-    loads = engine.num_loads
-    engine.add(
-        make_request("again", prompts[0][:-1] + [5, 5], max_tokens=1, block_size=BS)
-    )
-    engine.run("again")
-    assert engine.num_loads > loads
-    assert verdicts(engine).get("mismatch") == 1, verdicts(engine)
-    assert verdicts(engine).get("verified", 0) >= 1
+    reload_after_drop(engine, prompts, BS)
 
 
 def test_R1_checksums_off_nothing_attached(model_dir: str) -> None:
