@@ -443,7 +443,9 @@ def test_consumer_load_round_trip_r67_r85(
     consumer = build_side(model, c_tp, num_spec, "consumer", distributed, monkeypatch)
     prompt = prompt_of(40)
     states = global_states(40, num_spec)
-    produced = produce(producer, "r", prompt, states)
+    # vLLM's NIXL producer drops the prompt's last token for Mamba (its
+    # prefill backoff), so both sides hold h(N - 1).
+    produced = produce(producer, "r", prompt[:-1], states)
     assert payload_value(producer, produced.params) == reference(states)
 
     recv, state_block, verdict = consume_load(
@@ -457,3 +459,32 @@ def test_consumer_load_round_trip_r67_r85(
         assert verdict.mismatches == {0: [0]}
     else:
         assert verdict.status == KVChecksumStatus.VERIFIED, verdict
+
+
+@pytest.mark.parametrize("tp_pair", [(1, 1), (2, 1)], ids=["tp1-tp1", "tp2-tp1"])
+def test_state_after_another_token_count_mismatches_r67(
+    distributed: Any,
+    tmp_path: Any,
+    cuda_stream_stubs: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    tp_pair: tuple[int, int],
+) -> None:
+    """R67: both sides must hold the state after the same tokens. A producer
+    that kept its last prompt token (no prefill backoff: vLLM's NIXL producer
+    skips it for a request that skips reading the prefix cache) sends h(N)
+    where the consumer, loading N - 1 tokens, needs h(N - 1); its bytes arrive
+    intact, yet the load is wrong and must mismatch at the Mamba group.
+
+    Bug this fails: comparing Mamba state values without the two sides' token
+    counts (the H200 hybrid driver's first runs verified such loads, and every
+    output differed from a single engine)."""
+    model = write_mamba2(str(tmp_path), N_GROUPS)
+    p_tp, c_tp = tp_pair
+    producer = build_side(model, p_tp, 0, "producer", distributed, monkeypatch)
+    consumer = build_side(model, c_tp, 0, "consumer", distributed, monkeypatch)
+    prompt = prompt_of(40)
+    states = global_states(40, 0)
+    produced = produce(producer, "r", prompt, states)  # h(40), not h(39)
+    _, _, verdict = consume_load(consumer, "r", prompt, produced.params, states, False)
+    assert verdict.status == KVChecksumStatus.MISMATCH, verdict
+    assert verdict.mismatches == {0: [0]}
