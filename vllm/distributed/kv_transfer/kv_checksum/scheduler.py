@@ -342,7 +342,7 @@ class KVChecksumScheduler:
         Returns whether the load must fail (fail-closed and not verified).
         """
         verdict = self.offload.verify(load)
-        self._log_verdict(req_id, verdict)
+        self._log_verdict(req_id, verdict, load.blocks)
         self.stats.record_verdict(verdict)
         if verdict.status == KVChecksumStatus.VERIFIED:
             return False
@@ -401,20 +401,32 @@ class KVChecksumScheduler:
                 "Mamba state without TP splits differs between TP sizes: its "
                 "groups are left out of KV checksum verification."
             )
-        self._log_verdict(req_id, verdict)
+        self._log_verdict(req_id, verdict, pending.blocks)
         self.stats.record_verdict(verdict)
         if verdict.status != KVChecksumStatus.VERIFIED and self.on_failed_load:
             self.on_failed_load(req_id, verdict, pending.blocks)
         return verdict
 
-    def _log_verdict(self, req_id: str, verdict: KVChecksumVerdict) -> None:
-        """R96: an error per mismatch, a warning once per fixed reason."""
+    def _log_verdict(
+        self, req_id: str, verdict: KVChecksumVerdict, blocks: KVChecksumBlocks
+    ) -> None:
+        """R96: an error per mismatch, a warning once per fixed reason; the
+        loaded block ids of a mismatch at DEBUG, to tell its cause."""
         if verdict.status == KVChecksumStatus.MISMATCH:
             groups = "; ".join(
                 f"group {g} block positions {positions}"
                 for g, positions in sorted(verdict.mismatches.items())
             )
             logger.error("KV checksum mismatch for request %s: %s", req_id, groups)
+            logger.debug(
+                "KV checksum mismatch details, request %s: loaded blocks "
+                "(group: first position, block ids) %s",
+                req_id,
+                {
+                    g: (int(f), np.asarray(i).tolist())
+                    for g, (f, i) in blocks.groups.items()
+                },
+            )
             return
         if verdict.status == KVChecksumStatus.VERIFIED:
             logger.debug("KV checksums verified for request %s.", req_id)
