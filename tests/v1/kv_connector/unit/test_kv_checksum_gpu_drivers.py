@@ -87,21 +87,21 @@ def test_parting_tells_near_ties_from_wrong_outputs_r139(
     instead of the first differing position; counting a token outside the
     top candidates as a tie.
     """
-    _, offload = drivers
-    tie = offload.NEAR_TIE
+    pd_gpu, _ = drivers
+    tie = pd_gpu.NEAR_TIE
     ref, ref_top = [5, 7, 9], [{5: -0.1, 6: -3.0}, {7: -0.70, 8: -0.72}, {9: -0.2}]
     close = [5, 8, 1]
     close_top = [{5: -0.1, 6: -3.0}, {8: -0.69, 7: -0.71}, {1: -0.1}]
-    assert offload.parting(ref, ref_top, ref, ref_top) is None
-    position, gap = offload.parting(ref, ref_top, close, close_top)
+    assert pd_gpu.parting(ref, ref_top, ref, ref_top) is None
+    position, gap = pd_gpu.parting(ref, ref_top, close, close_top)
     assert position == 1 and gap == pytest.approx(0.02)
     # Sure of its own token: its run's gap is large.
     sure_top = [{5: -0.1, 6: -3.0}, {8: -0.01, 7: -4.0}, {1: -0.1}]
-    assert offload.parting(ref, ref_top, close, sure_top)[1] > tie
+    assert pd_gpu.parting(ref, ref_top, close, sure_top)[1] > tie
     # A token outside the other run's top candidates.
     far_top = [{5: -0.1, 6: -3.0}, {8: -0.69, 3: -0.71}, {1: -0.1}]
-    assert math.isinf(offload.parting(ref, ref_top, close, far_top)[1])
-    result = offload.compare_outputs(
+    assert math.isinf(pd_gpu.parting(ref, ref_top, close, far_top)[1])
+    result = pd_gpu.compare_outputs(
         [ref, ref, ref],
         [ref_top] * 3,
         [ref, close, close],
@@ -176,6 +176,21 @@ def test_pd_output_check_compares_with_the_checksums_off_consumer_r4(
         {**clean, "batched by 25": batched_diff}, 4, hybrid=True
     )
     assert not pd_gpu.pd_outputs_ok({**clean, "kv_loaded": 3}, 4, hybrid=True)
+    # Parting only at a near-tie passes; parting with a margin does not.
+    tied = {
+        **clean,
+        "P/D on vs P/D off differing": [1],
+        "P/D on vs P/D off wrong": [],
+        "batched by 25": {**clean["batched by 25"], "P/D on vs P/D off wrong": []},
+    }
+    assert pd_gpu.pd_outputs_ok(tied, 4, hybrid=True)
+    assert not pd_gpu.pd_outputs_ok(
+        {**tied, "P/D on vs P/D off wrong": [1]}, 4, hybrid=True
+    )
+    batched_wrong = {**tied["batched by 25"], "P/D on vs P/D off wrong": [0]}
+    assert not pd_gpu.pd_outputs_ok(
+        {**tied, "batched by 25": batched_wrong}, 4, hybrid=True
+    )
     faults = {"recomputed": 3, "recomputed_equal_to_fresh_prefill": 3}
     assert pd_gpu.pd_outputs_ok(faults, 4, hybrid=False)
     wrong = {**faults, "recomputed_equal_to_fresh_prefill": 2}
@@ -195,13 +210,13 @@ def test_top_logprobs_reads_vllm_logprobs_r139(
     """
     from vllm.logprobs import Logprob, create_sample_logprobs
 
-    _, offload = drivers
+    pd_gpu, _ = drivers
     logprobs = create_sample_logprobs(flat)
     logprobs.append({5: Logprob(-0.25, 1), 6: Logprob(-2.0, 2)})
     logprobs.append(None)
     logprobs.append({7: Logprob(-0.5, 1)})
-    assert offload.top_logprobs(logprobs) == [{5: -0.25, 6: -2.0}, {}, {7: -0.5}]
-    assert offload.top_logprobs(None) == []
+    assert pd_gpu.top_logprobs(logprobs) == [{5: -0.25, 6: -2.0}, {}, {7: -0.5}]
+    assert pd_gpu.top_logprobs(None) == []
 
 
 def test_engine_command_loop_replies_and_stops(
