@@ -396,6 +396,26 @@ def verdicts(engine: SimEngine) -> dict[str, int]:
     return dict(engine.checksums.stats.loads)
 
 
+def assert_every_load_verified(engine: SimEngine) -> dict[str, int]:
+    """Every load of the engine verified: no mismatch, none unverified.
+    Returns the verdict counts."""
+    counts = verdicts(engine)
+    assert counts.get("verified", 0) == engine.num_loads, counts
+    assert counts.get("mismatch", 0) == 0 and counts.get("unverified", 0) == 0
+    return counts
+
+
+class CallRecorder:
+    """Records calls by name, in order: a stand-in for a connector's worker
+    (vLLM's) or for the package's worker side."""
+
+    def __init__(self, calls: list[str], prefix: str) -> None:
+        self.calls, self.prefix = calls, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kw: self.calls.append(f"{self.prefix}.{name}")
+
+
 def reload_after_drop(
     engine: SimEngine, prompts: list[list[int]], block_size: int = 16
 ) -> None:

@@ -21,7 +21,9 @@ import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
+    CallRecorder,
     OffloadSimEngine,
+    assert_every_load_verified,
     offload_metadata,
     reload_after_drop,
     run_shared_prefixes,
@@ -264,10 +266,8 @@ def test_R139_offload_loads_verified_end_to_end(model_dir: str) -> None:
     position (mismatch); host source not declared (loads never checked)."""
     engine = OffloadSimEngine(model_dir, offload_side(), "e2e")
     run_shared_prefixes(engine, 30)
-    counts = verdicts(engine)
     assert engine.num_loads >= 20
-    assert counts.get("verified", 0) == engine.num_loads, counts
-    assert counts.get("mismatch", 0) == 0 and counts.get("unverified", 0) == 0
+    assert_every_load_verified(engine)
 
 
 def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:
@@ -343,10 +343,8 @@ def test_R139_multi_connector_offload_loads_verified(model_dir: str) -> None:
     checked through the Offloading child (host source) and verified."""
     engine = OffloadSimEngine(model_dir, offload_side(multi=True), "multi")
     run_shared_prefixes(engine, 18)
-    counts = verdicts(engine)
     assert engine.num_loads > 0
-    assert counts.get("verified", 0) == engine.num_loads, counts
-    assert counts.get("mismatch", 0) == 0 and counts.get("unverified", 0) == 0
+    assert_every_load_verified(engine)
 
 
 def test_R139_multi_connector_pd_load_takes_the_nixl_path(model_dir: str) -> None:
@@ -376,16 +374,6 @@ def test_R139_multi_connector_pd_load_takes_the_nixl_path(model_dir: str) -> Non
     assert engine.scheduler.connector.get_kv_checksum_sources(request) == set()
 
 
-class _Recorder:
-    """Records calls by name, in order (a connector worker or worker side)."""
-
-    def __init__(self, calls: list[str], prefix: str) -> None:
-        self.calls, self.prefix = calls, prefix
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kw: self.calls.append(f"{self.prefix}.{name}")
-
-
 @pytest.mark.parametrize("enabled", [False, True])
 def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None:
     """The worker-side wrappers of OffloadingConnector (vLLM's class): with no
@@ -403,7 +391,7 @@ def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None
 
     calls: list[str] = []
     connector = object.__new__(OffloadingConnector)
-    connector.connector_worker = _Recorder(calls, "vllm")
+    connector.connector_worker = CallRecorder(calls, "vllm")
     meta = OffloadingConnectorMetadata(
         load_jobs={},
         store_jobs={7: TransferJob("r", Spec([1]), Spec([2]))},
@@ -411,7 +399,7 @@ def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None
     )
     connector._connector_metadata = meta
     if enabled:
-        connector._kv_checksum_offload_worker = _Recorder(calls, "side")
+        connector._kv_checksum_offload_worker = CallRecorder(calls, "side")
     before = dict(connector.__dict__)
     OffloadingConnector.handle_preemptions(connector, meta)
     OffloadingConnector.start_load_kv(connector, None)
@@ -463,6 +451,6 @@ def test_R117_worker_registration_skips_other_backends() -> None:
     calls: list[str] = []
     connector = object.__new__(OffloadingConnector)
     connector.connector_worker = type("W", (), {"spec": object()})()
-    OffloadingConnector.register_kv_checksum_worker(connector, _Recorder(calls, "w"))
+    OffloadingConnector.register_kv_checksum_worker(connector, CallRecorder(calls, "w"))
     assert "_kv_checksum_offload_worker" not in connector.__dict__
     assert calls == []

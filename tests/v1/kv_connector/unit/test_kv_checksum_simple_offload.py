@@ -18,7 +18,9 @@ import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
+    CallRecorder,
     SimpleOffloadSimEngine,
+    assert_every_load_verified,
     reload_after_drop,
     run_shared_prefixes,
     simple_offload_metadata,
@@ -181,10 +183,8 @@ def test_R139_simple_offload_loads_verified_end_to_end(
     (never checked)."""
     engine = SimpleOffloadSimEngine(model_dir, simple_side(lazy), f"e2e-{lazy}")
     run_shared_prefixes(engine, 24)
-    counts = verdicts(engine)
     assert engine.num_loads >= 12 and engine.num_stored_blocks > 0
-    assert counts.get("verified", 0) == engine.num_loads, counts
-    assert counts.get("mismatch", 0) == 0 and counts.get("unverified", 0) == 0
+    assert_every_load_verified(engine)
     assert_no_request_state(engine)
 
 
@@ -376,20 +376,8 @@ def test_R139_multi_connector_simple_offload_loads_verified(model_dir: str) -> N
     child gets no checksum state, its loads are never checked)."""
     engine = SimpleOffloadSimEngine(model_dir, simple_side(multi=True), "multi")
     run_shared_prefixes(engine, 12)
-    counts = verdicts(engine)
     assert engine.num_loads > 0
-    assert counts.get("verified", 0) == engine.num_loads, counts
-    assert counts.get("mismatch", 0) == 0 and counts.get("unverified", 0) == 0
-
-
-class _Recorder:
-    """Records calls by name, in order (a worker handler or worker side)."""
-
-    def __init__(self, calls: list[str], prefix: str) -> None:
-        self.calls, self.prefix = calls, prefix
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kw: self.calls.append(f"{self.prefix}.{name}")
+    assert_every_load_verified(engine)
 
 
 @pytest.mark.parametrize("enabled", [False, True])
@@ -407,12 +395,12 @@ def test_R1_R118_simple_worker_hooks_on_the_real_class(enabled: bool) -> None:
     wiring.install()
     calls: list[str] = []
     connector = object.__new__(SimpleCPUOffloadConnector)
-    connector.worker_handler = _Recorder(calls, "vllm")  # type: ignore[assignment]
+    connector.worker_handler = CallRecorder(calls, "vllm")  # type: ignore[assignment]
     connector._connector_metadata = SimpleCPUOffloadMetadata(
         load_event=0, load_gpu_blocks=[3], load_cpu_blocks=[4]
     )
     if enabled:
-        connector._kv_checksum_simple_offload_worker = _Recorder(calls, "side")
+        connector._kv_checksum_simple_offload_worker = CallRecorder(calls, "side")
     before = dict(connector.__dict__)
     SimpleCPUOffloadConnector.start_load_kv(connector, None)
     SimpleCPUOffloadConnector.wait_for_save(connector)
