@@ -80,6 +80,8 @@ from tests.v1.kv_connector.unit.test_kv_checksum_mamba import (
 from tests.v1.kv_connector.unit.test_kv_checksum_mamba_scheduler import (
     SPEC,
     finish_step,
+    prompt_of,
+    running_state_block,
     speculative_config,
 )
 from vllm.distributed.kv_transfer.kv_checksum.checksum import (
@@ -291,10 +293,6 @@ def build_rank(
 # --------------------------------------------------------------------------
 
 
-def prompt_of(length: int, offset: int = 0) -> list[int]:
-    return [(7 * i + offset) % 250 + 3 for i in range(length)]
-
-
 def attention_kv(tokens: list[int]) -> np.ndarray:
     """The global attention KV of `tokens` from position 0, uint8
     [1 layer, tokens, KV heads, CELL]: a fixed function of (token, position,
@@ -456,19 +454,6 @@ class HybridSide:
 
     def finish(self, output: Any, finished_recving: Iterable[str] = ()) -> None:
         finish_step(self, output, finished_recving)
-
-
-def running_state_block(
-    blocks: list[int], num_tokens: int, block_size: int, num_spec: int
-) -> int:
-    """The Mamba block NIXL transfers, computed twice: vLLM's
-    `clip_ssm_state_blocks` on the block list and align mode's position
-    `cdiv(n, bs) - 1`, followed only by the `num_spec` scratch blocks."""
-    (clipped,) = clip_ssm_state_blocks(list(blocks), num_spec)
-    index = cdiv(num_tokens, block_size) - 1
-    assert blocks[index] == clipped
-    assert len(blocks) - index - 1 == num_spec
-    return clipped
 
 
 def build_side(

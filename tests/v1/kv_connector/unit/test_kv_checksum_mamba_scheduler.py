@@ -213,14 +213,16 @@ def build_side(
     return side
 
 
-def running_state_block(blocks: list[int], num_spec: int, num_tokens: int) -> int:
-    """The block NIXL transfers, computed twice: vLLM's `clip_ssm_state_blocks`
-    on the block list, and align mode's position (block `cdiv(n, bs) - 1`,
-    the scratch blocks after it)."""
+def running_state_block(
+    blocks: list[int], num_tokens: int, block_size: int, num_spec: int
+) -> int:
+    """The Mamba block NIXL transfers, computed twice: vLLM's
+    `clip_ssm_state_blocks` on the block list and align mode's position
+    `cdiv(n, bs) - 1`, followed only by the `num_spec` scratch blocks."""
     (clipped,) = clip_ssm_state_blocks(list(blocks), num_spec)
-    index = cdiv(num_tokens, BLOCK_SIZE) - 1
+    index = cdiv(num_tokens, block_size) - 1
     assert blocks[index] == clipped
-    assert len(blocks) - index - 1 == num_spec  # only scratch after it
+    assert len(blocks) - index - 1 == num_spec
     return clipped
 
 
@@ -289,7 +291,7 @@ def produce(
     (scheduled_tokens,) = output.num_scheduled_tokens.values()
     assert side.scheduler.requests[req_id].num_computed_tokens == len(prompt)
     blocks = side.block_ids(req_id)
-    state_block = running_state_block(blocks, side.num_spec, len(prompt))
+    state_block = running_state_block(blocks, len(prompt), BLOCK_SIZE, side.num_spec)
     side.forward(req_id, state_block, states, seed=len(prompt))
     scheduled = output.kv_checksum_scheduled
     assert scheduled is not None
@@ -391,7 +393,9 @@ def consume_load(
     loaded_tokens = consumer.scheduler.requests[req_id].num_computed_tokens
     assert loaded_tokens == load.num_external_tokens == len(prompt) - 1
     blocks = per_group(load.block_ids)[0]
-    state_block = running_state_block(blocks, consumer.num_spec, loaded_tokens)
+    state_block = running_state_block(
+        blocks, loaded_tokens, BLOCK_SIZE, consumer.num_spec
+    )
     scheduled = output.kv_checksum_scheduled
     assert scheduled is not None
     recv = scheduled.reqs_to_recv[req_id]
