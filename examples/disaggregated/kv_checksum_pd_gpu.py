@@ -563,7 +563,10 @@ def compare_outputs(
 
 
 def differing(a: list, b: list) -> list[int]:
-    return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    """Indices where two runs' outputs differ; -1 if their counts differ."""
+    return [i for i, (x, y) in enumerate(zip(a, b)) if x != y] + (
+        [-1] if len(a) != len(b) else []
+    )
 
 
 def equality_phase(ref: Engine, prod: Engine, count: int) -> dict[str, Any]:

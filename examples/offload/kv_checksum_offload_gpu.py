@@ -66,6 +66,7 @@ from kv_checksum_pd_gpu import (  # noqa: E402
     UNVERIFIED,
     build_model,
     compare_outputs,
+    differing,
     top_logprobs,
 )
 
@@ -248,12 +249,6 @@ def scan(path: str) -> dict[str, Any]:
         "dropped": text.count(DROPPED),
         "errors": text.count("KV checksums disabled for this engine"),
     }
-
-
-def differing(a: list, b: list) -> list[int]:
-    return [i for i, (x, y) in enumerate(zip(a, b)) if x != y] + (
-        [-1] if len(a) != len(b) else []
-    )
 
 
 def check(summary: dict, name: str, ok: bool, detail: Any) -> None:
