@@ -12,6 +12,8 @@ decoder.
 
 import asyncio
 import queue
+import tracemalloc
+import types
 from typing import Any
 
 import msgspec
@@ -203,7 +205,8 @@ def run_pd(
     if duplicate:  # heterogeneous TP: a second producer rank answers too,
         # here with different bytes: only the first copy may count.
         mc = mc_module()
-        first = d_worker._xfer_resp_decoder.decode(wire).kv_checksums[cons_id]
+        raw = d_worker._xfer_resp_decoder.decode(wire).kv_checksums
+        first = msgspec.msgpack.decode(raw, type=dict[str, bytes])[cons_id]
         other = msgspec.msgpack.encode(
             mooncake.response_type(mc.MooncakeXferResponse)(
                 status=mc.MooncakeXferResponseStatus.FINISH,
@@ -355,6 +358,10 @@ def test_mooncake_aborted_producer_keeps_nothing(pd: tuple) -> None:
     assert package_state(producer) == 0
 
 
+# A pull vLLM will report finished (it has local blocks).
+LOADING = types.SimpleNamespace(local_block_ids=[[1]])
+
+
 def test_mooncake_worker_bad_responses(model_dir: str) -> None:
     """R113, R114: malformed or oversized kv_checksums, values for requests
     this pull does not load and failed loads leave nothing behind, and never
@@ -373,7 +380,7 @@ def test_mooncake_worker_bad_responses(model_dir: str) -> None:
             ext(status=finish, ok_reqs=["d1"], kv_checksums=sums)
         )
         response = worker._xfer_resp_decoder.decode(wire)
-        received.keep(response, {"d1": object()})
+        received.keep(response, {"d1": LOADING})
     assert received.by_request == {}
     good = ext(status=finish, ok_reqs=["d1"], kv_checksums={"d1": b"z" * 8})
     received.keep(worker._xfer_resp_decoder.decode(msgspec.msgpack.encode(good)), {})
@@ -381,7 +388,7 @@ def test_mooncake_worker_bad_responses(model_dir: str) -> None:
     wire = msgspec.msgpack.encode(
         ext(status=finish, ok_reqs=["d1"], kv_checksums={"d1": b"z" * 8})
     )
-    received.keep(worker._xfer_resp_decoder.decode(wire), {"d1": object()})
+    received.keep(worker._xfer_resp_decoder.decode(wire), {"d1": LOADING})
     assert received.take(["d1"], ["d1"]) == {}
     assert received.by_request == {}
 
@@ -457,3 +464,52 @@ def test_mooncake_store_says_uncovered(vllm_caplog: pytest.LogCaptureFixture) ->
         kv_checksum_enabled(
             config("MooncakeStoreConnector", kv_checksum_fail_closed=True)
         )
+
+
+def test_mooncake_hostile_responses_bounded_r113_r114(model_dir: str) -> None:
+    """R113, R114 and the rule that a producer's value never sizes the
+    consumer's work: a response whose kv_checksums is huge (16 MiB of empty
+    maps) or not UTF-8 still decodes, and keep() builds nothing from it
+    (peak memory far below the value's own size); a pull with no local blocks
+    (aborted before it was scheduled: vLLM never reports it finished) keeps
+    no bytes.
+
+    Bugs this fails: decoding the field as a Python object (over 1 GB for
+    the maps, a failed decode for bad UTF-8, which fails the whole pull);
+    checking the length after decoding; keeping bytes of a blockless pull
+    (never taken: a leak per aborted request)."""
+    plugin.register()
+    mc = mc_module()
+    engine = mooncake_engine(model_dir, "cons", False)
+    worker = bare_worker(engine.vllm_config, False)
+    received = worker._kv_checksum_received
+    received.max_bytes = 64
+    finish = mc.MooncakeXferResponseStatus.FINISH
+    plain = msgspec.msgpack.encode(
+        mc.MooncakeXferResponse(status=finish, ok_reqs=["d1"])
+    )
+    # Append one field to vLLM's map: a key and a hostile value.
+    head, rest = plain[0], plain[1:]
+    assert head & 0xF0 == 0x80  # a fixmap
+    maps = b"\xdd" + (1 << 24).to_bytes(4, "big") + b"\x80" * (1 << 24)
+    for value in (maps, b"\x81\xa2\xff\xfe\x01"):
+        wire = bytes([head + 1]) + rest + msgspec.msgpack.encode("kv_checksums") + value
+        tracemalloc.start()
+        try:
+            response = worker._xfer_resp_decoder.decode(wire)
+            received.keep(response, {"d1": LOADING})
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert response.ok_reqs == ["d1"]
+        assert peak < 1 << 20, peak
+        assert received.by_request == {}
+    ext = mooncake.response_type(mc.MooncakeXferResponse)
+    good = msgspec.msgpack.encode(
+        ext(status=finish, ok_reqs=["d1"], kv_checksums={"d1": b"z" * 8})
+    )
+    blockless = types.SimpleNamespace(local_block_ids=[])
+    received.keep(worker._xfer_resp_decoder.decode(good), {"d1": blockless})
+    assert received.by_request == {}
+    received.keep(worker._xfer_resp_decoder.decode(good), {"d1": LOADING})
+    assert received.by_request == {"d1": b"z" * 8}

@@ -52,15 +52,24 @@ def mooncake_carrier(request: Any, receiving: bool) -> KVChecksumCarrier | None:
     return None
 
 
-def response_type(base: type) -> type:
-    """MooncakeXferResponse with `kv_checksums` (R113), omitted when None.
+# Bytes a map entry may add to its checksums: key (a request id) and headers.
+_ENTRY_OVERHEAD = 1024
+# The checksums of a response, decoded only after their length is checked.
+_SUMS_DECODER = msgspec.msgpack.Decoder(dict[str, bytes])
 
-    The field is typed Any so that a malformed value never fails the decode
-    of the response (and with it the load): `ReceivedChecksums.keep` checks it.
+
+def response_type(base: type) -> type:
+    """MooncakeXferResponse with `kv_checksums` (R113), omitted when empty.
+
+    The producer encodes a map (consumer request id -> bytes). The consumer
+    decodes the field as raw msgpack, neither parsed nor copied, so that a
+    malformed or huge value never fails the decode of the response (and with
+    it the pull) nor builds objects: `ReceivedChecksums.keep` checks its
+    length against the consumer's own limit, then decodes it.
     """
 
     class MooncakeXferResponseWithChecksums(base, omit_defaults=True):  # type: ignore[misc, valid-type, call-arg]
-        kv_checksums: Any = None
+        kv_checksums: msgspec.Raw = msgspec.Raw()
 
     return MooncakeXferResponseWithChecksums
 
@@ -148,18 +157,32 @@ class ReceivedChecksums:
     def keep(self, response: Any, loading: Mapping[str, Any]) -> None:
         """R114 (receiver loop, before the load is marked finished): keep
         the bytes of requests this response completes; malformed or
-        oversized values are left out (the load stays unverified)."""
-        sums = getattr(response, "kv_checksums", None)
-        if not isinstance(sums, dict):
+        oversized values are left out (the load stays unverified).
+
+        Only loads that vLLM will report finished count (a pull with no local
+        blocks never is, so its bytes would never be taken), and the raw
+        value is decoded only when it fits their limits: memory and work stay
+        bounded by `max_bytes` per such load.
+        """
+        raw = getattr(response, "kv_checksums", None)
+        if not isinstance(raw, msgspec.Raw) or not len(raw):
+            return
+        ids = [
+            req_id
+            for req_id in getattr(response, "ok_reqs", None) or ()
+            if req_id in loading and any(loading[req_id].local_block_ids)
+        ]
+        # Per entry: the bytes, their bin header and a request id.
+        if not ids or len(raw) > len(ids) * (self.max_bytes + _ENTRY_OVERHEAD):
+            return
+        try:
+            sums = _SUMS_DECODER.decode(raw)
+        except (msgspec.MsgspecError, RecursionError, OverflowError):
             return
         with self.lock:
-            for req_id in getattr(response, "ok_reqs", None) or ():
+            for req_id in ids:
                 data = sums.get(req_id)
-                if (
-                    req_id in loading
-                    and isinstance(data, bytes)
-                    and len(data) <= self.max_bytes
-                ):
+                if data is not None and len(data) <= self.max_bytes:
                     self.by_request.setdefault(req_id, data)
 
     def take(self, finished: Iterable[str], failed: Iterable[str]) -> dict[str, bytes]:
