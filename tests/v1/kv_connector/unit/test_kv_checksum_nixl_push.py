@@ -11,6 +11,7 @@ recording the WRITEs' notifs.
 
 import queue
 import threading
+import tracemalloc
 from collections import defaultdict
 from typing import Any
 
@@ -521,3 +522,53 @@ def test_push_arrival_orders_producer(model_dir: str, order: str) -> None:
     assert worker.nixl_wrapper.notifs == [
         nixl_push.encode_checksum_notif("d1", 1, b"S" * 8)
     ]
+
+
+def test_push_hostile_notifs_bounded_and_complete_r107(model_dir: str) -> None:
+    """R107 and the rule that a producer's value never sizes the consumer's
+    work: a checksum notif whose checksums element is 2 MiB of empty maps,
+    is not bytes, or is longer than the consumer's limit still completes its
+    load (the plain "id:tp" form is queued, nothing kept: unverified), with
+    peak memory far below the element's own size; only a notif whose id and
+    TP size do not decode is dropped. After checksums are turned off on the
+    worker, checksum notifs still complete their loads and keep no bytes.
+
+    Bugs this fails: decoding the notif untyped (about 150 MB for the maps);
+    dropping the whole notif for an oversized payload (the load never
+    completes); keeping bytes after the worker's checksums were disabled
+    (never taken: a leak)."""
+    from vllm.distributed.kv_transfer.kv_checksum import wiring
+
+    plugin.register()
+    engine = push_engine(model_dir, "cons")
+    worker = bare_push_worker(engine.vllm_config)
+    wiring._attach_nixl_push_worker(worker, engine.vllm_config)
+    q = worker._pending_completion_notifs
+    q.kv_checksum_max_bytes = 64
+    prefix = nixl_push.KV_CHECKSUM_NOTIF_PREFIX
+    maps = b"\xdd" + (1 << 21).to_bytes(4, "big") + b"\x80" * (1 << 21)
+    for element in (
+        maps,
+        msgspec.msgpack.encode([1, 2]),
+        msgspec.msgpack.encode(b"x" * 5000),
+    ):
+        notif = prefix + b"\x93" + msgspec.msgpack.encode("d1") + b"\x02" + element
+        tracemalloc.start()
+        try:
+            q.put(notif)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, peak
+        assert q.get_nowait() == b"d1:2"
+        assert q.kv_checksum_received == {}
+    q.put(prefix + msgspec.msgpack.encode([1, 2, b""]))  # no id: dropped
+    assert q.qsize() == 0
+    q.put(nixl_push.encode_checksum_notif("d1", 1, b"s" * 8))
+    assert q.kv_checksum_received == {"d1": b"s" * 8}
+    assert q.get_nowait() == b"d1:1"
+    wiring._disable_push_worker(worker, "test")  # as after an error
+    assert q.kv_checksum_received == {}
+    q.put(nixl_push.encode_checksum_notif("d2", 1, b"s" * 8))
+    assert q.get_nowait() == b"d2:1"
+    assert q.kv_checksum_received == {}

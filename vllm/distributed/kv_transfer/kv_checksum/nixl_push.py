@@ -42,6 +42,10 @@ KV_CHECKSUM_NOTIF_PREFIX = b"KV_CHECKSUM:"
 # Key a consumer adds to its push registration: it reads checksum notifs.
 REGISTRATION_KEY = "kv_checksum_notif"
 REGISTRATION_VERSION = 1
+# A checksum notif's body: the checksums element is kept raw (not decoded, not
+# copied) until its length is checked, so a peer's notif never builds objects.
+_NOTIF_DECODER = msgspec.msgpack.Decoder(tuple[str, int, msgspec.Raw])
+_BYTES_DECODER = msgspec.msgpack.Decoder(bytes)
 
 
 def nixl_push_carrier(request: Any, receiving: bool) -> KVChecksumCarrier | None:
@@ -133,31 +137,30 @@ def checksum_notif_for(plain: bytes, data: bytes) -> bytes | None:
 
 
 def decode_checksum_notif(notif: bytes, max_bytes: int) -> tuple[str, int, bytes]:
-    """Parse a checksum notif; ValueError for anything malformed (R107).
+    """Parse a checksum notif; ValueError when its id and TP size do not
+    decode (R107: the notif is then dropped, like a lost one).
 
-    Checksums longer than `max_bytes` (the consumer's payload limit) come back
-    empty: the load completes but stays unverified.
+    Checksums that are not bytes or longer than `max_bytes` (the consumer's
+    payload limit) come back empty: the load completes but stays unverified.
+    Work and memory are bounded by the notif's length and `max_bytes`.
     """
     if not notif.startswith(KV_CHECKSUM_NOTIF_PREFIX):
         raise ValueError("not a checksum notif")
-    body = notif[len(KV_CHECKSUM_NOTIF_PREFIX) :]
-    if len(body) > max_bytes + 1024:
-        raise ValueError("checksum notif too large")
+    body = memoryview(notif)[len(KV_CHECKSUM_NOTIF_PREFIX) :]
     try:
-        value = msgspec.msgpack.decode(body)
-    except (msgspec.MsgspecError, RecursionError, MemoryError, OverflowError) as e:
+        req_id, tp_size, raw = _NOTIF_DECODER.decode(body)
+    except (msgspec.MsgspecError, RecursionError, OverflowError) as e:
         raise ValueError(f"undecodable checksum notif: {e}") from e
-    if (
-        not isinstance(value, list)
-        or len(value) != 3
-        or not isinstance(value[0], str)
-        or type(value[1]) is not int
-        or value[1] < 1
-        or not isinstance(value[2], bytes)
-    ):
+    if tp_size < 1:
         raise ValueError("malformed checksum notif")
-    data = value[2] if len(value[2]) <= max_bytes else b""
-    return value[0], value[1], data
+    data = b""
+    # A bin header is at most 5 bytes: a longer element holds too many.
+    if len(raw) <= max_bytes + 5:
+        try:
+            data = _BYTES_DECODER.decode(raw)
+        except msgspec.MsgspecError:
+            data = b""
+    return req_id, tp_size, (data if len(data) <= max_bytes else b"")
 
 
 class ChecksumNotifQueue(queue.Queue):
@@ -197,6 +200,13 @@ class ChecksumNotifQueue(queue.Queue):
                     self.kv_checksum_received.setdefault(req_id, data)
             item = f"{req_id}:{tp_size}".encode()
         super().put(item, block, timeout)
+
+    def stop_keeping(self) -> None:
+        """Checksums turned off on this worker: turn later checksum notifs
+        into plain ones without keeping their bytes (nobody takes them)."""
+        with self.kv_checksum_lock:
+            self.kv_checksum_max_bytes = -1
+            self.kv_checksum_received.clear()
 
     def take(self, finished: Iterable[str], live: Iterable[str]) -> dict[str, bytes]:
         """Checksums of the loads finished now; drop those of unknown loads.

@@ -386,7 +386,7 @@ def _install_nixl_push() -> None:
                 store.add(getattr(metadata, "push_finished_kv_checksums", None))
                 nixl_push.advertise(metadata.push_registrations)
             except Exception:
-                _disable_after_error(self, "_kv_checksum_push", "start_load_kv")
+                _disable_push_worker(self, "start_load_kv")
         return original(self, metadata)
 
     @_wrap(NixlPushConnectorWorker, "_do_start_push_kv")
@@ -422,8 +422,18 @@ def _install_nixl_push() -> None:
                 if taken:
                     results.kv_checksums = {**taken, **(results.kv_checksums or {})}
         except Exception:
-            _disable_after_error(self, "_kv_checksum_push", "get_transfer_results")
+            _disable_push_worker(self, "get_transfer_results")
         return results
+
+
+def _disable_push_worker(worker: Any, where: str) -> None:
+    """Checksums off on a push worker after an error: its notif queue stops
+    keeping bytes nobody will take."""
+    _disable_after_error(worker, "_kv_checksum_push", where)
+    notifs = getattr(worker, "_pending_completion_notifs", None)
+    if isinstance(notifs, nixl_push.ChecksumNotifQueue):
+        with contextlib.suppress(Exception):
+            notifs.stop_keeping()
 
 
 def _attach_nixl_push_worker(worker: Any, vllm_config: Any) -> None:
