@@ -454,3 +454,54 @@ def test_R117_worker_registration_skips_other_backends() -> None:
     OffloadingConnector.register_kv_checksum_worker(connector, CallRecorder(calls, "w"))
     assert "_kv_checksum_offload_worker" not in connector.__dict__
     assert calls == []
+
+
+class _FailingSide:
+    """A worker side whose every call raises; its checksum worker records."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.checksum_worker = CallRecorder(calls, "worker")
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: Any, **kw: Any) -> None:
+            raise RuntimeError(f"side.{name} failed")
+
+        return fail
+
+
+@pytest.mark.parametrize(
+    "hook", ["handle_preemptions", "start_load_kv", "wait_for_save"]
+)
+def test_R134_worker_side_error_stops_stored_entries(hook: str) -> None:
+    """R134 on vLLM's OffloadingConnector: an error in the worker side's
+    entry moves disables it, vLLM's method still runs, and the checksum
+    worker stops comparing loads with stored entries (its block table is no
+    longer kept: later host loads are unverified, never mismatched against
+    stale entries).
+
+    Bug this fails: disabling only the connector's side (every later host
+    load then mismatches, and good host copies are dropped)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    wiring.install()
+    calls: list[str] = []
+    connector = object.__new__(OffloadingConnector)
+    connector.connector_worker = CallRecorder(calls, "vllm")
+    meta = OffloadingConnectorMetadata(
+        load_jobs={},
+        store_jobs={7: TransferJob("r", Spec([1]), Spec([2]))},
+        jobs_to_flush={7},
+    )
+    connector._connector_metadata = meta
+    connector._kv_checksum_offload_worker = _FailingSide(calls)
+    args = {"handle_preemptions": (meta,), "start_load_kv": (None,)}.get(hook, ())
+    getattr(OffloadingConnector, hook)(connector, *args)
+    assert connector._kv_checksum_offload_worker is None
+    assert calls[0] == "worker.stop_stored_entries"
+    assert calls[1].startswith("vllm.")

@@ -103,6 +103,16 @@ def _disable_after_error(owner: Any, attr: str, where: str) -> None:
         setattr(owner, attr, None)
 
 
+def _disable_offload_worker(connector: Any, attr: str, where: str) -> None:
+    """`_disable_after_error` for an offload connector's worker side: its
+    checksum worker stops comparing loads with the block table the side no
+    longer keeps, so later host loads are unverified, not falsely mismatched."""
+    side = connector.__dict__.get(attr)
+    _disable_after_error(connector, attr, where)
+    with contextlib.suppress(Exception):
+        side.checksum_worker.stop_stored_entries()
+
+
 def _enabled(vllm_config: Any, where: str) -> bool:
     """`kv_checksum_enabled` for a constructor hook: invalid flags raise
     ValueError (a start-up error by design, R8); any other error is logged
@@ -535,7 +545,7 @@ def _install_offload_connector() -> None:
             try:
                 side.save_stores(meta, meta.jobs_to_flush)
             except Exception:
-                _disable_after_error(self, "_kv_checksum_offload_worker", "preempt")
+                _disable_offload_worker(self, "_kv_checksum_offload_worker", "preempt")
         return original(self, meta)
 
     @_wrap(OffloadingConnector, "start_load_kv")
@@ -546,7 +556,7 @@ def _install_offload_connector() -> None:
             try:
                 side.start_loads(self._connector_metadata)
             except Exception:
-                _disable_after_error(self, "_kv_checksum_offload_worker", "load")
+                _disable_offload_worker(self, "_kv_checksum_offload_worker", "load")
         return original(self, *args, **kw)
 
     @_wrap(OffloadingConnector, "wait_for_save")
@@ -558,7 +568,7 @@ def _install_offload_connector() -> None:
                 meta = self._connector_metadata
                 side.save_stores(meta, list(meta.store_jobs))
             except Exception:
-                _disable_after_error(self, "_kv_checksum_offload_worker", "store")
+                _disable_offload_worker(self, "_kv_checksum_offload_worker", "store")
         return original(self)
 
 
@@ -724,7 +734,9 @@ def _install_simple_offload_connector() -> None:
             try:
                 side.start_loads(self._connector_metadata)
             except Exception:
-                _disable_after_error(self, "_kv_checksum_simple_offload_worker", "load")
+                _disable_offload_worker(
+                    self, "_kv_checksum_simple_offload_worker", "load"
+                )
         return original(self, *args, **kw)
 
     @_wrap(connector, "wait_for_save")
@@ -735,7 +747,7 @@ def _install_simple_offload_connector() -> None:
             try:
                 side.save_stores(self._connector_metadata)
             except Exception:
-                _disable_after_error(
+                _disable_offload_worker(
                     self, "_kv_checksum_simple_offload_worker", "store"
                 )
         return original(self)

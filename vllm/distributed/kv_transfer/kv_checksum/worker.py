@@ -404,6 +404,12 @@ class KVChecksumWorker:
             )
         return self._block_table
 
+    def stop_stored_entries(self) -> None:
+        """A connector's side failed, so its block table is no longer kept up
+        to date: from now on loads report no stored entries, and are
+        unverified rather than mismatched against stale entries."""
+        self._stored_groups.clear()
+
     def save_block_checksums(
         self, runs: Iterable[tuple[int, int, Sequence[int], Sequence[bytes]]]
     ) -> None:
