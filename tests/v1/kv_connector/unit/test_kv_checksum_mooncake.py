@@ -13,7 +13,6 @@ decoder.
 import asyncio
 import queue
 import tracemalloc
-import types
 from typing import Any
 
 import msgspec
@@ -358,10 +357,6 @@ def test_mooncake_aborted_producer_keeps_nothing(pd: tuple) -> None:
     assert package_state(producer) == 0
 
 
-# A pull vLLM will report finished (it has local blocks).
-LOADING = types.SimpleNamespace(local_block_ids=[[1]])
-
-
 def test_mooncake_worker_bad_responses(model_dir: str) -> None:
     """R113, R114: malformed or oversized kv_checksums, values for requests
     this pull does not load and failed loads leave nothing behind, and never
@@ -380,7 +375,7 @@ def test_mooncake_worker_bad_responses(model_dir: str) -> None:
             ext(status=finish, ok_reqs=["d1"], kv_checksums=sums)
         )
         response = worker._xfer_resp_decoder.decode(wire)
-        received.keep(response, {"d1": LOADING})
+        received.keep(response, {"d1"})
     assert received.by_request == {}
     good = ext(status=finish, ok_reqs=["d1"], kv_checksums={"d1": b"z" * 8})
     received.keep(worker._xfer_resp_decoder.decode(msgspec.msgpack.encode(good)), {})
@@ -388,7 +383,7 @@ def test_mooncake_worker_bad_responses(model_dir: str) -> None:
     wire = msgspec.msgpack.encode(
         ext(status=finish, ok_reqs=["d1"], kv_checksums={"d1": b"z" * 8})
     )
-    received.keep(worker._xfer_resp_decoder.decode(wire), {"d1": LOADING})
+    received.keep(worker._xfer_resp_decoder.decode(wire), {"d1"})
     assert received.take(["d1"], ["d1"]) == {}
     assert received.by_request == {}
 
@@ -497,7 +492,7 @@ def test_mooncake_hostile_responses_bounded_r113_r114(model_dir: str) -> None:
         tracemalloc.start()
         try:
             response = worker._xfer_resp_decoder.decode(wire)
-            received.keep(response, {"d1": LOADING})
+            received.keep(response, {"d1"})
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -508,8 +503,10 @@ def test_mooncake_hostile_responses_bounded_r113_r114(model_dir: str) -> None:
     good = msgspec.msgpack.encode(
         ext(status=finish, ok_reqs=["d1"], kv_checksums={"d1": b"z" * 8})
     )
-    blockless = types.SimpleNamespace(local_block_ids=[])
-    received.keep(worker._xfer_resp_decoder.decode(good), {"d1": blockless})
-    assert received.by_request == {}
-    received.keep(worker._xfer_resp_decoder.decode(good), {"d1": LOADING})
-    assert received.by_request == {"d1": b"z" * 8}
+    # Through vLLM's process_pulling_result: a pull with no local blocks.
+    for blocks, kept in (([], {}), ([[4]], {"d1": b"z" * 8})):
+        meta = mc.PullReqMeta("d1", "t1", blocks, "P", "addr", pull_tasks_count=1)
+        worker.process_pulling_result(
+            worker._xfer_resp_decoder.decode(good), {"d1": meta}
+        )
+        assert received.by_request == kept

@@ -23,7 +23,7 @@ Only Mooncake P2P: the Mooncake store connector declares no carrier (R115).
 
 import contextvars
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,15 +154,15 @@ class ReceivedChecksums:
     by_request: dict[str, bytes] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def keep(self, response: Any, loading: Mapping[str, Any]) -> None:
+    def keep(self, response: Any, loading: Collection[str]) -> None:
         """R114 (receiver loop, before the load is marked finished): keep
         the bytes of requests this response completes; malformed or
         oversized values are left out (the load stays unverified).
 
-        Only loads that vLLM will report finished count (a pull with no local
-        blocks never is, so its bytes would never be taken), and the raw
-        value is decoded only when it fits their limits: memory and work stay
-        bounded by `max_bytes` per such load.
+        `loading` are the requests of this pull that vLLM will report
+        finished (a pull with no local blocks never is, so its bytes would
+        never be taken). The raw value is decoded only when it fits their
+        limits: memory and work stay bounded by `max_bytes` per such load.
         """
         raw = getattr(response, "kv_checksums", None)
         if not isinstance(raw, msgspec.Raw) or not len(raw):
@@ -170,7 +170,7 @@ class ReceivedChecksums:
         ids = [
             req_id
             for req_id in getattr(response, "ok_reqs", None) or ()
-            if req_id in loading and any(loading[req_id].local_block_ids)
+            if req_id in loading
         ]
         # Per entry: the bytes, their bin header and a request id.
         if not ids or len(raw) > len(ids) * (self.max_bytes + _ENTRY_OVERHEAD):

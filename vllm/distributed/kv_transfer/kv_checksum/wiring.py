@@ -942,7 +942,11 @@ def _install_mooncake() -> None:
         received = self.__dict__.get("_kv_checksum_received")
         if received is not None:
             try:
-                received.keep(response, pull_metas)
+                # Only pulls with local blocks are ever reported finished.
+                finishing = {
+                    r for r, meta in pull_metas.items() if any(meta.local_block_ids)
+                }
+                received.keep(response, finishing)
             except Exception:
                 logger.exception("KV checksums of a Mooncake response ignored.")
         return original(self, response, pull_metas)
