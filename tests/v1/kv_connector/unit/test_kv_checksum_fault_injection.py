@@ -44,6 +44,8 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     ENABLE_KEY,
     FAULT_INJECTION_KEY,
+    HOST_FAULT_KEY,
+    HOST_FAULT_KINDS,
     FaultInjectionConfig,
     read_fault_injection,
     read_flags,
@@ -383,6 +385,28 @@ def test_invalid_config_is_startup_error(value):
         read_fault_injection(transfer_config(value))
     with pytest.raises(ValueError, match=FAULT_INJECTION_KEY):
         read_flags(transfer_config(value))
+
+
+@pytest.mark.parametrize(
+    "value", [0.5, {"rate": 2}, {"rate": 0.5, "kinds": ["bit_flip"]}]
+)
+def test_invalid_host_fault_setting_is_startup_error_r131(value):
+    """R131, R8: an invalid `kv_checksum_host_fault_injection` fails
+    read_flags, which every process calls at start-up, as the loaded-KV
+    setting does; a valid one is read. Bug this fails: checking the host
+    setting only when an offload connector attaches (checksums then switch
+    off with an error log instead of failing the start)."""
+    config = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={HOST_FAULT_KEY: value},
+    )
+    with pytest.raises(ValueError, match=HOST_FAULT_KEY):
+        read_flags(config)
+    config.kv_connector_extra_config = {HOST_FAULT_KEY: {"rate": 1}}
+    assert read_flags(config).host_fault_injection == FaultInjectionConfig(
+        1.0, HOST_FAULT_KINDS, 0
+    )
 
 
 # --------------------------------------------------------------------------

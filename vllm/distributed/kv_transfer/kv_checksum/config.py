@@ -27,6 +27,9 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 # them). Defined here, with the other settings, so config imports no module of
 # the package and everything else may import config.
 FAULT_KINDS = ("bit_flip", "zero_block", "swap_blocks", "stale_block")
+# Host-copy faults of the offload tiers (offload_faults.py applies them).
+HOST_FAULT_KEY = "kv_checksum_host_fault_injection"
+HOST_FAULT_KINDS = ("host_bit_flip", "host_other_block")
 
 _FLAG_KEYS = (ENABLE_KEY, FAIL_CLOSED_KEY, MAX_PAYLOAD_BYTES_KEY, FAULT_INJECTION_KEY)
 
@@ -48,6 +51,7 @@ class KVChecksumFlags:
     fail_closed: bool = False
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     fault_injection: FaultInjectionConfig | None = None
+    host_fault_injection: FaultInjectionConfig | None = None
 
 
 def _bool_flag(extra: dict[str, Any], key: str) -> bool:
@@ -129,6 +133,9 @@ def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
         fail_closed=_bool_flag(extra, FAIL_CLOSED_KEY),
         max_payload_bytes=max_bytes,
         fault_injection=read_fault_injection(kv_transfer_config),
+        host_fault_injection=read_fault_setting(
+            kv_transfer_config, HOST_FAULT_KEY, HOST_FAULT_KINDS
+        ),
     )
 
 

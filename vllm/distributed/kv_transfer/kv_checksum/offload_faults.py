@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_checksum.config import (
+    HOST_FAULT_KEY,
+    HOST_FAULT_KINDS,
     FaultInjectionConfig,
     read_fault_setting,
 )
@@ -37,8 +39,6 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-HOST_FAULT_KEY = "kv_checksum_host_fault_injection"
-HOST_FAULT_KINDS = ("host_bit_flip", "host_other_block")
 _BIT_FLIP_BYTES = 256
 
 
