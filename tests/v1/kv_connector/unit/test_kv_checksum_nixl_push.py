@@ -572,3 +572,15 @@ def test_push_hostile_notifs_bounded_and_complete_r107(model_dir: str) -> None:
     q.put(nixl_push.encode_checksum_notif("d2", 1, b"s" * 8))
     assert q.get_nowait() == b"d2:1"
     assert q.kv_checksum_received == {}
+
+
+def test_push_checksum_notif_wire_format_r105() -> None:
+    """R105 against fixed bytes (not the package's own encoder): the prefix,
+    then msgpack [consumer request id, producer TP size, checksums as bin].
+    Bug this fails: another element order or a str instead of bin (a peer
+    of another release could not decode it)."""
+    notif = nixl_push.encode_checksum_notif("d1", 2, b"\x01\x02")
+    assert (
+        notif == b"KV_CHECKSUM:" + b"\x93" + b"\xa2d1" + b"\x02" + b"\xc4\x02\x01\x02"
+    )
+    assert nixl_push.decode_checksum_notif(notif, 16) == ("d1", 2, b"\x01\x02")

@@ -190,6 +190,18 @@ def test_R131_host_fault_config_and_decisions() -> None:
     assert never.decide("r", 3, 0, 8) is None
 
 
+def test_R131_rate_one_decides_every_load() -> None:
+    """R131: at rate 1.0 every load gets an injection of a configured kind at
+    the load's chunk (the positive control of the decision test above).
+    Bug this fails: a decide() that never injects."""
+    for kinds in (("host_bit_flip",), ("host_other_block",)):
+        injector = HostFaultInjector(HostFaultConfig(1.0, kinds), first_worker=True)
+        for i in range(20):
+            decision = injector.decide(f"r{i}", 3, 0, 8)
+            assert decision is not None and decision.kind == kinds[0]
+            assert decision.chunk_id == 3
+
+
 @pytest.mark.parametrize("kind", ["host_bit_flip", "host_other_block"])
 def test_R131_host_faults_change_the_host_copy(kind: str) -> None:
     """A bit flip changes exactly one bit of the chosen sub-block; another
