@@ -386,13 +386,9 @@ def test_R139_multi_connector_pd_load_takes_the_nixl_path(model_dir: str) -> Non
     assert engine.scheduler.connector.get_kv_checksum_sources(request) == set()
 
 
-@pytest.mark.parametrize("enabled", [False, True])
-def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None:
-    """The worker-side wrappers of OffloadingConnector (vLLM's class): with no
-    checksum state an exact pass-through to the original (R1); with it, the
-    entries move before the original submits loads, and this step's (and
-    flushed) stores save theirs (R118). Bug caught: saving flushed stores
-    after the original popped them from the metadata."""
+def bare_offloading_connector(calls: list[str]) -> tuple[Any, Any]:
+    """vLLM's OffloadingConnector without __init__: its worker records calls
+    into `calls`; its metadata has one store job, also to flush."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingConnectorMetadata,
         TransferJob,
@@ -401,7 +397,6 @@ def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None
         OffloadingConnector,
     )
 
-    calls: list[str] = []
     connector = object.__new__(OffloadingConnector)
     connector.connector_worker = CallRecorder(calls, "vllm")
     meta = OffloadingConnectorMetadata(
@@ -410,6 +405,22 @@ def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None
         jobs_to_flush={7},
     )
     connector._connector_metadata = meta
+    return connector, meta
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None:
+    """The worker-side wrappers of OffloadingConnector (vLLM's class): with no
+    checksum state an exact pass-through to the original (R1); with it, the
+    entries move before the original submits loads, and this step's (and
+    flushed) stores save theirs (R118). Bug caught: saving flushed stores
+    after the original popped them from the metadata."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    calls: list[str] = []
+    connector, meta = bare_offloading_connector(calls)
     if enabled:
         connector._kv_checksum_offload_worker = CallRecorder(calls, "side")
     before = dict(connector.__dict__)
@@ -493,24 +504,13 @@ def test_R134_worker_side_error_stops_stored_entries(hook: str) -> None:
 
     Bug this fails: disabling only the connector's side (every later host
     load then mismatches, and good host copies are dropped)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-        OffloadingConnectorMetadata,
-        TransferJob,
-    )
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
 
     wiring.install()
     calls: list[str] = []
-    connector = object.__new__(OffloadingConnector)
-    connector.connector_worker = CallRecorder(calls, "vllm")
-    meta = OffloadingConnectorMetadata(
-        load_jobs={},
-        store_jobs={7: TransferJob("r", Spec([1]), Spec([2]))},
-        jobs_to_flush={7},
-    )
-    connector._connector_metadata = meta
+    connector, meta = bare_offloading_connector(calls)
     connector._kv_checksum_offload_worker = _FailingSide(calls)
     args = {"handle_preemptions": (meta,), "start_load_kv": (None,)}.get(hook, ())
     getattr(OffloadingConnector, hook)(connector, *args)
