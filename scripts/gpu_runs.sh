@@ -3,11 +3,12 @@
 # project's device tool (or any CUDA host with the same layout).
 #
 #   bash scripts/gpu_runs.sh install-bundle   # carry gpu_bundle (57 MiB)
-#   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve,
+#   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve: the
+#                                             #  `vllm serve` wheels and vllm-router,
 #                                             #  gpu_mooncake/slim), same warm machine
 #   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, pull, pull-offload, push,
 #                                             # mooncake, hybrid, hybrid-tp2, offload,
-#                                             # simple-offload
+#                                             # simple-offload, bench-serve
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
 #
@@ -35,7 +36,7 @@ run() {
     local rc=$?
     # A pair's other run may still be going: its caller ends the leftovers.
     [ -n "${KV_CHECKSUM_PAIRED:-}" ] ||
-        pkill -9 -f "EngineCore|vllm.entrypoints|kv_checksum_.*_gpu.py" 2>/dev/null
+        pkill -9 -f "EngineCore|vllm.entrypoints|vllm_router|kv_checksum_.*_gpu.py" 2>/dev/null
     # Few files come back from the device tool: the summary, the log, one archive.
     for summary in summary.json pd.json; do
         [ -f "$out/$name/$summary" ] && cp "$out/$name/$summary" "$out/$name.$summary"
@@ -63,7 +64,7 @@ for shape in ('tiny', 'hybrid', 'hybrid-g2'):
     local rc_a=$?
     wait $b
     local rc_b=$?
-    pkill -9 -f "EngineCore|vllm.entrypoints|kv_checksum_.*_gpu.py" 2>/dev/null
+    pkill -9 -f "EngineCore|vllm.entrypoints|vllm_router|kv_checksum_.*_gpu.py" 2>/dev/null
     echo "[gpu_runs] pair: $first exit $rc_a, $second exit $rc_b"
     [ $rc_a -eq 0 ] && [ $rc_b -eq 0 ]
 }
@@ -102,6 +103,9 @@ hybrid) run hybrid "$pd" --model hybrid --num-equality 20 --num-pd 60 \
 hybrid-tp2) run hybrid-tp2 "$pd" --model hybrid-g2 --producer-tp 2 --phases pd \
     --num-pd 60 --parallel-start "$@" ;;
 offload) run offload examples/offload/kv_checksum_offload_gpu.py "$@" ;;
+# `vllm bench serve` through vllm-router, checksums off and on (8B-shaped, dummy
+# weights; P and D share GPU 0 unless --gpu-d 1 is passed).
+bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 *)

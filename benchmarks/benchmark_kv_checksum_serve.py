@@ -1,0 +1,456 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What KV checksums cost as operators measure it: `vllm bench serve` through
+vllm-router in front of a NIXL pull P/D pair, checksums off and on.
+
+Each launch starts the guide's Quick start pair behind vllm-router with
+``examples/disaggregated/kv_checksum_router_pd.sh`` (checksums on: fail-closed +
+recompute; off: the same pair without the package's flags), runs every workload
+with ``vllm bench serve --dataset-name random``, reads the consumer's checksum
+counters from ``/metrics`` and stops the three processes. Launches alternate
+off and on. The model is a dummy-weight Qwen3 of the chosen shape with a
+word-level tokenizer (no hub needed).
+
+Verdict per workload (printed, not a timed test): the on-off difference of the
+launch means is inside the off-vs-off spread (max - min over the off launches),
+median TTFT +<= 1.5 ms and request throughput >= -1.5 %; and every consumer load
+with checksums on verified.
+
+    python benchmarks/benchmark_kv_checksum_serve.py --out /tmp/bench \\
+        --shape 8b --launches off,on,off,on
+
+Writes OUT/summary.json (per launch and workload: the bench's scalar results,
+every request's TTFT, the consumer's verdict counters) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "examples/disaggregated/kv_checksum_router_pd.sh"
+CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+# Targets of the issue (the reference design's fused figures).
+MAX_TTFT_DELTA_MS = 1.5
+MAX_THROUGHPUT_DROP = 0.015
+VERDICT = re.compile(
+    r'^vllm:kv_checksum_loads_total\{[^}]*verdict="(\w+)"[^}]*\} (\S+)'
+)
+
+# Model shapes: Qwen3 configs (hidden, layers, heads, KV heads, head dim, MLP, vocab).
+SHAPES: dict[str, dict[str, int]] = {
+    "8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        vocab_size=1024,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One `vllm bench serve` run: random prompts of fixed lengths."""
+
+    name: str
+    input_len: int
+    output_len: int
+    concurrency: int
+    num_prompts: int
+
+
+# The reference table's four workloads, prompt counts sized for a 10-minute call.
+WORKLOADS = [
+    Workload("1k_c1", 1024, 128, 1, 12),
+    Workload("1k_c32", 1024, 128, 32, 96),
+    Workload("8k_burst", 8192, 1, 32, 32),
+    Workload("32k_c1", 32768, 128, 1, 4),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build_model(path: Path, shape: str, max_len: int) -> None:
+    """A config and word-level tokenizer ("t<id>" is token id), no weights:
+    the servers run with --load-format dummy."""
+    if (path / "tokenizer.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    script = r"""
+import json, sys
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import Qwen3Config
+try:
+    from transformers import PreTrainedTokenizerFast as Fast
+except ImportError:
+    from transformers import TokenizersBackend as Fast
+path, dims, max_len = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+specials = sys.argv[4].split(",")
+config = Qwen3Config(**dims, architectures=["Qwen3ForCausalLM"],
+                     max_position_embeddings=max_len, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                     torch_dtype="bfloat16")
+config.save_pretrained(path)
+words = {t: i for i, t in enumerate(specials)}
+words.update({f"t{i}": i for i in range(len(specials), dims["vocab_size"])})
+tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tok.add_special_tokens(specials)
+Fast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+     unk_token="<unk>", model_max_length=max_len).save_pretrained(path)
+"""
+    dims = json.dumps(SHAPES[shape])
+    subprocess.run(
+        [sys.executable, "-c", script, str(path), dims, str(max_len)]
+        + [",".join(SPECIALS)],
+        check=True,
+    )
+
+
+def http_get(url: str, timeout: float = 5.0) -> str | None:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+def verdict_counts(metrics_text: str | None) -> dict[str, float]:
+    """Sum of ``vllm:kv_checksum_loads_total`` by verdict in a /metrics page."""
+    counts: dict[str, float] = {}
+    for line in (metrics_text or "").splitlines():
+        match = VERDICT.match(line)
+        if match:
+            counts[match[1]] = counts.get(match[1], 0.0) + float(match[2])
+    return counts
+
+
+class Launch:
+    """The launch script's producer, consumer and router, in one process group."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, log_dir: Path) -> None:
+        self.args, self.mode, self.log_dir = args, mode, log_dir
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.pop("VLLM_PORT", None)
+        env.update(
+            MODEL=str(self.args.model),
+            GPU_P=self.args.gpu_p,
+            GPU_D=self.args.gpu_d,
+            TP=str(self.args.tp),
+            UTIL=str(self.args.util),
+            CHECKSUMS=self.mode,
+            LOG_DIR=str(self.log_dir),
+            VLLM=self.args.serve_cmd,
+            ROUTER=f"{sys.executable} -m vllm_router.launch_router",
+            ROUTER_PORT=str(self.args.router_port),
+            PROM_PORT=str(self.args.prom_port),
+            VLLM_USE_FLASHINFER_SAMPLER="0",
+            VLLM_NO_USAGE_STATS="1",
+            HF_HUB_OFFLINE="1",
+        )
+        serve_args = ["--load-format", "dummy", "--served-model-name", "model"]
+        serve_args += ["--max-model-len", str(self.args.max_model_len)]
+        serve_args += ["--kv-cache-memory-bytes", str(self.args.kv_cache_gib << 30)]
+        serve_args += self.args.serve_arg
+        t0 = time.time()
+        self.proc = subprocess.Popen(
+            ["bash", str(LAUNCH), *serve_args],
+            env=env,
+            stdout=open(self.log_dir / "launch.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = t0 + self.args.startup_timeout
+        router = f"http://127.0.0.1:{self.args.router_port}"
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"launch ended: see {self.log_dir}")
+            text = (self.log_dir / "launch.log").read_text(errors="replace")
+            if "[router_pd] ready" in text and http_get(router + "/health"):
+                return time.time() - t0
+            time.sleep(2)
+        raise RuntimeError(f"launch not ready in {self.args.startup_timeout} s")
+
+    def consumer_verdicts(self) -> dict[str, float]:
+        return verdict_counts(http_get("http://127.0.0.1:8200/metrics"))
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        # vLLM's engine cores can outlive the group's leader for a moment.
+        subprocess.run(["pkill", "-9", "-f", "EngineCore|vllm.entrypoints|vllm_router"])
+        time.sleep(3)
+
+
+def run_workload(
+    args: argparse.Namespace, workload: Workload, result_dir: Path
+) -> dict[str, Any]:
+    """One `vllm bench serve` run through the router; its saved result."""
+    name = f"{workload.name}.json"
+    cmd = [*CLI, "bench", "serve", "--backend", "vllm"]
+    cmd += ["--base-url", f"http://127.0.0.1:{args.router_port}"]
+    cmd += ["--endpoint", "/v1/completions", "--model", "model"]
+    cmd += ["--tokenizer", str(args.model), "--dataset-name", "random"]
+    cmd += ["--random-input-len", str(workload.input_len)]
+    cmd += ["--random-output-len", str(workload.output_len)]
+    cmd += ["--num-prompts", str(workload.num_prompts * args.scale)]
+    cmd += ["--max-concurrency", str(workload.concurrency)]
+    cmd += ["--ignore-eos", "--seed", "0", "--disable-tqdm"]
+    cmd += ["--num-warmups", str(min(workload.concurrency, 4))]
+    cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
+    cmd += ["--metric-percentiles", "50,90,99"]
+    cmd += ["--save-result", "--save-detailed"]
+    cmd += ["--result-dir", str(result_dir), "--result-filename", name]
+    with open(result_dir / f"{workload.name}.log", "wb") as out:
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+    path = result_dir / name
+    if rc != 0 or not path.exists():
+        return {"error": f"bench exit {rc}", "completed": 0}
+    saved = json.loads(path.read_text())
+    keep = [
+        "completed",
+        "failed",
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "median_ttft_ms",
+        "p90_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "median_itl_ms",
+        "median_e2el_ms",
+    ]
+    result = {key: saved.get(key) for key in keep}
+    result["ttfts_ms"] = [round(t * 1000, 3) for t in saved.get("ttfts", []) if t]
+    result["errors"] = sorted({e for e in saved.get("errors", []) if e})[:5]
+    path.unlink()  # the generated texts stay out of the record
+    return result
+
+
+METRICS = ("median_ttft_ms", "median_tpot_ms", "request_throughput")
+
+
+def summarize(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per workload and metric: launch values by mode, on-off difference of the
+    means, the off-vs-off spread, and the verdict of the module docstring."""
+    workloads: dict[str, Any] = {}
+    names = [w for launch in launches for w in launch["results"]]
+    for name in dict.fromkeys(names):
+        row: dict[str, Any] = {}
+        ok = True
+        for metric in METRICS:
+            values: dict[str, list[float]] = {"off": [], "on": []}
+            for launch in launches:
+                value = launch["results"].get(name, {}).get(metric)
+                if value is not None:
+                    values[launch["mode"]].append(float(value))
+            if not values["off"] or not values["on"]:
+                row[metric] = {"values": values, "verdict": "missing"}
+                ok = False
+                continue
+            off, on = statistics.mean(values["off"]), statistics.mean(values["on"])
+            spread = max(values["off"]) - min(values["off"])
+            delta = on - off
+            if metric == "request_throughput":
+                inside = delta >= -spread
+                target = delta / off >= -MAX_THROUGHPUT_DROP
+            elif metric == "median_ttft_ms":
+                inside = delta <= spread
+                target = delta <= MAX_TTFT_DELTA_MS
+            else:
+                inside = delta <= spread
+                target = True
+            row[metric] = {
+                "values": values,
+                "off_mean": round(off, 4),
+                "on_mean": round(on, 4),
+                "on_minus_off": round(delta, 4),
+                "relative": round(delta / off, 4) if off else None,
+                "off_spread": round(spread, 4) if len(values["off"]) > 1 else None,
+                "inside_spread": inside if len(values["off"]) > 1 else None,
+                "meets_target": target,
+            }
+            ok = ok and target and (inside or len(values["off"]) < 2)
+        row["pass"] = ok
+        workloads[name] = row
+    verdicts: dict[str, float] = {}
+    for launch in launches:
+        if launch["mode"] == "on":
+            for key, value in launch["verdicts"].items():
+                verdicts[key] = verdicts.get(key, 0.0) + value
+    loads_ok = verdicts.get("verified", 0) > 0 and not (
+        verdicts.get("mismatch", 0) or verdicts.get("unverified", 0)
+    )
+    failed = sum(
+        (r.get("failed") or 0) + (1 if "error" in r else 0)
+        for launch in launches
+        for r in launch["results"].values()
+    )
+    return {
+        "workloads": workloads,
+        "consumer_verdicts_on": verdicts,
+        "loads_all_verified": loads_ok,
+        "failed_requests": failed,
+        "pass": loads_ok
+        and failed == 0
+        and all(row["pass"] for row in workloads.values()),
+    }
+
+
+def print_tables(launches: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    print("\n| launch | mode | workload | median TTFT ms | median TPOT ms | req/s |")
+    print("|---|---|---|---|---|---|")
+    for i, launch in enumerate(launches):
+        for name, r in launch["results"].items():
+            cells = [f"{r[m]:.3f}" if r.get(m) is not None else "-" for m in METRICS]
+            print(f"| {i} | {launch['mode']} | {name} | " + " | ".join(cells) + " |")
+    print(
+        "\n| workload | metric | off mean | on mean | on-off | rel | off spread "
+        "| verdict |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, row in summary["workloads"].items():
+        for metric in METRICS:
+            m = row[metric]
+            if "off_mean" not in m:
+                print(f"| {name} | {metric} | - | - | - | - | - | missing |")
+                continue
+            good = m["meets_target"] and m["inside_spread"] is not False
+            verdict = "ok" if good else "NO"
+            rel = "-" if m["relative"] is None else f"{m['relative']:+.2%}"
+            print(
+                f"| {name} | {metric} | {m['off_mean']} | {m['on_mean']} | "
+                f"{m['on_minus_off']:+} | {rel} | {m['off_spread']} | {verdict} |"
+            )
+    print(f"\nconsumer verdicts (checksums on): {summary['consumer_verdicts_on']}")
+    print(f"failed requests: {summary['failed_requests']}")
+    print(f"PASS: {summary['pass']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--launches", default="off,on,off,on")
+    parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
+    parser.add_argument("--scale", type=int, default=1, help="prompts x SCALE")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--gpu-p", default="0")
+    parser.add_argument("--gpu-d", default="0")
+    parser.add_argument("--util", type=float, default=0.45)
+    parser.add_argument("--kv-cache-gib", type=int, default=40)
+    parser.add_argument("--max-model-len", type=int, default=34816)
+    parser.add_argument("--router-port", type=int, default=8000)
+    parser.add_argument("--prom-port", type=int, default=29000)
+    parser.add_argument("--startup-timeout", type=float, default=400)
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="extra `vllm serve` arg"
+    )
+    parser.add_argument(
+        "--serve-cmd", default=" ".join(CLI), help="the vLLM CLI that serves"
+    )
+    parser.add_argument(
+        "--append", action="store_true", help="add to OUT/summary.json's launches"
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.model = args.model or Path(f"/tmp/kv-checksum-bench-{args.shape}")
+    build_model(args.model, args.shape, args.max_model_len)
+    chosen = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
+    record = args.out / "summary.json"
+    launches: list[dict[str, Any]] = []
+    if args.append and record.exists():
+        launches = json.loads(record.read_text())["launches"]
+    for mode in args.launches.split(","):
+        index = len(launches)
+        log_dir = args.out / f"launch{index}_{mode}"
+        launch = Launch(args, mode, log_dir)
+        entry: dict[str, Any] = {"mode": mode, "results": {}, "verdicts": {}}
+        try:
+            entry["startup_s"] = round(launch.start(), 1)
+            log(f"launch {index} ({mode}) ready in {entry['startup_s']} s")
+            for workload in chosen:
+                result = run_workload(args, workload, log_dir)
+                entry["results"][workload.name] = result
+                log(
+                    f"  {workload.name}: TTFT {result.get('median_ttft_ms')} ms, "
+                    f"TPOT {result.get('median_tpot_ms')} ms, "
+                    f"{result.get('request_throughput')} req/s, "
+                    f"failed {result.get('failed')} {result.get('error', '')}"
+                )
+            entry["verdicts"] = launch.consumer_verdicts()
+            log(f"  consumer verdicts: {entry['verdicts']}")
+        except RuntimeError as err:
+            entry["error"] = str(err)
+            log(f"launch {index} ({mode}) failed: {err}")
+        finally:
+            launch.stop()
+        launches.append(entry)
+        summary = summarize(launches)
+        record.write_text(
+            json.dumps(
+                {
+                    "config": {
+                        "shape": args.shape,
+                        "dims": SHAPES[args.shape],
+                        "tp": args.tp,
+                        "workloads": [asdict(w) for w in chosen],
+                        "scale": args.scale,
+                        "kv_cache_gib": args.kv_cache_gib,
+                        "serve_args": args.serve_arg,
+                    },
+                    "launches": launches,
+                    "summary": summary,
+                },
+                indent=1,
+            )
+        )
+    summary = summarize(launches)
+    print_tables(launches, summary)
+    return 0 if summary["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The `vllm bench serve` benchmark's verdict rule and /metrics reader, on
+hand-made launch records (no requirement: the benchmark reports R142's cost at
+production shape; these tests keep its verdict honest)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[4] / "benchmarks/benchmark_kv_checksum_serve.py"
+
+
+def _bench() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_serve", PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def _launch(mode: str, ttft: float, tpot: float, rps: float, **verdicts: float):
+    return {
+        "mode": mode,
+        "results": {
+            "w": {
+                "median_ttft_ms": ttft,
+                "median_tpot_ms": tpot,
+                "request_throughput": rps,
+                "failed": 0,
+            }
+        },
+        "verdicts": verdicts,
+    }
+
+
+def test_on_inside_off_spread_passes() -> None:
+    """Off launches 30.0 / 31.0 ms TTFT (spread 1.0), on 30.4 / 30.8 (mean
+    30.6, +0.1 over off's 30.5): inside the spread and under +1.5 ms; 9.9 vs
+    9.95 req/s (off spread 0.1) is -0.5 %. Hand-computed expectations."""
+    launches = [
+        _launch("off", 30.0, 7.0, 10.0),
+        _launch("on", 30.4, 7.0, 9.85, verified=20),
+        _launch("off", 31.0, 7.1, 9.9),
+        _launch("on", 30.8, 7.1, 9.95, verified=20),
+    ]
+    summary = bench.summarize(launches)
+    row = summary["workloads"]["w"]
+    assert row["median_ttft_ms"]["on_minus_off"] == pytest.approx(0.1)
+    assert row["median_ttft_ms"]["off_spread"] == pytest.approx(1.0)
+    assert row["request_throughput"]["relative"] == pytest.approx(-0.05 / 9.95, abs=1e-4)
+    assert summary["consumer_verdicts_on"] == {"verified": 40}
+    assert summary["pass"] is True
+
+
+def test_ttft_over_target_fails_even_inside_a_wide_spread() -> None:
+    """A +2 ms TTFT inside a 5 ms off-vs-off spread still fails the +1.5 ms
+    target (bug caught: judging by the spread alone)."""
+    launches = [
+        _launch("off", 30.0, 7.0, 10.0),
+        _launch("on", 32.0, 7.0, 10.0, verified=5),
+        _launch("off", 35.0, 7.0, 10.0),
+        _launch("on", 35.0, 7.0, 10.0, verified=5),
+    ]
+    row = bench.summarize(launches)["workloads"]["w"]["median_ttft_ms"]
+    assert row["on_minus_off"] == pytest.approx(1.0)
+    launches[1]["results"]["w"]["median_ttft_ms"] = 34.0  # on mean 34.5, +2.0
+    summary = bench.summarize(launches)
+    assert summary["workloads"]["w"]["median_ttft_ms"]["inside_spread"] is True
+    assert summary["workloads"]["w"]["pass"] is False
+    assert summary["pass"] is False
+
+
+def test_throughput_drop_outside_spread_fails() -> None:
+    """On throughput 2 % under off with off launches equal (spread 0) fails
+    both the spread and the -1.5 % target (bug caught: the sign of a
+    throughput delta read like a latency delta)."""
+    launches = [
+        _launch("off", 30.0, 7.0, 10.0),
+        _launch("on", 30.0, 7.0, 9.8, verified=5),
+        _launch("off", 30.0, 7.0, 10.0),
+    ]
+    row = bench.summarize(launches)["workloads"]["w"]["request_throughput"]
+    assert row["inside_spread"] is False
+    assert row["meets_target"] is False
+
+
+def test_unverified_load_or_failed_request_fails_the_run() -> None:
+    """Any mismatch or unverified consumer load, or any failed request, makes
+    the run fail whatever the timings (bug caught: a fast but unchecked run)."""
+    good = [_launch("off", 30.0, 7.0, 10.0), _launch("on", 30.0, 7.0, 10.0)]
+    good[1]["verdicts"] = {"verified": 9, "unverified": 1}
+    assert bench.summarize(good)["pass"] is False
+    good[1]["verdicts"] = {"verified": 10}
+    assert bench.summarize(good)["pass"] is True
+    good[0]["results"]["w"]["failed"] = 1
+    assert bench.summarize(good)["pass"] is False
+
+
+def test_verdict_counts_sums_labels() -> None:
+    """/metrics lines of several label sets add up per verdict; other metrics
+    and comments are ignored."""
+    name = "vllm:kv_checksum_loads_total"
+    page = "\n".join(
+        [
+            f"# HELP {name} Loads by verdict",
+            f'{name}{{engine="0",model_name="m",verdict="verified"}} 7.0',
+            f'{name}{{engine="1",model_name="m",verdict="verified"}} 3.0',
+            f'{name}{{engine="0",model_name="m",verdict="mismatch"}} 1.0',
+            'vllm:kv_checksum_blocks_total{engine="0",verdict="verified"} 99.0',
+        ]
+    )
+    assert bench.verdict_counts(page) == {"verified": 10.0, "mismatch": 1.0}
+    assert bench.verdict_counts(None) == {}
