@@ -24,7 +24,7 @@ if [ ! -f "$venv/.complete" ]; then
     touch "$venv/.complete"
 elif [ "$(cd / && "$venv/bin/python" -c 'import importlib.metadata as m, json; d = m.distribution("vllm-kv-checksum"); print(json.loads(d.read_text("direct_url.json") or "{}").get("url", ""))' 2>/dev/null)" != "file://$repo" ]; then
     # Same dependencies, but this clone is not the one installed editable.
-    "$venv/bin/pip" install -q --no-deps -e "$repo" >>"$venv.log" 2>&1 \
+    "$venv/bin/python" -m pip install -q --no-deps -e "$repo" >>"$venv.log" 2>&1 \
         || { tail -n 20 "$venv.log" >&2; exit 1; }
 fi
 echo "$venv"
