@@ -55,7 +55,9 @@ def test_on_inside_off_spread_passes() -> None:
     row = summary["workloads"]["w"]
     assert row["median_ttft_ms"]["on_minus_off"] == pytest.approx(0.1)
     assert row["median_ttft_ms"]["off_spread"] == pytest.approx(1.0)
-    assert row["request_throughput"]["relative"] == pytest.approx(-0.05 / 9.95, abs=1e-4)
+    assert row["request_throughput"]["relative"] == pytest.approx(
+        -0.05 / 9.95, abs=1e-4
+    )
     assert summary["consumer_verdicts_on"] == {"verified": 40}
     assert summary["pass"] is True
 
