@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_checksum.offload_loads import (
 from vllm.distributed.kv_transfer.kv_checksum.payload import (
     KVChecksumPayload,
     KVChecksumPayloadLimits,
+    max_valid_payload_bytes,
 )
 from vllm.distributed.kv_transfer.kv_checksum.verification import (
     KVChecksumGroupInfo,
@@ -151,7 +152,7 @@ class KVChecksumScheduler:
         carrier: CarrierFn,
         hit_sources: HitSourcesFn,
         max_model_len: int,
-        max_payload_bytes: int,
+        max_payload_bytes: int | None,
         checksum_sources: ChecksumSourcesFn = no_sources,
         on_failure: FailureFn = ignore_failure,
         hash_block_size: int | None = None,
@@ -177,9 +178,12 @@ class KVChecksumScheduler:
             groups[group_id] = SchedulerGroup(spec.block_size, window)
         # Positions are capped per group by its own block size (R129), so a
         # producer with smaller blocks than ours is still accepted.
+        num_groups = len(kv_cache_config.kv_cache_groups)
+        if max_payload_bytes is None:  # R129: derived from our own sizes
+            max_payload_bytes = max_valid_payload_bytes(max_model_len, num_groups)
         limits = KVChecksumPayloadLimits(
             max_encoded_bytes=max_payload_bytes,
-            max_groups=len(kv_cache_config.kv_cache_groups),
+            max_groups=num_groups,
             max_model_len=max_model_len,
         )
         return cls(

@@ -55,6 +55,10 @@ from vllm.distributed.kv_transfer.kv_checksum.metrics import STATS_KEY, split_st
 from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
     create_host_fault_injector,
 )
+from vllm.distributed.kv_transfer.kv_checksum.payload import (
+    DEFAULT_MAX_ENCODED_BYTES,
+    max_valid_payload_bytes,
+)
 from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
     KVChecksumPromMetrics,
 )
@@ -488,7 +492,7 @@ def _attach_nixl_push_worker(worker: Any, vllm_config: Any) -> None:
     agent's `make_prepped_xfer` swapping in the checksum notif (R105, R107)."""
     if worker is None or "_kv_checksum_push" in worker.__dict__:
         return
-    max_bytes = read_flags(vllm_config.kv_transfer_config).max_payload_bytes
+    max_bytes = _payload_byte_limit(vllm_config)
     nixl_push.ChecksumNotifQueue.attach(worker._pending_completion_notifs, max_bytes)
     agent = worker.nixl_wrapper
     original = agent.make_prepped_xfer
@@ -1005,12 +1009,27 @@ def _install_mooncake() -> None:
         return results
 
 
+def _payload_byte_limit(vllm_config: Any) -> int:
+    """A worker's cap on one request's payload bytes (R129): the operator's
+    setting, else derived from this engine's max_model_len and KV cache
+    groups (the KVCacheConfig of the worker being built); 16 MiB if unknown."""
+    configured = read_flags(vllm_config.kv_transfer_config).max_payload_bytes
+    if configured is not None:
+        return configured
+    kv_cache_config = _kv_cache_config.get()
+    if kv_cache_config is None:
+        return DEFAULT_MAX_ENCODED_BYTES
+    return max_valid_payload_bytes(
+        vllm_config.model_config.max_model_len, len(kv_cache_config.kv_cache_groups)
+    )
+
+
 def _attach_mooncake_worker(worker: Any, vllm_config: Any, base: type) -> None:
     """With checksums on only: the payload stores, the response encoder that
     adds checksums and the decoder that reads them (R112-R114)."""
     if worker is None or "_kv_checksum_send" in worker.__dict__:
         return
-    max_bytes = read_flags(vllm_config.kv_transfer_config).max_payload_bytes
+    max_bytes = _payload_byte_limit(vllm_config)
     extended = mooncake.response_type(base)
     send = mooncake.SendChecksums()
     worker._encoder = mooncake.ChecksumResponseEncoder(
