@@ -606,6 +606,64 @@ def test_huge_geometry_is_invalid_with_bounded_memory(consumer: Consumer, case: 
         )
 
 
+BLOCK_SIZES_REASON = UnverifiedReason.BLOCK_SIZES.value
+
+
+def _chunked(chunk: int) -> Callable[[list], None]:
+    """A fault-free producer's body with `chunk`-token chunks in both groups."""
+
+    def apply(body: list) -> None:
+        body[:] = Consumer().body(chunk)
+
+    return apply
+
+
+def _extra_group(body: list) -> None:
+    body[2].append([2, *body[2][0][1:]])  # a third group; the consumer has two
+
+
+# Every size a payload declares (R134), with the reason SPEC section 12 gives
+# the load: sizes that cannot belong to the consumer's model (over its
+# max_model_len, its group count or the TP cap) make the payload invalid; a
+# decodable chunk size that does not fit the consumer's blocks or loaded
+# range is "block sizes are not multiples of each other" (R88, R134).
+R134_CASES: dict[str, tuple[Callable[[list], None], str]] = {
+    "chunk_tokens=24 (no multiple)": (_set(0, 2, 24), BLOCK_SIZES_REASON),
+    "chunk_tokens=128 (past the loaded range)": (_chunked(128), BLOCK_SIZES_REASON),
+    "chunk_tokens=1024 (past the loaded range)": (_chunked(1024), BLOCK_SIZES_REASON),
+    "chunk_tokens=2048 (past max_model_len)": (_chunked(2048), INVALID),
+    "chunk_tokens=0": (_set(0, 2, 0), INVALID),
+    "start=70 (past max_model_len)": (_set(0, 3, 70), INVALID),
+    "positions=66 (past max_model_len)": (
+        _set(0, 4, b"\x00" * 8 * (MAX_MODEL_LEN // BLOCK_SIZE + 2)),
+        INVALID,
+    ),
+    "num_tokens=1025": (_set_top(1, MAX_MODEL_LEN + 1), INVALID),
+    "tp_size=2^16+1": (_set_top(0, 2**16 + 1), INVALID),
+    "groups=3": (_extra_group, INVALID),
+    "group_id=7": (_set(0, 0, 7), INVALID),
+}
+
+
+@pytest.mark.parametrize("local", [0, 16])
+@pytest.mark.parametrize("case", list(R134_CASES))
+def test_R134_every_declared_size_has_its_reason(
+    consumer: Consumer, case: str, local: int
+) -> None:
+    """R134 (issue 32): each declared size out of the consumer's bounds ends
+    the load unverified with its documented reason, with and without a local
+    prefix hit. Catches a dropped guard whose input then ends unverified for
+    another reason, e.g. the guard for a producer chunk larger than the
+    consumer's loaded range (without it such a chunk reads as an unaligned
+    start or sizes work by the producer's chunk)."""
+    mutate, reason = R134_CASES[case]
+    body = Consumer().body()  # same truth as `consumer` (seed 0)
+    mutate(body)
+    outcome = check_load(consumer, envelope(body), local)
+    assert outcome.status == "unverified"
+    assert outcome.reasons == {reason}
+
+
 HUGE_VIA_VLLM = ["chunk_tokens=2^12", "chunk_tokens=2^62", "start=2^62"]
 HUGE_VIA_VLLM += ["num_tokens=2^40", "tp_size=2^40"]
 

@@ -122,6 +122,7 @@ def test_stats_dict_round_trip():
     stats.sent = 5
     stats.not_sent["not every worker reported its checksums"] = 6
     stats.quarantined_blocks = 7
+    stats.disabled_workers = 8
     data = stats.to_dict()
     assert KVChecksumStats.from_dict(data) == stats
     assert all(type(v) in (dict, int) for v in data.values())
@@ -337,3 +338,29 @@ def test_prometheus_counts_quarantined_blocks(model_dir):
     clean = PrometheusStatLogger(producer.vllm_config)
     record_all(clean, producer)
     assert sample("vllm:kv_checksum_quarantined_blocks_total", clean) == 0.0
+
+
+def test_prometheus_counts_disabled_workers(model_dir):
+    """R130, R134 (issue 32): a worker's "checksums disabled" record reaches
+    the scheduler, which counts it once (a second record of the same worker
+    adds nothing) and it appears as vllm:kv_checksum_disabled_workers_total
+    (0 on an engine whose workers all run). Catches a disabled worker that
+    operators cannot alert on."""
+    from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumRecord
+
+    consumer = SimEngine(model_dir, SideConfig(log_stats=True), "consumer")
+    clean_engine = SimEngine(model_dir, SideConfig(log_stats=True), "clean")
+    worker = consumer.workers[0].checksum
+    marker = KVChecksumRecord(pp_rank=0, tp_rank=0, disabled=True)
+    worker.post_forward = lambda *args, **kwargs: marker
+    consumer.step()
+    consumer.step()
+    clean_engine.step()
+    assert consumer.checksums.disabled_workers == {(0, 0)}
+    logger = PrometheusStatLogger(consumer.vllm_config)
+    record_all(logger, consumer)
+    assert sample("vllm:kv_checksum_disabled_workers_total", logger) == 1.0
+    unregister_vllm_metrics()
+    clean = PrometheusStatLogger(clean_engine.vllm_config)
+    record_all(clean, clean_engine)
+    assert sample("vllm:kv_checksum_disabled_workers_total", clean) == 0.0

@@ -11,6 +11,9 @@ decoder.
 """
 
 import asyncio
+import base64
+import hashlib
+import logging
 import queue
 import tracemalloc
 from typing import Any
@@ -18,7 +21,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    make_kv_cache_config,
+    make_request,
+)
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     Fault,
     SideConfig,
@@ -510,3 +516,131 @@ def test_mooncake_hostile_responses_bounded_r113_r114(model_dir: str) -> None:
             worker._xfer_resp_decoder.decode(good), {"d1": meta}
         )
         assert received.by_request == kept
+
+
+# ----------------------------------------------------------------------
+# The decode budget of a response (issue 32 item 6)
+# ----------------------------------------------------------------------
+
+
+def _response(ok_reqs: list[str], sums: dict[str, bytes]) -> bytes:
+    mc = mc_module()
+    ext = mooncake.response_type(mc.MooncakeXferResponse)
+    finish = mc.MooncakeXferResponseStatus.FINISH
+    return msgspec.msgpack.encode(
+        ext(status=finish, ok_reqs=ok_reqs, kv_checksums=sums)
+    )
+
+
+@pytest.mark.parametrize("repeats", [1, 1000])
+def test_mooncake_budget_counts_each_loading_request_once(
+    model_dir: str, vllm_caplog: pytest.LogCaptureFixture, repeats: int
+) -> None:
+    """R114, R129 (issue 32): the decode budget of a response is one
+    request's bytes per distinct request this consumer loads. A map over the
+    budget of its one loading request ("t", valid bytes plus 64 KiB of
+    entries for other ids) is skipped with one warning and nothing kept (the
+    load ends unverified), however often `ok_reqs` repeats "t" and whatever
+    ids it adds that this consumer does not load. Catches the budget counted
+    per `ok_reqs` entry: 1000 repeats (or 1000 foreign ids) multiplied it and
+    the map was decoded and "t"'s bytes kept."""
+    plugin.register()
+    engine = mooncake_engine(model_dir, "cons", False)
+    worker = bare_worker(engine.vllm_config, False)
+    received = worker._kv_checksum_received
+    received.max_bytes = 4096
+    padding = {f"pad{i}": b"p" * 64 for i in range(1024)}  # ~70 KB of entries
+    sums = {"t": b"z" * 8, **padding}
+    foreign = [f"u{i}" for i in range(999)]
+    for ok_reqs in (["t"] * repeats, ["t", *foreign]):
+        response = worker._xfer_resp_decoder.decode(_response(ok_reqs, sums))
+        vllm_caplog.clear()
+        received.keep(response, {"t"})
+        assert received.by_request == {}
+        warnings = [
+            r.getMessage()
+            for r in vllm_caplog.records
+            if r.levelno == logging.WARNING and "Mooncake response" in r.getMessage()
+        ]
+        assert len(warnings) == 1, warnings
+        assert received.take(["t"], []) == {}
+    # Within the budget of one request the same id's bytes are kept.
+    small = worker._xfer_resp_decoder.decode(_response(["t"] * repeats, {"t": b"z"}))
+    received.keep(small, {"t"})
+    assert received.take(["t"], []) == {"t": b"z"}
+
+
+def _largest_valid_payload(max_model_len: int, num_groups: int) -> bytes:
+    """The largest payload a consumer with these sizes accepts, written with
+    msgpack directly (SPEC 11, R129, R134): the TP cap 2^16, max_model_len
+    tokens, per group the largest fingerprint and max_model_len + 1 values of
+    one-token chunks from chunk 0; correctly hashed (R136)."""
+    values = b"\xff" * 8 * (max_model_len + 1)
+    groups = [[g, 2**64 - 1, 1, 0, values] for g in range(num_groups)]
+    body = msgspec.msgpack.encode([1 << 16, max_model_len, groups])
+    digest = hashlib.blake2b(body, digest_size=8).digest()
+    return msgspec.msgpack.encode([2, int.from_bytes(digest, "little"), body])
+
+
+def test_payload_cap_derived_from_the_consumer_sizes(model_dir: str) -> None:
+    """R129, R134 (issue 32): without `kv_checksum_max_payload_bytes` the cap
+    on one request's checksums is derived from the consumer's max_model_len
+    and KV cache groups: the largest valid payload for those sizes (raw for
+    Mooncake, base64 for kv_transfer_params) is accepted, a value one byte
+    over the cap is refused, and the cap is that payload's base64 length plus
+    at most 8 KiB, not a fixed 16 MiB. Catches a cap below a valid payload
+    (fault-free loads unverified) or a fixed cap far above the consumer's
+    own sizes (work sized by the peer)."""
+    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.payload import KVChecksumPayload
+
+    plugin.register()
+    engine = mooncake_engine(model_dir, "cons", False)
+    config = make_kv_cache_config(engine.vllm_config)
+    max_model_len = engine.vllm_config.model_config.max_model_len
+    largest = _largest_valid_payload(max_model_len, len(config.kv_cache_groups))
+    encoded = base64.b64encode(largest)
+    # Scheduler side (kv_transfer_params, base64 text).
+    limits = engine.checksums.limits
+    assert len(encoded) <= limits.max_encoded_bytes <= len(encoded) + 8192
+    payload = KVChecksumPayload.from_base64(encoded.decode(), limits)
+    assert [len(g.values) for g in payload.groups] == [max_model_len + 1] * len(
+        config.kv_cache_groups
+    )
+    with pytest.raises(ValueError, match="exceed the limit"):
+        KVChecksumPayload.from_base64("A" * (limits.max_encoded_bytes + 1), limits)
+    # Worker side (Mooncake, raw bytes per request), built as the wiring
+    # builds it: inside the worker's KVCacheConfig context.
+    token = wiring._kv_cache_config.set(config)
+    try:
+        worker = bare_worker(engine.vllm_config, False)
+    finally:
+        wiring._kv_cache_config.reset(token)
+    received = worker._kv_checksum_received
+    assert received.max_bytes == limits.max_encoded_bytes
+    decode = worker._xfer_resp_decoder.decode
+    received.keep(decode(_response(["t"], {"t": largest})), {"t"})
+    assert received.take(["t"], []) == {"t": largest}
+    over = b"x" * (received.max_bytes + 1)
+    received.keep(decode(_response(["t"], {"t": over})), {"t"})
+    assert received.take(["t"], []) == {}
+
+
+def test_payload_cap_setting_overrides_the_derived_cap(model_dir: str) -> None:
+    """R129: an explicit `kv_checksum_max_payload_bytes` is the cap on both
+    carriers' sides. Catches the operator's setting ignored once the default
+    is derived."""
+    from vllm.distributed.kv_transfer.kv_checksum import wiring
+
+    plugin.register()
+    side = SideConfig(
+        connector=MOONCAKE, connector_extra={"kv_checksum_max_payload_bytes": 5000}
+    )
+    engine = SimEngine(model_dir, side, "cons")
+    assert engine.checksums.limits.max_encoded_bytes == 5000
+    token = wiring._kv_cache_config.set(make_kv_cache_config(engine.vllm_config))
+    try:
+        worker = bare_worker(engine.vllm_config, False)
+    finally:
+        wiring._kv_cache_config.reset(token)
+    assert worker._kv_checksum_received.max_bytes == 5000

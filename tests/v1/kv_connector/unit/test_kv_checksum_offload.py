@@ -253,6 +253,18 @@ def test_corrupted_kv_on_one_rank_is_a_mismatch(tp_size: int) -> None:
     assert verdict.mismatches == {0: [1]}
 
 
+@pytest.mark.parametrize(("tp_size", "rank"), [(2, 0), (2, 1), (4, 0), (4, 1), (4, 2)])
+def test_corrupted_kv_on_each_rank_is_a_mismatch(tp_size: int, rank: int) -> None:
+    """R120 (issue 32): a flipped bit on any one TP rank, not only the last,
+    fails its position. Catches combining the workers' comparisons with
+    `bad = ...` instead of `bad |= ...` (only the last worker would count, so
+    corruption on every other rank of an offload load came back verified)."""
+    reports, hashes = offload_reports(tp_size, flip=(rank, 2))
+    verdict = verify(reports, hashes, tp_size)
+    assert verdict.status == KVChecksumStatus.MISMATCH
+    assert verdict.mismatches == {0: [2]}
+
+
 def test_entries_of_other_blocks_are_mismatches() -> None:
     """R116, R120: swapped stored entries, or a load whose request has another
     block hash at a position (another block's KV with its entry), mismatch.
@@ -325,9 +337,10 @@ def stored_copy(source: SimEngine) -> tuple[dict, dict, list[bytes]]:
 
 
 def load_stored(
-    engine: SimEngine, kv: dict, entries: dict, corrupt: bool = False
+    engine: SimEngine, kv: dict, entries: dict, corrupt: bool = False, rank: int = 0
 ) -> str:
-    """A request for PROMPT whose first blocks load from the host tier."""
+    """A request for PROMPT whose first blocks load from the host tier;
+    `corrupt` flips a bit of position 1 in a head TP rank `rank` holds."""
     engine.add(
         make_request(
             "b", PROMPT, max_tokens=2, kv_transfer_params={OFFLOAD_TOKENS_KEY: STORED}
@@ -338,7 +351,9 @@ def load_stored(
     ids = per_group(load.block_ids)[0][: STORED // 16]
     if corrupt:
         kv = {key: value.copy() for key, value in kv.items()}
-        kv[next(iter(kv))][20, 0] ^= 0x10  # position 1 of layer 0, one head
+        head = rank * engine.heads_per_rank
+        key = next(k for k in kv if k[1] == head)
+        kv[key][20, 0] ^= 0x10  # position 1 of one layer, one head
     engine.write_global(ids, list(range(STORED)), kv)
     for worker in engine.workers:
         table = worker.checksum.init_block_checksums([0])
@@ -388,6 +403,22 @@ def test_corrupted_offload_load_reports_failure(
     assert any("KV checksum mismatch for request b" in m for m in errors)
     recomputed = engine.scheduled_tokens("b") >= len(PROMPT)
     assert recomputed == fail_closed
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_offload_load_corrupted_on_each_rank_end_to_end(
+    model_dir: str, rank: int
+) -> None:
+    """R120 (issue 32): at TP 2 on the real scheduler, KV corrupted on either
+    rank alone is a mismatch at its position. Catches a verification where
+    only the last worker's comparison counts (`bad = ...` for `bad |= ...`):
+    rank 0's corruption would come back verified."""
+    source = offload_engine(model_dir, "S", tp=2)
+    engine = offload_engine(model_dir, "D", tp=2)
+    kv, entries, _ = stored_copy(source)
+    assert load_stored(engine, kv, entries, corrupt=True, rank=rank) == "length"
+    assert dict(engine.checksums.stats.loads) == {"mismatch": 1}
+    assert engine.scheduler.connector.failures == [("b", {0: [1]})]
 
 
 def test_loads_from_undeclared_sources_are_not_checked(model_dir: str) -> None:

@@ -33,7 +33,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 from unittest import mock
 
 import numpy as np
@@ -1621,8 +1621,10 @@ def test_active_connector_error_disables_checksums(
     """R10 (g), R134 (issue 20): an exception from the checksum worker (while
     it is created, in pre_forward's bind, in post_forward) never reaches Model
     Runner V2: the ActiveKVConnector is built and its pre_forward and
-    post_forward return vLLM's own results, without records; the checksum
-    worker is off afterwards; one error is logged. Catches a worker whose
+    post_forward return vLLM's own results, without checksum records; the
+    checksum worker is off afterwards; one error is logged. The first output
+    after the error carries one "checksums disabled" record for the
+    scheduler, later ones nothing (issue 32). Catches a worker whose
     checksum bug kills the engine."""
 
     def broken(*args: Any, **kwargs: Any) -> None:
@@ -1645,12 +1647,16 @@ def test_active_connector_error_disables_checksums(
     active.finish_forward()
     kv_output = active.post_forward(set())
     assert kv_output.finished_recving == {"r"}
-    assert getattr(kv_output, "kv_checksums", None) is None
+    assert kv_output.kv_checksums == [
+        KVChecksumRecord(pp_rank=0, tp_rank=0, disabled=True)
+    ]
     assert active.kv_checksum_worker is None
     assert len(checksum_logs(vllm_caplog, logging.ERROR)) == 1
     # From now on a pass-through.
     active.pre_forward(output)
-    assert active.post_forward(set()) is not None
+    later = active.post_forward(set())
+    assert later is not None
+    assert getattr(later, "kv_checksums", None) is None
     assert len(checksum_logs(vllm_caplog, logging.ERROR)) == 1
 
 
@@ -1684,9 +1690,13 @@ class Engine:
         connector: str,
         extra: dict[str, Any],
         seed: int,
+        policy: Literal["fail", "recompute"] = "fail",
     ) -> None:
         self.vllm_config = make_vllm_config(
-            model_dir, kv_connector=connector, extra_config=extra
+            model_dir,
+            kv_connector=connector,
+            extra_config=extra,
+            kv_load_failure_policy=policy,
         )
         self.scheduler = make_scheduler(
             self.vllm_config, make_kv_cache_config(self.vllm_config)
@@ -1701,10 +1711,12 @@ class Engine:
         )
         self.aggregator = KVOutputAggregator(expected_finished_count=1)
         self.final: dict[str, Any] = {}
+        self.history: list[SchedulerOutput] = []
 
     def step(self) -> SchedulerOutput:
         scheduler = self.scheduler
         output = scheduler.schedule()
+        self.history.append(output)
         model_output = make_model_runner_output(output, scheduler=scheduler)
         if output.total_num_scheduled_tokens > 0:
             self.active.pre_forward(output)
@@ -1841,6 +1853,84 @@ def test_producer_to_consumer_through_the_hooks(
         assert stats.loads == {KVChecksumStatus.MISMATCH.value: 1}
         expected = FinishReason.ERROR if fail_closed else FinishReason.LENGTH
         assert final.finish_reason == expected
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_worker_guard_trip_leaves_fail_closed_loads_running(
+    model_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
+    cuda_stream_stubs: Any,
+    vllm_caplog: pytest.LogCaptureFixture,
+    policy: Literal["fail", "recompute"],
+) -> None:
+    """R4, R134 (issue 32): the consumer worker's checksum code raises in
+    post_forward while a fail-closed load is in flight, so the real
+    ActiveKVConnector guard turns that worker's checksums off. Its output
+    tells the scheduler, which drops the load's check and registers no later
+    load: that load and two later fault-free loads all finish normally (no
+    error under policy "fail", no recomputed prompt under "recompute"), with
+    no verdict; one scheduler error log and `disabled_workers` count it.
+    Catches a scheduler still expecting the disabled worker's records: every
+    such load ends unverified ("not all workers"), so fail-closed fails it
+    (an outage of the P/D path)."""
+    rank0_groups(monkeypatch)
+    producer = Engine(
+        model_dir, monkeypatch, SCRIPTED_CONNECTOR_NAME, {ENABLE_KEY: True}, seed=1
+    )
+    prompts = [prompt(40, start=3 + 100 * i) for i in range(3)]
+    params = []
+    for i, tokens in enumerate(prompts):
+        producer.scheduler.add_request(
+            make_request(
+                f"p{i}",
+                tokens,
+                max_tokens=1,
+                kv_transfer_params=producer_kv_transfer_params(),
+            )
+        )
+        params.append(dict(producer.run(f"p{i}").kv_transfer_params))
+    extra = {ENABLE_KEY: True, FAIL_CLOSED_KEY: True}
+    consumer = Engine(
+        model_dir, monkeypatch, SCRIPTED_CONNECTOR_NAME, extra, seed=2, policy=policy
+    )
+    kcs = consumer.scheduler.kv_checksum_scheduler
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected into the checksum worker's post_forward")
+
+    monkeypatch.setattr(consumer.active.kv_checksum_worker, "post_forward", broken)
+    for i, tokens in enumerate(prompts):
+        req_id = f"c{i}"
+        consumer.scheduler.add_request(
+            make_request(req_id, tokens, max_tokens=2, kv_transfer_params=params[i])
+        )
+        first = consumer.step()
+        registered = first.kv_checksum_scheduled is not None
+        assert registered == (i == 0)  # nothing registered after the trip
+        (load,) = [
+            r
+            for r in _last_child(consumer.scheduler.connector).started_loads
+            if r.request_id == req_id
+        ]
+        source = _block_ids(params[i]["remote_block_ids"])
+        for name, cache in consumer.caches.items():
+            for src, dst in zip(source, _block_ids(load.block_ids)):
+                cache[dst].copy_(producer.caches[name][src])
+        _last_child(consumer.connector).scripted.append(transfer_results({req_id}))
+        final = consumer.run(req_id)
+        assert final.finish_reason == FinishReason.LENGTH
+        computed = sum(o.num_scheduled_tokens.get(req_id, 0) for o in consumer.history)
+        assert computed == len(tokens) - load.num_external_tokens + 1  # no recompute
+    assert consumer.active.kv_checksum_worker is None
+    assert kcs.disabled_workers == {(0, 0)}
+    assert kcs.stats.disabled_workers == 1
+    assert not kcs.stats.loads  # no verdict, as with checksums off
+    disabled = [
+        r
+        for r in checksum_logs(vllm_caplog, logging.ERROR)
+        if "disabled on worker" in r.getMessage()
+    ]
+    assert len(disabled) == 1
 
 
 def test_fresh_process_plugin_lifecycle(fresh_process: subprocess.Popen) -> None:

@@ -441,6 +441,31 @@ def test_corrupted_byte(
     assert_outcome(result, consumer, mode)
 
 
+@pytest.mark.parametrize(
+    ("tp", "worker"), [(2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
+)
+def test_corrupted_byte_on_each_rank(
+    model_dir: str, vllm_caplog, tp: int, worker: int
+) -> None:
+    """R91-R92 (issue 32): one flipped bit on any single consumer TP rank (at
+    TP 4 each KV head has two replicas) is a mismatch at exactly its position.
+    Catches a comparison in which only one rank (the last, or the first
+    replica) counts: corruption on the others would come back verified."""
+    producer, consumer = engines(model_dir, SideConfig(), SideConfig(tp=tp))
+    prompt = make_prompt(13)
+    params = produce(producer, "r", prompt)
+    consume(
+        consumer,
+        producer,
+        "r",
+        prompt,
+        params,
+        fault=Fault("bit_flip", 2, worker=worker),
+    )
+    assert verdicts(consumer) == {"mismatch": 1}
+    assert mismatch_positions(vllm_caplog, "r") == {0: [2]}
+
+
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_fault_kinds_are_mismatches(model_dir: str, vllm_caplog, kind: str) -> None:
     """R131, R92: a flipped bit, a zeroed block, two swapped blocks and a block

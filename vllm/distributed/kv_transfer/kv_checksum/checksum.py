@@ -133,3 +133,6 @@ class KVChecksumRecord:
     fingerprints: dict[int, int] = field(default_factory=dict)
     # request id -> producer checksum bytes the connector received (R50)
     received: dict[str, bytes] = field(default_factory=dict)
+    # the worker's last-resort guard turned its checksums off (R134): the
+    # scheduler stops expecting its records
+    disabled: bool = False

@@ -21,7 +21,9 @@ FAIL_CLOSED_KEY = "kv_checksum_fail_closed"
 MAX_PAYLOAD_BYTES_KEY = "kv_checksum_max_payload_bytes"
 FAULT_INJECTION_KEY = "kv_checksum_fault_injection"
 
-DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+# None: the cap is derived from the consumer's own sizes (payload.py's
+# `max_valid_payload_bytes`); an explicit setting overrides it.
+DEFAULT_MAX_PAYLOAD_BYTES: int | None = None
 
 # The kinds of `kv_checksum_fault_injection` (R131; fault_injection.py applies
 # them). Defined here, with the other settings, so config imports no module of
@@ -49,7 +51,7 @@ class KVChecksumFlags:
 
     enabled: bool = False
     fail_closed: bool = False
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES
     fault_injection: FaultInjectionConfig | None = None
     host_fault_injection: FaultInjectionConfig | None = None
 
@@ -123,7 +125,9 @@ def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
         return KVChecksumFlags()
     extra = kv_transfer_config.kv_connector_extra_config or {}
     max_bytes = extra.get(MAX_PAYLOAD_BYTES_KEY, DEFAULT_MAX_PAYLOAD_BYTES)
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0
+    ):
         raise ValueError(
             f"kv_connector_extra_config[{MAX_PAYLOAD_BYTES_KEY!r}] must be a "
             f"positive integer, got {max_bytes!r}"

@@ -51,6 +51,8 @@ class KVChecksumStats:
     not_sent: Counter = field(default_factory=Counter)  # reason -> requests
     # loaded blocks of failed loads kept out of the prefix cache (R138)
     quarantined_blocks: int = 0
+    # workers whose checksums their last-resort guard turned off (R134)
+    disabled_workers: int = 0
 
     def record_verdict(self, verdict: KVChecksumVerdict) -> None:
         self.loads[verdict.status.value] += 1
@@ -71,8 +73,17 @@ class KVChecksumStats:
     def record_quarantined(self, num_blocks: int) -> None:
         self.quarantined_blocks += num_blocks
 
+    def record_worker_disabled(self) -> None:
+        self.disabled_workers += 1
+
     def is_empty(self) -> bool:
-        return not (self.loads or self.sent or self.not_sent or self.quarantined_blocks)
+        return not (
+            self.loads
+            or self.sent
+            or self.not_sent
+            or self.quarantined_blocks
+            or self.disabled_workers
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, serializable counts (they cross processes in SchedulerStats)."""
@@ -83,6 +94,7 @@ class KVChecksumStats:
             "sent": self.sent,
             "not_sent": dict(self.not_sent),
             "quarantined_blocks": self.quarantined_blocks,
+            "disabled_workers": self.disabled_workers,
         }
 
     @classmethod
@@ -97,6 +109,7 @@ class KVChecksumStats:
             sent=_count(data.get("sent")),
             not_sent=_counts(data.get("not_sent")),
             quarantined_blocks=_count(data.get("quarantined_blocks")),
+            disabled_workers=_count(data.get("disabled_workers")),
         )
 
     def take(self) -> "KVChecksumStats":

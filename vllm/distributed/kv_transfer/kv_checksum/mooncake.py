@@ -162,18 +162,30 @@ class ReceivedChecksums:
         `loading` are the requests of this pull that vLLM will report
         finished (a pull with no local blocks never is, so its bytes would
         never be taken). The raw value is decoded only when it fits their
-        limits: memory and work stay bounded by `max_bytes` per such load.
+        limits: memory and work stay bounded by `max_bytes` per distinct such
+        load (a request id repeated in `ok_reqs` counts once).
         """
         raw = getattr(response, "kv_checksums", None)
         if not isinstance(raw, msgspec.Raw) or not len(raw):
             return
         ids = [
             req_id
-            for req_id in getattr(response, "ok_reqs", None) or ()
+            for req_id in dict.fromkeys(getattr(response, "ok_reqs", None) or ())
             if req_id in loading
         ]
         # Per entry: the bytes, their bin header and a request id.
-        if not ids or len(raw) > len(ids) * (self.max_bytes + _ENTRY_OVERHEAD):
+        budget = len(ids) * (self.max_bytes + _ENTRY_OVERHEAD)
+        if not ids:
+            return
+        if len(raw) > budget:
+            logger.warning(
+                "KV checksums of a Mooncake response skipped: %d bytes exceed "
+                "the budget of %d bytes for its %d loading requests; those "
+                "loads end unverified.",
+                len(raw),
+                budget,
+                len(ids),
+            )
             return
         try:
             sums = _SUMS_DECODER.decode(raw)

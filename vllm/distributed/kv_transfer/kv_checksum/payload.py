@@ -47,6 +47,15 @@ MAX_TP_SIZE = 1 << 16
 # R129: default cap on the base64 text (and the raw bytes) of one payload.
 DEFAULT_MAX_ENCODED_BYTES = 16 * 1024 * 1024
 
+# Bytes added to the largest valid payload by `max_valid_payload_bytes`.
+PAYLOAD_SLACK_BYTES = 4096
+# msgpack bytes around the values of the largest valid payload: the envelope
+# (array header, version, uint64 hash, bin32 header), the body's array header,
+# uint64 tp_size and num_tokens and an array32 groups header ...
+_MAX_PAYLOAD_FRAME = 1 + 1 + 9 + 5 + 1 + 9 + 9 + 5
+# ... and per group its array header, four uint64 fields and a bin32 header.
+_MAX_GROUP_FRAME = 1 + 4 * 9 + 5
+
 _U64_LIMIT = 1 << 64
 _VALUE_DTYPE = np.dtype("<u8")
 
@@ -89,6 +98,16 @@ class KVChecksumPayloadLimits:
     max_model_len: int | None = None
     # Largest producer TP size accepted.
     max_tp_size: int = MAX_TP_SIZE
+
+
+def max_valid_payload_bytes(max_model_len: int, num_groups: int) -> int:
+    """Base64 characters of the largest payload a consumer with these sizes
+    accepts, plus `PAYLOAD_SLACK_BYTES` (R129, R134): every group holds
+    max_model_len + 1 one-token chunks (the decoder's bound at chunk tokens 1).
+    Above the raw bytes too, so one cap serves both carriers."""
+    values = 8 * (max(0, max_model_len) + 1)
+    raw = _MAX_PAYLOAD_FRAME + max(1, num_groups) * (_MAX_GROUP_FRAME + values)
+    return 4 * -(-raw // 3) + PAYLOAD_SLACK_BYTES
 
 
 @dataclass

@@ -18,7 +18,10 @@ server: the counters appear on vLLM's `/metrics` endpoint.
 - `vllm:kv_checksum_payloads_not_sent{reason}`: finished producer requests
   without a payload, by reason (`REASON_LABELS`);
 - `vllm:kv_checksum_quarantined_blocks`: loaded blocks of loads that failed
-  verification, kept out of the prefix cache (R138).
+  verification, kept out of the prefix cache (R138);
+- `vllm:kv_checksum_disabled_workers`: workers whose checksums their
+  last-resort guard turned off (R134); from the first one on the engine runs
+  as with checksums off, so alert on any increase.
 
 All are counters (prometheus_client appends `_total`) with vLLM's
 `model_name` and `engine` labels first.
@@ -169,6 +172,15 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
         self.quarantined_blocks = {
             i: quarantined.labels(*values) for i, values in engines.items()
         }
+        disabled = counter(
+            "vllm:kv_checksum_disabled_workers",
+            "Workers whose KV checksums were turned off after an error there; "
+            "the engine then runs as with KV checksums off.",
+            [],
+        )
+        self.disabled_workers = {
+            i: disabled.labels(*values) for i, values in engines.items()
+        }
 
     @classmethod
     def for_connector_prom(
@@ -214,3 +226,5 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
             self.payloads_sent[engine_idx].inc(stats.sent)
         if stats.quarantined_blocks:
             self.quarantined_blocks[engine_idx].inc(stats.quarantined_blocks)
+        if stats.disabled_workers:
+            self.disabled_workers[engine_idx].inc(stats.disabled_workers)

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_checksum.offload_loads import (
 from vllm.distributed.kv_transfer.kv_checksum.payload import (
     KVChecksumPayload,
     KVChecksumPayloadLimits,
+    max_valid_payload_bytes,
 )
 from vllm.distributed.kv_transfer.kv_checksum.verification import (
     KVChecksumGroupInfo,
@@ -138,6 +139,8 @@ class KVChecksumScheduler:
         self._outgoing: dict[str, bytes] = {}
         self._step = KVChecksumScheduled()
         self._warned: set[str] = set()
+        # Workers whose checksums their last-resort guard turned off (R134).
+        self.disabled_workers: set[WorkerKey] = set()
 
     @classmethod
     def create(
@@ -149,7 +152,7 @@ class KVChecksumScheduler:
         carrier: CarrierFn,
         hit_sources: HitSourcesFn,
         max_model_len: int,
-        max_payload_bytes: int,
+        max_payload_bytes: int | None,
         checksum_sources: ChecksumSourcesFn = no_sources,
         on_failure: FailureFn = ignore_failure,
         hash_block_size: int | None = None,
@@ -175,9 +178,12 @@ class KVChecksumScheduler:
             groups[group_id] = SchedulerGroup(spec.block_size, window)
         # Positions are capped per group by its own block size (R129), so a
         # producer with smaller blocks than ours is still accepted.
+        num_groups = len(kv_cache_config.kv_cache_groups)
+        if max_payload_bytes is None:  # R129: derived from our own sizes
+            max_payload_bytes = max_valid_payload_bytes(max_model_len, num_groups)
         limits = KVChecksumPayloadLimits(
             max_encoded_bytes=max_payload_bytes,
-            max_groups=len(kv_cache_config.kv_cache_groups),
+            max_groups=num_groups,
             max_model_len=max_model_len,
         )
         return cls(
@@ -199,6 +205,8 @@ class KVChecksumScheduler:
 
     def on_new_request(self, request: Any) -> None:
         """Note a consumer request before its connector starts the load (R69)."""
+        if self.disabled_workers:
+            return
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill") and not params.get("do_remote_decode"):
             self._noted.add(request.request_id)
@@ -208,7 +216,7 @@ class KVChecksumScheduler:
     ) -> None:
         """Register a producer's prompt in the step that finishes it (R68)."""
         params = request.kv_transfer_params or {}
-        if not params.get("do_remote_decode"):
+        if not params.get("do_remote_decode") or self.disabled_workers:
             return
         computed = request.num_computed_tokens
         prompt = request.num_prompt_tokens
@@ -226,6 +234,8 @@ class KVChecksumScheduler:
     ) -> None:
         """Register the blocks a starting load writes (R70, R119)."""
         req_id = request.request_id
+        if self.disabled_workers:
+            return
         if req_id not in self._noted:
             self._add_offload_load(request, blocks, num_local_computed_tokens)
             return
@@ -293,8 +303,13 @@ class KVChecksumScheduler:
         Loads in `skip_req_ids` (reported failed) or writing a block of
         `invalid_block_ids` are known bad and not compared (R73).
         """
-        for record in records or ():
-            self._store(record)
+        records = list(records or ())
+        for record in records:
+            if record.disabled:
+                self._worker_disabled((record.pp_rank, record.tp_rank))
+        for record in records:
+            if not self.disabled_workers:
+                self._store(record)
         skip = set(skip_req_ids)
         invalid = np.fromiter(invalid_block_ids, dtype=np.int64)
         failing: set[str] = set()
@@ -325,6 +340,30 @@ class KVChecksumScheduler:
         if verdict.status != KVChecksumStatus.VERIFIED and self.fail_closed:
             must_fail = True
         return must_fail
+
+    def _worker_disabled(self, key: WorkerKey) -> None:
+        """A worker's checksums are off (R134): from now on nothing is
+        registered or verified, as with checksums off, and the checks in
+        flight are dropped without a verdict (never failed)."""
+        if key in self.disabled_workers:
+            return
+        self.disabled_workers.add(key)
+        dropped = len(self._sends) + len(self._recvs) + len(self.offload.pending)
+        self._noted.clear()
+        self._sends.clear()
+        self._recvs.clear()
+        self.offload.pending.clear()
+        self._step = KVChecksumScheduled()
+        self.stats.record_worker_disabled()
+        logger.error(
+            "KV checksums disabled on worker (pp rank %d, tp rank %d) after an "
+            "error there: this engine no longer checksums or verifies KV "
+            "transfers and loads (fail-closed included), as with checksums "
+            "off; %d checks in flight dropped unverified.",
+            key[0],
+            key[1],
+            dropped,
+        )
 
     def _internal_error(self, req_id: str) -> bool:
         """Log and count a verification that raised; fail it if fail-closed."""

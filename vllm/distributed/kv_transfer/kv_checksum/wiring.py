@@ -40,7 +40,10 @@ from vllm.distributed.kv_transfer.kv_checksum import (
     simple_offload,
 )
 from vllm.distributed.kv_transfer.kv_checksum import outbox as outbox_module
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+    KVChecksumCarrier,
+    KVChecksumRecord,
+)
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     kv_checksum_enabled,
     read_flags,
@@ -51,6 +54,10 @@ from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
 from vllm.distributed.kv_transfer.kv_checksum.metrics import STATS_KEY, split_stats
 from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
     create_host_fault_injector,
+)
+from vllm.distributed.kv_transfer.kv_checksum.payload import (
+    DEFAULT_MAX_ENCODED_BYTES,
+    max_valid_payload_bytes,
 )
 from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
     KVChecksumPromMetrics,
@@ -101,6 +108,39 @@ def _disable_after_error(owner: Any, attr: str, where: str) -> None:
     )
     with contextlib.suppress(Exception):
         setattr(owner, attr, None)
+
+
+def _disable_worker(active: Any, where: str) -> None:
+    """`_disable_after_error` for an ActiveKVConnector's checksum worker that
+    also queues a "checksums disabled" record for its next output, so the
+    scheduler stops expecting this worker's records (R134)."""
+    worker = active.__dict__.get("kv_checksum_worker")
+    _disable_after_error(active, "kv_checksum_worker", where)
+    try:
+        active._kv_checksum_disabled = _disabled_record(worker)
+    except Exception:
+        logger.exception("KV checksums: the scheduler could not be told.")
+
+
+def _disabled_record(worker: Any) -> KVChecksumRecord:
+    """The record telling the scheduler this worker's checksums are off."""
+    if worker is not None:
+        topology = worker.topology
+        return KVChecksumRecord(topology.pp_rank, topology.tp_rank, disabled=True)
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    return KVChecksumRecord(
+        get_pp_group().rank_in_group, get_tp_group().rank_in_group, disabled=True
+    )
+
+
+def _with_disabled_record(active: Any, output: Any) -> Any:
+    """`output` carrying the pending "checksums disabled" record, sent once."""
+    record = active._kv_checksum_disabled
+    if record is not None and output is not None:
+        output.kv_checksums = [record]
+        active._kv_checksum_disabled = None
+    return output
 
 
 def _disable_offload_worker(connector: Any, attr: str, where: str) -> None:
@@ -452,7 +492,7 @@ def _attach_nixl_push_worker(worker: Any, vllm_config: Any) -> None:
     agent's `make_prepped_xfer` swapping in the checksum notif (R105, R107)."""
     if worker is None or "_kv_checksum_push" in worker.__dict__:
         return
-    max_bytes = read_flags(vllm_config.kv_transfer_config).max_payload_bytes
+    max_bytes = _payload_byte_limit(vllm_config)
     nixl_push.ChecksumNotifQueue.attach(worker._pending_completion_notifs, max_bytes)
     agent = worker.nixl_wrapper
     original = agent.make_prepped_xfer
@@ -969,12 +1009,27 @@ def _install_mooncake() -> None:
         return results
 
 
+def _payload_byte_limit(vllm_config: Any) -> int:
+    """A worker's cap on one request's payload bytes (R129): the operator's
+    setting, else derived from this engine's max_model_len and KV cache
+    groups (the KVCacheConfig of the worker being built); 16 MiB if unknown."""
+    configured = read_flags(vllm_config.kv_transfer_config).max_payload_bytes
+    if configured is not None:
+        return configured
+    kv_cache_config = _kv_cache_config.get()
+    if kv_cache_config is None:
+        return DEFAULT_MAX_ENCODED_BYTES
+    return max_valid_payload_bytes(
+        vllm_config.model_config.max_model_len, len(kv_cache_config.kv_cache_groups)
+    )
+
+
 def _attach_mooncake_worker(worker: Any, vllm_config: Any, base: type) -> None:
     """With checksums on only: the payload stores, the response encoder that
     adds checksums and the decoder that reads them (R112-R114)."""
     if worker is None or "_kv_checksum_send" in worker.__dict__:
         return
-    max_bytes = read_flags(vllm_config.kv_transfer_config).max_payload_bytes
+    max_bytes = _payload_byte_limit(vllm_config)
     extended = mooncake.response_type(base)
     send = mooncake.SendChecksums()
     worker._encoder = mooncake.ChecksumResponseEncoder(
@@ -1207,6 +1262,7 @@ def _install_worker_hooks() -> None:
     active.kv_checksum_worker = None  # type: ignore[attr-defined]
     active.kv_checksum_fault_injector = None  # type: ignore[attr-defined]
     active._kv_checksum_results = None  # type: ignore[attr-defined]
+    active._kv_checksum_disabled = None  # type: ignore[attr-defined]
 
     @_wrap(GPUModelRunner, "initialize_kv_cache")
     def initialize_kv_cache(
@@ -1256,7 +1312,7 @@ def _install_worker_hooks() -> None:
             self.kv_checksum_fault_injector = injector
             self.kv_checksum_worker = worker
         except Exception:
-            _disable_after_error(self, "kv_checksum_worker", "ActiveKVConnector")
+            _disable_worker(self, "ActiveKVConnector")
 
     @_wrap(active, "pre_forward")
     def pre_forward(
@@ -1275,7 +1331,7 @@ def _install_worker_hooks() -> None:
         try:
             worker.bind(getattr(scheduler_output, "kv_checksum_scheduled", None))
         except Exception:
-            _disable_after_error(self, "kv_checksum_worker", "pre_forward")
+            _disable_worker(self, "pre_forward")
 
     @_wrap(active, "post_forward")
     def post_forward(
@@ -1287,13 +1343,15 @@ def _install_worker_hooks() -> None:
         finished loads, before any later forward writes those blocks (R49).
         How: after the original, the worker checksums on the compute stream and
         its pending record goes on the KVConnectorOutput; configured fault
-        injection (R131) corrupts finished loads just before.
+        injection (R131) corrupts finished loads just before. After an error
+        turned this worker's checksums off, its next output carries one
+        "checksums disabled" record instead (R134).
         Upstream: the same call inside post_forward.
         """
         output = original(self, finished_req_ids, *args, **kw)
         worker = getattr(self, "kv_checksum_worker", None)
         if worker is None:
-            return output
+            return _with_disabled_record(self, output)
         results, self._kv_checksum_results = self._kv_checksum_results, None
         if output is None or results is None:
             return output
@@ -1313,8 +1371,8 @@ def _install_worker_hooks() -> None:
                 finished_req_ids,
             )
         except Exception:
-            _disable_after_error(self, "kv_checksum_worker", "post_forward")
-            return output
+            _disable_worker(self, "post_forward")
+            return _with_disabled_record(self, output)
         if pending is not None:
             output.kv_checksums = [pending]
         return output
