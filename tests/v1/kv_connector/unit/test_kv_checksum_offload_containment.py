@@ -1,0 +1,178 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Containment across the offload tiers (R138 with R139, R121).
+
+The issue-32 scenario on vLLM 0.33.0's real Scheduler and offload connectors
+(transfers simulated on CPU, `kv_checksum_offload_sim`): request A loads a
+prefix from host memory whose first block is corrupted (fail-open: A runs on
+it), computes its suffix over that bad KV, a clean copy of the prefix comes
+back to the host, then request B with A's prompt arrives. B must compute A's
+suffix itself: no block A computed from its quarantine start on may reach a
+host tier and come back to B as "verified".
+"""
+
+import random
+from typing import Any
+
+import pytest
+
+from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
+    OffloadSimEngine,
+    SimpleOffloadSimEngine,
+    offload_metadata,
+    verdicts,
+)
+from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
+from vllm.distributed.kv_transfer.kv_checksum.offload_faults import HOST_FAULT_KEY
+
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+
+BS = 16
+PREFIX_BLOCKS = 4
+SUFFIX_BLOCKS = 3
+OFFLOAD_EXTRA = {"cpu_bytes_to_use": 1 << 22}
+SIMPLE_EXTRA = {"cpu_bytes_to_use": 1 << 22, "num_cpu_blocks": 64}
+FAULTS = {HOST_FAULT_KEY: {"rate": 1.0, "kinds": ["host_bit_flip"]}}
+
+
+def side_config(connector: str, multi: bool, lazy: bool = False) -> SideConfig:
+    """A fail-open consumer with host faults on (switched off per phase)."""
+    if connector == "offload":
+        name, extra = "OffloadingConnector", {**OFFLOAD_EXTRA, **FAULTS}
+    else:
+        name = "SimpleCPUOffloadConnector"
+        extra = {**SIMPLE_EXTRA, "lazy_offload": lazy, **FAULTS}
+    if not multi:
+        return SideConfig(num_blocks=24, connector=name, connector_extra=extra)
+    return SideConfig(
+        num_blocks=24,
+        connector="MultiConnector",
+        connector_extra={
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                {
+                    "kv_connector": name,
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra,
+                },
+            ]
+        },
+    )
+
+
+def make_engine(model_dir: str, connector: str, multi: bool, lazy: bool) -> Any:
+    side = side_config(connector, multi, lazy)
+    name = f"contain-{connector}-{multi}-{lazy}"
+    if connector == "offload":
+        return OffloadSimEngine(model_dir, side, name)
+    return SimpleOffloadSimEngine(model_dir, side, name)
+
+
+def set_faults(engine: Any, on: bool) -> None:
+    """Host faults on every load (on) or none (off), on every worker."""
+    for side in engine.sides:
+        assert side is not None
+        if on:
+            side.injector = side._kv_checksum_saved_injector
+        else:
+            side._kv_checksum_saved_injector = side.injector
+            side.injector = None
+
+
+def tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(3, 200) for _ in range(count)]
+
+
+def run(engine: Any, req_id: str, prompt: list[int]) -> None:
+    engine.add(make_request(req_id, prompt, max_tokens=2, block_size=BS))
+    engine.run(req_id, max_steps=60)
+
+
+def evict_from_gpu(engine: Any, rng: random.Random, tag: str) -> None:
+    """Fill the 24 GPU blocks with unrelated prompts, so later requests find
+    nothing of the scenario's prompts in the GPU prefix cache."""
+    for i in range(4):
+        run(engine, f"{tag}{i}", tokens(rng, 6 * BS + 1))
+
+
+def run_scenario(engine: Any, seed: int = 0) -> dict[str, int]:
+    """The issue-32 scenario; returns what B computed and how its load ended."""
+    rng = random.Random(seed)
+    prefix = tokens(rng, PREFIX_BLOCKS * BS)
+    suffix = tokens(rng, SUFFIX_BLOCKS * BS)
+    set_faults(engine, False)
+    run(engine, "p", prefix + tokens(rng, BS + 1))  # the prefix goes to host
+    evict_from_gpu(engine, rng, "e")
+    set_faults(engine, True)
+    loads = dict(verdicts(engine))
+    run(engine, "a", prefix + suffix + [7])  # host fault on A's prefix load
+    after_a = verdicts(engine)
+    assert after_a.get("mismatch", 0) == loads.get("mismatch", 0) + 1, after_a
+    set_faults(engine, False)
+    run(engine, "c", prefix + tokens(rng, BS + 1))  # a clean copy comes back
+    evict_from_gpu(engine, rng, "f")
+    before_b = dict(verdicts(engine))
+    run(engine, "b", prefix + suffix + [7])
+    after_b = verdicts(engine)
+    return {
+        "b_computed": engine.scheduled_tokens("b"),
+        "b_mismatch": after_b.get("mismatch", 0) - before_b.get("mismatch", 0),
+        "b_verified": after_b.get("verified", 0) - before_b.get("verified", 0),
+    }
+
+
+def a_stores(engine: Any) -> int:
+    """Store jobs OffloadingConnector issued for request A (from the step
+    metadata the workers got, not from the package)."""
+    count = 0
+    for output in engine.history:
+        meta = offload_metadata(output.kv_connector_metadata)
+        if meta is not None:
+            count += sum(1 for job in meta.store_jobs.values() if job.req_id == "a")
+    return count
+
+
+CASES = [
+    ("offload", False, False),
+    ("offload", True, False),
+    ("simple", False, False),
+    ("simple", False, True),
+    ("simple", True, False),
+]
+IDS = ["offload", "multi-offload", "simple-eager", "simple-lazy", "multi-simple"]
+
+
+@pytest.mark.parametrize(("connector", "multi", "lazy"), CASES, ids=IDS)
+def test_R138_bad_derived_suffix_never_served_from_host(
+    model_dir: str, connector: str, multi: bool, lazy: bool
+) -> None:
+    """B (A's prompt, after a clean prefix copy came back) computes A's
+    suffix itself: it never loads the blocks A computed over its corrupted
+    prefix. Bug caught (issue 32, reproduced for OffloadingConnector by
+    removing the store filter): the connector stores A's quarantined suffix
+    under A's block hashes with fresh entries, so B loads it as "verified"
+    and computes only its last token."""
+    engine = make_engine(model_dir, connector, multi, lazy)
+    result = run_scenario(engine)
+    assert result["b_computed"] >= SUFFIX_BLOCKS * BS, result
+    if connector == "offload":
+        assert a_stores(engine) == 0
+
+
+def test_R138_control_without_the_fault_b_loads_the_suffix(model_dir: str) -> None:
+    """The control: the same run with no host fault on A's load lets B load
+    A's suffix from host memory (so the test above can fail)."""
+    engine = make_engine(model_dir, "offload", False, False)
+    set_faults(engine, False)
+    engine.sides[0]._kv_checksum_saved_injector = None
+    for side in engine.sides:
+        side._kv_checksum_saved_injector = None
+    rng = random.Random(0)
+    prefix = tokens(rng, PREFIX_BLOCKS * BS)
+    suffix = tokens(rng, SUFFIX_BLOCKS * BS)
+    run(engine, "a", prefix + suffix + [7])
+    evict_from_gpu(engine, rng, "e")
+    run(engine, "b", prefix + suffix + [7])
+    assert engine.scheduled_tokens("b") < SUFFIX_BLOCKS * BS
+    assert verdicts(engine).get("mismatch", 0) == 0
