@@ -176,3 +176,58 @@ def test_R138_control_without_the_fault_b_loads_the_suffix(model_dir: str) -> No
     run(engine, "b", prefix + suffix + [7])
     assert engine.scheduled_tokens("b") < SUFFIX_BLOCKS * BS
     assert verdicts(engine).get("mismatch", 0) == 0
+
+
+# ----------------------------------------------------------------------
+# Removing a bad host copy from CPUOffloadingManager (R121)
+# ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_R121_many_drops_keep_the_manager_consistent(policy: str) -> None:
+    """Dropping copies one by one (some idle, one held by a load) keeps the
+    manager's pool, evictable count and policy in step with an independent
+    count, emits one public removal event per dropped copy, and later stores
+    fill the whole pool again (evicting only copies still held). Bugs caught:
+    no removal event (KV-event consumers keep advertising a dropped copy);
+    evictable count not lowered (a later prepare_store over-evicts and
+    fails); a held copy freed under its load."""
+    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    size = 16
+    manager = CPUOffloadingManager(size, cache_policy=policy, enable_events=True)
+    ctx = ReqContext(req_id="r")
+    keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(size)]
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None and len(out.keys_to_store) == size
+    manager.complete_store(keys, ctx)
+    held = keys[0]
+    assert manager.prepare_load([held], ctx) is not None
+    list(manager.take_events())
+
+    resident = set(keys)
+    assert wiring._remove_host_chunk(manager, held) is False  # a load holds it
+    dropped = keys[1:size:2]
+    for key in dropped:
+        assert wiring._remove_host_chunk(manager, key) is True
+        resident.discard(key)
+        assert wiring._remove_host_chunk(manager, key) is None
+    events = list(manager.take_events())
+    removed = [k for e in events if e.removed and not e.metadata_only for k in e.keys]
+    assert sorted(removed) == sorted(dropped)
+    for key in keys:
+        found = manager.lookup(key, ctx)
+        assert (found == LookupResult.HIT) == (key in resident), key
+    assert manager._num_evictable_cache_chunks == len(resident) - 1  # one held
+    assert manager._get_num_free_chunks() == size - len(resident)
+
+    manager.complete_load([held], ctx)
+    fresh = [make_offload_key(bytes([100 + i]) * 8, 0) for i in range(size - 1)]
+    out = manager.prepare_store(fresh, ReqContext(req_id="s"))
+    assert out is not None and len(out.keys_to_store) == size - 1
+    manager.complete_store(fresh, ReqContext(req_id="s"))
+    stored = sum(manager.lookup(k, ctx) == LookupResult.HIT for k in [*keys, *fresh])
+    assert stored == size
+    assert manager._num_evictable_cache_chunks == size

@@ -678,16 +678,7 @@ def _offload_scheduler_side(sched: Any) -> Any:
         return None if state is None else state.load_key_ranges
 
     def try_remove(key: Any) -> bool | None:
-        manager = sched.manager
-        chunk = manager._policy.get(key)
-        if chunk is None:
-            return None
-        if not chunk.is_ready or chunk.ref_cnt != 0:
-            return False
-        manager._policy.remove(key)
-        manager._free_chunk(chunk)
-        manager._num_evictable_cache_chunks -= 1
-        return True
+        return _remove_host_chunk(sched.manager, key)
 
     return offload_connectors.OffloadSchedulerSide(
         sched.config.kv_group_configs,
@@ -696,6 +687,35 @@ def _offload_scheduler_side(sched: Any) -> Any:
         try_remove,
         get_offload_group_idx,
     )
+
+
+def _remove_host_chunk(manager: Any, key: Any) -> bool | None:
+    """Free one idle host chunk of a CPUOffloadingManager (R121, R138).
+
+    vLLM 0.33.0 has no public call that removes one ready chunk; the closest
+    path is the one its own eviction takes in `prepare_store`, kept whole: the
+    policy is told the chunk stops being evictable (`mark_non_evictable`, its
+    access state) and drops it (`remove`), the evictable count follows, the
+    chunk goes back to the free list (`_free_chunk`) and a public removal
+    event is queued, as for an evicted chunk. True: freed; False: a load or
+    a store still holds it; None: no such chunk.
+    """
+    from vllm.v1.kv_offload.base import OffloadingEvent
+
+    chunk = manager._policy.get(key)
+    if chunk is None:
+        return None
+    if not chunk.is_ready or chunk.ref_cnt != 0:
+        return False
+    manager._policy.mark_non_evictable(key)
+    manager._policy.remove(key)
+    manager._num_evictable_cache_chunks -= 1
+    manager._free_chunk(chunk)
+    if manager.events is not None:
+        manager.events.append(
+            OffloadingEvent(keys=[key], medium=manager.medium, removed=True)
+        )
+    return True
 
 
 def _attach_offload_worker(connector: Any, worker: Any) -> None:
