@@ -1651,11 +1651,18 @@ def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
     manager = scheduler.kv_cache_manager
     if not manager.enable_caching:
         return  # no prefix cache: nothing can spread
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     groups = scheduler.kv_cache_config.kv_cache_groups
     containment = KVChecksumContainment(
         {g: group.kv_cache_spec.block_size for g, group in enumerate(groups)},
         kcs.fail_closed,
         kcs.stats,
+        state_groups=[
+            g
+            for g, group in enumerate(groups)
+            if isinstance(group.kv_cache_spec, MambaSpec)
+        ],
     )
     coordinator = manager.coordinator
 
