@@ -231,3 +231,69 @@ def test_R121_many_drops_keep_the_manager_consistent(policy: str) -> None:
     stored = sum(manager.lookup(k, ctx) == LookupResult.HIT for k in [*keys, *fresh])
     assert stored == size
     assert manager._num_evictable_cache_chunks == size
+
+
+def quarantine(engine: Any, req_id: str, num_blocks: int, bad: int) -> None:
+    """A failed load of `req_id` as the checksum scheduler reports any load
+    (a P/D receive or a host load alike): a mismatch at position `bad`."""
+    import numpy as np
+
+    from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+    from vllm.distributed.kv_transfer.kv_checksum.verification import (
+        KVChecksumStatus,
+        KVChecksumVerdict,
+    )
+
+    blocks = KVChecksumBlocks(
+        num_tokens=num_blocks * BS, groups={0: (0, np.arange(num_blocks))}
+    )
+    verdict = KVChecksumVerdict(KVChecksumStatus.MISMATCH, {0: [bad]})
+    engine.checksums.on_failed_load(req_id, verdict, blocks)
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["offload", "multi-offload"])
+def test_R138_a_failed_load_of_any_path_stores_nothing_from_its_start(
+    model_dir: str, multi: bool
+) -> None:
+    """A request quarantined from position 2 by a failed load (under
+    MultiConnector(NixlConnector, OffloadingConnector) that may be a P/D
+    receive) has only its blocks 0-1 stored to host. Bug caught: the store
+    filter keyed on the offload connector's own failures only (a failed P/D
+    load's blocks reach host memory)."""
+    engine = make_engine(model_dir, "offload", multi, False)
+    set_faults(engine, False)
+    prompt = list(range(300, 300 + 6 * BS + 1))
+    engine.add(make_request("a", prompt, max_tokens=2, block_size=BS))
+    quarantine(engine, "a", 6, bad=2)
+    engine.run("a")
+    stored = []
+    for output in engine.history:
+        meta = offload_metadata(output.kv_connector_metadata)
+        for job in meta.store_jobs.values() if meta is not None else ():
+            assert job.req_id == "a"
+            spec = job.src_spec
+            for start, size in zip(spec.block_indices, spec.group_sizes):
+                stored.extend(range(int(start), int(start) + int(size)))
+    assert sorted(stored) == [0, 1], stored
+
+
+def test_R138_copies_stored_before_the_verdict_are_dropped(model_dir: str) -> None:
+    """A request quarantined after its blocks reached host memory: its host
+    copies from the quarantine start on are dropped, the earlier ones kept.
+    Bug caught: containment filtering later stores only (copies already on
+    the host keep serving later requests)."""
+    engine = make_engine(model_dir, "offload", False, False)
+    set_faults(engine, False)
+    prompt = list(range(500, 500 + 6 * BS + 1))
+    engine.add(make_request("a", prompt, max_tokens=8, block_size=BS))
+    for _ in range(3):
+        engine.step()
+    sched = engine.offload.connector_scheduler
+    status = sched._req_status["a"]
+    keys = status.group_states[0].offload_keys[:6]
+    manager = sched.manager
+    assert all(manager._policy.get(k) is not None for k in keys)  # on the host
+    quarantine(engine, "a", 6, bad=2)
+    present = [manager._policy.get(k) is not None for k in keys]
+    assert present == [True, True, False, False, False, False]
+    engine.run("a")
