@@ -36,6 +36,16 @@ Phases:
 3. multi: the same requests on ``multi``: verified loads, none failing,
    outputs equal to ``off``'s.
 4. overhead: ``off`` and ``on`` timed on the same batches, interleaved.
+5. spread (issue 32, R138): on ``spread`` (checksums on, fail-open, host
+   faults "host_other_block" at `--spread-fault-rate`), per scenario: P
+   stores a prefix to host, fillers evict it from the GPU, A (prefix + a
+   suffix) loads it (the fault may corrupt its first block: A mismatches and
+   runs on it, fail-open), C (the prefix + another tail) brings a clean copy
+   back, fillers evict again, then B (A's prompt) arrives. A scenario is
+   exercised when A's fault was injected and caught and B's own load was not
+   faulted; B is "served on bad-derived KV" when it found more than the
+   prefix cached (`num_cached_tokens`: it loaded A's quarantined suffix) or
+   its output parts clearly from ``fresh``'s. Pass: >= 1 exercised, 0 served.
 
 Usage (vLLM 0.33.0, NIXL, transformers and this package installed):
     PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
@@ -174,7 +184,8 @@ def engine_main(
         elapsed = time.perf_counter() - start
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         top = [top_logprobs(o.outputs[0].logprobs) for o in outs]
-        return tokens, read_counters(llm), elapsed, top
+        cached = [int(o.num_cached_tokens or 0) for o in outs]
+        return tokens, read_counters(llm), elapsed, top, cached
 
     pd_gpu.serve_commands(name, build, answer, cmds, results)
 
@@ -213,12 +224,14 @@ class Engine(pd_gpu.Engine):
         top logprobs of each request's tokens are kept in `self.top`."""
         tokens: list = []
         self.top: list = []
+        self.cached: list = []
         counters: dict = {}
         total = 0.0
         for batch in batches:
-            out, counters, elapsed, top = self.run_batch(batch, max_tokens)
+            out, counters, elapsed, top, cached = self.run_batch(batch, max_tokens)
             tokens.extend(out)
             self.top.extend(top)
+            self.cached.extend(cached)
             total += elapsed
         return tokens, counters, total
 
@@ -368,6 +381,100 @@ def phase_multi(
     check(summary, "multi: 0 mismatch, 0 unverified", bad == 0, counters)
 
 
+# Stages of the spread phase, in order; "fill" evicts the GPU prefix cache.
+SPREAD_STAGES = ("p", "fill", "a", "c", "fill", "b")
+
+
+def spread_prompts(args: Any, seed: int = 7) -> dict[str, list[list[int]]]:
+    """The spread phase's prompts per stage: P, A, C, B per scenario (B is
+    A's prompt) and the fillers of each eviction (more blocks than the GPU)."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 2048) for _ in range(n)]
+
+    prefix_len = args.prefix_blocks * BLOCK_SIZE
+    prefixes = [toks(prefix_len) for _ in range(args.spread_scenarios)]
+    suffixes = [toks(args.spread_suffix_blocks * BLOCK_SIZE + 1) for _ in prefixes]
+    per_filler = args.prefix_blocks + 1
+    num_fillers = args.gpu_blocks // per_filler + 8
+    a = [p + s for p, s in zip(prefixes, suffixes)]
+    return {
+        "p": [p + toks(BLOCK_SIZE + 1) for p in prefixes],
+        "a": a,
+        "c": [p + toks(BLOCK_SIZE + 1) for p in prefixes],
+        "b": [list(x) for x in a],
+        "fill": [toks(per_filler * BLOCK_SIZE) for _ in range(num_fillers)],
+    }
+
+
+def spread_cases(
+    a_ids: list[str],
+    b_ids: list[str],
+    injected: set[str],
+    mismatched: set[str],
+    b_cached: list[int],
+    prefix_tokens: int,
+) -> dict[str, list[int]]:
+    """Scenario indices: exercised (A's fault injected and caught, B's own
+    load clean) and, of those, B served on A's quarantined suffix (B found
+    more than the prefix cached)."""
+    exercised = [
+        i
+        for i, (a, b) in enumerate(zip(a_ids, b_ids))
+        if a in injected and a in mismatched and b not in injected
+    ]
+    served = [i for i in exercised if b_cached[i] > prefix_tokens]
+    return {"exercised": exercised, "served": served}
+
+
+def phase_spread(engines: dict, args: Any, summary: dict) -> None:
+    """Issue 32 scenario (R138): no B runs on KV computed over A's bad load."""
+    engine = engines["spread"]
+    prompts = spread_prompts(args)
+    ids: dict[str, list[str]] = {}
+    sent = 0
+    b_out: tuple = ([], [], [])
+    for stage in SPREAD_STAGES:
+        batch = prompts[stage]
+        ids[stage] = [str(sent + i) for i in range(len(batch))]
+        sent += len(batch)
+        size = args.batch
+        chunks = [batch[i : i + size] for i in range(0, len(batch), size)]
+        got, _, _ = engine.run_all(chunks, args.max_tokens)
+        if stage == "b":
+            b_out = (got, engine.top, engine.cached)
+    log = scan(engine.log)
+    injected = {req.split("-")[0] for _, req, _ in log["injected"]}
+    mismatched = {req.split("-")[0] for req in log["mismatched"]}
+    prefix_tokens = args.prefix_blocks * BLOCK_SIZE
+    cases = spread_cases(
+        ids["a"], ids["b"], injected, mismatched, b_out[2], prefix_tokens
+    )
+    fresh, _, _ = engines["fresh"].run_all([prompts["b"]], args.max_tokens)
+    vs_fresh = compare_outputs(
+        fresh, engines["fresh"].top, b_out[0], b_out[1], cases["exercised"]
+    )
+    summary["spread"] = {
+        "log": _short(log),
+        "cases": cases,
+        "b_cached": b_out[2],
+        "b_vs_fresh": vs_fresh,
+    }
+    check(
+        summary,
+        "spread: scenarios exercised (A's fault caught, B's load clean)",
+        len(cases["exercised"]) > 0,
+        len(cases["exercised"]),
+    )
+    check(
+        summary,
+        "spread: 0 requests served as verified on bad-derived KV",
+        not cases["served"] and not vs_fresh["wrong"],
+        {"loaded_quarantined_suffix": cases["served"], "wrong": vs_fresh["wrong"]},
+    )
+
+
 def phase_overhead(engines: dict, args: Any, summary: dict) -> None:
     times: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(args.overhead_rounds):
@@ -405,7 +512,7 @@ def _short(log: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--phases", default="loads,faults,multi,overhead")
+    parser.add_argument("--phases", default="loads,faults,multi,spread,overhead")
     parser.add_argument("--num-prefixes", type=int, default=48)
     parser.add_argument("--prefix-blocks", type=int, default=12)
     parser.add_argument("--num-requests", type=int, default=640)
@@ -415,6 +522,9 @@ def main() -> int:
     parser.add_argument("--min-loads", type=int, default=500)
     parser.add_argument("--fault-rate", type=float, default=0.2)
     parser.add_argument("--overhead-rounds", type=int, default=4)
+    parser.add_argument("--spread-scenarios", type=int, default=16)
+    parser.add_argument("--spread-suffix-blocks", type=int, default=4)
+    parser.add_argument("--spread-fault-rate", type=float, default=0.5)
     parser.add_argument(
         "--batch-invariant", action=argparse.BooleanOptionalAction, default=True
     )
@@ -445,6 +555,14 @@ def main() -> int:
         configs["fresh"] = {**base, "_fresh": True}
     if "multi" in phases:
         configs["multi"] = {**on, "_multi": True, "_port": 5611}
+    if "spread" in phases:
+        spread_faults = {"rate": args.spread_fault_rate, "kinds": ["host_other_block"]}
+        configs["spread"] = {
+            **base,
+            "enable_kv_checksum": True,  # fail-open: A runs on its bad load
+            "kv_checksum_host_fault_injection": spread_faults,
+        }
+        configs["fresh"] = {**base, "_fresh": True}
     ctx = mp.get_context("spawn")
     engines: dict[str, Engine] = {}
     start = time.time()
@@ -464,6 +582,7 @@ def main() -> int:
             ("loads", lambda: phase_loads(engines, batches, args, summary)),
             ("faults", lambda: phase_faults(engines, batches, ref, args, summary)),
             ("multi", lambda: phase_multi(engines, batches, ref, args, summary)),
+            ("spread", lambda: phase_spread(engines, args, summary)),
             ("overhead", lambda: phase_overhead(engines, args, summary)),
         ]
         for name, run in steps:

@@ -355,6 +355,41 @@ def test_quarantine_start_is_the_first_bad_token_in_every_group() -> None:
     assert containment_mod.quarantine_start({}, sizes) == {}
 
 
+def test_hybrid_quarantine_starts_after_a_local_prefix_hit() -> None:
+    """R138, issue 32 item 3: a hybrid (attention + Mamba) load after a local
+    prefix hit of 2 blocks registers attention from position 2 and the Mamba
+    running-state block at position 0 (one per request, never shared). A bad
+    state, a bad attention block, or an unverified fail-closed load
+    quarantines from position 2 at the earliest, so the two shared hit blocks
+    keep their hashes. Bug caught: the Mamba block's position 0 taken as a
+    token (quarantine from token 0 in every group: every hit block of the
+    request loses its hash)."""
+    sizes = {0: 32, 1: 32, 2: 32}  # attention 0, Mamba 1 and 2
+    state = {1, 2}
+    blocks = KVChecksumBlocks(
+        num_tokens=5 * 32,
+        groups={0: (2, np.arange(12, 15)), 1: (0, np.array([40])), 2: (0, [41])},
+    )
+    cases = [
+        ({1: [0]}, {0: 2, 1: 2, 2: 2}),  # the state only: from the load's start
+        ({0: [3], 2: [0]}, {0: 3, 1: 3, 2: 3}),  # attention sets the start
+    ]
+    for mismatches, expected in cases:
+        verdict = KVChecksumVerdict(KVChecksumStatus.MISMATCH, mismatches)
+        containment = containment_mod.KVChecksumContainment(
+            sizes, False, state_groups=state
+        )
+        assert containment.on_failed_load("r", verdict, blocks) == expected
+    unverified = KVChecksumVerdict(KVChecksumStatus.UNVERIFIED)
+    containment = containment_mod.KVChecksumContainment(sizes, True, state_groups=state)
+    assert containment.on_failed_load("r", unverified, blocks) == {0: 2, 1: 2, 2: 2}
+    # A pure Mamba model has only state groups: position 0 it is.
+    only = KVChecksumBlocks(num_tokens=64, groups={1: (0, np.array([40]))})
+    pure = containment_mod.KVChecksumContainment({1: 32}, False, state_groups={1})
+    verdict = KVChecksumVerdict(KVChecksumStatus.MISMATCH, {1: [0]})
+    assert pure.on_failed_load("r", verdict, only) == {1: 0}
+
+
 # --------------------------------------------------------------------------
 # Fail-open: A runs on its KV, nobody else reads the bad part
 # --------------------------------------------------------------------------

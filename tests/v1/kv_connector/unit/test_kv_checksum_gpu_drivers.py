@@ -267,3 +267,50 @@ def test_engine_command_loop_replies_and_stops(
     pd_gpu.serve_commands("f", fail, answer, queue.Queue(), results)
     name, kind, text = results.get_nowait()
     assert (name, kind) == ("f", "error") and "no GPU" in text
+
+
+def test_spread_phase_prompts_and_cases_r138(
+    drivers: tuple[ModuleType, ModuleType],
+) -> None:
+    """Issue 32's GPU proof, host side: B repeats A's prompt, each eviction's
+    fillers hold more blocks than the GPU cache, and a scenario counts only
+    when A's fault was injected and caught and B's own load was clean; B is
+    served on bad-derived KV when it found more than the prefix cached.
+
+    Bugs this fails: B given another prompt than A (B could never find A's
+    suffix: the phase proves nothing); fillers fitting in the GPU cache (B
+    hits the GPU, not the host tier); a scenario whose B load was itself
+    faulted counted as exercised; B's cached tokens compared with the whole
+    prompt instead of the prefix (a B that loaded A's suffix passes)."""
+    _, offload_gpu = drivers
+    args = type(
+        "Args",
+        (),
+        {
+            "prefix_blocks": 4,
+            "spread_scenarios": 3,
+            "spread_suffix_blocks": 2,
+            "gpu_blocks": 64,
+        },
+    )()
+    prompts = offload_gpu.spread_prompts(args)
+    bs = offload_gpu.BLOCK_SIZE
+    assert prompts["b"] == prompts["a"]
+    assert len(prompts["a"]) == 3
+    for p, a, c in zip(prompts["p"], prompts["a"], prompts["c"]):
+        assert p[: 4 * bs] == a[: 4 * bs] == c[: 4 * bs]
+        assert len(a) == 6 * bs + 1 and p[4 * bs :] != a[4 * bs : 5 * bs + 1]
+    assert sum(len(f) // bs for f in prompts["fill"]) > args.gpu_blocks
+    assert offload_gpu.SPREAD_STAGES.count("fill") == 2
+
+    prefix = 4 * bs
+    cases = offload_gpu.spread_cases(
+        ["1", "2", "3", "4"],
+        ["11", "12", "13", "14"],
+        injected={"1", "2", "3", "13"},
+        mismatched={"1", "2", "3", "13"},
+        b_cached=[prefix, prefix + 2 * bs, 0, prefix + 2 * bs],
+        prefix_tokens=prefix,
+    )
+    # Scenario 2: B's own load faulted ("13"); scenario 3: A's load clean.
+    assert cases == {"exercised": [0, 1], "served": [1]}

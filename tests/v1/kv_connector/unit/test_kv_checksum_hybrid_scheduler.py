@@ -963,3 +963,32 @@ def test_consumer_load_round_trip_r67_r85(
         assert verdict.status == KVChecksumStatus.VERIFIED, verdict
     else:
         assert verdict.status == KVChecksumStatus.MISMATCH, verdict
+
+
+def test_hybrid_containment_knows_the_state_groups_r138(
+    distributed: Any,
+    tmp_path: Any,
+    hybrid_platform: None,
+    cuda_stream_stubs: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R138, issue 32 item 3, on vLLM's own hybrid KV cache config: the
+    wiring hands containment the Mamba groups as per-request state groups
+    (the attention group not), so a failed load after a local prefix hit is
+    quarantined from the attention group's first bad loaded position, not
+    from the Mamba block's position 0. Bug caught: no state groups passed
+    (every group quarantined from token 0, the shared hit blocks unhashed)."""
+    model = write_nemotron_h(str(tmp_path), 1)
+    side = build_side(model, 1, 1, "contain", distributed, monkeypatch)
+    containment = getattr(side.scheduler, "kv_checksum_containment", None)
+    if containment is None:
+        pytest.skip("prefix caching off for this hybrid config: nothing to contain")
+    assert containment.state_groups == set(side.mamba_groups.values())
+    attention = side.attention_group
+    groups = {attention: (2, np.arange(5, 8))}
+    groups.update({g: (0, np.array([20 + g])) for g in side.mamba_groups.values()})
+    blocks = KVChecksumBlocks(num_tokens=5 * side.block_size, groups=groups)
+    mamba = next(iter(side.mamba_groups.values()))
+    verdict = KVChecksumVerdict(KVChecksumStatus.MISMATCH, {mamba: [0]})
+    start = containment.on_failed_load("x", verdict, blocks)
+    assert start[attention] == 2

@@ -29,7 +29,7 @@ manager: it evicts the hashes of quarantined blocks through vLLM's own
 can look them up, and releases the request when vLLM frees its blocks.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -70,15 +70,36 @@ def first_bad_positions(
 
 
 def quarantine_start(
-    first_bad: Mapping[int, int], block_sizes: Mapping[int, int]
+    first_bad: Mapping[int, int],
+    block_sizes: Mapping[int, int],
+    state_groups: Collection[int] = (),
+    loaded_starts: Mapping[int, int] | None = None,
 ) -> dict[int, int]:
     """group id -> first quarantined block position, for every group.
 
     The first bad token is the earliest token of any group's first bad block;
     every group is quarantined from the block holding that token on. Empty if
     nothing is bad (or no bad group has a known block size).
+
+    `state_groups` (Mamba) hold one running-state block per request, recorded
+    at position 0 whatever the load's range: they set the start only when no
+    other group is bad, and then from the other groups' first loaded position
+    (`loaded_starts`), so a load after a local prefix hit never quarantines
+    the shared hit blocks before it.
     """
-    tokens = [p * block_sizes[g] for g, p in first_bad.items() if g in block_sizes]
+
+    def tokens_of(positions: Mapping[int, int]) -> list[int]:
+        return [
+            p * block_sizes[g]
+            for g, p in positions.items()
+            if g in block_sizes and g not in state_groups
+        ]
+
+    tokens = tokens_of(first_bad)
+    if not tokens and any(g in state_groups for g in first_bad):
+        tokens = tokens_of(loaded_starts or {})
+    if not tokens:
+        tokens = [p * block_sizes[g] for g, p in first_bad.items() if g in block_sizes]
     if not tokens:
         return {}
     token = min(tokens)
@@ -134,8 +155,10 @@ class KVChecksumContainment:
         block_sizes: Mapping[int, int],
         fail_closed: bool,
         stats: KVChecksumStats | None = None,
+        state_groups: Collection[int] = (),
     ) -> None:
         self.block_sizes = dict(block_sizes)
+        self.state_groups = frozenset(state_groups)
         self.fail_closed = fail_closed
         self.stats = stats if stats is not None else KVChecksumStats()
         self._quarantined: dict[str, dict[int, int]] = {}
@@ -152,7 +175,8 @@ class KVChecksumContainment:
         """Quarantine a load that did not verify; returns group -> first
         quarantined position (empty: nothing to contain)."""
         first_bad = first_bad_positions(verdict, blocks, self.fail_closed)
-        start = quarantine_start(first_bad, self.block_sizes)
+        loaded = {g: int(first) for g, (first, _) in blocks.groups.items()}
+        start = quarantine_start(first_bad, self.block_sizes, self.state_groups, loaded)
         if not start:
             return {}
         previous = self._quarantined.get(req_id)

@@ -265,6 +265,24 @@ class HostCopyDropper:
                 )
 
 
+def quarantined_keys(
+    keyed: Iterable[tuple[int | None, Any]],
+    start: Mapping[int, int],
+    block_sizes: Mapping[int, int],
+    group_of_key: Callable[[Any], int],
+) -> set[Any]:
+    """The keys among (chunk end token, key) that hold a quarantined block
+    (R138): a chunk ending after its group's first quarantined token. A key of
+    unknown position, or of a group with no start, is counted quarantined."""
+    bad = set()
+    for end, key in keyed:
+        group = group_of_key(key)
+        q, size = start.get(group), block_sizes.get(group)
+        if end is None or q is None or size is None or end > q * size:
+            bad.add(key)
+    return bad
+
+
 class OffloadSchedulerSide:
     """The checksum state of one OffloadingConnectorScheduler (R119, R121).
 
@@ -288,6 +306,35 @@ class OffloadSchedulerSide:
         self.try_remove = try_remove
         self.group_of_key = group_of_key
         self.dropper = HostCopyDropper()
+        # request id -> group -> first quarantined position (R138); set by
+        # the wiring once containment is built.
+        self.quarantine: Callable[[str], Mapping[int, int] | None] = lambda _: None
+
+    def store_filter(
+        self, req_id: str, keys: Sequence[Any], position_of: Callable[[Any], Any]
+    ) -> list[Any]:
+        """The keys a request may store: none from its quarantine start on
+        (R138), so no offload tier serves KV computed over a failed load."""
+        start = self.quarantine(req_id)
+        if not start:
+            return list(keys)
+        bad = quarantined_keys(
+            ((position_of(k), k) for k in keys),
+            start,
+            self.block_sizes,
+            self.group_of_key,
+        )
+        return [k for k in keys if k not in bad]
+
+    def on_quarantine(
+        self, stored: Iterable[tuple[int | None, Any]], start: Mapping[int, int]
+    ) -> None:
+        """Drop the host copies a newly quarantined request already stored
+        (chunk end token, key) from its quarantine start on (R138)."""
+        bad = quarantined_keys(stored, start, self.block_sizes, self.group_of_key)
+        if bad:
+            self.dropper.add(bad)
+            self.dropper.drop_ready(self.try_remove)
 
     def attach_runs(self, metadata: Any, requests: Mapping[str, Any]) -> None:
         """Put each store job's runs on the metadata for the workers (R118)."""

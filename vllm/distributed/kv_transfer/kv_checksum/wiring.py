@@ -646,7 +646,60 @@ def _attach_offload_schedulers(connector: Any) -> None:
             return LookupResult.MISS if _side.dropper.hides(key) else _o(key, *args)
 
         sched.manager.lookup = lookup  # type: ignore[method-assign, assignment]
+        _filter_offload_stores(sched.manager, side)
         child._kv_checksum_offload = side
+
+
+def _filter_offload_stores(manager: Any, side: Any) -> None:
+    """R138: an instance wrapper of the CPU manager's `prepare_store`, the one
+    call through which OffloadingConnectorScheduler decides every store (full
+    chunks, partial tails, aligned boundaries): a quarantined request's keys
+    from its quarantine start on are left out, so vLLM never copies them to
+    host memory and moves on past them. Other requests pass through as is.
+    Upstream: a "do not offload" mark on a request's blocks from a position on.
+    """
+    original = manager.prepare_store
+
+    def prepare_store(keys: Any, req_context: Any, *args: Any, **kw: Any) -> Any:
+        if side.quarantine(req_context.req_id):
+            try:
+                keys = side.store_filter(
+                    req_context.req_id, list(keys), req_context.get_offload_key_position
+                )
+            except Exception:
+                logger.exception("KV checksums: offload store filter failed.")
+        return original(keys, req_context, *args, **kw)
+
+    manager.prepare_store = prepare_store
+
+
+def _offload_stored_keys(sched: Any, req_id: str) -> list[tuple[Any, Any]]:
+    """(chunk end token, key) of the chunks a request offloaded itself (vLLM
+    0.33.0's `_req_status`: past its hit chunks, before its store cursor)."""
+    status = sched._req_status.get(req_id)
+    if status is None:
+        return []
+    position = status.req_context.get_offload_key_position
+    return [
+        (position(key), key)
+        for state in status.group_states
+        for key in state.offload_keys[
+            state.num_hit_chunks : state.next_stored_chunk_idx
+        ]
+    ]
+
+
+def _quarantine_offload_copies(
+    connector: Any, req_id: str, start: dict[int, int]
+) -> None:
+    """R138: host copies a newly quarantined request already stored, from its
+    quarantine start on, leave the CPU tier (OffloadingConnector; the simple
+    connector stores only blocks with a GPU hash, which containment evicts)."""
+    for child in _offload_children(connector):
+        side = child.__dict__.get("_kv_checksum_offload")
+        if side is not None:
+            stored = _offload_stored_keys(child.connector_scheduler, req_id)
+            side.on_quarantine(stored, start)
 
 
 def _offload_scheduler_side(sched: Any) -> Any:
@@ -665,16 +718,7 @@ def _offload_scheduler_side(sched: Any) -> Any:
         return None if state is None else state.load_key_ranges
 
     def try_remove(key: Any) -> bool | None:
-        manager = sched.manager
-        chunk = manager._policy.get(key)
-        if chunk is None:
-            return None
-        if not chunk.is_ready or chunk.ref_cnt != 0:
-            return False
-        manager._policy.remove(key)
-        manager._free_chunk(chunk)
-        manager._num_evictable_cache_chunks -= 1
-        return True
+        return _remove_host_chunk(sched.manager, key)
 
     return offload_connectors.OffloadSchedulerSide(
         sched.config.kv_group_configs,
@@ -683,6 +727,35 @@ def _offload_scheduler_side(sched: Any) -> Any:
         try_remove,
         get_offload_group_idx,
     )
+
+
+def _remove_host_chunk(manager: Any, key: Any) -> bool | None:
+    """Free one idle host chunk of a CPUOffloadingManager (R121, R138).
+
+    vLLM 0.33.0 has no public call that removes one ready chunk; the closest
+    path is the one its own eviction takes in `prepare_store`, kept whole: the
+    policy is told the chunk stops being evictable (`mark_non_evictable`, its
+    access state) and drops it (`remove`), the evictable count follows, the
+    chunk goes back to the free list (`_free_chunk`) and a public removal
+    event is queued, as for an evicted chunk. True: freed; False: a load or
+    a store still holds it; None: no such chunk.
+    """
+    from vllm.v1.kv_offload.base import OffloadingEvent
+
+    chunk = manager._policy.get(key)
+    if chunk is None:
+        return None
+    if not chunk.is_ready or chunk.ref_cnt != 0:
+        return False
+    manager._policy.mark_non_evictable(key)
+    manager._policy.remove(key)
+    manager._num_evictable_cache_chunks -= 1
+    manager._free_chunk(chunk)
+    if manager.events is not None:
+        manager.events.append(
+            OffloadingEvent(keys=[key], medium=manager.medium, removed=True)
+        )
+    return True
 
 
 def _attach_offload_worker(connector: Any, worker: Any) -> None:
@@ -1636,11 +1709,18 @@ def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
     manager = scheduler.kv_cache_manager
     if not manager.enable_caching:
         return  # no prefix cache: nothing can spread
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     groups = scheduler.kv_cache_config.kv_cache_groups
     containment = KVChecksumContainment(
         {g: group.kv_cache_spec.block_size for g, group in enumerate(groups)},
         kcs.fail_closed,
         kcs.stats,
+        state_groups=[
+            g
+            for g, group in enumerate(groups)
+            if isinstance(group.kv_cache_spec, MambaSpec)
+        ],
     )
     coordinator = manager.coordinator
 
@@ -1666,8 +1746,10 @@ def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
 
     def on_failed_load(req_id: str, verdict: Any, blocks: Any) -> None:
         try:
-            if containment.on_failed_load(req_id, verdict, blocks):
+            start = containment.on_failed_load(req_id, verdict, blocks)
+            if start:
                 evict(req_id)
+                _quarantine_offload_copies(scheduler.connector, req_id, start)
         except Exception:
             logger.exception("KV checksum containment failed for request %s", req_id)
 
@@ -1691,6 +1773,10 @@ def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
             containment.release(request_id)
         return blocks
 
+    for child in _offload_children(scheduler.connector):
+        side = child.__dict__.get("_kv_checksum_offload")
+        if side is not None:  # R138: no store from a quarantine start on
+            side.quarantine = containment.start
     coordinator.cache_blocks = cache_blocks
     coordinator.free = free
     coordinator.pop_blocks_for_free = pop_blocks_for_free
