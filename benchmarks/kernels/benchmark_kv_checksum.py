@@ -1,27 +1,38 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Benchmarks of KV checksums (SPEC R127, R133).
+"""Benchmarks of KV checksums (SPEC R127, R133, R143).
 
 Kernel mode times the fused Triton launch and the PyTorch path on CUDA for
-vLLM-sized KV caches, reports the KV read rate and its ratio to torch's int64
-sum over the same bytes (measured in the same run), and asserts that both paths
-agree bit for bit. It needs only torch, Triton and NumPy: without vLLM,
-kernels.py is loaded by file path.
+vLLM-sized KV caches and reports, per shape, the kernel's ratio to the best
+plain grid-stride read of the same byte count (kernel_plain_read.py, R143) and
+to torch's int64 sum, all timed the same way in the same run; every Triton
+result is compared bit for bit with the PyTorch path. `--sweep` then times the
+launch configurations of `sweep_configs` on every shape and recommends one;
+`--json` writes every result. It needs only torch, Triton and NumPy: without
+vLLM, kernels.py is loaded by file path.
 
     python benchmarks/kernels/benchmark_kv_checksum.py --mode kernel
+    python benchmarks/kernels/benchmark_kv_checksum.py --mode kernel --sweep \\
+        --iters 30 --json kernel.json
     python benchmarks/kernels/benchmark_kv_checksum.py --mode all
 """
 
 import argparse
+import dataclasses
+import datetime
+import functools
 import importlib
 import importlib.util
+import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -35,7 +46,25 @@ TARGET_SUM_RATE_RATIO = 0.87  # (a): read rate / torch int64 sum read rate
 TARGET_FUSED_TIME_RATIO = 1.3  # (b): time / (bytes / sum read rate of (a))
 TARGET_SPEEDUP = 8.0  # (c): PyTorch path time / Triton time on (a)
 TARGET_LARGE_SUM_RATE_RATIO = 0.95  # (d), 537 MB: read rate / int64 sum rate
+# R143: every shape's time / the best plain grid-stride sum's, inverted.
+TARGET_PLAIN_READ_RATIO = 0.95
+# Sweep: candidates may not slow shapes up to this size down by more than 2 %.
+SMALL_SHAPE_BYTES = 160_000_000
+SMALL_SHAPE_SLOWDOWN = 0.02
 L2_FLUSH_BYTES = 256 << 20
+# Where kernel mode runs (a CPU smoke run under TRITON_INTERPRET=1 patches it).
+DEVICE = "cuda"
+
+
+def load_sibling(name: str) -> ModuleType:
+    """A module of this directory by file path."""
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_kernels() -> ModuleType:
@@ -135,13 +164,38 @@ def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
     return statistics.median(times)
 
 
-def bench_shape(
-    kernels: ModuleType, shape: KernelShape, iters: int, flush: torch.Tensor
-) -> dict[str, float]:
-    """Triton and PyTorch path times, equality and the int64 sum baseline."""
-    device = flush.device
+@dataclass
+class ShapeRun:
+    """A shape's data, rows and PyTorch-path result, built once per run."""
+
+    shape: KernelShape
+    views: list[torch.Tensor]
+    first_slices: list[int]
+    columns: list[int]
+    offsets: list[int]
+    rows: torch.Tensor
+    expected: torch.Tensor  # the PyTorch path's sums (the reference)
+    words: torch.Tensor  # shape.bytes_read bytes for the plain read and sum
+
+    def out(self) -> torch.Tensor:
+        """A zeroed output matrix of the reference's shape."""
+        return torch.zeros_like(self.expected)
+
+    def launch(self, kernels: ModuleType, backend: str, config: Any = None) -> Any:
+        return kernels.KVChecksumLaunch(
+            self.views,
+            self.first_slices,
+            self.columns,
+            backend,
+            token_offsets=self.offsets,
+            config=config,
+        )
+
+
+def prepare_shape(kernels: ModuleType, shape: KernelShape) -> ShapeRun:
+    """Views, rows, the PyTorch path's sums and the plain-read buffer."""
+    device = torch.device(DEVICE)
     views = make_views(shape, device)
-    rows = make_rows(shape, device)
     first_slices = [layer * (1 << 16) for layer in range(shape.layers)]
     columns = [0] * shape.layers
     offsets = [0] * shape.layers
@@ -156,105 +210,358 @@ def bench_shape(
         first_slices = [s for s in first_slices for _ in range(count)]
         columns = list(range(count)) * shape.layers
         offsets = [i * shape.chunk for i in range(count)] * shape.layers
-    launches = {
-        backend: kernels.KVChecksumLaunch(
-            views, first_slices, columns, backend, token_offsets=offsets
-        )
-        for backend in ("triton", "torch")
-    }
-    outs = {}
-    for backend, launch in launches.items():
-        launch.warm_up()
-        outs[backend] = torch.zeros(
-            (shape.blocks, max(columns) + 1), dtype=torch.int64, device=device
-        )
-        launch(rows, outs[backend])
-    assert torch.equal(outs["triton"], outs["torch"]), f"{shape}: paths differ"
-    out = outs["triton"]
-    baseline = torch.empty(shape.bytes_read // 8, dtype=torch.int64, device=device)
-    baseline.view(torch.uint8).random_()
+    rows = make_rows(shape, device)
+    expected = torch.zeros(
+        (shape.blocks, max(columns) + 1), dtype=torch.int64, device=device
+    )
+    words = torch.empty(shape.bytes_read // 8, dtype=torch.int64, device=device)
+    words.view(torch.uint8).random_()
+    run = ShapeRun(shape, views, first_slices, columns, offsets, rows, expected, words)
+    run.launch(kernels, "torch")(rows, expected)
+    return run
+
+
+@dataclass
+class KernelTiming:
+    """One configuration's time on one shape and whether its sums were right."""
+
+    ms: float
+    identical: bool
+
+
+def time_kernel(
+    kernels: ModuleType, run: ShapeRun, config: Any, iters: int, flush: torch.Tensor
+) -> KernelTiming:
+    """Build the Triton launch with `config`, check it bit for bit, time it."""
+    launch = run.launch(kernels, "triton", config)
+    launch.warm_up()
+    out = run.out()
+    launch(run.rows, out)
+    identical = bool(torch.equal(out, run.expected))
+    return KernelTiming(time_ms(lambda: launch(run.rows, out), iters, flush), identical)
+
+
+def shape_name(shape: KernelShape) -> str:
+    """A shape's label with its layout."""
+    return f"{shape.label}, {shape.layout}-major"
+
+
+def config_label(config: Any) -> str:
+    """A LaunchConfig in a few words."""
+    mode = (
+        f"persistent {config.programs_per_sm}xSM" if config.programs_per_sm else "grid"
+    )
+    wide = ", wide" if config.wide_weights else ""
+    return (
+        f"{mode}, chunk {config.chunk_pieces}, tile {config.max_tile}, "
+        f"{config.num_warps}w/{config.warp_pieces}{wide}"
+    )
+
+
+class Report:
+    """Collects every result and rewrites the JSON file after each step."""
+
+    def __init__(self, path: str | None, meta: dict) -> None:
+        self.path = path
+        self.data: dict = {"meta": meta, "shapes": {}, "sweep": [], "errors": []}
+
+    def error(self, where: str, exc: BaseException) -> None:
+        line = f"{where}: {type(exc).__name__}: {exc}"
+        print(f"ERROR {line}", flush=True)
+        self.data["errors"].append(line)
+        self.save()
+
+    def save(self) -> None:
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(self.data, f, indent=1, default=str)
+
+
+def environment() -> dict:
+    """Device, versions and date of this run."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
     return {
-        "triton_ms": time_ms(lambda: launches["triton"](rows, out), iters, flush),
-        "torch_ms": time_ms(lambda: launches["torch"](rows, out), iters, flush),
-        "sum_ms": time_ms(baseline.sum, iters, flush),
+        "device": torch.cuda.get_device_name(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
     }
 
 
 def run_kernel_benchmarks(
-    iters: int = 50, num_warps: int | None = None, max_tile: int | None = None
+    iters: int = 50,
+    config_overrides: dict | None = None,
+    sweep: bool = False,
+    json_path: str | None = None,
+    budget_s: float = 170.0,
 ) -> bool:
-    """Print the kernel table (markdown) and the R133 targets; True if all met.
+    """Print the kernel table (markdown), the R133 targets and, with `sweep`,
+    the tuning table; True if every R133 and R143 target was met.
 
-    `num_warps` / `max_tile` override the kernel module's NUM_WARPS /
-    MAX_TILE_PIECES, for tuning.
+    `config_overrides` replace fields of the kernel's default LaunchConfig for
+    the main table. Every step reports its errors and goes on.
     """
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("kernel benchmarks need a CUDA device")
         return False
+    started = time.monotonic()
     kernels = load_kernels()
-    if num_warps is not None:
-        vars(kernels)["NUM_WARPS"] = num_warps
-    if max_tile is not None:
-        vars(kernels)["MAX_TILE_PIECES"] = max_tile
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    print(
-        f"device: {torch.cuda.get_device_name()}, median of {iters} iterations, "
-        f"NUM_WARPS={kernels.NUM_WARPS}, MAX_TILE_PIECES={kernels.MAX_TILE_PIECES}"
+    plain = load_sibling("kernel_plain_read")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
+    default = kernels.default_config()
+    try:
+        main_config = dataclasses.replace(default, **(config_overrides or {}))
+    except ValueError as exc:
+        print(f"ERROR bad configuration {config_overrides}: {exc}; using the default")
+        main_config = default
+    report = Report(json_path, environment())
+    report.data["meta"].update(
+        iters=iters, default_config=vars(default), main_config=vars(main_config)
     )
+    meta = report.data["meta"]
+    print(
+        f"device: {meta['device']} ({meta['sms']} SMs), torch {meta['torch']}, "
+        f"CUDA {meta['cuda']}, Triton {meta['triton']}, {meta['date']}; "
+        f"median of {iters} iterations, L2 flushed before each"
+    )
+    print(f"kernel configuration: {config_label(main_config)}")
     print()
-    print(
-        "| shape | layout | MB read | Triton ms | TB/s | int64 sum TB/s "
-        "| ratio to sum | PyTorch path ms | speedup |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    results = []
+    runs: list[ShapeRun] = []
     for shape in SHAPES:
-        times = bench_shape(kernels, shape, iters, flush)
-        rate = shape.bytes_read / times["triton_ms"] / 1e9
-        sum_rate = shape.bytes_read / times["sum_ms"] / 1e9
-        speedup = times["torch_ms"] / times["triton_ms"]
+        try:
+            runs.append(prepare_shape(kernels, shape))
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            report.error(f"prepare {shape_name(shape)}", exc)
+    print(
+        "| shape | layout | MB read | Triton ms | TB/s | plain read TB/s "
+        "| **kernel / plain read** | int64 sum TB/s | kernel / int64 sum "
+        "| PyTorch path ms | speedup | plain read config |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    results = []
+    met = True
+    for run in runs:
+        shape = run.shape
+        entry: dict = {"bytes": shape.bytes_read}
+        report.data["shapes"][shape_name(shape)] = entry
+        try:
+            anchor = plain.best_plain_read(
+                run.words, lambda fn: time_ms(fn, iters, flush)
+            )
+            entry["plain"] = vars(anchor)
+            for line in anchor.errors:
+                print(f"plain read config failed on {shape_name(shape)}: {line}")
+            if not anchor.checked:
+                print(f"WARNING plain read sum != torch sum on {shape_name(shape)}")
+            sum_ms = time_ms(run.words.sum, iters, flush)
+            timing = time_kernel(kernels, run, main_config, iters, flush)
+            torch_ms = time_ms(
+                functools.partial(run.launch(kernels, "torch"), run.rows, run.out()),
+                iters,
+                flush,
+            )
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            report.error(f"main table {shape_name(shape)}", exc)
+            met = False
+            continue
+        if not timing.identical:
+            print(f"MISMATCH: Triton != PyTorch path on {shape_name(shape)}")
+            met = False
+        times = {
+            "triton_ms": timing.ms,
+            "torch_ms": torch_ms,
+            "sum_ms": sum_ms,
+            "plain_ms": anchor.ms,
+        }
+        entry.update(times, identical=timing.identical)
         results.append((shape, times))
+        gb = shape.bytes_read / 1e9
+        plain_ratio = anchor.ms / timing.ms
+        entry["kernel_over_plain"] = plain_ratio
+        met &= plain_ratio >= TARGET_PLAIN_READ_RATIO
         print(
             f"| {shape.label} | {shape.layout}-major | {shape.bytes_read / 1e6:.0f} "
-            f"| {times['triton_ms']:.4f} | {rate:.2f} | {sum_rate:.2f} "
-            f"| {rate / sum_rate:.3f} | {times['torch_ms']:.3f} | {speedup:.1f}x |"
+            f"| {timing.ms:.4f} | {gb / timing.ms:.2f} | {gb / anchor.ms:.2f} "
+            f"| **{plain_ratio:.3f}** | {gb / sum_ms:.2f} | {sum_ms / timing.ms:.3f} "
+            f"| {torch_ms:.3f} | {torch_ms / timing.ms:.1f}x | {anchor.config} |",
+            flush=True,
         )
-    return report_targets(results)
-
-
-def run_sweep(iters: int) -> None:
-    """Tuning table: (a) and (d) read rates over launch configurations.
-
-    Each row overrides NUM_WARPS, WARP_PIECES and MAX_TILE_PIECES, rebuilds
-    the launches and reports both shapes against the same run's int64 sum.
-    """
-    kernels = load_kernels()
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    shapes = [SHAPES[0], next(s for s in SHAPES if s.label.startswith("(d)"))]
-    print("| NUM_WARPS | WARP_PIECES | MAX_TILE | (a) / int64 sum | (d) / int64 sum |")
-    print("|---|---|---|---|---|")
-    defaults = {n: vars(kernels)[n] for n in ("NUM_WARPS", "WARP_PIECES")}
-    defaults["MAX_TILE_PIECES"] = kernels.MAX_TILE_PIECES
-    for num_warps, warp_pieces, max_tile in (
-        (4, 256, 1024),
-        (8, 128, 1024),
-        (8, 256, 2048),
-        (4, 128, 512),
-        (16, 128, 2048),
-        (2, 256, 512),
-    ):
-        vars(kernels).update(
-            NUM_WARPS=num_warps, WARP_PIECES=warp_pieces, MAX_TILE_PIECES=max_tile
-        )
-        ratios = []
-        for shape in shapes:
-            times = bench_shape(kernels, shape, iters, flush)
-            ratios.append(times["sum_ms"] / times["triton_ms"])
+        report.save()
+    ratios = [
+        e["kernel_over_plain"]
+        for e in report.data["shapes"].values()
+        if "kernel_over_plain" in e
+    ]
+    if ratios:
+        print()
+        verdict = "met" if min(ratios) >= TARGET_PLAIN_READ_RATIO else "NOT met"
         print(
-            f"| {num_warps} | {warp_pieces} | {max_tile} "
-            f"| {ratios[0]:.3f} | {ratios[1]:.3f} |"
+            f"R143 (every shape >= {TARGET_PLAIN_READ_RATIO} of the best plain "
+            f"read): min {min(ratios):.3f}, {verdict}"
         )
-    vars(kernels).update(defaults)
+    try:
+        met &= report_targets(results)
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        report.error("R133 targets", exc)
+        met = False
+    if sweep:
+        run_sweep(kernels, runs, default, iters, flush, report, started + budget_s)
+    report.save()
+    return met
+
+
+def sweep_configs() -> list[dict]:
+    """The tuning candidates as overrides of the default LaunchConfig: the
+    default first, then grid and persistent variants (work-item size, warps,
+    tile, wide weights)."""
+    configs: list[dict] = [
+        {},
+        {"wide_weights": True},
+        {"chunk_pieces": 4096},
+        {"chunk_pieces": 2048},
+        {"num_warps": 4},
+        {"max_tile": 2048, "num_warps": 16},
+    ]
+    for k in (1, 2, 4, 8):
+        for chunk in (16384, 4096, 2048):
+            configs.append({"programs_per_sm": k, "chunk_pieces": chunk})
+    configs += [
+        {"programs_per_sm": 2, "chunk_pieces": 4096, "num_warps": 4},
+        {"programs_per_sm": 4, "chunk_pieces": 4096, "num_warps": 4},
+        {"programs_per_sm": 4, "chunk_pieces": 4096, "wide_weights": True},
+        {"programs_per_sm": 2, "chunk_pieces": 2048, "max_tile": 512},
+    ]
+    return configs
+
+
+def run_sweep(
+    kernels: ModuleType,
+    runs: list[ShapeRun],
+    default: Any,
+    iters: int,
+    flush: torch.Tensor,
+    report: Report,
+    deadline: float,
+) -> None:
+    """Tuning table: every candidate on every shape, as kernel / plain read.
+
+    Each candidate is checked bit for bit against the PyTorch path on every
+    shape; the recommendation maximizes the minimum ratio over shapes among
+    correct candidates whose small shapes (<= SMALL_SHAPE_BYTES) are at most
+    2 % slower than the default in this sweep.
+    """
+    runs = [
+        run
+        for run in runs
+        if "plain" in report.data["shapes"].get(shape_name(run.shape), {})
+    ]
+    plain_ms = {
+        shape_name(run.shape): report.data["shapes"][shape_name(run.shape)]["plain"][
+            "ms"
+        ]
+        for run in runs
+    }
+    print()
+    print("## Tuning sweep: kernel / plain read per shape (same run, same timer)")
+    print()
+    print(
+        "| # | configuration | "
+        + " | ".join(
+            f"{run.shape.label.split(' ')[0]} {run.shape.layout[0]}" for run in runs
+        )
+        + " | min | worst small-shape time / default | bit-identical |"
+    )
+    print("|---|---|" + "---|" * (len(runs) + 3))
+    default_ms: dict[str, float] = {}
+    rows = report.data["sweep"]
+    for index, overrides in enumerate(sweep_configs()):
+        if time.monotonic() > deadline:
+            print(f"(time budget reached: skipped candidates {index} and later)")
+            break
+        try:
+            config = dataclasses.replace(default, **overrides)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            report.error(f"sweep #{index} {overrides}", exc)
+            continue
+        row: dict = {"config": vars(config), "label": config_label(config), "ms": {}}
+        rows.append(row)
+        identical = True
+        cells = []
+        for run in runs:
+            name = shape_name(run.shape)
+            try:
+                timing = time_kernel(kernels, run, config, iters, flush)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                report.error(f"sweep #{index} {config_label(config)} on {name}", exc)
+                cells.append("error")
+                identical = False
+                continue
+            if not timing.identical:
+                print(f"MISMATCH: sweep #{index} {config_label(config)} on {name}")
+                identical = False
+            row["ms"][name] = timing.ms
+            cells.append(f"{plain_ms[name] / timing.ms:.3f}")
+        if index == 0:
+            default_ms = dict(row["ms"])
+        ratios = [plain_ms[name] / ms for name, ms in row["ms"].items()]
+        small = [
+            row["ms"][shape_name(run.shape)] / default_ms[shape_name(run.shape)]
+            for run in runs
+            if run.shape.bytes_read <= SMALL_SHAPE_BYTES
+            and shape_name(run.shape) in row["ms"]
+            and shape_name(run.shape) in default_ms
+        ]
+        complete = len(row["ms"]) == len(runs)
+        row.update(
+            identical=identical,
+            complete=complete,
+            min_ratio=min(ratios) if ratios else None,
+            worst_small=max(small) if small else None,
+        )
+        print(
+            f"| {index} | {config_label(config)} | "
+            + " | ".join(cells)
+            + f" | {min(ratios) if ratios else float('nan'):.3f}"
+            + f" | {max(small) if small else float('nan'):.3f}"
+            + f" | {'yes' if identical else '**NO**'} |",
+            flush=True,
+        )
+        report.save()
+    eligible = [
+        row
+        for row in rows
+        if row.get("identical")
+        and row.get("complete")
+        and row.get("worst_small") is not None
+        and row["worst_small"] <= 1 + SMALL_SHAPE_SLOWDOWN
+    ]
+    print()
+    if not eligible:
+        print(
+            "recommended configuration: none eligible (see errors / mismatches above)"
+        )
+        return
+    best = max(eligible, key=lambda row: row["min_ratio"])
+    report.data["recommended"] = best
+    print(
+        f"recommended configuration: {best['label']} (min kernel / plain read "
+        f"{best['min_ratio']:.3f}, worst small-shape time / default "
+        f"{best['worst_small']:.3f}); LaunchConfig{tuple(best['config'].values())}"
+    )
+    mismatched = [row["label"] for row in rows if not row.get("identical")]
+    if mismatched:
+        print(f"**NOT bit-identical or failed**: {mismatched}")
+    else:
+        print("Every candidate: bit-identical to the PyTorch path on every shape.")
 
 
 def report_targets(results: list[tuple[KernelShape, dict[str, float]]]) -> bool:
@@ -295,8 +602,6 @@ def report_targets(results: list[tuple[KernelShape, dict[str, float]]]) -> bool:
     print("|---|---|---|---|")
     for name, value, required, met in checks:
         print(f"| {name} | {value:.3f} | {required} | {'yes' if met else 'NO'} |")
-    print()
-    print("Triton and PyTorch paths: bit-identical on every shape.")
     return all(met for *_, met in checks)
 
 
@@ -341,20 +646,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["kernel", "host", "all"], default="all")
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--num-warps", type=int, help="override NUM_WARPS")
-    parser.add_argument("--max-tile", type=int, help="override MAX_TILE_PIECES")
+    parser.add_argument("--num-warps", type=int, help="override num_warps")
+    parser.add_argument("--max-tile", type=int, help="override max_tile")
+    parser.add_argument("--chunk", type=int, help="override chunk_pieces")
+    parser.add_argument(
+        "--programs-per-sm", type=int, help="override programs_per_sm (persistent)"
+    )
+    parser.add_argument("--wide", action="store_true", help="wide weights only")
     parser.add_argument(
         "--check", action="store_true", help="exit 1 if a performance target is missed"
     )
     parser.add_argument(
         "--sweep", action="store_true", help="also print the launch tuning table"
     )
+    parser.add_argument("--json", help="write every kernel result to this file")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=170.0,
+        help="start no sweep candidate after this many seconds of the run",
+    )
     args = parser.parse_args()
+    overrides = {
+        name: value
+        for name, value in (
+            ("num_warps", args.num_warps),
+            ("max_tile", args.max_tile),
+            ("chunk_pieces", args.chunk),
+            ("programs_per_sm", args.programs_per_sm),
+        )
+        if value is not None
+    }
+    if args.wide:
+        overrides["wide_weights"] = True
     met = True
-    if args.sweep:
-        run_sweep(args.iters)
     if args.mode in ("kernel", "all"):
-        met &= run_kernel_benchmarks(args.iters, args.num_warps, args.max_tile)
+        met &= run_kernel_benchmarks(
+            args.iters, overrides, args.sweep, args.json, args.budget_s
+        )
     if args.mode in ("host", "all"):
         met &= run_host_benchmarks()
     if args.check and not met:

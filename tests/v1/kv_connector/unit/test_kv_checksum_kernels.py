@@ -599,12 +599,25 @@ def patched(module: ModuleType, **values: int) -> Iterator[None]:
             setattr(module, name, value)
 
 
-# Interpreter configurations: (MAX_TILE_PIECES, CHUNK_PIECES). Tiny tiles
-# and chunks make the small blocks of these cases take the head-tile path
-# and span several chunks. The 24K-piece row would take 1536 interpreted tiles
-# per row there; the default configuration covers it (two chunks).
-INTERPRETER_CONFIGS = {"interpreter": (1024, 16384), "interpreter_small": (16, 64)}
-INTERPRETER_SKIPS = {"interpreter_small": {"multi_chunk_row"}}
+# Interpreter configurations: (MAX_TILE_PIECES, CHUNK_PIECES, PROGRAMS_PER_SM,
+# WIDE_WEIGHTS). Tiny tiles and chunks make the small blocks of these cases
+# take the head-tile path and span several chunks. The 24K-piece row would
+# take 1536 interpreted tiles per row there; the default configuration covers
+# it (two chunks). The persistent ones (3 programs on the CPU: fewer than the
+# work items of most cases, so each loops over several rows, chunks and layers)
+# and the wide-weight ones check the launch options of the tuning sweep (R143).
+INTERPRETER_CONFIGS = {
+    "interpreter": (1024, 16384, 0, False),
+    "interpreter_small": (16, 64, 0, False),
+    "interpreter_persistent": (16, 64, 3, False),
+    "interpreter_persistent_wide": (1024, 16384, 3, True),
+    "interpreter_wide": (16, 64, 0, True),
+}
+INTERPRETER_SKIPS = {
+    name: {"multi_chunk_row"}
+    for name, (max_tile, *_) in INTERPRETER_CONFIGS.items()
+    if max_tile < 1024
+}
 
 
 @functools.cache
@@ -613,9 +626,10 @@ def interpreter_runs() -> dict[str, subprocess.Popen]:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     runs = {}
-    for config, (max_tile, chunk) in INTERPRETER_CONFIGS.items():
+    for config, (max_tile, chunk, programs, wide) in INTERPRETER_CONFIGS.items():
         command = [sys.executable, str(Path(__file__).resolve()), "--interpret"]
         command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
+        command += ["--programs-per-sm", str(programs)] + ["--wide"] * wide
         for name in INTERPRETER_SKIPS.get(config, ()):
             command += ["--skip", name]
         runs[config] = subprocess.Popen(
@@ -911,6 +925,19 @@ def test_backend_choice() -> None:
         kernels.KVChecksumLaunch(views, [0], [0], backend="cuda")
 
 
+def test_launch_config_rejects_unaligned_chunks() -> None:
+    """A work item that is not a power of two (so not a multiple of the tile),
+    whose head tiles would start misaligned and skip or repeat pieces (R58)."""
+    base = kernels.default_config()
+    for field_name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
+        for value in (0, 3, 96):
+            with pytest.raises(ValueError):
+                kernels.LaunchConfig(**{**vars(base), field_name: value})
+    with pytest.raises(ValueError):
+        kernels.LaunchConfig(**{**vars(base), "programs_per_sm": -1})
+    assert kernels.LaunchConfig(**{**vars(base), "chunk_pieces": 64}).chunk_pieces == 64
+
+
 def test_mixed_layouts_rejected() -> None:
     """Fusing views of different strides into one launch (R46, R61)."""
     rng = np.random.default_rng(22)
@@ -932,10 +959,18 @@ def main() -> None:
     parser.add_argument("--interpret", action="store_true", required=True)
     parser.add_argument("--max-tile", type=int, default=kernels.MAX_TILE_PIECES)
     parser.add_argument("--chunk", type=int, default=kernels.CHUNK_PIECES)
+    parser.add_argument("--programs-per-sm", type=int, default=0)
+    parser.add_argument("--wide", action="store_true")
     parser.add_argument("--skip", action="append", default=[])
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    with patched(kernels, MAX_TILE_PIECES=args.max_tile, CHUNK_PIECES=args.chunk):
+    with patched(
+        kernels,
+        MAX_TILE_PIECES=args.max_tile,
+        CHUNK_PIECES=args.chunk,
+        PROGRAMS_PER_SM=args.programs_per_sm,
+        WIDE_WEIGHTS=args.wide,
+    ):
         results = {
             name: run_case(build("cpu"), "triton").tolist()
             for name, build in CASES.items()

@@ -20,6 +20,7 @@ This module imports only torch, the standard library and, optionally, Triton
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +47,10 @@ MAX_TILE_PIECES = 1024
 # sum's read rate at 537 MB, 8 warps 0.95.
 NUM_WARPS = 8
 WARP_PIECES = 128
+# Persistent programs per SM (0: one program per work item, a 3-D grid) and
+# whether every row takes the 64-bit weight loop (one call site, R58).
+PROGRAMS_PER_SM = 0
+WIDE_WEIGHTS = False
 # Upper bound of the data one gather of the PyTorch path materializes, counted
 # as widened int64 pieces (R63). Read at call time so tests can shrink it.
 GATHER_CHUNK_BYTES = 64 << 20
@@ -55,6 +60,43 @@ _U64 = 1 << 64
 # SplitMix64's finalizer multipliers (R137).
 MIX_MUL1 = 0xBF58476D1CE4E5B9
 MIX_MUL2 = 0x94D049BB133111EB
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch shape of the Triton kernel; any value gives the same sums.
+
+    `chunk_pieces` is the work item (pieces of one block per item, a multiple
+    of the tile), `programs_per_sm` > 0 launches that many persistent programs
+    per SM looping over the items, `wide_weights` drops the narrow loop.
+    """
+
+    max_tile: int
+    chunk_pieces: int
+    num_warps: int
+    warp_pieces: int
+    programs_per_sm: int = 0
+    wide_weights: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.programs_per_sm < 0:
+            raise ValueError("programs_per_sm must be non-negative")
+
+
+def default_config() -> LaunchConfig:
+    """The tuned launch shape, read from the module constants at call time."""
+    return LaunchConfig(
+        max_tile=MAX_TILE_PIECES,
+        chunk_pieces=CHUNK_PIECES,
+        num_warps=NUM_WARPS,
+        warp_pieces=WARP_PIECES,
+        programs_per_sm=PROGRAMS_PER_SM,
+        wide_weights=WIDE_WEIGHTS,
+    )
 
 
 def _wrap_int64(value: int) -> int:
@@ -266,6 +308,110 @@ if HAS_TRITON:
             )
         return total
 
+    @triton.jit
+    def _add_item_checksum(
+        table_ptr,
+        row_ptr,
+        rows_field_stride,
+        out_row_ptr,
+        out_col_stride,
+        chunk,
+        layer,
+        block_stride,
+        strides,
+        KERNEL_BLOCKS: tl.constexpr,
+        HEADS: tl.constexpr,
+        TOKENS: tl.constexpr,
+        PIECES: tl.constexpr,
+        PIECE_BITS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        TILE: tl.constexpr,
+        HEAD_TILES: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        LANE32: tl.constexpr,
+        WIDE: tl.constexpr,
+    ):
+        """Add one work item's sum (a chunk of one row's block of one layer) into
+        out[row, column] with one atomic; rows with no valid slot add nothing.
+
+        WIDE always takes the 64-bit weight loop (one call site); otherwise a
+        row whose weights all fit 32 bits takes the narrow one (two call sites).
+        Both give the same sum mod 2^64.
+        """
+        SLOT_PIECES: tl.constexpr = KERNEL_BLOCKS * TOKENS * PIECES
+        BLOCK_PIECES: tl.constexpr = SLOT_PIECES * HEADS
+        token_offset = tl.load(table_ptr + layer * 4 + 3)
+        valid = tl.load(row_ptr + 2 * rows_field_stride) - token_offset
+        if valid > 0:
+            block = tl.load(row_ptr)
+            first_token = tl.load(row_ptr + rows_field_stride) + token_offset
+            addr = tl.load(table_ptr + layer * 4)
+            first_slice = tl.load(table_ptr + layer * 4 + 1)
+            column = tl.load(table_ptr + layer * 4 + 2)
+
+            base = _as_piece_pointer(addr, PIECE_BITS, ALIGNED)
+            block_offset = block * block_stride
+            valid = tl.minimum(valid, KERNEL_BLOCKS * TOKENS).to(tl.int32)
+            # m = 2 * (first_slice + h) + 1 = m0 + 2h and, with the piece's
+            # local index lj = (kernel_block * TOKENS + t) * PIECES + p,
+            # 2j + 1 = c0 + 2lj.
+            m0 = first_slice.to(tl.uint64, bitcast=True) * 2 + 1
+            c0 = first_token.to(tl.uint64, bitcast=True) * (2 * PIECES) + 1
+            chunk_start = chunk * CHUNK
+            chunk_end = tl.minimum(chunk_start + CHUNK, BLOCK_PIECES)
+            num_tiles = tl.cdiv(chunk_end - chunk_start, TILE)
+            work = (base, block_offset, valid, m0, c0, chunk_start, num_tiles)
+            if WIDE:
+                total = _chunk_sum(
+                    work,
+                    strides,
+                    HEADS,
+                    TOKENS,
+                    PIECES,
+                    PIECE_BITS,
+                    TILE,
+                    HEAD_TILES,
+                    False,
+                    LANE32,
+                )
+            else:
+                # Every factor and odd weight of the row below 2^32 (always,
+                # in practice): 32 x 32 -> 64-bit weight products suffice.
+                narrow = _below_2_32(m0, 2 * (HEADS - 1)) & _below_2_32(
+                    c0, 2 * (SLOT_PIECES - 1)
+                )
+                if narrow:
+                    total = _chunk_sum(
+                        work,
+                        strides,
+                        HEADS,
+                        TOKENS,
+                        PIECES,
+                        PIECE_BITS,
+                        TILE,
+                        HEAD_TILES,
+                        True,
+                        LANE32,
+                    )
+                else:
+                    total = _chunk_sum(
+                        work,
+                        strides,
+                        HEADS,
+                        TOKENS,
+                        PIECES,
+                        PIECE_BITS,
+                        TILE,
+                        HEAD_TILES,
+                        False,
+                        LANE32,
+                    )
+            tl.atomic_add(
+                out_row_ptr + column * out_col_stride,
+                total.to(tl.int64, bitcast=True),
+                sem="relaxed",
+            )
+
     @triton.jit(
         do_not_specialize=[
             "rows_ptr",
@@ -274,6 +420,8 @@ if HAS_TRITON:
             "out_ptr",
             "out_row_stride",
             "out_col_stride",
+            "num_rows",
+            "num_layers",
         ]
     )
     def _kv_checksum_kernel(
@@ -284,6 +432,8 @@ if HAS_TRITON:
         out_ptr,
         out_row_stride,
         out_col_stride,
+        num_rows,
+        num_layers,
         block_stride,
         kernel_block_stride,
         head_stride,
@@ -295,96 +445,89 @@ if HAS_TRITON:
         PIECES: tl.constexpr,
         PIECE_BITS: tl.constexpr,
         CHUNK: tl.constexpr,
+        NUM_CHUNKS: tl.constexpr,
         TILE: tl.constexpr,
         HEAD_TILES: tl.constexpr,
         ALIGNED: tl.constexpr,
         LANE32: tl.constexpr,
+        PERSISTENT: tl.constexpr,
+        WIDE: tl.constexpr,
     ):
         """Add the checksums of block rows into their output columns, all layers.
 
-        Grid: (row, chunk, layer). Program (r, c, l) reads row r of `rows`
-        (block id, first token of the block in the request, valid token count)
-        and entry l of the layer table (absolute data address, first slice,
-        output column, token offset of the view in the block: non-zero only for
-        a send pass's chunk views, R135). It walks pieces
-        [c * CHUNK, (c + 1) * CHUNK) of the
-        block in the flat order [kernel block, head, token, piece], TILE pieces
-        per iteration, addressing them through the view strides, so head-major,
+        A work item (r, c, l) reads row r of `rows` (block id, first token of
+        the block in the request, valid token count) and entry l of the layer
+        table (absolute data address, first slice, output column, token offset
+        of the view in the block: non-zero only for a send pass's chunk views,
+        R135). It walks pieces [c * CHUNK, (c + 1) * CHUNK) of the block in the
+        flat order [kernel block, head, token, piece], TILE pieces per
+        iteration, addressing them through the view strides, so head-major,
         token-major and kernel-split layouts need no copy. It computes each
-        weight m * (2j + 1) in place, mixes each piece (R137), masks slots at or
-        past the valid count, accumulates in uint64 (wrap-around is the mod
-        2^64) and adds its sum to
-        out[r, column] with one atomic, so programs may finish in any order.
+        weight m * (2j + 1) in place, mixes each piece (R137), masks slots at
+        or past the valid count, accumulates in uint64 (wrap-around is the mod
+        2^64) and adds its sum to out[r, column] with one atomic, so items may
+        finish in any order.
 
-        Rows, outputs and their strides are not specialized (nor are slices and
-        columns, read from the table), so the variant compiled at warm-up
-        serves every call of a launch.
+        Grid (rows, chunks, layers): one program per item. PERSISTENT: a 1-D
+        grid whose programs loop over the items, row fastest, with a stride of
+        the grid size (the same items, so the same sums mod 2^64).
+
+        Rows, outputs, their strides and counts are not specialized (nor are
+        slices and columns, read from the table), so the variant compiled at
+        warm-up serves every call of a launch.
         """
-        SLOT_PIECES: tl.constexpr = KERNEL_BLOCKS * TOKENS * PIECES
-        BLOCK_PIECES: tl.constexpr = SLOT_PIECES * HEADS
-        row = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
-        layer = tl.program_id(2)
-
-        row_ptr = rows_ptr + row * rows_row_stride
-        token_offset = tl.load(table_ptr + layer * 4 + 3)
-        valid = tl.load(row_ptr + 2 * rows_field_stride) - token_offset
-        if valid <= 0:
-            return
-        block = tl.load(row_ptr)
-        first_token = tl.load(row_ptr + rows_field_stride) + token_offset
-        addr = tl.load(table_ptr + layer * 4)
-        first_slice = tl.load(table_ptr + layer * 4 + 1)
-        column = tl.load(table_ptr + layer * 4 + 2)
-
-        base = _as_piece_pointer(addr, PIECE_BITS, ALIGNED)
-        block_offset = block * block_stride
-        valid = tl.minimum(valid, KERNEL_BLOCKS * TOKENS).to(tl.int32)
-        # m = 2 * (first_slice + h) + 1 = m0 + 2h and, with the piece's local
-        # index lj = (kernel_block * TOKENS + t) * PIECES + p, 2j + 1 = c0 + 2lj.
-        m0 = first_slice.to(tl.uint64, bitcast=True) * 2 + 1
-        c0 = first_token.to(tl.uint64, bitcast=True) * (2 * PIECES) + 1
-        # Every factor and odd weight of the row below 2^32 (always, in
-        # practice): 32 x 32 -> 64-bit weight products suffice.
-        narrow = _below_2_32(m0, 2 * (HEADS - 1)) & _below_2_32(
-            c0, 2 * (SLOT_PIECES - 1)
-        )
-        chunk_start = chunk * CHUNK
-        chunk_end = tl.minimum(chunk_start + CHUNK, BLOCK_PIECES)
-        num_tiles = tl.cdiv(chunk_end - chunk_start, TILE)
-        work = (base, block_offset, valid, m0, c0, chunk_start, num_tiles)
         strides = (kernel_block_stride, head_stride, token_stride, piece_stride)
-        if narrow:
-            total = _chunk_sum(
-                work,
-                strides,
-                HEADS,
-                TOKENS,
-                PIECES,
-                PIECE_BITS,
-                TILE,
-                HEAD_TILES,
-                True,
-                LANE32,
-            )
+        if PERSISTENT:
+            num_items = num_rows * NUM_CHUNKS * num_layers
+            for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+                row = (item % num_rows).to(tl.int64)
+                rest = item // num_rows
+                _add_item_checksum(
+                    table_ptr,
+                    rows_ptr + row * rows_row_stride,
+                    rows_field_stride,
+                    out_ptr + row * out_row_stride,
+                    out_col_stride,
+                    rest % NUM_CHUNKS,
+                    rest // NUM_CHUNKS,
+                    block_stride,
+                    strides,
+                    KERNEL_BLOCKS,
+                    HEADS,
+                    TOKENS,
+                    PIECES,
+                    PIECE_BITS,
+                    CHUNK,
+                    TILE,
+                    HEAD_TILES,
+                    ALIGNED,
+                    LANE32,
+                    WIDE,
+                )
         else:
-            total = _chunk_sum(
-                work,
+            row = tl.program_id(0).to(tl.int64)
+            _add_item_checksum(
+                table_ptr,
+                rows_ptr + row * rows_row_stride,
+                rows_field_stride,
+                out_ptr + row * out_row_stride,
+                out_col_stride,
+                tl.program_id(1),
+                tl.program_id(2),
+                block_stride,
                 strides,
+                KERNEL_BLOCKS,
                 HEADS,
                 TOKENS,
                 PIECES,
                 PIECE_BITS,
+                CHUNK,
                 TILE,
                 HEAD_TILES,
-                False,
+                ALIGNED,
                 LANE32,
+                WIDE,
             )
-        tl.atomic_add(
-            out_ptr + row * out_row_stride + column * out_col_stride,
-            total.to(tl.int64, bitcast=True),
-            sem="relaxed",
-        )
 
 
 class KVChecksumLaunch:
@@ -395,7 +538,8 @@ class KVChecksumLaunch:
     of a batch of block rows into an output matrix. The Triton backend reads a
     device table of (data address, first slice, output column, token offset)
     per layer built here, so one launch serves all layers; the PyTorch backend
-    is the reference and the CPU path (R56). `backend` says which one runs.
+    is the reference and the CPU path (R56). `backend` says which one runs;
+    `config` (default: `default_config()`) shapes the Triton launch.
     A view with token offset o covers the block's tokens from o on (a chunk
     view of a send pass, R135): its weights count from the block's first token
     plus o and its valid count is the row's minus o.
@@ -408,6 +552,7 @@ class KVChecksumLaunch:
         columns: Sequence[int],
         backend: str | None = None,
         token_offsets: Sequence[int] | None = None,
+        config: LaunchConfig | None = None,
     ) -> None:
         _check_views(views)
         if token_offsets is None:
@@ -427,6 +572,7 @@ class KVChecksumLaunch:
         self.shape = (kernel_blocks, heads, tokens, pieces)
         self.piece_bits = PIECE_BITS[views[0].dtype]
         self.backend = _pick_backend(backend, self.device)
+        self.config = config or default_config()
         if self.backend == "triton":
             self._init_triton()
         else:
@@ -459,7 +605,8 @@ class KVChecksumLaunch:
     def _init_triton(self) -> None:
         """Build the layer table and the compile-time constants of the launch."""
         kernel_blocks, heads, tokens, pieces = self.shape
-        tile, head_tiles = pick_tile(self.shape)
+        config = self.config
+        tile, head_tiles = pick_tile(self.shape, config.max_tile, config.chunk_pieces)
         self._table = torch.tensor(
             [
                 [view.data_ptr(), _wrap_int64(first_slice), column, offset]
@@ -471,7 +618,12 @@ class KVChecksumLaunch:
             device=self.device,
         )
         self._strides = tuple(self.views[0].stride())
-        self._num_chunks = math.ceil(math.prod(self.shape) / CHUNK_PIECES)
+        self._num_chunks = math.ceil(math.prod(self.shape) / config.chunk_pieces)
+        # Persistent programs: a multiple of the SM count (CPU: of one).
+        sms = 1
+        if self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._programs = config.programs_per_sm * sms
         # A tile's largest lane offset fits int32: one wide add per address.
         token_stride, piece_stride = self._strides[3], self._strides[4]
         lane_span = (tile - 1) // pieces * abs(token_stride) + (
@@ -483,16 +635,24 @@ class KVChecksumLaunch:
             TOKENS=tokens,
             PIECES=pieces,
             PIECE_BITS=self.piece_bits,
-            CHUNK=CHUNK_PIECES,
+            CHUNK=config.chunk_pieces,
+            NUM_CHUNKS=self._num_chunks,
             TILE=tile,
             HEAD_TILES=head_tiles,
             ALIGNED=all(view.data_ptr() % 16 == 0 for view in self.views),
             LANE32=lane_span < 1 << 31,
-            num_warps=max(1, min(NUM_WARPS, tile // WARP_PIECES)),
+            PERSISTENT=self._programs > 0,
+            WIDE=config.wide_weights,
+            num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
 
     def _call_triton(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        grid = (rows.shape[1], self._num_chunks, len(self.views))
+        num_rows, num_layers = rows.shape[1], len(self.views)
+        if self._programs:
+            items = num_rows * self._num_chunks * num_layers
+            grid: tuple[int, ...] = (min(items, self._programs),)
+        else:
+            grid = (num_rows, self._num_chunks, num_layers)
         _kv_checksum_kernel[grid](
             self._table,
             rows,
@@ -501,6 +661,8 @@ class KVChecksumLaunch:
             out,
             out.stride(0),
             out.stride(1),
+            num_rows,
+            num_layers,
             *self._strides,
             **self._constants,
         )
@@ -562,19 +724,22 @@ class KVChecksumLaunch:
         return at_start + first_tokens * start_term
 
 
-def pick_tile(shape: Sequence[int]) -> tuple[int, bool]:
+def pick_tile(
+    shape: Sequence[int], max_tile: int | None = None, chunk: int | None = None
+) -> tuple[int, bool]:
     """The Triton tile (pieces per iteration) and whether it uses head tiles.
 
     Head tiles (a power of two dividing tokens * pieces, holding whole tokens
     or lying inside one) make offsets and weights loop-invariant vectors plus
     tile scalars and allow vector loads; used unless they would be smaller
     than min(tile, 256) pieces. Otherwise each lane decodes its own piece.
+    `max_tile` and `chunk` default to MAX_TILE_PIECES and CHUNK_PIECES.
     """
     kernel_blocks, heads, tokens, pieces = shape
     slice_pieces = tokens * pieces
     tile = min(
-        MAX_TILE_PIECES,
-        CHUNK_PIECES,
+        MAX_TILE_PIECES if max_tile is None else max_tile,
+        CHUNK_PIECES if chunk is None else chunk,
         _next_power_of_2(kernel_blocks * heads * slice_pieces),
     )
     head_tile = min(tile, slice_pieces & -slice_pieces)
