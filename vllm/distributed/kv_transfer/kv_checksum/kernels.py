@@ -351,7 +351,7 @@ if HAS_TRITON:
 
             base = _as_piece_pointer(addr, PIECE_BITS, ALIGNED)
             block_offset = block * block_stride
-            valid = tl.minimum(valid, KERNEL_BLOCKS * TOKENS).to(tl.int32)
+            slot_tokens = tl.minimum(valid, KERNEL_BLOCKS * TOKENS).to(tl.int32)
             # m = 2 * (first_slice + h) + 1 = m0 + 2h and, with the piece's
             # local index lj = (kernel_block * TOKENS + t) * PIECES + p,
             # 2j + 1 = c0 + 2lj.
@@ -360,7 +360,7 @@ if HAS_TRITON:
             chunk_start = chunk * CHUNK
             chunk_end = tl.minimum(chunk_start + CHUNK, BLOCK_PIECES)
             num_tiles = tl.cdiv(chunk_end - chunk_start, TILE)
-            work = (base, block_offset, valid, m0, c0, chunk_start, num_tiles)
+            work = (base, block_offset, slot_tokens, m0, c0, chunk_start, num_tiles)
             if WIDE:
                 total = _chunk_sum(
                     work,
