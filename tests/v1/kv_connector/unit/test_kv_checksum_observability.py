@@ -42,6 +42,7 @@ DEPLOYMENT_LABELS = {"model_name", "engine"}
 SEVERITIES = {"critical", "warning", "info"}
 
 NAME = re.compile(r"vllm:[A-Za-z0-9_:]+")
+CHECKSUM_NAME = re.compile(r"vllm:kv_checksum[A-Za-z0-9_:]*")
 SELECTOR = re.compile(r"(vllm:[A-Za-z0-9_:]+)\s*\{([^}]*)\}")
 MATCHER = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*"([^"]*)"')
 GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
@@ -224,3 +225,32 @@ def test_alert_rules_form():
     severities = {r["alert"]: r["labels"]["severity"] for r in rules}
     assert severities["KVChecksumMismatch"] == "critical"
     assert severities["KVChecksumWorkerDisabled"] == "critical"
+
+
+DOCS = [
+    "README.md",
+    "docs/features/kv_checksum.md",
+    "docs/design/kv_checksum.md",
+    "benchmarks/results/README.md",
+]
+
+
+def test_docs_name_exported_metrics(exported: Exported):
+    """R130: every `vllm:kv_checksum...` name in the guide, the design, the
+    results and the README is one /metrics shows. Catches a doc telling
+    operators to query a name without `_total` (an empty result)."""
+    wrong = {
+        doc: sorted(
+            set(CHECKSUM_NAME.findall((REPO / doc).read_text())) - exported.names
+        )
+        for doc in DOCS
+    }
+    assert {doc: names for doc, names in wrong.items() if names} == {}
+
+
+def test_guide_lists_the_shipped_alerts():
+    """The user guide's alert table and alerts.yaml name the same alerts.
+    Catches a rule added, renamed or dropped on one side only."""
+    guide = (REPO / "docs/features/kv_checksum.md").read_text()
+    in_guide = set(re.findall(r"`(KVChecksum[A-Za-z]+)`", guide))
+    assert in_guide == {rule["alert"] for rule in alert_rules()}
