@@ -3,7 +3,7 @@
 """Run vLLM 0.33.0's own KV-connector unit tests with and without the plugin.
 
 Called by scripts/upstream_tests.sh with the project's virtualenv Python; see
-docs/features/kv_checksum.md ("vLLM's own tests with the plugin"). Steps:
+docs/design/kv_checksum.md ("vLLM's own tests with the plugin"). Steps:
 
 1. Fetch vLLM 0.33.0's source archive from PyPI's simple index (sha256
    checked) into CACHE (next to the virtualenv, never into the repository)

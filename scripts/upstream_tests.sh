@@ -11,7 +11,7 @@
 # Downloads and logs go to the cache folder next to the project's virtualenv
 # (~/.cache/vllm-kv-checksum/upstream), never into the repository. Exit status:
 # 0 no unexplained difference, 1 differences (or failures in a single-mode
-# run), 2 set-up error, 3 PyPI unreachable. See docs/features/kv_checksum.md.
+# run), 2 set-up error, 3 PyPI unreachable. See docs/design/kv_checksum.md.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$repo/scripts/env.sh")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU recipe: a NIXL pull P/D pair with KV checksums on, behind vLLM's toy proxy.
 # Needs: 2 GPUs (or one, with GPU_P=GPU_D=0 and a low --gpu-memory-utilization),
-# vLLM 0.33.0 with NIXL, this package installed (pip install vllm-kv-checksum),
+# vLLM 0.33.0 with NIXL, this package installed from the clone (pip install .),
 # and vLLM's toy proxy from a vLLM 0.33.0 source checkout:
 #   tests/v1/kv_connector/nixl_integration/toy_proxy_server.py (VLLM_SRC below).
 # Not run on the CPU machine this project is developed on.

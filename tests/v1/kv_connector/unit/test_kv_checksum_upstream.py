@@ -10,7 +10,7 @@ a tokenizer from the hub and fails in both runs here). The script fetches
 vLLM's source archive from PyPI once into the cache folder next to the
 virtualenv; without PyPI the test is skipped. The full three-way comparison
 (all 73 files) is run by hand, see
-docs/features/kv_checksum.md ("vLLM's own tests with the plugin").
+docs/design/kv_checksum.md ("vLLM's own tests with the plugin").
 """
 
 from __future__ import annotations
