@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_checksum.kernels import KVChecksumLaunch
 from vllm.distributed.kv_transfer.kv_checksum.mamba import plan_mamba_views
 from vllm.distributed.kv_transfer.kv_checksum.rows import (
     RowSegment,
+    host_to_device,
     pack_segments,
     segment_rows,
 )
@@ -251,15 +252,6 @@ def finalize_records(items: Iterable[object] | None) -> list[KVChecksumRecord]:
         elif isinstance(item, KVChecksumRecord):
             records.append(item)
     return records
-
-
-def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`array` as an int64 tensor on `device`: one non-blocking copy from
-    pinned host memory, queued on the current stream (no host sync, R55)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class KVChecksumWorker:
