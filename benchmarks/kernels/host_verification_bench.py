@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumGroup,
 )

@@ -78,7 +78,7 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
 )
 from vllm.distributed.kv_transfer.kv_checksum import containment as containment_mod
 from vllm.distributed.kv_transfer.kv_checksum import wiring
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
 )

@@ -37,10 +37,6 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
 )
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_checksum import plugin
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
-    KVChecksumBlocks,
-    KVChecksumScheduled,
-)
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     ENABLE_KEY,
     FAULT_INJECTION_KEY,
@@ -49,6 +45,10 @@ from vllm.distributed.kv_transfer.kv_checksum.config import (
     FaultInjectionConfig,
     read_fault_injection,
     read_flags,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+    KVChecksumScheduled,
 )
 from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
     FAULT_KINDS,

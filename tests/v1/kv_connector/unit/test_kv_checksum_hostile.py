@@ -52,7 +52,7 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     consume,
     produce,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
     KVChecksumCarrier,

@@ -84,7 +84,7 @@ from tests.v1.kv_connector.unit.test_kv_checksum_mamba_scheduler import (
     running_state_block,
     speculative_config,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
 )

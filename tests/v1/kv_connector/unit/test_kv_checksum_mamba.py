@@ -31,7 +31,7 @@ import torch
 from tests.v1.kv_connector.unit.kv_checksum_helpers import build_kv_cache_tensors
 from tests.v1.kv_connector.unit.kv_checksum_reference import mix64
 from vllm.distributed.kv_transfer.kv_checksum import mamba_splits
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumScheduled,
 )

@@ -37,7 +37,7 @@ from tests.v1.kv_connector.unit.test_kv_checksum_mamba import (
     GlobalState,
     reference_layer_checksum,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumScheduled,
 )

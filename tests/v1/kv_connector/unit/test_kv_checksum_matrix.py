@@ -49,7 +49,7 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     produce,
     run_local,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumScheduled,
 )

@@ -31,7 +31,9 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import package_state as harness_state
 from vllm.distributed.kv_transfer.kv_checksum import nixl_push, plugin
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumCarrier,
+)
 from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
 from vllm.v1.request import RequestStatus
 

@@ -40,7 +40,7 @@ from tests.v1.kv_connector.unit.test_kv_checksum import (
     truth_worker,
     u64_sum,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumGroup,
     KVChecksumScheduled,
     block_checksum_tags,

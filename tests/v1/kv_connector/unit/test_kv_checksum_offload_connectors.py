@@ -366,7 +366,9 @@ def test_R139_multi_connector_pd_load_takes_the_nixl_path(model_dir: str) -> Non
     from tests.v1.kv_connector.unit.kv_checksum_helpers import (
         consumer_kv_transfer_params,
     )
-    from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+    from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+        KVChecksumCarrier,
+    )
 
     engine = OffloadSimEngine(model_dir, offload_side(multi=True), "multi-pd")
     prompt = list(range(100, 100 + 3 * BS + 1))

@@ -238,7 +238,9 @@ def quarantine(engine: Any, req_id: str, num_blocks: int, bad: int) -> None:
     (a P/D receive or a host load alike): a mismatch at position `bad`."""
     import numpy as np
 
-    from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+    from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+        KVChecksumBlocks,
+    )
     from vllm.distributed.kv_transfer.kv_checksum.verification import (
         KVChecksumStatus,
         KVChecksumVerdict,

@@ -69,19 +69,19 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_checksum import config as checksum_config
 from vllm.distributed.kv_transfer.kv_checksum import plugin, wiring
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
-    KV_TRANSFER_PARAMS_KEY,
-    KVChecksumBlocks,
-    KVChecksumCarrier,
-    KVChecksumRecord,
-    KVChecksumScheduled,
-)
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     ENABLE_KEY,
     FAIL_CLOSED_KEY,
     connector_declares_carrier,
     kv_checksum_enabled,
     read_flags,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KV_TRANSFER_PARAMS_KEY,
+    KVChecksumBlocks,
+    KVChecksumCarrier,
+    KVChecksumRecord,
+    KVChecksumScheduled,
 )
 from vllm.distributed.kv_transfer.kv_checksum.payload import KVChecksumPayload
 from vllm.distributed.kv_transfer.kv_checksum.scheduler import KVChecksumScheduler

@@ -33,7 +33,9 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
 from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
 from vllm.distributed.kv_transfer.kv_checksum.verification import (
     KVChecksumStatus,

@@ -14,7 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
 from vllm.distributed.kv_transfer.kv_checksum.offload import verify_offloaded_load
 from vllm.distributed.kv_transfer.kv_checksum.verification import (
     KVChecksumVerdict,

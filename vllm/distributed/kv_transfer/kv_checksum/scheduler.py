@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_checksum.blocks import (
     select_blocks,
     sliding_window_transfer_blocks,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
     KVChecksumCarrier,

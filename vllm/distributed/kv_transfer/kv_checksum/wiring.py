@@ -40,13 +40,13 @@ from vllm.distributed.kv_transfer.kv_checksum import (
     simple_offload,
 )
 from vllm.distributed.kv_transfer.kv_checksum import outbox as outbox_module
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
-    KVChecksumCarrier,
-    KVChecksumRecord,
-)
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     kv_checksum_enabled,
     read_flags,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumCarrier,
+    KVChecksumRecord,
 )
 from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
     create_fault_injector,

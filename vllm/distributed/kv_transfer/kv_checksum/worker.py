@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     SEND_COLUMN_KEY,
     KVChecksumBlocks,
     KVChecksumGroup,
@@ -27,15 +27,14 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     block_checksum_tags,
     chunk_tokens,
 )
-from vllm.distributed.kv_transfer.kv_checksum.kernels import KVChecksumLaunch
-from vllm.distributed.kv_transfer.kv_checksum.mamba import plan_mamba_views
-from vllm.distributed.kv_transfer.kv_checksum.rows import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import KVChecksumLaunch
+from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     RowSegment,
     host_to_device,
     pack_segments,
     segment_rows,
 )
-from vllm.distributed.kv_transfer.kv_checksum.views import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.views import (
     ChecksumView,
     GroupViews,
     UncoveredGroup,
@@ -43,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_checksum.views import (
     chunk_pieces,
     plan_group_views,
 )
+from vllm.distributed.kv_transfer.kv_checksum.mamba import plan_mamba_views
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
 
 
 @dataclass(frozen=True)
