@@ -14,12 +14,12 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumGroup,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     KV_CHECKSUM_PAYLOAD_VERSION,
     KVChecksumPayload,
     KVChecksumPayloadGroup,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumGroupInfo,
     KVChecksumStatus,
     KVChecksumWorkerReport,

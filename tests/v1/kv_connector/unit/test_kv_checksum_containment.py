@@ -82,7 +82,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumVerdict,
 )

@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
     Injection,
     KVFaultInjector,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
 )
 from vllm.distributed.kv_transfer.kv_checksum.worker import create_kv_checksum_worker

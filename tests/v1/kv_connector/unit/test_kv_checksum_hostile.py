@@ -59,16 +59,16 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumGroup,
     KVChecksumRecord,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
-    DEFAULT_MAX_ENCODED_BYTES,
-    KVChecksumPayload,
-    KVChecksumPayloadGroup,
-)
 from vllm.distributed.kv_transfer.kv_checksum.scheduler import (
     P2P_SOURCE,
     KVChecksumScheduler,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
+    DEFAULT_MAX_ENCODED_BYTES,
+    KVChecksumPayload,
+    KVChecksumPayloadGroup,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     UnverifiedReason,
 )

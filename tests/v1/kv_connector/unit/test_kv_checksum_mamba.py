@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumScheduled,
 )
 from vllm.distributed.kv_transfer.kv_checksum.mamba import mamba_layer_identity
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumGroupInfo,
     KVChecksumStatus,
     KVChecksumWorkerReport,

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumScheduled,
 )
 from vllm.distributed.kv_transfer.kv_checksum.scheduler import KVChecksumScheduler
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumWorkerReport,
     build_producer_payload,

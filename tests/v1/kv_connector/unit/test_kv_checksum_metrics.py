@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
     VERDICT_LABELS,
     reason_label,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import UnverifiedReason
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import UnverifiedReason
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 

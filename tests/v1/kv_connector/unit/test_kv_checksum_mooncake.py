@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_checksum import mooncake, plugin
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
 from vllm.v1.request import RequestStatus
 
 MOONCAKE = "MooncakeConnector"
@@ -594,7 +594,7 @@ def test_payload_cap_derived_from_the_consumer_sizes(model_dir: str) -> None:
     (fault-free loads unverified) or a fixed cap far above the consumer's
     own sizes (work sized by the peer)."""
     from vllm.distributed.kv_transfer.kv_checksum import wiring
-    from vllm.distributed.kv_transfer.kv_checksum.payload import KVChecksumPayload
+    from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
 
     plugin.register()
     engine = mooncake_engine(model_dir, "cons", False)

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_checksum import nixl_push, plugin
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
 from vllm.v1.request import RequestStatus
 
 PUSH = "NixlPushConnector"

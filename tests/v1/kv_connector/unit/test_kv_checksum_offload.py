@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_checksum.offload import (
     position_hashes,
     verify_offloaded_load,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumWorkerReport,
     UnverifiedReason,

@@ -241,7 +241,7 @@ def quarantine(engine: Any, req_id: str, num_blocks: int, bad: int) -> None:
     from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
         KVChecksumBlocks,
     )
-    from vllm.distributed.kv_transfer.kv_checksum.verification import (
+    from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
         KVChecksumStatus,
         KVChecksumVerdict,
     )

@@ -83,9 +83,9 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumRecord,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import KVChecksumPayload
 from vllm.distributed.kv_transfer.kv_checksum.scheduler import KVChecksumScheduler
-from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
 from vllm.distributed.kv_transfer.kv_checksum.worker import (
     KVChecksumPendingRecord,
     create_kv_checksum_worker,

@@ -56,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumCarrier,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     DEFAULT_MAX_ENCODED_BYTES,
     KVChecksumPayload,
 )

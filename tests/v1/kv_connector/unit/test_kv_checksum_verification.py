@@ -24,11 +24,11 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     ReplicaKey,
     sum_fingerprints,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     KVChecksumPayload,
     KVChecksumPayloadGroup,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumGroupInfo,
     KVChecksumStatus,
     KVChecksumVerdict,

@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
 from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumVerdict,
 )

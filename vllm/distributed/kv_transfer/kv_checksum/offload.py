@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     block_checksum_tags,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumVerdict,
     KVChecksumWorkerReport,

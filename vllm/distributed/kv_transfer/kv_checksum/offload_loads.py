@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
 from vllm.distributed.kv_transfer.kv_checksum.offload import verify_offloaded_load
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumVerdict,
     KVChecksumWorkerReport,
     WorkerKey,

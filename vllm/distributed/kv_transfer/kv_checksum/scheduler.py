@@ -40,12 +40,12 @@ from vllm.distributed.kv_transfer.kv_checksum.offload_loads import (
     ignore_failure,
     no_sources,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     KVChecksumPayload,
     KVChecksumPayloadLimits,
     max_valid_payload_bytes,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumGroupInfo,
     KVChecksumStatus,
     KVChecksumVerdict,

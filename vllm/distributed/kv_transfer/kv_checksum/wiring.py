@@ -39,7 +39,6 @@ from vllm.distributed.kv_transfer.kv_checksum import (
     offload_connectors,
     simple_offload,
 )
-from vllm.distributed.kv_transfer.kv_checksum import outbox as outbox_module
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     kv_checksum_enabled,
     read_flags,
@@ -55,14 +54,15 @@ from vllm.distributed.kv_transfer.kv_checksum.metrics import STATS_KEY, split_st
 from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
     create_host_fault_injector,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
-    DEFAULT_MAX_ENCODED_BYTES,
-    max_valid_payload_bytes,
-)
 from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
     KVChecksumPromMetrics,
 )
 from vllm.distributed.kv_transfer.kv_checksum.scheduler import KVChecksumScheduler
+from vllm.distributed.kv_transfer.kv_checksum.wire import outbox as outbox_module
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
+    DEFAULT_MAX_ENCODED_BYTES,
+    max_valid_payload_bytes,
+)
 from vllm.distributed.kv_transfer.kv_checksum.worker import (
     create_kv_checksum_worker,
     finalize_records,

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     ReplicaKey,
     chunk_tokens,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     KV_CHECKSUM_PAYLOAD_VERSION,
     KVChecksumPayload,
     KVChecksumPayloadGroup,
