@@ -36,7 +36,8 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     transfer,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import package_state as harness_state
-from vllm.distributed.kv_transfer.kv_checksum import mooncake, plugin
+from vllm.distributed.kv_transfer.kv_checksum import plugin
+from vllm.distributed.kv_transfer.kv_checksum.carriers import mooncake
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
 )

@@ -32,13 +32,14 @@ import msgspec
 import torch
 
 from vllm.distributed.kv_transfer.kv_checksum import (
-    connectors,
     mamba_splits,
-    mooncake,
-    nixl_push,
     offload_connectors,
     simple_offload,
 )
+from vllm.distributed.kv_transfer.kv_checksum.carriers import (
+    connector_api as connectors,
+)
+from vllm.distributed.kv_transfer.kv_checksum.carriers import mooncake, nixl_push
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     kv_checksum_enabled,
     read_flags,
