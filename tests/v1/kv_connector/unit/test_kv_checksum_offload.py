@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumScheduled,
     block_checksum_tags,
 )
-from vllm.distributed.kv_transfer.kv_checksum.offload import (
+from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
     position_hashes,
     verify_offloaded_load,
 )

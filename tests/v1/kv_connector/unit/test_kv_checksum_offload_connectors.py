@@ -31,17 +31,17 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
 from vllm.distributed.kv_transfer.kv_checksum import wiring
-from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
-    HostCopyDropper,
-    HostEntryTable,
-    failed_keys,
-    host_slots,
-)
-from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
+from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
     HOST_FAULT_KEY,
     HostFaultConfig,
     HostFaultInjector,
     read_host_fault_config,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
+    HostCopyDropper,
+    HostEntryTable,
+    failed_keys,
+    host_slots,
 )
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]

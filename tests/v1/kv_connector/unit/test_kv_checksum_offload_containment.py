@@ -24,7 +24,7 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
-from vllm.distributed.kv_transfer.kv_checksum.offload_faults import HOST_FAULT_KEY
+from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import HOST_FAULT_KEY
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 

@@ -28,8 +28,8 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
 from vllm.distributed.kv_transfer.kv_checksum import wiring
-from vllm.distributed.kv_transfer.kv_checksum.offload_faults import HOST_FAULT_KEY
-from vllm.distributed.kv_transfer.kv_checksum.simple_offload import (
+from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import HOST_FAULT_KEY
+from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
     SimpleOffloadSchedulerSide,
     block_places,
     store_runs,
@@ -432,7 +432,7 @@ def test_R117_simple_worker_side_moves_entries_by_cpu_block() -> None:
         def save_block_checksums(self, runs: Any) -> None:
             pass
 
-    from vllm.distributed.kv_transfer.kv_checksum.simple_offload import (
+    from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
         SimpleOffloadWorkerSide,
     )
 

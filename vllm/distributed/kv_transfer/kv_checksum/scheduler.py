@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.mamba_splits import is_tp_comparable
 from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
-from vllm.distributed.kv_transfer.kv_checksum.offload_loads import (
+from vllm.distributed.kv_transfer.kv_checksum.offload.loads import (
     ChecksumSourcesFn,
     FailureFn,
     KVChecksumOffloadLoads,

@@ -31,11 +31,7 @@ from typing import Any
 import msgspec
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum import (
-    mamba_splits,
-    offload_connectors,
-    simple_offload,
-)
+from vllm.distributed.kv_transfer.kv_checksum import mamba_splits
 from vllm.distributed.kv_transfer.kv_checksum.carriers import (
     connector_api as connectors,
 )
@@ -52,7 +48,13 @@ from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
     create_fault_injector,
 )
 from vllm.distributed.kv_transfer.kv_checksum.metrics import STATS_KEY, split_stats
-from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
+from vllm.distributed.kv_transfer.kv_checksum.offload import (
+    offloading as offload_connectors,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload import (
+    simple_cpu_offload as simple_offload,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
     create_host_fault_injector,
 )
 from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (

@@ -17,7 +17,9 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
-from vllm.distributed.kv_transfer.kv_checksum.offload import verify_offloaded_load
+from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
+    verify_offloaded_load,
+)
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumVerdict,
     KVChecksumWorkerReport,
