@@ -755,7 +755,7 @@ def test_hybrid_kv_cache_config_has_both_kinds_r36_r44(
     model with a Mamba group as Mamba, or the reverse; a worker skipping the
     attention group of a hybrid model (e.g. treating its Mamba pages' padding
     as a mixed-spec group, R34 c)."""
-    from vllm.distributed.kv_transfer.kv_checksum.mamba_splits import (
+    from vllm.distributed.kv_transfer.kv_checksum.hybrid.splits import (
         state_splits_of,
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec

@@ -30,12 +30,12 @@ import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import build_kv_cache_tensors
 from tests.v1.kv_connector.unit.kv_checksum_reference import mix64
-from vllm.distributed.kv_transfer.kv_checksum import mamba_splits
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.mamba import mamba_layer_identity
+from vllm.distributed.kv_transfer.kv_checksum.hybrid import splits as mamba_splits
+from vllm.distributed.kv_transfer.kv_checksum.hybrid.views import mamba_layer_identity
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumGroupInfo,
     KVChecksumStatus,

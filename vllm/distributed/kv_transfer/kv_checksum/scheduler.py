@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumRecord,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.mamba_splits import is_tp_comparable
+from vllm.distributed.kv_transfer.kv_checksum.hybrid.splits import is_tp_comparable
 from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
 from vllm.distributed.kv_transfer.kv_checksum.offload.loads import (
     ChecksumSourcesFn,

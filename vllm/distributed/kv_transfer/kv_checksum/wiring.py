@@ -31,7 +31,6 @@ from typing import Any
 import msgspec
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum import mamba_splits
 from vllm.distributed.kv_transfer.kv_checksum.carriers import (
     connector_api as connectors,
 )
@@ -47,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
     create_fault_injector,
 )
+from vllm.distributed.kv_transfer.kv_checksum.hybrid import splits as mamba_splits
 from vllm.distributed.kv_transfer.kv_checksum.metrics import STATS_KEY, split_stats
 from vllm.distributed.kv_transfer.kv_checksum.offload import (
     offloading as offload_connectors,

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.views import (
     chunk_pieces,
     plan_group_views,
 )
-from vllm.distributed.kv_transfer.kv_checksum.mamba import plan_mamba_views
+from vllm.distributed.kv_transfer.kv_checksum.hybrid.views import plan_mamba_views
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 

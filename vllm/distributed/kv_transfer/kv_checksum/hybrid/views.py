@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.views import (
     layer_module,
     layer_number,
 )
-from vllm.distributed.kv_transfer.kv_checksum.mamba_splits import (
+from vllm.distributed.kv_transfer.kv_checksum.hybrid.splits import (
     StateSplits,
     state_splits_of,
 )
