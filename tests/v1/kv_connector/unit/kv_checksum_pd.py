@@ -58,7 +58,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
-from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
+from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
     Injection,
     KVFaultInjector,
     create_fault_injector,

@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
+from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
     FAULT_KINDS,
     Injection,
     KVFaultInjector,

@@ -809,7 +809,7 @@ def test_fault_injector_corrupts_state_blocks_r131(
     producer, and the load mismatches in exactly the injected group. Bug
     caught: Mamba groups left uncovered (the injector then skips them and a
     corrupted state would pass)."""
-    from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
+    from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
         KVFaultInjector,
     )
 

@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
     KVChecksumRecord,
 )
-from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
+from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
     create_fault_injector,
 )
 from vllm.distributed.kv_transfer.kv_checksum.hybrid import splits as mamba_splits
