@@ -58,12 +58,12 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import KVChecksumWorker
 from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
     Injection,
     KVFaultInjector,
     create_fault_injector,
 )
-from vllm.distributed.kv_transfer.kv_checksum.worker import KVChecksumWorker
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource

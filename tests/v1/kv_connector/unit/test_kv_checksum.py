@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     pack_segments,
     segment_rows,
 )
-from vllm.distributed.kv_transfer.kv_checksum.worker import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
     KVChecksumWorker,
     WorkerTopology,
 )

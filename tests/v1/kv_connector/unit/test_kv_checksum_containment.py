@@ -76,11 +76,13 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     produce,
     transfer,
 )
-from vllm.distributed.kv_transfer.kv_checksum import containment as containment_mod
 from vllm.distributed.kv_transfer.kv_checksum import wiring
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine import (
+    containment as containment_mod,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,

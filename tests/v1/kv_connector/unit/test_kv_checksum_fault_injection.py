@@ -50,6 +50,9 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumScheduled,
 )
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
+    create_kv_checksum_worker,
+)
 from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
     FAULT_KINDS,
     Injection,
@@ -58,7 +61,6 @@ from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
 )
-from vllm.distributed.kv_transfer.kv_checksum.worker import create_kv_checksum_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )

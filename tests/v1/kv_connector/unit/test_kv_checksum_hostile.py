@@ -59,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumGroup,
     KVChecksumRecord,
 )
-from vllm.distributed.kv_transfer.kv_checksum.scheduler import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
     P2P_SOURCE,
     KVChecksumScheduler,
 )

@@ -239,7 +239,7 @@ def build_rank(
     `num_spec` n-gram speculative tokens."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_checksum import plugin
-    from vllm.distributed.kv_transfer.kv_checksum.worker import (
+    from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
         create_kv_checksum_worker,
     )
     from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM

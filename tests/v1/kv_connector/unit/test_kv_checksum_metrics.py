@@ -26,12 +26,12 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
 )
-from vllm.distributed.kv_transfer.kv_checksum.metrics import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import (
     STATS_KEY,
     KVChecksumStats,
     split_stats,
 )
-from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.prom_metrics import (
     OTHER_REASON,
     REASON_LABELS,
     VERDICT_LABELS,

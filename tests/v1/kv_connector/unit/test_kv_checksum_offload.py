@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumScheduled,
     block_checksum_tags,
 )
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import KVChecksumWorker
 from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
     position_hashes,
     verify_offloaded_load,
@@ -54,7 +55,6 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumWorkerReport,
     UnverifiedReason,
 )
-from vllm.distributed.kv_transfer.kv_checksum.worker import KVChecksumWorker
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 

@@ -83,13 +83,15 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumRecord,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.scheduler import KVChecksumScheduler
-from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
-from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
-from vllm.distributed.kv_transfer.kv_checksum.worker import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
+    KVChecksumScheduler,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
     KVChecksumPendingRecord,
     create_kv_checksum_worker,
 )
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -1478,7 +1480,7 @@ def test_kv_connector_prom_with_a_partial_config_never_raises(
     and leaves them out. Failed before the fix (checked by reverting it):
     `kv_checksum_enabled` read `vllm_config.parallel_config` first and the
     AttributeError escaped vLLM's constructor."""
-    from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
+    from vllm.distributed.kv_transfer.kv_checksum.engine.prom_metrics import (
         KVChecksumPromMetrics,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (

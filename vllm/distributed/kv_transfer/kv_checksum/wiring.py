@@ -43,11 +43,24 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
     KVChecksumRecord,
 )
+from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import (
+    STATS_KEY,
+    split_stats,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.prom_metrics import (
+    KVChecksumPromMetrics,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
+    KVChecksumScheduler,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
+    create_kv_checksum_worker,
+    finalize_records,
+)
 from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
     create_fault_injector,
 )
 from vllm.distributed.kv_transfer.kv_checksum.hybrid import splits as mamba_splits
-from vllm.distributed.kv_transfer.kv_checksum.metrics import STATS_KEY, split_stats
 from vllm.distributed.kv_transfer.kv_checksum.offload import (
     offloading as offload_connectors,
 )
@@ -57,18 +70,10 @@ from vllm.distributed.kv_transfer.kv_checksum.offload import (
 from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
     create_host_fault_injector,
 )
-from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
-    KVChecksumPromMetrics,
-)
-from vllm.distributed.kv_transfer.kv_checksum.scheduler import KVChecksumScheduler
 from vllm.distributed.kv_transfer.kv_checksum.wire import outbox as outbox_module
 from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     DEFAULT_MAX_ENCODED_BYTES,
     max_valid_payload_bytes,
-)
-from vllm.distributed.kv_transfer.kv_checksum.worker import (
-    create_kv_checksum_worker,
-    finalize_records,
 )
 from vllm.logger import init_logger
 
@@ -1705,7 +1710,7 @@ def _attach_containment(scheduler: Any, kcs: KVChecksumScheduler) -> None:
 
 
 def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
-    from vllm.distributed.kv_transfer.kv_checksum.containment import (
+    from vllm.distributed.kv_transfer.kv_checksum.engine.containment import (
         KVChecksumContainment,
     )
 

@@ -17,12 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_checksum.blocks import (
-    SchedulerGroup,
-    first_held_position,
-    select_blocks,
-    sliding_window_transfer_blocks,
-)
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
@@ -30,8 +24,14 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumRecord,
     KVChecksumScheduled,
 )
+from vllm.distributed.kv_transfer.kv_checksum.engine.blocks import (
+    SchedulerGroup,
+    first_held_position,
+    select_blocks,
+    sliding_window_transfer_blocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import KVChecksumStats
 from vllm.distributed.kv_transfer.kv_checksum.hybrid.splits import is_tp_comparable
-from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
 from vllm.distributed.kv_transfer.kv_checksum.offload.loads import (
     ChecksumSourcesFn,
     FailureFn,

@@ -36,7 +36,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
-from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
+from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import KVChecksumStats
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumVerdict,
