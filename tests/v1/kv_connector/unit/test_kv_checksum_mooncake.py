@@ -88,7 +88,9 @@ class Stopped:
 
 def bare_worker(vllm_config: Any, producer: bool) -> Any:
     """vLLM's MooncakeConnectorWorker without Mooncake, hooks attached."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+        mooncake as wiring_mooncake,
+    )
 
     mc = mc_module()
     worker = mc.MooncakeConnectorWorker.__new__(mc.MooncakeConnectorWorker)
@@ -104,7 +106,9 @@ def bare_worker(vllm_config: Any, producer: bool) -> Any:
     stopped = Stopped()
     worker.async_zmq_ctx = worker._sender_executor = stopped
     worker.sender_loop = worker.receiver_loop = stopped
-    wiring._attach_mooncake_worker(worker, vllm_config, mc.MooncakeXferResponse)
+    wiring_mooncake._attach_mooncake_worker(
+        worker, vllm_config, mc.MooncakeXferResponse
+    )
     return worker
 
 

@@ -192,7 +192,7 @@ def test_R121_many_drops_keep_the_manager_consistent(policy: str) -> None:
     no removal event (KV-event consumers keep advertising a dropped copy);
     evictable count not lowered (a later prepare_store over-evicts and
     fails); a held copy freed under its load."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import offloading as wiring
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 

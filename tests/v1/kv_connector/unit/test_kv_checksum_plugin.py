@@ -92,6 +92,7 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
+from vllm.distributed.kv_transfer.kv_checksum.wiring import worker as wiring_worker
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -1633,7 +1634,7 @@ def test_active_connector_error_disables_checksums(
         raise RuntimeError(f"injected into {where}")
 
     if where == "create":
-        monkeypatch.setattr(wiring, "create_kv_checksum_worker", broken)
+        monkeypatch.setattr(wiring_worker, "create_kv_checksum_worker", broken)
     env = worker_setup(True)
     active = env.active
     if where == "create":

@@ -34,6 +34,9 @@ from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import 
     block_places,
     store_runs,
 )
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    simple_cpu_offload as wiring_simple,
+)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 
@@ -476,7 +479,7 @@ def test_R121_dropped_copy_hidden_at_once_freed_after_its_load() -> None:
         },
         _abandoned_reqs_to_load={},
     )
-    side = wiring._simple_offload_scheduler_side(manager)
+    side = wiring_simple._simple_offload_scheduler_side(manager)
     request = SimpleNamespace(request_id="r")
     side.on_failure(request, {0: [0]})
     assert side.dropper.dropped == 1 and not side.dropper.pending
