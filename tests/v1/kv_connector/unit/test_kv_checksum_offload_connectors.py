@@ -43,6 +43,9 @@ from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     failed_keys,
     host_slots,
 )
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    offloading as wiring_offloading,
+)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 
@@ -157,7 +160,7 @@ def test_R121_dropper_frees_a_copy_once_its_load_completed() -> None:
     sched = SimpleNamespace(
         manager=manager, config=SimpleNamespace(kv_group_configs=[]), _req_status={}
     )
-    try_remove = wiring._offload_scheduler_side(sched).try_remove
+    try_remove = wiring_offloading._offload_scheduler_side(sched).try_remove
     dropper = HostCopyDropper()
     dropper.add(keys[:1])
     dropper.drop_ready(try_remove)
