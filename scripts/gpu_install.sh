@@ -11,9 +11,9 @@ export SITE=$site
 bash "$repo/gpu_bundle/install_bundle.sh"
 if ! bash "$repo/gpu_bundle/install_project.sh" "$repo" 2>/tmp/install_project.err; then
     echo "install_project.sh failed ($(tail -n 1 /tmp/install_project.err)); manual install"
-    mkdir -p "$site/vllm/distributed/kv_transfer/kv_checksum"
-    cp "$repo"/vllm/distributed/kv_transfer/kv_checksum/*.py \
-        "$site/vllm/distributed/kv_transfer/kv_checksum/"
+    # The whole package tree (subpackages included), without bytecode caches.
+    (cd "$repo" && find vllm/distributed/kv_transfer/kv_checksum -name '*.py' \
+        -not -path '*/__pycache__/*' -exec cp --parents {} "$site/" \;)
     info="$site/vllm_kv_checksum-0.1.0.dist-info"
     mkdir -p "$info"
     printf 'Metadata-Version: 2.1\nName: vllm-kv-checksum\nVersion: 0.1.0\n' > "$info/METADATA"

@@ -31,6 +31,7 @@ import importlib.util
 import json
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -114,19 +115,33 @@ _stats = {"schedulers": 0, "workers": 0, "contained_errors": 0}
 
 def _count_checksum_objects() -> None:
     from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import (  # noqa: F401
+        scheduler,
+        worker,
+    )
+
+    # Each wiring module that binds the name gets its own counting wrapper.
+    modules = [
+        module
+        for name, module in list(sys.modules.items())
+        if name == wiring.__name__ or name.startswith(wiring.__name__ + ".")
+    ]
 
     def counting(name: str, key: str) -> None:
-        original = getattr(wiring, name, None)
-        if original is None:
-            return
+        for module in modules:
+            original = getattr(module, name, None)
+            if original is None:
+                continue
 
-        def call(*args: object, **kwargs: object) -> object:
-            result = original(*args, **kwargs)
-            if result is not None or key == "contained_errors":
-                _stats[key] += 1
-            return result
+            def call(
+                *args: object, _original: Any = original, **kwargs: object
+            ) -> object:
+                result = _original(*args, **kwargs)
+                if result is not None or key == "contained_errors":
+                    _stats[key] += 1
+                return result
 
-        setattr(wiring, name, call)
+            setattr(module, name, call)
 
     counting("_create_scheduler", "schedulers")
     counting("_create_worker", "workers")

@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-KERNELS_MODULE = "vllm.distributed.kv_transfer.kv_checksum.kernels"
+KERNELS_MODULE = "vllm.distributed.kv_transfer.kv_checksum.definition.kernels"
 KERNELS_PATH = (
     Path(__file__).resolve().parents[2]
-    / "vllm/distributed/kv_transfer/kv_checksum/kernels.py"
+    / "vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
 )
 # R133 targets, all as ratios measured in one run.
 TARGET_SUM_RATE_RATIO = 0.87  # (a): read rate / torch int64 sum read rate

@@ -12,8 +12,13 @@ import time
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
-from vllm.distributed.kv_transfer.kv_checksum.rows import pack_segments, segment_rows
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
+    pack_segments,
+    segment_rows,
+)
 
 # (label, block size, tokens per request, requests)
 CASES = [

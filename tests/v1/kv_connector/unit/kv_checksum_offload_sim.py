@@ -29,14 +29,14 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     make_request,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
-from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
+from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
+    create_host_fault_injector,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     OffloadWorkerSide,
     host_slots,
 )
-from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
-    create_host_fault_injector,
-)
-from vllm.distributed.kv_transfer.kv_checksum.simple_offload import (
+from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
     SimpleOffloadWorkerSide,
 )
 

@@ -52,18 +52,18 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     make_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_checksum import plugin
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.config import FAULT_INJECTION_KEY
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumCarrier,
 )
-from vllm.distributed.kv_transfer.kv_checksum.config import FAULT_INJECTION_KEY
-from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import KVChecksumWorker
+from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
     Injection,
     KVFaultInjector,
     create_fault_injector,
 )
-from vllm.distributed.kv_transfer.kv_checksum.views import WorkerTopology
-from vllm.distributed.kv_transfer.kv_checksum.worker import KVChecksumWorker
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource

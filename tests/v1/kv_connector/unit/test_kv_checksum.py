@@ -17,15 +17,18 @@ import pytest
 import torch
 
 from tests.v1.kv_connector.unit import kv_checksum_reference as ref
-from vllm.distributed.kv_transfer.kv_checksum import kernels
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition import kernels
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumGroup,
     KVChecksumRecord,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.rows import pack_segments, segment_rows
-from vllm.distributed.kv_transfer.kv_checksum.worker import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
+    pack_segments,
+    segment_rows,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
     KVChecksumWorker,
     WorkerTopology,
 )

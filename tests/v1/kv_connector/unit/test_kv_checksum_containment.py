@@ -76,15 +76,19 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     produce,
     transfer,
 )
-from vllm.distributed.kv_transfer.kv_checksum import containment as containment_mod
-from vllm.distributed.kv_transfer.kv_checksum import wiring
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.engine import (
+    containment as containment_mod,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumVerdict,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    containment as wiring_containment,
 )
 from vllm.v1.request import RequestStatus
 
@@ -455,7 +459,7 @@ def test_without_containment_the_bad_load_spreads(model_dir: str, monkeypatch) -
     (`KV_CHECKSUM_TEST_NO_CONTAINMENT=1`, checksums still on) lets R2 hit A's
     corrupted block: the content oracle sees the spread. Shows the oracles of
     the other tests can fail."""
-    monkeypatch.setenv(wiring.NO_CONTAINMENT_ENV, "1")
+    monkeypatch.setenv(wiring_containment.NO_CONTAINMENT_ENV, "1")
     producer, consumer = engines(model_dir, mode_side("fail-open"))
     assert not hasattr(consumer.scheduler, "kv_checksum_containment")
     watch = Watch(consumer)

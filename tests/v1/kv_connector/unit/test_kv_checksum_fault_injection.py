@@ -37,10 +37,6 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
 )
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_checksum import plugin
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
-    KVChecksumBlocks,
-    KVChecksumScheduled,
-)
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     ENABLE_KEY,
     FAULT_INJECTION_KEY,
@@ -50,15 +46,21 @@ from vllm.distributed.kv_transfer.kv_checksum.config import (
     read_fault_injection,
     read_flags,
 )
-from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+    KVChecksumScheduled,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
+    create_kv_checksum_worker,
+)
+from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
     FAULT_KINDS,
     Injection,
     KVFaultInjector,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
 )
-from vllm.distributed.kv_transfer.kv_checksum.worker import create_kv_checksum_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )

@@ -52,23 +52,23 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     consume,
     produce,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
     KVChecksumCarrier,
     KVChecksumGroup,
     KVChecksumRecord,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
+    P2P_SOURCE,
+    KVChecksumScheduler,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     DEFAULT_MAX_ENCODED_BYTES,
     KVChecksumPayload,
     KVChecksumPayloadGroup,
 )
-from vllm.distributed.kv_transfer.kv_checksum.scheduler import (
-    P2P_SOURCE,
-    KVChecksumScheduler,
-)
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     UnverifiedReason,
 )

@@ -84,12 +84,12 @@ from tests.v1.kv_connector.unit.test_kv_checksum_mamba_scheduler import (
     running_state_block,
     speculative_config,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import KVChecksumPayload
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumVerdict,
 )
@@ -239,7 +239,7 @@ def build_rank(
     `num_spec` n-gram speculative tokens."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_checksum import plugin
-    from vllm.distributed.kv_transfer.kv_checksum.worker import (
+    from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
         create_kv_checksum_worker,
     )
     from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
@@ -755,7 +755,7 @@ def test_hybrid_kv_cache_config_has_both_kinds_r36_r44(
     model with a Mamba group as Mamba, or the reverse; a worker skipping the
     attention group of a hybrid model (e.g. treating its Mamba pages' padding
     as a mixed-spec group, R34 c)."""
-    from vllm.distributed.kv_transfer.kv_checksum.mamba_splits import (
+    from vllm.distributed.kv_transfer.kv_checksum.hybrid.splits import (
         state_splits_of,
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.cpu
 H = 1 << 16  # heads per layer in the definition: slice = layer * H + head
 KERNELS_PATH = (
     Path(__file__).resolve().parents[4]
-    / "vllm/distributed/kv_transfer/kv_checksum/kernels.py"
+    / "vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
 )
 
 

@@ -30,22 +30,22 @@ import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import build_kv_cache_tensors
 from tests.v1.kv_connector.unit.kv_checksum_reference import mix64
-from vllm.distributed.kv_transfer.kv_checksum import mamba_splits
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.mamba import mamba_layer_identity
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
+    KVChecksumWorker,
+    WorkerTopology,
+)
+from vllm.distributed.kv_transfer.kv_checksum.hybrid import splits as mamba_splits
+from vllm.distributed.kv_transfer.kv_checksum.hybrid.views import mamba_layer_identity
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumGroupInfo,
     KVChecksumStatus,
     KVChecksumWorkerReport,
     build_producer_payload,
     verify_load,
-)
-from vllm.distributed.kv_transfer.kv_checksum.worker import (
-    KVChecksumWorker,
-    WorkerTopology,
 )
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateShapeCalculator as Shapes,
@@ -651,7 +651,7 @@ def test_running_state_block_never_scratch_r67() -> None:
     block after) and "none" mode ([running, speculative...]); a group without
     a non-null block is left out. Bugs caught: taking the last block (the
     scratch block), position-based selection like attention groups."""
-    from vllm.distributed.kv_transfer.kv_checksum.blocks import (
+    from vllm.distributed.kv_transfer.kv_checksum.engine.blocks import (
         SchedulerGroup,
         select_blocks,
     )
@@ -708,7 +708,7 @@ def test_scheduler_knows_mamba_groups_r85(
     (kept through vLLM's deep copy into the group spec) or replicated state."""
     import pickle
 
-    from vllm.distributed.kv_transfer.kv_checksum.scheduler import (
+    from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
         KVChecksumScheduler,
     )
 
@@ -809,7 +809,7 @@ def test_fault_injector_corrupts_state_blocks_r131(
     producer, and the load mismatches in exactly the injected group. Bug
     caught: Mamba groups left uncovered (the injector then skips them and a
     corrupted state would pass)."""
-    from vllm.distributed.kv_transfer.kv_checksum.fault_injection import (
+    from vllm.distributed.kv_transfer.kv_checksum.faults.injector import (
         KVFaultInjector,
     )
 

@@ -37,20 +37,22 @@ from tests.v1.kv_connector.unit.test_kv_checksum_mamba import (
     GlobalState,
     reference_layer_checksum,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.scheduler import KVChecksumScheduler
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
+    KVChecksumScheduler,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
+    KVChecksumWorker,
+    WorkerTopology,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumWorkerReport,
     build_producer_payload,
     verify_load,
-)
-from vllm.distributed.kv_transfer.kv_checksum.worker import (
-    KVChecksumWorker,
-    WorkerTopology,
 )
 
 pytestmark = pytest.mark.cpu

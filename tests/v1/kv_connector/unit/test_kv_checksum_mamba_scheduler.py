@@ -60,12 +60,12 @@ from tests.v1.kv_connector.unit.test_kv_checksum_mamba_models import (
     write_mamba2,
     write_state,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import KVChecksumPayload
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumVerdict,
 )

@@ -49,12 +49,12 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     produce,
     run_local,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import KVChecksumPayload
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumWorkerReport,
     verify_load,

@@ -23,19 +23,21 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     consume,
     produce,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KV_TRANSFER_PARAMS_KEY
-from vllm.distributed.kv_transfer.kv_checksum.metrics import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KV_TRANSFER_PARAMS_KEY,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import (
     STATS_KEY,
     KVChecksumStats,
     split_stats,
 )
-from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.prom_metrics import (
     OTHER_REASON,
     REASON_LABELS,
     VERDICT_LABELS,
     reason_label,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import UnverifiedReason
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import UnverifiedReason
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
@@ -346,7 +348,9 @@ def test_prometheus_counts_disabled_workers(model_dir):
     adds nothing) and it appears as vllm:kv_checksum_disabled_workers_total
     (0 on an engine whose workers all run). Catches a disabled worker that
     operators cannot alert on."""
-    from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumRecord
+    from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+        KVChecksumRecord,
+    )
 
     consumer = SimEngine(model_dir, SideConfig(log_stats=True), "consumer")
     clean_engine = SimEngine(model_dir, SideConfig(log_stats=True), "clean")

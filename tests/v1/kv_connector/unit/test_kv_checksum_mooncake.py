@@ -36,9 +36,12 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     transfer,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import package_state as harness_state
-from vllm.distributed.kv_transfer.kv_checksum import mooncake, plugin
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
-from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
+from vllm.distributed.kv_transfer.kv_checksum import plugin
+from vllm.distributed.kv_transfer.kv_checksum.carriers import mooncake
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumCarrier,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
 from vllm.v1.request import RequestStatus
 
 MOONCAKE = "MooncakeConnector"
@@ -85,7 +88,9 @@ class Stopped:
 
 def bare_worker(vllm_config: Any, producer: bool) -> Any:
     """vLLM's MooncakeConnectorWorker without Mooncake, hooks attached."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+        mooncake as wiring_mooncake,
+    )
 
     mc = mc_module()
     worker = mc.MooncakeConnectorWorker.__new__(mc.MooncakeConnectorWorker)
@@ -101,7 +106,9 @@ def bare_worker(vllm_config: Any, producer: bool) -> Any:
     stopped = Stopped()
     worker.async_zmq_ctx = worker._sender_executor = stopped
     worker.sender_loop = worker.receiver_loop = stopped
-    wiring._attach_mooncake_worker(worker, vllm_config, mc.MooncakeXferResponse)
+    wiring_mooncake._attach_mooncake_worker(
+        worker, vllm_config, mc.MooncakeXferResponse
+    )
     return worker
 
 
@@ -592,7 +599,7 @@ def test_payload_cap_derived_from_the_consumer_sizes(model_dir: str) -> None:
     (fault-free loads unverified) or a fixed cap far above the consumer's
     own sizes (work sized by the peer)."""
     from vllm.distributed.kv_transfer.kv_checksum import wiring
-    from vllm.distributed.kv_transfer.kv_checksum.payload import KVChecksumPayload
+    from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
 
     plugin.register()
     engine = mooncake_engine(model_dir, "cons", False)

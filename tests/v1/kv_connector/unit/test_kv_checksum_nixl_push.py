@@ -30,9 +30,12 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     transfer,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import package_state as harness_state
-from vllm.distributed.kv_transfer.kv_checksum import nixl_push, plugin
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
-from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
+from vllm.distributed.kv_transfer.kv_checksum import plugin
+from vllm.distributed.kv_transfer.kv_checksum.carriers import nixl_push
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumCarrier,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
 from vllm.v1.request import RequestStatus
 
 PUSH = "NixlPushConnector"
@@ -368,7 +371,7 @@ def test_push_worker_hooks_producer(model_dir: str) -> None:
     checksums off the WRITE's notif is vLLM's plain form and nothing is
     attached. Catches sending checksum notifs to a consumer that did not ask
     (wants_checksum_notif ignored: an off consumer would fail to decode)."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NixlConnectorMetadata,
     )
@@ -412,7 +415,7 @@ def test_push_worker_hooks_consumer(model_dir: str) -> None:
     kept), an undecodable one is dropped like a lost notif, the bytes of a
     request no longer loading are dropped. Catches the queue passing the
     checksum form through (vLLM's UTF-8 decode would raise)."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
 
     plugin.register()
     engine = push_engine(model_dir, "cons")
@@ -445,7 +448,7 @@ def test_push_worker_get_transfer_results(
     keeps its bytes to a later call; a finished send drops its payload.
     Catches reporting bytes before the load finished (`take` given every
     received id) and a payload store that is never evicted."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorTransferResults,
     )
@@ -500,7 +503,7 @@ def test_push_arrival_orders_producer(model_dir: str, order: str) -> None:
     (vLLM's `_handle_push_reg_notif` starts the push) or the registration
     first (the writer matches it when the blocks arrive). Both WRITEs carry
     the checksums."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
 
     plugin.register()
     engine = push_engine(model_dir, "prod")
@@ -537,7 +540,7 @@ def test_push_hostile_notifs_bounded_and_complete_r107(model_dir: str) -> None:
     dropping the whole notif for an oversized payload (the load never
     completes); keeping bytes after the worker's checksums were disabled
     (never taken: a leak)."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
 
     plugin.register()
     engine = push_engine(model_dir, "cons")
@@ -567,7 +570,9 @@ def test_push_hostile_notifs_bounded_and_complete_r107(model_dir: str) -> None:
     q.put(nixl_push.encode_checksum_notif("d1", 1, b"s" * 8))
     assert q.kv_checksum_received == {"d1": b"s" * 8}
     assert q.get_nowait() == b"d1:1"
-    wiring._disable_push_worker(worker, "test")  # as after an error
+    wiring._disable_push_worker(
+        worker, "_kv_checksum_push", "test"
+    )  # as after an error
     assert q.kv_checksum_received == {}
     q.put(nixl_push.encode_checksum_notif("d2", 1, b"s" * 8))
     assert q.get_nowait() == b"d2:1"

@@ -40,21 +40,21 @@ from tests.v1.kv_connector.unit.test_kv_checksum import (
     truth_worker,
     u64_sum,
 )
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumGroup,
     KVChecksumScheduled,
     block_checksum_tags,
 )
-from vllm.distributed.kv_transfer.kv_checksum.offload import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import KVChecksumWorker
+from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
     position_hashes,
     verify_offloaded_load,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumWorkerReport,
     UnverifiedReason,
 )
-from vllm.distributed.kv_transfer.kv_checksum.worker import KVChecksumWorker
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 

@@ -31,17 +31,20 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
 from vllm.distributed.kv_transfer.kv_checksum import wiring
-from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
+from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
+    HOST_FAULT_KEY,
+    HostFaultConfig,
+    HostFaultInjector,
+    read_host_fault_config,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     HostCopyDropper,
     HostEntryTable,
     failed_keys,
     host_slots,
 )
-from vllm.distributed.kv_transfer.kv_checksum.offload_faults import (
-    HOST_FAULT_KEY,
-    HostFaultConfig,
-    HostFaultInjector,
-    read_host_fault_config,
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    offloading as wiring_offloading,
 )
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
@@ -157,7 +160,7 @@ def test_R121_dropper_frees_a_copy_once_its_load_completed() -> None:
     sched = SimpleNamespace(
         manager=manager, config=SimpleNamespace(kv_group_configs=[]), _req_status={}
     )
-    try_remove = wiring._offload_scheduler_side(sched).try_remove
+    try_remove = wiring_offloading._offload_scheduler_side(sched).try_remove
     dropper = HostCopyDropper()
     dropper.add(keys[:1])
     dropper.drop_ready(try_remove)
@@ -366,7 +369,9 @@ def test_R139_multi_connector_pd_load_takes_the_nixl_path(model_dir: str) -> Non
     from tests.v1.kv_connector.unit.kv_checksum_helpers import (
         consumer_kv_transfer_params,
     )
-    from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+    from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+        KVChecksumCarrier,
+    )
 
     engine = OffloadSimEngine(model_dir, offload_side(multi=True), "multi-pd")
     prompt = list(range(100, 100 + 3 * BS + 1))

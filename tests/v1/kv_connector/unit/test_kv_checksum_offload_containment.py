@@ -24,7 +24,7 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
-from vllm.distributed.kv_transfer.kv_checksum.offload_faults import HOST_FAULT_KEY
+from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import HOST_FAULT_KEY
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 
@@ -192,7 +192,7 @@ def test_R121_many_drops_keep_the_manager_consistent(policy: str) -> None:
     no removal event (KV-event consumers keep advertising a dropped copy);
     evictable count not lowered (a later prepare_store over-evicts and
     fails); a held copy freed under its load."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import offloading as wiring
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
@@ -238,8 +238,10 @@ def quarantine(engine: Any, req_id: str, num_blocks: int, bad: int) -> None:
     (a P/D receive or a host load alike): a mismatch at position `bad`."""
     import numpy as np
 
-    from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
-    from vllm.distributed.kv_transfer.kv_checksum.verification import (
+    from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+        KVChecksumBlocks,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
         KVChecksumStatus,
         KVChecksumVerdict,
     )

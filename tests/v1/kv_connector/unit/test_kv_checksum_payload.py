@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm.distributed.kv_transfer.kv_checksum.__main__ import main
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     DEFAULT_MAX_ENCODED_BYTES,
     MAX_TP_SIZE,
     KVChecksumPayload,

@@ -69,13 +69,6 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_checksum import config as checksum_config
 from vllm.distributed.kv_transfer.kv_checksum import plugin, wiring
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
-    KV_TRANSFER_PARAMS_KEY,
-    KVChecksumBlocks,
-    KVChecksumCarrier,
-    KVChecksumRecord,
-    KVChecksumScheduled,
-)
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     ENABLE_KEY,
     FAIL_CLOSED_KEY,
@@ -83,13 +76,23 @@ from vllm.distributed.kv_transfer.kv_checksum.config import (
     kv_checksum_enabled,
     read_flags,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import KVChecksumPayload
-from vllm.distributed.kv_transfer.kv_checksum.scheduler import KVChecksumScheduler
-from vllm.distributed.kv_transfer.kv_checksum.verification import KVChecksumStatus
-from vllm.distributed.kv_transfer.kv_checksum.worker import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KV_TRANSFER_PARAMS_KEY,
+    KVChecksumBlocks,
+    KVChecksumCarrier,
+    KVChecksumRecord,
+    KVChecksumScheduled,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
+    KVChecksumScheduler,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
     KVChecksumPendingRecord,
     create_kv_checksum_worker,
 )
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
+from vllm.distributed.kv_transfer.kv_checksum.wiring import worker as wiring_worker
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -1478,7 +1481,7 @@ def test_kv_connector_prom_with_a_partial_config_never_raises(
     and leaves them out. Failed before the fix (checked by reverting it):
     `kv_checksum_enabled` read `vllm_config.parallel_config` first and the
     AttributeError escaped vLLM's constructor."""
-    from vllm.distributed.kv_transfer.kv_checksum.prom_metrics import (
+    from vllm.distributed.kv_transfer.kv_checksum.engine.prom_metrics import (
         KVChecksumPromMetrics,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -1631,7 +1634,7 @@ def test_active_connector_error_disables_checksums(
         raise RuntimeError(f"injected into {where}")
 
     if where == "create":
-        monkeypatch.setattr(wiring, "create_kv_checksum_worker", broken)
+        monkeypatch.setattr(wiring_worker, "create_kv_checksum_worker", broken)
     env = worker_setup(True)
     active = env.active
     if where == "create":

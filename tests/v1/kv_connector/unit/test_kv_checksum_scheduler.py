@@ -52,11 +52,11 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
 )
 from vllm.distributed.kv_transfer.kv_checksum import config as checksum_config
 from vllm.distributed.kv_transfer.kv_checksum import plugin
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumCarrier,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     DEFAULT_MAX_ENCODED_BYTES,
     KVChecksumPayload,
 )

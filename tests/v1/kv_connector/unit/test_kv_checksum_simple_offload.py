@@ -28,11 +28,14 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
 from vllm.distributed.kv_transfer.kv_checksum import wiring
-from vllm.distributed.kv_transfer.kv_checksum.offload_faults import HOST_FAULT_KEY
-from vllm.distributed.kv_transfer.kv_checksum.simple_offload import (
+from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import HOST_FAULT_KEY
+from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
     SimpleOffloadSchedulerSide,
     block_places,
     store_runs,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    simple_cpu_offload as wiring_simple,
 )
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
@@ -432,7 +435,7 @@ def test_R117_simple_worker_side_moves_entries_by_cpu_block() -> None:
         def save_block_checksums(self, runs: Any) -> None:
             pass
 
-    from vllm.distributed.kv_transfer.kv_checksum.simple_offload import (
+    from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
         SimpleOffloadWorkerSide,
     )
 
@@ -476,7 +479,7 @@ def test_R121_dropped_copy_hidden_at_once_freed_after_its_load() -> None:
         },
         _abandoned_reqs_to_load={},
     )
-    side = wiring._simple_offload_scheduler_side(manager)
+    side = wiring_simple._simple_offload_scheduler_side(manager)
     request = SimpleNamespace(request_id="r")
     side.on_failure(request, {0: [0]})
     assert side.dropper.dropped == 1 and not side.dropper.pending

@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vllm.distributed.kv_transfer.kv_checksum.payload import inspect_payload
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import inspect_payload
 
 
 def _parser() -> argparse.ArgumentParser:

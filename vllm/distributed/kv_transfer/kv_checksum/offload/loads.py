@@ -14,9 +14,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
-from vllm.distributed.kv_transfer.kv_checksum.offload import verify_offloaded_load
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
+    verify_offloaded_load,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumVerdict,
     KVChecksumWorkerReport,
     WorkerKey,

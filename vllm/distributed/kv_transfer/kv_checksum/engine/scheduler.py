@@ -17,22 +17,22 @@ from typing import Any
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_checksum.blocks import (
-    SchedulerGroup,
-    first_held_position,
-    select_blocks,
-    sliding_window_transfer_blocks,
-)
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
     KVChecksumCarrier,
     KVChecksumRecord,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.mamba_splits import is_tp_comparable
-from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
-from vllm.distributed.kv_transfer.kv_checksum.offload_loads import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.blocks import (
+    SchedulerGroup,
+    first_held_position,
+    select_blocks,
+    sliding_window_transfer_blocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import KVChecksumStats
+from vllm.distributed.kv_transfer.kv_checksum.hybrid.splits import is_tp_comparable
+from vllm.distributed.kv_transfer.kv_checksum.offload.loads import (
     ChecksumSourcesFn,
     FailureFn,
     KVChecksumOffloadLoads,
@@ -40,12 +40,12 @@ from vllm.distributed.kv_transfer.kv_checksum.offload_loads import (
     ignore_failure,
     no_sources,
 )
-from vllm.distributed.kv_transfer.kv_checksum.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     KVChecksumPayload,
     KVChecksumPayloadLimits,
     max_valid_payload_bytes,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumGroupInfo,
     KVChecksumStatus,
     KVChecksumVerdict,

@@ -33,8 +33,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import KVChecksumStats
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     UnverifiedReason,
 )

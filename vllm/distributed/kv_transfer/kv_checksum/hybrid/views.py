@@ -21,15 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     MAX_KV_HEADS_PER_LAYER,
     sum_fingerprints,
 )
-from vllm.distributed.kv_transfer.kv_checksum.mamba_splits import (
-    StateSplits,
-    state_splits_of,
-)
-from vllm.distributed.kv_transfer.kv_checksum.views import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.views import (
     PIECE_BYTES,
     ChecksumView,
     GroupViews,
@@ -37,6 +33,10 @@ from vllm.distributed.kv_transfer.kv_checksum.views import (
     WorkerTopology,
     layer_module,
     layer_number,
+)
+from vllm.distributed.kv_transfer.kv_checksum.hybrid.splits import (
+    StateSplits,
+    state_splits_of,
 )
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
 

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.offload_connectors import (
+from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     HOST_SOURCE,
     HostCopyDropper,
     HostEntryTable,

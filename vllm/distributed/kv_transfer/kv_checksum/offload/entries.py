@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     block_checksum_tags,
 )
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumVerdict,
     KVChecksumWorkerReport,

@@ -36,10 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     FAULT_KINDS,
     read_fault_injection,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
 )
 from vllm.logger import init_logger
 

@@ -11,7 +11,9 @@ The wiring module installs these methods on vLLM's classes.
 from collections.abc import Mapping
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumCarrier,
+)
 
 
 class KVChecksumConnectorMixin:

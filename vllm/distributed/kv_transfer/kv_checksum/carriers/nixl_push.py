@@ -33,7 +33,9 @@ from typing import Any
 
 import msgspec
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumCarrier
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumCarrier,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.offload import position_hashes
-from vllm.distributed.kv_transfer.kv_checksum.worker import host_to_device
+from vllm.distributed.kv_transfer.kv_checksum.definition.rows import host_to_device
+from vllm.distributed.kv_transfer.kv_checksum.offload.entries import position_hashes
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)

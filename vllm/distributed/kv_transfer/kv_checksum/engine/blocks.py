@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.utils.math_utils import cdiv
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     SEND_COLUMN_KEY,
     KVChecksumBlocks,
     KVChecksumGroup,
@@ -27,14 +27,14 @@ from vllm.distributed.kv_transfer.kv_checksum.checksum import (
     block_checksum_tags,
     chunk_tokens,
 )
-from vllm.distributed.kv_transfer.kv_checksum.kernels import KVChecksumLaunch
-from vllm.distributed.kv_transfer.kv_checksum.mamba import plan_mamba_views
-from vllm.distributed.kv_transfer.kv_checksum.rows import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import KVChecksumLaunch
+from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     RowSegment,
+    host_to_device,
     pack_segments,
     segment_rows,
 )
-from vllm.distributed.kv_transfer.kv_checksum.views import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.views import (
     ChecksumView,
     GroupViews,
     UncoveredGroup,
@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_checksum.views import (
     chunk_pieces,
     plan_group_views,
 )
+from vllm.distributed.kv_transfer.kv_checksum.hybrid.views import plan_mamba_views
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
@@ -251,15 +252,6 @@ def finalize_records(items: Iterable[object] | None) -> list[KVChecksumRecord]:
         elif isinstance(item, KVChecksumRecord):
             records.append(item)
     return records
-
-
-def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`array` as an int64 tensor on `device`: one non-blocking copy from
-    pinned host memory, queued on the current stream (no host sync, R55)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class KVChecksumWorker:

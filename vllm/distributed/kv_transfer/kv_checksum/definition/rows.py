@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Row building: the (block id, first token, valid tokens) of every block to checksum.
+"""Row building: the (block id, first token, valid tokens) of every block to checksum,
+and their upload to the device.
 
 All rows of a worker call are built with vectorized NumPy into one [3, width]
 int64 array; each group segment starts at an even column so every kernel slice
@@ -11,8 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
 
 
 @dataclass(frozen=True)
@@ -83,3 +87,12 @@ def pack_segments(
     for column, part in zip(columns, parts):
         packed[:, column : column + part.shape[1]] = part
     return packed, columns
+
+
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` as an int64 tensor on `device`: one non-blocking copy from
+    pinned host memory, queued on the current stream (no host sync, R55)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

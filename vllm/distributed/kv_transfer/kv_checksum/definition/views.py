@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     MAX_KV_HEADS_PER_LAYER,
     ReplicaKey,
     sum_fingerprints,

@@ -33,9 +33,11 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_checksum.checksum import KVChecksumBlocks
-from vllm.distributed.kv_transfer.kv_checksum.metrics import KVChecksumStats
-from vllm.distributed.kv_transfer.kv_checksum.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import KVChecksumStats
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumVerdict,
 )

@@ -1,0 +1,244 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Hooks on the engine's Scheduler (R10 a-f, R73); the logic is in
+engine/scheduler.py.
+
+Hooks (target; why; how; the upstream change that lets it go):
+
+Scheduler.__init__
+    Why: one checksum scheduler per engine (None when disabled)
+    How: after the original; also attaches the offload tiers and containment
+    Upstream: the Scheduler constructing it next to its connector
+Scheduler.add_request
+    Why: note consumers before the connector clears `do_remote_prefill`
+    How: after the original
+    Upstream: a call next to the connector's on_new_request
+connector update_state_after_alloc (instance)
+    Why: the one call that sees every load start
+    How: instance wrapper noting (request, blocks, tokens)
+    Upstream: the Scheduler reporting load starts
+Scheduler._update_after_schedule
+    Why: token counts are final only after it
+    How: after the original; `kv_checksum_scheduled` on the output
+    Upstream: a field filled by the Scheduler
+Scheduler.update_from_output
+    Why: verify loads before rescheduling; fail-closed joins `failed_recving`
+    How: before the original
+    Upstream: a checksum step before the per-request loop
+Scheduler._connector_finished
+    Why: the producer's payload travels with the request
+    How: after the original
+    Upstream: the Scheduler calling the checksum scheduler there
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_checksum.config import read_flags
+from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
+    KVChecksumScheduler,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    _enabled,
+    _guard,
+    _wrap,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring.containment import (
+    _attach_containment,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
+    _attach_offload_schedulers,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring.simple_cpu_offload import (
+    _attach_simple_offload_schedulers,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def _create_scheduler(scheduler: Any) -> KVChecksumScheduler:
+    """The checksum scheduler of a scheduler whose checksums are enabled."""
+    connector = scheduler.connector
+    vllm_config = scheduler.vllm_config
+    flags = read_flags(vllm_config.kv_transfer_config)
+    parallel = vllm_config.parallel_config
+    return KVChecksumScheduler.create(
+        scheduler.kv_cache_config,
+        num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        tp_size=parallel.tensor_parallel_size,
+        fail_closed=flags.fail_closed,
+        carrier=connector.kv_checksum_carrier,
+        hit_sources=lambda request, n: {
+            getattr(s, "value", s)
+            for s in connector.get_external_cache_hit_sources(request, n)
+        },
+        max_model_len=vllm_config.model_config.max_model_len,
+        max_payload_bytes=flags.max_payload_bytes,
+        checksum_sources=lambda request: {
+            getattr(s, "value", s) for s in connector.get_kv_checksum_sources(request)
+        },
+        on_failure=connector.on_kv_checksum_failure,
+        hash_block_size=getattr(scheduler, "hash_block_size", None),
+    )
+
+
+def install_scheduler_hooks() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    # Read when checksums are off: class defaults, nothing set on instances.
+    Scheduler.kv_checksum_scheduler = None  # type: ignore[attr-defined]
+
+    @_wrap(Scheduler, "__init__")
+    def init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
+        """R10 (a). Target: Scheduler.__init__ (also AsyncScheduler's).
+
+        Why: one checksum scheduler per engine, None when disabled.
+        How: created after vLLM's init, with the connector's carrier, hit
+        sources, stored-checksum sources and failure callback (R119, R121);
+        the connector's update_state_after_alloc gets an instance wrapper
+        noting loads as they start (R10 d). Disabled: nothing is set (the
+        class default None answers). Invalid flags raise (R8); any other
+        error leaves checksums off for this engine with one error log.
+        Upstream: the Scheduler constructing it next to its connector.
+        """
+        original(self, *args, **kwargs)
+        if self.connector is None or not _enabled(self.vllm_config, "Scheduler"):
+            return
+        with _guard(self, "kv_checksum_scheduler", "Scheduler.__init__"):
+            kcs = _create_scheduler(self)
+            _attach_offload_schedulers(self.connector)
+            _attach_simple_offload_schedulers(self.connector)
+            _attach_containment(self, kcs)
+            self._kv_checksum_starting_loads = []
+            _note_starting_loads(self)
+            self.kv_checksum_scheduler = kcs
+
+    @_wrap(Scheduler, "add_request")
+    def add_request(original: Callable, self: Any, request: Any) -> None:
+        """R10 (b). Target: Scheduler.add_request.
+
+        Why: connectors clear `do_remote_prefill` when the load starts, so a
+        consumer request must be noted on arrival (R69).
+        How: `on_new_request` after vLLM's add_request.
+        Upstream: a call next to the connector's on_new_request.
+        """
+        original(self, request)
+        kcs = getattr(self, "kv_checksum_scheduler", None)
+        if kcs is None:
+            return
+        with _guard(self, "kv_checksum_scheduler", "add_request"):
+            kcs.on_new_request(request)
+
+    @_wrap(Scheduler, "_update_after_schedule")
+    def update_after_schedule(original: Callable, self: Any, output: Any) -> None:
+        """R10 (c, d). Target: Scheduler._update_after_schedule.
+
+        Why: only after it are `num_computed_tokens` final for the step, both
+        for loads started in this schedule() and for prompts it finishes.
+        How: `add_recv` per started load, `add_send` per scheduled request,
+        then `build_checksum_meta()` on the SchedulerOutput.
+        Upstream: a `kv_checksum_scheduled` field filled by the Scheduler.
+        """
+        original(self, output)
+        kcs = getattr(self, "kv_checksum_scheduler", None)
+        if kcs is None:
+            return
+        starting, self._kv_checksum_starting_loads = (
+            self._kv_checksum_starting_loads,
+            [],
+        )
+        with _guard(self, "kv_checksum_scheduler", "Scheduler._update_after_schedule"):
+            for request, blocks, num_external in starting:
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    local = request.num_computed_tokens - num_external
+                    kcs.add_recv(request, blocks, local)
+            for req_id, num_tokens in output.num_scheduled_tokens.items():
+                kcs.add_send(self.requests[req_id], num_tokens, self.kv_cache_manager)
+            output.kv_checksum_scheduled = kcs.build_checksum_meta()
+
+    @_wrap(Scheduler, "update_from_output")
+    def update_from_output(
+        original: Callable, self: Any, scheduler_output: Any, model_output: Any
+    ) -> Any:
+        """R10 (e), R73. Target: Scheduler.update_from_output.
+
+        Why: a load must be verified before the request is rescheduled, and
+        records must be stored before the per-request loop finishes producers.
+        How: before the original, store records and verify the finished loads
+        (skipping loads reported failed, already failed or hit by invalid
+        blocks); fail-closed failures are added to `failed_recving`, so vLLM's
+        own `_handle_failed_recving` and kv_load_failure_policy decide (R4).
+        If checksum code raises, one error log and checksums off for this
+        engine; vLLM's update_from_output then runs unchanged (R134).
+        Upstream: a checksum step between vLLM's failure handling and its
+        per-request loop.
+        """
+        kcs = getattr(self, "kv_checksum_scheduler", None)
+        if kcs is None:
+            return original(self, scheduler_output, model_output)
+        with _guard(self, "kv_checksum_scheduler", "Scheduler.update_from_output"):
+            kv_output = model_output.kv_connector_output
+            if kv_output is not None:
+                failed = set(kv_output.failed_recving or ())
+                failing = kcs.update_from_output(
+                    finalize_records(getattr(kv_output, "kv_checksums", None)),
+                    kv_output.finished_recving,
+                    skip_req_ids=failed | self.failed_recving_kv_req_ids,
+                    invalid_block_ids=kv_output.invalid_block_ids,
+                )
+                if failing:
+                    kv_output.failed_recving = failed | failing
+        return original(self, scheduler_output, model_output)
+
+    @_wrap(Scheduler, "_connector_finished")
+    def connector_finished(
+        original: Callable, self: Any, request: Any
+    ) -> tuple[bool, Any]:
+        """R10 (f). Target: Scheduler._connector_finished.
+
+        Why: a finished producer's payload travels with what the connector
+        returns (kv_transfer_params) or in the connector's own messages.
+        How: after the original, `request_finished` adds "kv_checksums" to the
+        returned params (leaving out blocks vLLM has freed since the prompt
+        was checksummed); CONNECTOR bytes go to `send_kv_checksums`. On an
+        error, vLLM's own result is returned (R134).
+        Upstream: the Scheduler calling the checksum scheduler there.
+        """
+        result = original(self, request)
+        kcs = getattr(self, "kv_checksum_scheduler", None)
+        if kcs is None:
+            return result
+        with _guard(self, "kv_checksum_scheduler", "Scheduler._connector_finished"):
+            delay_free, params = result
+            params = kcs.request_finished(request, params, self.kv_cache_manager)
+            data = kcs.take_kv_checksums_to_send(request.request_id)
+            if data is not None:
+                self.connector.send_kv_checksums(request, data)
+            return delay_free, params
+        return result
+
+
+def _note_starting_loads(scheduler: Any) -> None:
+    """R10 (d). Target: the scheduler's connector instance's
+    update_state_after_alloc (also reached from `_drain_deferred_loads`).
+
+    Why: it is the one call that sees every async load start.
+    How: an instance attribute wrapping the bound method notes (request,
+    blocks, external tokens) for the next `_update_after_schedule`.
+    Upstream: the Scheduler reporting load starts to the checksum scheduler.
+    """
+    connector = scheduler.connector
+    original = connector.update_state_after_alloc
+
+    def update_state_after_alloc(request: Any, blocks: Any, num_external: int) -> Any:
+        result = original(request, blocks, num_external)
+        if num_external > 0 and scheduler.kv_checksum_scheduler is not None:
+            scheduler._kv_checksum_starting_loads.append(
+                (request, blocks, num_external)
+            )
+        return result
+
+    connector.update_state_after_alloc = update_state_after_alloc

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Hooks on SimpleCPUOffloadConnector (R116-R121, R139); the logic is in
+offload/simple_cpu_offload.py.
+
+Hooks (target; why; how; the upstream change that lets it go):
+
+SimpleCPUOffloadConnector (class methods)
+    Why: declare `host` as a checked source, drop bad CPU blocks, build the entry
+    table (CPU backend only)
+    How: answer only when the instance holds checksum state
+    Upstream: the connector implementing the offloaded-KV API
+SimpleCPUOffloadConnector.build_connector_meta
+    Why: workers need the stored blocks' places
+    How: after the original, runs from the stored GPU blocks' cache keys
+    Upstream: the metadata carrying each stored block's place
+SimpleCPUOffloadConnector.wait_for_save
+    Why: entries go to their CPU slots before the store event
+    How: before the original
+    Upstream: the worker moving a per-block payload
+SimpleCPUOffloadConnector.start_load_kv
+    Why: entries come back before the load copy; host faults first (R131)
+    How: before the original
+    Upstream: as above
+SimpleCPUOffloadScheduler internals (read)
+    Why: stored blocks' keys, a failed load's CPU blocks; drop via `evict_blocks`
+    How: reads only
+    Upstream: a public view of the loads and a "drop copy" call
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_checksum.offload import (
+    simple_cpu_offload as simple_offload,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
+    create_host_fault_injector,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    _guard,
+    _wrap,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
+    _disable_offload_worker,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def install_simple_offload_connector() -> None:
+    """R139. Target: SimpleCPUOffloadConnector (the API methods), its
+    build_connector_meta, start_load_kv and wait_for_save.
+
+    Why: it copies GPU blocks to CPU blocks and back as flat block lists per
+    event (no request attached to a store; in lazy mode, cached blocks near
+    eviction); each block's checksum entry must travel with it, and its loads
+    from host memory must be declared so they are verified (R117-R121).
+    How: class methods for the API; thin wrappers that call the original and
+    pass through unless the instance holds checksum state, which only
+    `_attach_simple_offload_schedulers` (Scheduler.__init__ hook, checksums
+    on) and `register_kv_checksum_worker` (worker, checksums on) create. The
+    store runs, read from the stored GPU blocks' cache keys after the
+    original built the metadata, ride on it; entries move before the original
+    submits a load event (start_load_kv) or a store event (wait_for_save).
+    Upstream: SimpleCPUOffloadConnector moving an opaque per-block payload
+    with each block, and declaring its host source.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
+        SimpleCPUOffloadConnector,
+    )
+
+    def get_kv_checksum_sources(self: Any, request: Any) -> set[str]:
+        side = self.__dict__.get("_kv_checksum_simple_offload")
+        return set() if side is None else side.sources(request)
+
+    def on_kv_checksum_failure(
+        self: Any, request: Any, mismatches: dict[int, list[int]]
+    ) -> None:
+        side = self.__dict__.get("_kv_checksum_simple_offload")
+        if side is not None:
+            side.on_failure(request, mismatches)
+
+    def register_kv_checksum_worker(self: Any, worker: Any) -> None:
+        _attach_simple_offload_worker(self, worker)
+
+    connector = SimpleCPUOffloadConnector
+    connector.get_kv_checksum_sources = get_kv_checksum_sources  # type: ignore[attr-defined]
+    connector.on_kv_checksum_failure = on_kv_checksum_failure  # type: ignore[attr-defined]
+    connector.register_kv_checksum_worker = register_kv_checksum_worker  # type: ignore[attr-defined]
+
+    @_wrap(connector, "build_connector_meta")
+    def build_connector_meta(original: Callable, self: Any, *args: Any) -> Any:
+        """R118: the runs of the stored blocks go to the workers."""
+        side = self.__dict__.get("_kv_checksum_simple_offload")
+        if side is None:
+            return original(self, *args)
+        meta = original(self, *args)
+        with _guard(self, "_kv_checksum_simple_offload", "build_connector_meta"):
+            side.attach(meta)
+        return meta
+
+    @_wrap(connector, "start_load_kv")
+    def start_load_kv(original: Callable, self: Any, *args: Any, **kw: Any) -> Any:
+        """R118, R131: host faults (if configured), then the loads' entries."""
+        side = self.__dict__.get("_kv_checksum_simple_offload_worker")
+        if side is not None:
+            with _guard(
+                self,
+                "_kv_checksum_simple_offload_worker",
+                "load",
+                _disable_offload_worker,
+            ):
+                side.start_loads(self._connector_metadata)
+        return original(self, *args, **kw)
+
+    @_wrap(connector, "wait_for_save")
+    def wait_for_save(original: Callable, self: Any) -> Any:
+        """R118: the stored blocks' entries, into their CPU blocks' slots."""
+        side = self.__dict__.get("_kv_checksum_simple_offload_worker")
+        if side is not None:
+            with _guard(
+                self,
+                "_kv_checksum_simple_offload_worker",
+                "store",
+                _disable_offload_worker,
+            ):
+                side.save_stores(self._connector_metadata)
+        return original(self)
+
+
+def _simple_offload_children(connector: Any) -> list[Any]:
+    """The SimpleCPUOffloadConnectors of a connector (itself, or
+    MultiConnector's)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
+        SimpleCPUOffloadConnector,
+    )
+
+    children = getattr(connector, "_connectors", None) or [connector]
+    return [c for c in children if isinstance(c, SimpleCPUOffloadConnector)]
+
+
+def _attach_simple_offload_schedulers(connector: Any) -> None:
+    """With checksums on only (Scheduler.__init__ hook): checksum state on
+    each SimpleCPUOffloadConnector with a CPU (not disk) backend (R119)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    for child in _simple_offload_children(connector):
+        manager = child.scheduler_manager
+        if manager is None:  # prefix caching off: vLLM offloads nothing
+            continue
+        if child._cache_hit_source != CacheHitSource.HOST:
+            logger.warning(
+                "KV checksums: SimpleCPUOffloadConnector's disk backend is not "
+                "covered; its loads are not checked."
+            )
+            continue
+        child._kv_checksum_simple_offload = _simple_offload_scheduler_side(manager)
+
+
+def _simple_offload_scheduler_side(manager: Any) -> Any:
+    """The scheduler-side state over vLLM 0.33.0's SimpleCPUOffloadScheduler
+    internals: the GPU block pool it stores from (`_gpu_block_pool`, bound by
+    the Scheduler), the CPU blocks of a request's pending load
+    (`_reqs_to_load`, `_abandoned_reqs_to_load` after a reset) and, to drop
+    a bad copy, the CPU block pool's own `evict_blocks` (hashes out of the
+    prefix cache now; the block is freed when its load releases it).
+    Upstream: a public view of the manager's loads and of the stored blocks'
+    places, and a "drop copy" call."""
+
+    def keys(pool: Any, ids: Any) -> list[tuple[Any, Any]]:
+        blocks = pool.blocks
+        return [(blocks[i].block_hash, blocks[i].block_hash_num_tokens) for i in ids]
+
+    def load_blocks(req_id: str) -> Any:
+        state = manager._reqs_to_load.get(req_id)
+        if state is None:
+            state = manager._abandoned_reqs_to_load.get(req_id)
+        return None if state is None else state.transfer_meta.cpu_block_ids
+
+    def try_remove(cpu_id: int) -> bool | None:
+        pool = manager.cpu_block_pool
+        if pool.blocks[cpu_id].block_hash is None:
+            return None
+        pool.evict_blocks({cpu_id})
+        return True
+
+    return simple_offload.SimpleOffloadSchedulerSide(
+        manager.group_block_sizes,
+        lambda ids: keys(manager._gpu_block_pool, ids),
+        lambda ids: keys(manager.cpu_block_pool, ids),
+        load_blocks,
+        try_remove,
+    )
+
+
+def _attach_simple_offload_worker(connector: Any, worker: Any) -> None:
+    """With checksums on only: the host entry table (and host fault
+    injector, R131) of a SimpleCPUOffloadConnector worker with CPU tensors
+    (the disk backend has none and is not covered) (R117)."""
+    handler = connector.worker_handler
+    if handler is None or not handler.cpu_kv_caches:
+        return
+    topology = worker.topology
+    injector = create_host_fault_injector(
+        connector._vllm_config, topology.tp_rank, topology.pp_rank
+    )
+
+    def host_tensors() -> list[Any]:
+        # vLLM 0.33.0: [num_cpu_blocks, block bytes] pinned tensors per region.
+        return list((handler.cpu_kv_caches or {}).values())
+
+    connector._kv_checksum_simple_offload_worker = (
+        simple_offload.SimpleOffloadWorkerSide(
+            worker,
+            handler.kv_cache_config.prefix_cacheable_group_ids,
+            handler.num_cpu_blocks,
+            injector,
+            host_tensors,
+        )
+    )
