@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tests.v1.kv_connector.unit.test_kv_checksum_kernels import CASES  # noqa: E402
-from vllm.distributed.kv_transfer.kv_checksum import kernels  # noqa: E402
+from vllm.distributed.kv_transfer.kv_checksum.definition import kernels  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTERS = {"table_ptr", "rows_ptr", "out_ptr", "x_ptr"}
