@@ -65,3 +65,28 @@ def test_R142_cache_blocks_unwrapped_unless_a_request_is_quarantined(
     assert consumer.checksums.stats.loads.get("mismatch") == 1
     assert True in seen, "no wrapper while the failed load was quarantined"
     assert not _wrapped(coordinator), "wrapper left after the request was freed"
+
+
+def test_R142_add_send_runs_for_producer_requests_only(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R68, R142: `add_send` is called for scheduled producer requests only:
+    decode steps of other requests make no call, and a finished producer
+    leaves no state. Bug caught: a per-request loop over every scheduled
+    request in every step (the call count grows with the batch)."""
+    engine = SimEngine(model_dir, SideConfig(), "P")
+    kcs = engine.checksums
+    calls: list[str] = []
+    original = kcs.add_send
+
+    def add_send(request: Any, *args: Any) -> None:
+        calls.append(request.request_id)
+        original(request, *args)
+
+    monkeypatch.setattr(kcs, "add_send", add_send)
+    run_local(engine, "local", PROMPT, max_tokens=6)
+    assert calls == []
+    params = produce(engine, "prod", [9] * 40)
+    assert "kv_checksums" in params
+    assert calls and set(calls) == {"prod"}
+    assert not kcs._producers

@@ -1219,8 +1219,9 @@ def _install_scheduler_hooks() -> None:
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     local = request.num_computed_tokens - num_external
                     kcs.add_recv(request, blocks, local)
-            for req_id, num_tokens in output.num_scheduled_tokens.items():
-                kcs.add_send(self.requests[req_id], num_tokens, self.kv_cache_manager)
+            kcs.add_sends(
+                output.num_scheduled_tokens, self.requests, self.kv_cache_manager
+            )
             output.kv_checksum_scheduled = kcs.build_checksum_meta()
         except Exception:
             _disable_after_error(
