@@ -754,5 +754,5 @@ def package_state(engine: SimEngine, connector_scheduler: Any) -> int:
     total = (
         len(kcs._noted) + len(kcs._sends) + len(kcs._recvs) + len(kcs.offload.pending)
     )
-    total += len(kcs._outgoing)
+    total += len(kcs._outgoing) + len(kcs._producers)
     return total + (len(outbox.pending) if outbox is not None else 0)

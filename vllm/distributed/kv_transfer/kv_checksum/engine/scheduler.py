@@ -134,6 +134,8 @@ class KVChecksumScheduler:
         )
         self.stats = KVChecksumStats()
         self._noted: set[str] = set()
+        # Producer requests (do_remote_decode), in arrival order (R142).
+        self._producers: dict[str, None] = {}
         self._sends: dict[str, _PendingTransfer] = {}
         self._recvs: dict[str, _PendingReceive] = {}
         self._outgoing: dict[str, bytes] = {}
@@ -208,8 +210,23 @@ class KVChecksumScheduler:
         if self.disabled_workers:
             return
         params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            self._producers[request.request_id] = None
         if params.get("do_remote_prefill") and not params.get("do_remote_decode"):
             self._noted.add(request.request_id)
+
+    def add_sends(
+        self,
+        num_scheduled_tokens: Mapping[str, int],
+        requests: Mapping[str, Any],
+        kv_cache_manager: Any,
+    ) -> None:
+        """`add_send` for this step's scheduled producer requests only, so a
+        step of other requests loops over none of them (R68, R142)."""
+        for req_id in [r for r in self._producers if r in num_scheduled_tokens]:
+            self.add_send(
+                requests[req_id], num_scheduled_tokens[req_id], kv_cache_manager
+            )
 
     def add_send(
         self, request: Any, num_scheduled_tokens: int, kv_cache_manager: Any
@@ -350,6 +367,7 @@ class KVChecksumScheduler:
         self.disabled_workers.add(key)
         dropped = len(self._sends) + len(self._recvs) + len(self.offload.pending)
         self._noted.clear()
+        self._producers.clear()
         self._sends.clear()
         self._recvs.clear()
         self.offload.pending.clear()
@@ -500,6 +518,7 @@ class KVChecksumScheduler:
         """
         req_id = request.request_id
         self._noted.discard(req_id)
+        self._producers.pop(req_id, None)
         self._recvs.pop(req_id, None)
         self.offload.pending.pop(req_id, None)
         send = self._sends.pop(req_id, None)

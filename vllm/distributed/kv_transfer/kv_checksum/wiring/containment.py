@@ -119,6 +119,7 @@ def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
         try:
             start = containment.on_failed_load(req_id, verdict, blocks)
             if start:
+                watch(True)
                 evict(req_id)
                 _quarantine_offload_copies(scheduler.connector, req_id, start)
         except Exception:
@@ -133,22 +134,30 @@ def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
         if containment and request.request_id in containment:
             evict(request.request_id)
 
+    def watch(quarantined: bool) -> None:
+        """R142: cache_blocks is wrapped only while a request is quarantined,
+        so steps without one pay nothing per request."""
+        coordinator.cache_blocks = (
+            cache_blocks if quarantined else original_cache_blocks
+        )
+
     def free(request_id: str) -> None:
         original_free(request_id)
         if containment:
             containment.release(request_id)
+            watch(bool(containment))
 
     def pop_blocks_for_free(request_id: str) -> Any:
         blocks = original_pop(request_id)
         if containment:
             containment.release(request_id)
+            watch(bool(containment))
         return blocks
 
     for child in _offload_children(scheduler.connector):
         side = child.__dict__.get("_kv_checksum_offload")
         if side is not None:  # R138: no store from a quarantine start on
             side.quarantine = containment.start
-    coordinator.cache_blocks = cache_blocks
     coordinator.free = free
     coordinator.pop_blocks_for_free = pop_blocks_for_free
     scheduler.kv_checksum_containment = containment

@@ -138,7 +138,7 @@ def install_scheduler_hooks() -> None:
 
         Why: only after it are `num_computed_tokens` final for the step, both
         for loads started in this schedule() and for prompts it finishes.
-        How: `add_recv` per started load, `add_send` per scheduled request,
+        How: `add_recv` per started load, `add_sends` for the scheduled producer requests,
         then `build_checksum_meta()` on the SchedulerOutput.
         Upstream: a `kv_checksum_scheduled` field filled by the Scheduler.
         """
@@ -155,8 +155,9 @@ def install_scheduler_hooks() -> None:
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     local = request.num_computed_tokens - num_external
                     kcs.add_recv(request, blocks, local)
-            for req_id, num_tokens in output.num_scheduled_tokens.items():
-                kcs.add_send(self.requests[req_id], num_tokens, self.kv_cache_manager)
+            kcs.add_sends(
+                output.num_scheduled_tokens, self.requests, self.kv_cache_manager
+            )
             output.kv_checksum_scheduled = kcs.build_checksum_meta()
 
     @_wrap(Scheduler, "update_from_output")

@@ -1,0 +1,310 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Host cost of KV checksums per engine step, on CPU (R142, issue 30 item 2).
+
+Scheduler side: two real vLLM `Scheduler`s with the plugin's hooks, one with
+checksums on and one off, over the same connector, each holding N running
+requests in decode; a step is `schedule()` then `update_from_output()` with a
+stand-in model output (one sampled token per request, the offload
+connectors' jobs reported complete in the step). Steps run in interleaved
+rounds (on, off, on, off, ...); the per-step figure is a round's time over
+its steps, and on - off is the checksums' host cost per step. With
+`--loads`, every step a new P/D consumer request arrives and the load started
+one step earlier finishes (verified in the step; no worker records, so its
+verdict is "unverified" and the figure is the scheduler's bookkeeping only).
+
+Worker side: a `KVChecksumWorker` over CPU KV caches, `bind` and
+`post_forward` of a decode step (nothing to checksum), as the wiring's
+pre/post forward hooks call them.
+
+Run from the repository root:
+    python benchmarks/host/benchmark_kv_checksum_step.py [--requests 8 64 256]
+"""
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
+    make_kv_cache_config,
+    make_kv_caches,
+    make_kv_connector_output,
+    make_model_runner_output,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    write_model_dir,
+)
+from tests.v1.kv_connector.unit.kv_checksum_pd import (  # noqa: E402
+    CARRIER_CONNECTOR_NAME,
+    register_carrier_connector,
+)
+from vllm.distributed.kv_transfer.kv_checksum import plugin  # noqa: E402
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (  # noqa: E402
+    KVChecksumWorker,
+)
+from vllm.distributed.kv_transfer.kv_checksum.views import (  # noqa: E402
+    WorkerTopology,
+)
+
+BLOCK_SIZE = 16
+PROMPT_LEN = 32
+MAX_MODEL_LEN = 2048
+CONNECTORS: dict[str, tuple[str, dict[str, Any]]] = {
+    "nixl-pull-like (carrier test connector)": (CARRIER_CONNECTOR_NAME, {}),
+    "OffloadingConnector": ("OffloadingConnector", {"cpu_bytes_to_use": 1 << 22}),
+    "SimpleCPUOffloadConnector": (
+        "SimpleCPUOffloadConnector",
+        {"cpu_bytes_to_use": 1 << 22, "num_cpu_blocks": 64},
+    ),
+}
+
+
+def _completed_jobs(scheduler: Any, output: Any) -> Any:
+    """The offload connectors' worker metadata: this step's jobs all done."""
+    meta = output.kv_connector_metadata
+    if hasattr(meta, "store_jobs"):
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+
+        jobs = (*meta.load_jobs, *meta.store_jobs)
+        return OffloadingWorkerMetadata(completed_jobs={j: 1 for j in jobs})
+    if getattr(meta, "store_gpu_blocks", None):
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        return SimpleCPUOffloadWorkerMetadata(
+            completed_store_events={meta.store_event: 1}
+        )
+    return None
+
+
+@dataclass
+class Bench:
+    """One engine (scheduler only) with `n` running requests in decode."""
+
+    model_dir: str
+    connector: str
+    extra: dict[str, Any]
+    enabled: bool
+    n: int
+    loads: bool = False
+    steps: int = 0
+    _pending_loads: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        extra = dict(self.extra)
+        if self.enabled:
+            extra["enable_kv_checksum"] = True
+        config = make_vllm_config(
+            self.model_dir,
+            num_blocks=self.n * (MAX_MODEL_LEN // BLOCK_SIZE) + 64,
+            kv_connector=self.connector,
+            extra_config=extra,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=self.n + 8,
+            max_num_batched_tokens=max(MAX_MODEL_LEN, (self.n + 8) * PROMPT_LEN),
+        )
+        self.scheduler = make_scheduler(config, make_kv_cache_config(config))
+        for i in range(self.n):
+            prompt = [(i * 131 + 7 * t) % 991 + 3 for t in range(PROMPT_LEN)]
+            self.scheduler.add_request(
+                make_request(
+                    f"d{i}",
+                    prompt,
+                    max_tokens=MAX_MODEL_LEN - PROMPT_LEN - 8,
+                    block_size=BLOCK_SIZE,
+                )
+            )
+        for _ in range(3):  # prefill, then decode
+            self.step()
+
+    def step(self) -> None:
+        scheduler = self.scheduler
+        finished: list[str] = []
+        if self.loads:
+            finished, self._pending_loads = self._pending_loads, []
+            self._add_consumer()
+        output = scheduler.schedule()
+        self._pending_loads = [
+            r.request_id
+            for r in scheduler.waiting
+            if r.request_id.startswith("c")
+            and r.request_id not in finished
+            and r.status.name == "WAITING_FOR_REMOTE_KVS"
+        ][:1]
+        kv_output = make_kv_connector_output(finished_recving=finished)
+        kv_output.kv_connector_worker_meta = _completed_jobs(scheduler, output)
+        model_output = make_model_runner_output(
+            output, scheduler=scheduler, kv_connector_output=kv_output
+        )
+        scheduler.update_from_output(output, model_output)
+        self.steps += 1
+
+    def _add_consumer(self) -> None:
+        i = self.steps
+        prompt = [(i * 17 + 5 * t) % 991 + 3 for t in range(PROMPT_LEN)]
+        params = {"do_remote_prefill": True, "do_remote_decode": False}
+        self.scheduler.add_request(
+            make_request(
+                f"c{i}",
+                prompt,
+                max_tokens=2,
+                kv_transfer_params=params,
+                block_size=BLOCK_SIZE,
+            )
+        )
+
+
+def _timed(fn: Callable[[], None], count: int) -> float:
+    """Median microseconds of `count` calls of `fn` (garbage collection off,
+    so a collection landing in one engine's round does not count)."""
+    times = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(count):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return statistics.median(times) * 1e6
+
+
+@dataclass
+class Result:
+    name: str
+    n: int
+    on: list[float]
+    off: list[float]
+
+    def row(self) -> str:
+        diffs = [a - b for a, b in zip(self.on, self.off)]
+        on, off = statistics.median(self.on), statistics.median(self.off)
+        return (
+            f"| {self.name} | {self.n} | {off:.0f} | {on:.0f} | "
+            f"{statistics.median(diffs):+.0f} | {min(diffs):+.0f} .. "
+            f"{max(diffs):+.0f} | {off / on:.3f} |"
+        )
+
+
+def bench_scheduler(
+    model_dir: str,
+    name: str,
+    n: int,
+    rounds: int,
+    steps: int,
+    loads: bool,
+    profile: bool,
+) -> Result:
+    connector, extra = CONNECTORS[name]
+    on = Bench(model_dir, connector, extra, True, n, loads)
+    off = Bench(model_dir, connector, extra, False, n, loads)
+    result = Result(name + (" +loads" if loads else ""), n, [], [])
+    for _ in range(rounds):
+        result.on.append(_timed(on.step, steps))
+        result.off.append(_timed(off.step, steps))
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            on.step()
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+        stats.print_stats("kv_checksum", 20)
+        print(f"\ncProfile, checksums on, {result.name}, {n} requests, {steps} steps")
+        print("(functions of the package, by own time):")
+        print(text.getvalue()[-4000:])
+    return result
+
+
+def bench_worker(model_dir: str, n: int, count: int) -> float:
+    """Microseconds of a decode step's bind + post_forward on one worker."""
+    config = make_vllm_config(model_dir, max_num_seqs=n)
+    kv_cache_config = make_kv_cache_config(config, pp_rank=0)
+    caches = make_kv_caches(kv_cache_config, seed=0)
+    import torch
+
+    topology = WorkerTopology(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        num_blocks=kv_cache_config.num_blocks,
+        uniform_model_kv_heads=2,
+        device=torch.device("cpu"),
+    )
+    worker = KVChecksumWorker(kv_cache_config, caches, topology)
+
+    def step() -> None:
+        worker.bind(None)
+        worker.post_forward(None, set(), None, ())
+
+    return _timed(step, count)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--connectors", nargs="+", default=list(CONNECTORS))
+    parser.add_argument("--no-loads", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    plugin.register()
+    register_carrier_connector()
+    model_dir = write_model_dir(Path(tempfile.mkdtemp()))
+    results = []
+    for name in args.connectors:
+        for n in args.requests:
+            results.append(
+                bench_scheduler(
+                    model_dir,
+                    name,
+                    n,
+                    args.rounds,
+                    args.steps,
+                    False,
+                    args.profile and n == max(args.requests),
+                )
+            )
+            if not args.no_loads and CONNECTORS[name][0] == CARRIER_CONNECTOR_NAME:
+                results.append(
+                    bench_scheduler(
+                        model_dir,
+                        name,
+                        n,
+                        args.rounds,
+                        args.steps,
+                        True,
+                        args.profile and n == max(args.requests),
+                    )
+                )
+    print("\nScheduler step (schedule + update_from_output), microseconds: the")
+    print(f"median step of a round, {args.rounds} interleaved rounds of")
+    print(f"{args.steps} steps; median over rounds, spread of on - off:")
+    print("| connector | running | off | on | on - off | spread | off/on |")
+    print("|---|---|---|---|---|---|---|")
+    for result in results:
+        print(result.row())
+    print("\nWorker decode step (bind + post_forward, nothing to checksum):")
+    for n in args.requests:
+        print(f"| {n} | {bench_worker(model_dir, n, 2000):.1f} us |")
+
+
+if __name__ == "__main__":
+    main()
