@@ -138,8 +138,8 @@ def install_scheduler_hooks() -> None:
 
         Why: only after it are `num_computed_tokens` final for the step, both
         for loads started in this schedule() and for prompts it finishes.
-        How: `add_recv` per started load, `add_sends` for the scheduled producer requests,
-        then `build_checksum_meta()` on the SchedulerOutput.
+        How: `add_recv` per started load, `add_sends` for the scheduled
+        producer requests, then `build_checksum_meta()` on the SchedulerOutput.
         Upstream: a `kv_checksum_scheduled` field filled by the Scheduler.
         """
         original(self, output)
