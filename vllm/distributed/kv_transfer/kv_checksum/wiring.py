@@ -185,6 +185,14 @@ def install() -> None:
     _install_offload_connector()
     _install_simple_offload_connector()
     _install_mamba_split_hooks()
+    _install_prefix_cache_hooks()
+
+
+def _install_prefix_cache_hooks() -> None:
+    """R140: prefix-hit verification (its own module, installed last)."""
+    from vllm.distributed.kv_transfer.kv_checksum import wiring_prefix_cache
+
+    wiring_prefix_cache.install()
 
 
 # ----------------------------------------------------------------------
