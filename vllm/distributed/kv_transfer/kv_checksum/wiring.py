@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_checksum import (
     nixl_push,
     offload_connectors,
     simple_offload,
+    wiring_prefix_cache,
 )
 from vllm.distributed.kv_transfer.kv_checksum import outbox as outbox_module
 from vllm.distributed.kv_transfer.kv_checksum.checksum import (
@@ -185,14 +186,6 @@ def install() -> None:
     _install_offload_connector()
     _install_simple_offload_connector()
     _install_mamba_split_hooks()
-    _install_prefix_cache_hooks()
-
-
-def _install_prefix_cache_hooks() -> None:
-    """R140: prefix-hit verification (its own module, installed last)."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring_prefix_cache
-
-    wiring_prefix_cache.install()
 
 
 # ----------------------------------------------------------------------
@@ -1180,6 +1173,7 @@ def _install_scheduler_hooks() -> None:
             _attach_offload_schedulers(self.connector)
             _attach_simple_offload_schedulers(self.connector)
             _attach_containment(self, kcs)
+            wiring_prefix_cache.attach(self, kcs)  # R140
             self._kv_checksum_starting_loads = []
             _note_starting_loads(self)
             self.kv_checksum_scheduler = kcs
@@ -1230,6 +1224,7 @@ def _install_scheduler_hooks() -> None:
             for req_id, num_tokens in output.num_scheduled_tokens.items():
                 kcs.add_send(self.requests[req_id], num_tokens, self.kv_cache_manager)
             output.kv_checksum_scheduled = kcs.build_checksum_meta()
+            wiring_prefix_cache.schedule(self, output)  # R140
         except Exception:
             _disable_after_error(
                 self, "kv_checksum_scheduler", "Scheduler._update_after_schedule"
@@ -1267,6 +1262,7 @@ def _install_scheduler_hooks() -> None:
                 )
                 if failing:
                     kv_output.failed_recving = failed | failing
+            wiring_prefix_cache.verify(self, scheduler_output, model_output)  # R140
         except Exception:
             _disable_after_error(
                 self, "kv_checksum_scheduler", "Scheduler.update_from_output"
@@ -1392,6 +1388,7 @@ def _install_worker_hooks() -> None:
             _remember_transfer_results(self)
             self.kv_checksum_fault_injector = injector
             self.kv_checksum_worker = worker
+            wiring_prefix_cache.enable_worker(worker, vllm_config)  # R140
         except Exception:
             _disable_worker(self, "ActiveKVConnector")
 

@@ -5,10 +5,10 @@ block pool, and into the worker's connector wrapper.
 
 Each hook is a short call into :mod:`.prefix_hits`; with checksums or
 `kv_checksum_verify_prefix_hits` off nothing is attached and vLLM runs
-unchanged. Installed by `wiring.install()`.
+unchanged. Called from the package's existing hooks in :mod:`.wiring` (one
+line each), so no vLLM method is wrapped twice.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,10 +22,6 @@ from vllm.distributed.kv_transfer.kv_checksum.prefix_hits import (
 from vllm.distributed.kv_transfer.kv_checksum.verification import (
     KVChecksumStatus,
     KVChecksumWorkerReport,
-)
-from vllm.distributed.kv_transfer.kv_checksum.wiring import (
-    _disable_after_error,
-    _wrap,
 )
 from vllm.distributed.kv_transfer.kv_checksum.worker import finalize_records
 from vllm.logger import init_logger
@@ -49,85 +45,67 @@ def _verify_prefix_hits(vllm_config: Any) -> bool:
     return read_flags(kv_transfer_config).verify_prefix_hits
 
 
-def install() -> None:
-    """Install the hooks (once, from `wiring.install()`)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu import kv_connector as gpu_kv_connector
+def attach(scheduler: Any, kcs: Any) -> None:
+    """R140. Called by the Scheduler.__init__ hook once it built the checksum
+    scheduler `kcs`.
 
-    @_wrap(Scheduler, "__init__")
-    def init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
-        """R140. Target: Scheduler.__init__ (after the checksum scheduler's hook).
+    Why: entries are recorded when vLLM caches blocks and dropped when it
+    evicts them; hits are noted when vLLM looks them up.
+    How: instance wrappers on the block pool and KV cache manager; nothing is
+    attached with the flag off. An error leaves prefix-hit verification off.
+    """
+    try:
+        if _verify_prefix_hits(scheduler.vllm_config):
+            attach_scheduler(scheduler, kcs)
+    except Exception:
+        _turn_off(scheduler, "setup")
 
-        Why: entries are recorded when vLLM caches blocks and dropped when it
-        evicts them; hits are noted when vLLM looks them up.
-        How: instance wrappers on the block pool and KV cache manager.
-        """
-        original(self, *args, **kwargs)
-        kcs = getattr(self, "kv_checksum_scheduler", None)
-        if kcs is None or not _verify_prefix_hits(self.vllm_config):
-            return
-        try:
-            attach_scheduler(self, kcs)
-        except Exception:
-            _disable_after_error(self, _STATE_ATTR, "prefix-hit verification setup")
 
-    @_wrap(Scheduler, "_update_after_schedule")
-    def update_after_schedule(original: Callable, self: Any, output: Any) -> None:
-        """R140. Target: Scheduler._update_after_schedule.
+def schedule(scheduler: Any, output: Any) -> None:
+    """R140. Called by the Scheduler._update_after_schedule hook after it set
+    `kv_checksum_scheduled`: hits of this step's scheduled requests become
+    checks; the step's entries to save and checks join the SchedulerOutput."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return
+    try:
+        _schedule_step(scheduler, state, output)
+    except Exception:
+        _turn_off(scheduler, "scheduling")
 
-        Why: the step's scheduled requests and cached blocks are known here.
-        How: hits of scheduled requests become checks; the step's entries to
-        save and checks join the SchedulerOutput's `kv_checksum_scheduled`.
-        """
-        original(self, output)
-        state = self.__dict__.get(_STATE_ATTR)
-        if state is None or self.kv_checksum_scheduler is None:
-            return
-        try:
-            _schedule_step(self, state, output)
-        except Exception:
-            _disable_after_error(self, _STATE_ATTR, "prefix-hit scheduling")
 
-    @_wrap(Scheduler, "update_from_output")
-    def update_from_output(
-        original: Callable, self: Any, scheduler_output: Any, model_output: Any
-    ) -> Any:
-        """R140. Target: Scheduler.update_from_output.
+def verify(scheduler: Any, scheduler_output: Any, model_output: Any) -> None:
+    """R140. Called by the Scheduler.update_from_output hook before vLLM's
+    update_from_output: verify the step's checks; mismatched block ids join
+    `invalid_block_ids`, so vLLM's `_handle_invalid_blocks` truncates the
+    request to its first bad block and applies kv_load_failure_policy."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return
+    try:
+        _verify_step(scheduler, state, scheduler_output, model_output)
+    except Exception:
+        _turn_off(scheduler, "verification")
 
-        Why: a mismatching hit must be recomputed before the step's tokens are
-        used; vLLM's `_handle_invalid_blocks` does that for invalid blocks.
-        How: before the original, verify the step's checks; mismatched block
-        ids join `invalid_block_ids` (vLLM truncates the request to its first
-        bad block and applies kv_load_failure_policy).
-        """
-        state = self.__dict__.get(_STATE_ATTR)
-        if state is not None and self.kv_checksum_scheduler is not None:
-            try:
-                _verify_step(self, state, scheduler_output, model_output)
-            except Exception:
-                _disable_after_error(self, _STATE_ATTR, "prefix-hit verification")
-        return original(self, scheduler_output, model_output)
 
-    active = gpu_kv_connector.ActiveKVConnector
+def enable_worker(worker: Any, vllm_config: Any) -> None:
+    """R140. Called by the ActiveKVConnector.__init__ hook with the checksum
+    worker it created: the worker saves entries and checks hits."""
+    try:
+        if _verify_prefix_hits(vllm_config):
+            worker.enable_prefix_entries()
+    except Exception:
+        logger.exception("KV checksums: prefix-hit verification is off.")
 
-    @_wrap(active, "__init__")
-    def active_init(
-        original: Callable, self: Any, vllm_config: Any, kv_caches: Any
-    ) -> None:
-        """R140. Target: ActiveKVConnector.__init__ (after the worker's hook).
 
-        Why: the checksum worker saves entries and checks hits only when asked.
-        How: `enable_prefix_entries()` on the checksum worker it created.
-        """
-        original(self, vllm_config, kv_caches)
-        worker = self.__dict__.get("kv_checksum_worker")
-        if worker is None:
-            return
-        try:
-            if _verify_prefix_hits(vllm_config):
-                worker.enable_prefix_entries()
-        except Exception:
-            logger.exception("KV checksums: prefix-hit verification is off.")
+def _turn_off(scheduler: Any, where: str) -> None:
+    """Last-resort guard (R134): log once, prefix-hit verification off."""
+    logger.exception(
+        "KV checksum prefix-hit verification turned off after an error in %s; "
+        "vLLM goes on without it.",
+        where,
+    )
+    scheduler.__dict__[_STATE_ATTR] = None
 
 
 def attach_scheduler(scheduler: Any, kcs: Any) -> None:
@@ -194,7 +172,7 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
                     keys,
                 )
         except Exception:
-            _disable_after_error(scheduler, _STATE_ATTR, "prefix-hit entries")
+            _turn_off(scheduler, "recording entries")
 
     def maybe_evict_hook(block: Any) -> bool:
         evicted = maybe_evict(block)
