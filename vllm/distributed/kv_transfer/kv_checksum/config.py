@@ -20,6 +20,8 @@ ENABLE_KEY = "enable_kv_checksum"
 FAIL_CLOSED_KEY = "kv_checksum_fail_closed"
 MAX_PAYLOAD_BYTES_KEY = "kv_checksum_max_payload_bytes"
 FAULT_INJECTION_KEY = "kv_checksum_fault_injection"
+# R140: verify local prefix-cache hits against entries recorded at caching.
+VERIFY_PREFIX_HITS_KEY = "kv_checksum_verify_prefix_hits"
 
 # None: the cap is derived from the consumer's own sizes (payload.py's
 # `max_valid_payload_bytes`); an explicit setting overrides it.
@@ -54,6 +56,7 @@ class KVChecksumFlags:
     max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES
     fault_injection: FaultInjectionConfig | None = None
     host_fault_injection: FaultInjectionConfig | None = None
+    verify_prefix_hits: bool = False
 
 
 def _bool_flag(extra: dict[str, Any], key: str) -> bool:
@@ -140,6 +143,7 @@ def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
         host_fault_injection=read_fault_setting(
             kv_transfer_config, HOST_FAULT_KEY, HOST_FAULT_KINDS
         ),
+        verify_prefix_hits=_bool_flag(extra, VERIFY_PREFIX_HITS_KEY),
     )
 
 

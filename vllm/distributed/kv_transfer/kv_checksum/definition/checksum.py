@@ -12,6 +12,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -97,9 +98,22 @@ class KVChecksumScheduled:
     reqs_to_send: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_recv: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_load: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+    # Prefix-cache hits checked this step (R140), by hit key.
+    reqs_to_check: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+    # Entries of blocks cached this step: (group, first position, block ids,
+    # block hashes), as `save_block_checksums` takes them (R140).
+    blocks_to_save: list[tuple[int, int, Any, list[bytes]]] = field(
+        default_factory=list
+    )
 
     def is_empty(self) -> bool:
-        return not (self.reqs_to_send or self.reqs_to_recv or self.reqs_to_load)
+        return not (
+            self.reqs_to_send
+            or self.reqs_to_recv
+            or self.reqs_to_load
+            or self.reqs_to_check
+            or self.blocks_to_save
+        )
 
 
 ReplicaKey = tuple[int, int]  # (replica count R, replica index r mod R)

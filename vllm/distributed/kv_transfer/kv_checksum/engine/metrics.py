@@ -53,6 +53,11 @@ class KVChecksumStats:
     quarantined_blocks: int = 0
     # workers whose checksums their last-resort guard turned off (R134)
     disabled_workers: int = 0
+    # prefix-cache hit checks by verdict (R140)
+    prefix_hits: Counter = field(default_factory=Counter)
+
+    def record_prefix_hit(self, verdict: KVChecksumVerdict) -> None:
+        self.prefix_hits[verdict.status.value] += 1
 
     def record_verdict(self, verdict: KVChecksumVerdict) -> None:
         self.loads[verdict.status.value] += 1
@@ -83,6 +88,7 @@ class KVChecksumStats:
             or self.not_sent
             or self.quarantined_blocks
             or self.disabled_workers
+            or self.prefix_hits
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,6 +101,7 @@ class KVChecksumStats:
             "not_sent": dict(self.not_sent),
             "quarantined_blocks": self.quarantined_blocks,
             "disabled_workers": self.disabled_workers,
+            "prefix_hits": dict(self.prefix_hits),
         }
 
     @classmethod
@@ -110,6 +117,7 @@ class KVChecksumStats:
             not_sent=_counts(data.get("not_sent")),
             quarantined_blocks=_count(data.get("quarantined_blocks")),
             disabled_workers=_count(data.get("disabled_workers")),
+            prefix_hits=_counts(data.get("prefix_hits")),
         )
 
     def take(self) -> "KVChecksumStats":

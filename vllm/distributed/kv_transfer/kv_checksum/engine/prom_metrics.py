@@ -19,6 +19,8 @@ server: the counters appear on vLLM's `/metrics` endpoint.
   without a payload, by reason (`REASON_LABELS`);
 - `vllm:kv_checksum_quarantined_blocks`: loaded blocks of loads that failed
   verification, kept out of the prefix cache (R138);
+- `vllm:kv_checksum_prefix_hits{verdict}`: local prefix-cache hits checked
+  against the entries recorded when their blocks were cached (R140);
 - `vllm:kv_checksum_disabled_workers`: workers whose checksums their
   last-resort guard turned off (R134); from the first one on the engine runs
   as with checksums off, so alert on any increase.
@@ -129,6 +131,15 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
             engines,
             VERDICT_LABELS,
         )
+        self.prefix_hits = _LabeledCounter(
+            counter(
+                "vllm:kv_checksum_prefix_hits",
+                "Local prefix-cache hits checked by KV checksums, by verdict.",
+                ["verdict"],
+            ),
+            engines,
+            VERDICT_LABELS,
+        )
         self.unverified_loads = _LabeledCounter(
             counter(
                 "vllm:kv_checksum_unverified_loads",
@@ -216,6 +227,8 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
         stats = KVChecksumStats.from_dict(transfer_stats_data)
         for verdict, n in stats.loads.items():
             self.loads.inc(engine_idx, verdict, n)
+        for verdict, n in stats.prefix_hits.items():
+            self.prefix_hits.inc(engine_idx, verdict, n)
         for reason, n in stats.unverified_reasons.items():
             self.unverified_loads.inc(engine_idx, reason_label(reason), n)
         for reason, n in stats.not_sent.items():

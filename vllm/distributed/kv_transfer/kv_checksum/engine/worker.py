@@ -297,6 +297,10 @@ class KVChecksumWorker:
         self._to_send: dict[str, KVChecksumBlocks] = {}
         self._to_recv: dict[str, KVChecksumBlocks] = {}
         self._to_load: dict[str, KVChecksumBlocks] = {}
+        # Prefix-cache hits (R140): this step's checks and entries to save.
+        self._to_check: dict[str, KVChecksumBlocks] = {}
+        self._to_save: list = []
+        self._prefix_groups: set[int] = set()
         self._side_stream: torch.cuda.Stream | None = None
         # Offloaded-KV checksums (R117): registered groups and the block table.
         self._stored_groups: set[int] = set()
@@ -312,6 +316,8 @@ class KVChecksumWorker:
     def bind(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take this step's requests: sends replace, receives and loads accumulate."""
         self._to_send = dict(scheduled.reqs_to_send) if scheduled else {}
+        self._to_check = dict(scheduled.reqs_to_check) if scheduled else {}
+        self._to_save = list(scheduled.blocks_to_save) if scheduled else []
         if scheduled:
             self._to_recv.update(scheduled.reqs_to_recv)
             self._to_load.update(scheduled.reqs_to_load)
@@ -359,15 +365,19 @@ class KVChecksumWorker:
             self._to_load.pop(req_id, None)
         sends = list(self._to_send.items())
         self._to_send = {}
+        # Entries first: a hit on a block cached this step reads its entry.
+        self.save_block_checksums(self._to_save, self._prefix_groups)
+        checks = list(self._to_check.items())
+        self._to_save, self._to_check = [], {}
         keep_received = self.topology.pp_rank == 0 and self.topology.tp_rank == 0
         received = dict(received or {}) if keep_received else {}
-        if not recvs and not loads and not sends and not received:
+        if not recvs and not loads and not sends and not received and not checks:
             return None
-        results = self._launch(recvs, loads, sends)
+        results = self._launch(recvs, loads, sends, checks)
         pending = KVChecksumPendingRecord(
             pp_rank=self.topology.pp_rank,
             tp_rank=self.topology.tp_rank,
-            req_ids=tuple(dict.fromkeys(r for r, _ in recvs + loads + sends)),
+            req_ids=tuple(dict.fromkeys(r for r, _ in recvs + loads + sends + checks)),
             results=results,
             skipped_groups=self.skipped_groups,
             fingerprints=self.fingerprints,
@@ -396,6 +406,12 @@ class KVChecksumWorker:
             )
         return self._block_table
 
+    def enable_prefix_entries(self) -> None:
+        """Record and check entries of locally cached blocks of every covered
+        group (R140), in the block table the offload tier shares."""
+        self.init_block_checksums(())
+        self._prefix_groups = set(self.groups)
+
     def stop_stored_entries(self) -> None:
         """A connector's side failed, so its block table is no longer kept up
         to date: from now on loads report no stored entries, and are
@@ -403,14 +419,17 @@ class KVChecksumWorker:
         self._stored_groups.clear()
 
     def save_block_checksums(
-        self, runs: Iterable[tuple[int, int, Sequence[int], Sequence[bytes]]]
+        self,
+        runs: Iterable[tuple[int, int, Sequence[int], Sequence[bytes]]],
+        groups: set[int] | None = None,
     ) -> None:
         """Write the entries of full blocks into the block table (R118).
 
         Each run is (group id, first position, block ids at consecutive
         positions, the request's block hash at each block's last token). Runs
-        of unregistered groups are ignored. Queued on the current stream, after
-        the forward that wrote the blocks and before the connector reads them.
+        of unregistered groups (or not in `groups`, when given) are ignored.
+        Queued on the current stream, after the forward that wrote the blocks
+        and before the connector reads them.
         """
         table = self._block_table
         if table is None:
@@ -419,7 +438,8 @@ class KVChecksumWorker:
         by_group: dict[int, list[tuple[str, KVChecksumBlocks]]] = {}
         hashes: dict[int, list[bytes]] = {}
         for group_id, start, block_ids, block_hashes in runs:
-            if group_id not in self._stored_groups or not len(block_ids):
+            allowed = self._stored_groups if groups is None else groups
+            if group_id not in allowed or not len(block_ids):
                 continue
             size = self.groups[group_id].block_size
             ids = np.asarray(block_ids, dtype=np.int64)
@@ -458,15 +478,22 @@ class KVChecksumWorker:
         recvs: list[tuple[str, KVChecksumBlocks]],
         loads: list[tuple[str, KVChecksumBlocks]],
         sends: list[tuple[str, KVChecksumBlocks]],
+        checks: Sequence[tuple[str, KVChecksumBlocks]] = (),
     ) -> list[_PassResult]:
         """Build all rows, copy them once to the device and queue every launch.
 
         P/D receives and sends are checksummed per chunk (R135), offloaded-KV
-        loads per block with their stored entries (R117).
+        loads and prefix-hit checks per block with their stored entries
+        (R117, R140).
         """
         passes: list[tuple[GroupPlans, str, tuple, np.ndarray, np.ndarray]] = []
         parts: list[np.ndarray] = []
-        for requests, kind in ((recvs, "recv"), (loads, "load"), (sends, "send")):
+        for requests, kind in (
+            (recvs, "recv"),
+            (loads, "load"),
+            (list(checks), "check"),
+            (sends, "send"),
+        ):
             if not requests:
                 continue
             for plans in self.groups.values():
@@ -493,7 +520,7 @@ class KVChecksumWorker:
         for (plans, kind, req_ids, starts, counts), part, column in zip(
             passes, parts, columns
         ):
-            plan: ChecksumPlan = getattr(plans, kind)
+            plan: ChecksumPlan = getattr(plans, "load" if kind == "check" else kind)
             n = part.shape[1]
             out = torch.zeros(
                 (n, plan.width), dtype=torch.int64, device=rows_dev.device
@@ -506,7 +533,10 @@ class KVChecksumWorker:
             segment = RowSegment(plans.group_id, column, req_ids, starts, counts)
             result = _PassResult(segment, plan.replica_keys, out)
             table = self._block_table
-            if kind == "load" and plans.group_id in self._stored_groups:
+            stored_groups = self._prefix_groups if kind == "check" else set()
+            if kind == "load":
+                stored_groups = self._stored_groups
+            if plans.group_id in stored_groups:
                 assert table is not None
                 result.stored_device = table[rows_dev[0, column : column + n]]
             results.append(result)

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _enabled,
     _guard,
     _wrap,
+    prefix_cache,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wiring.containment import (
     _attach_containment,
@@ -112,6 +113,7 @@ def install_scheduler_hooks() -> None:
             _attach_offload_schedulers(self.connector)
             _attach_simple_offload_schedulers(self.connector)
             _attach_containment(self, kcs)
+            prefix_cache.attach(self, kcs)  # R140
             self._kv_checksum_starting_loads = []
             _note_starting_loads(self)
             self.kv_checksum_scheduler = kcs
@@ -159,6 +161,7 @@ def install_scheduler_hooks() -> None:
                 output.num_scheduled_tokens, self.requests, self.kv_cache_manager
             )
             output.kv_checksum_scheduled = kcs.build_checksum_meta()
+            prefix_cache.schedule(self, output)  # R140
 
     @_wrap(Scheduler, "update_from_output")
     def update_from_output(
@@ -192,6 +195,7 @@ def install_scheduler_hooks() -> None:
                 )
                 if failing:
                     kv_output.failed_recving = failed | failing
+            prefix_cache.verify(self, scheduler_output, model_output)  # R140
         return original(self, scheduler_output, model_output)
 
     @_wrap(Scheduler, "_connector_finished")

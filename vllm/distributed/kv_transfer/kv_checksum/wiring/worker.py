@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _guard,
     _kv_cache_config,
     _wrap,
+    prefix_cache,
 )
 from vllm.logger import init_logger
 
@@ -115,6 +116,7 @@ def install_worker_hooks() -> None:
             _remember_transfer_results(self)
             self.kv_checksum_fault_injector = injector
             self.kv_checksum_worker = worker
+            prefix_cache.enable_worker(worker, vllm_config)  # R140
 
     @_wrap(active, "pre_forward")
     def pre_forward(

@@ -1,0 +1,183 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Verifying local prefix-cache hits (R140) on vLLM 0.33.0's real Scheduler,
+KV cache manager and block pool, with real checksum workers over CPU KV caches
+(`kv_checksum_pd.SimEngine`: each step's forward writes a deterministic KV per
+token and position).
+
+Every fault below is one the issue cites: a cached block overwritten after
+caching, a prefix-cache key pointing at another block, a freed-and-reused
+block whose old hash survived. Each must be caught when a later request hits
+it, and that request recomputed from the first bad block.
+"""
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
+from vllm.distributed.kv_transfer.kv_checksum.config import (
+    VERIFY_PREFIX_HITS_KEY,
+    read_flags,
+)
+
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+
+BS = 16
+PREFIX = 4 * BS
+
+
+def engine_for(model_dir: str, name: str, num_blocks: int = 48) -> SimEngine:
+    side = SideConfig(
+        num_blocks=num_blocks,
+        policy="recompute",
+        connector_extra={VERIFY_PREFIX_HITS_KEY: True},
+    )
+    engine = SimEngine(model_dir, side, name)
+    for worker in engine.workers:  # as the ActiveKVConnector hook does
+        worker.checksum.enable_prefix_entries()
+    return engine
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 200) for _ in range(length)]
+
+
+def run(engine: SimEngine, req_id: str, tokens: list[int]) -> Any:
+    request = make_request(req_id, tokens, max_tokens=1, block_size=BS)
+    engine.add(request)
+    engine.run(req_id)
+    return request
+
+
+def prefix_verdicts(engine: SimEngine) -> dict[str, int]:
+    return dict(engine.checksums.stats.prefix_hits)
+
+
+def cached_block(engine: SimEngine, request: Any, position: int) -> Any:
+    """The block vLLM's prefix cache maps the request's hash at `position` to."""
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    blocks = pool.get_cached_block(request.block_hashes[position], [0])
+    return None if blocks is None else blocks[0]
+
+
+def flip_byte(engine: SimEngine, block_id: int) -> None:
+    """Corrupt one KV byte of `block_id` on every worker."""
+    for worker in engine.workers:
+        cache = next(iter(worker.caches.values())).view(torch.uint8)
+        cache[block_id].view(-1)[0] ^= 0x5A
+
+
+def hits_state(engine: SimEngine) -> Any:
+    return engine.scheduler.__dict__["_kv_checksum_prefix_hits"].hits
+
+
+def test_flag_is_boolean() -> None:
+    """R140, R8: a non-boolean flag is a start-up error (bug: any truthy
+    value silently accepted)."""
+
+    class Config:
+        kv_connector_extra_config = {VERIFY_PREFIX_HITS_KEY: "yes"}
+
+    with pytest.raises(ValueError, match=VERIFY_PREFIX_HITS_KEY):
+        read_flags(Config())
+    Config.kv_connector_extra_config = {VERIFY_PREFIX_HITS_KEY: True}
+    assert read_flags(Config()).verify_prefix_hits
+
+
+def test_clean_hits_verified(model_dir: str) -> None:
+    """R140: a clean hit is verified, not mismatched (bug: entries recorded
+    with another position's hash or before the forward wrote the block)."""
+    engine = engine_for(model_dir, "clean")
+    base = prompt(1, PREFIX + 5)
+    run(engine, "a", base)
+    run(engine, "c", base[:PREFIX] + [7, 7, 7])
+    run(engine, "d", base[:PREFIX] + [8, 8, 8])
+    assert prefix_verdicts(engine) == {"verified": 2}
+    # Hits were actually used: c computed only its 3 new tokens.
+    assert engine.scheduled_tokens("c") == 3
+
+
+def test_overwritten_block_caught_and_recomputed(model_dir: str) -> None:
+    """R140 (a): a cached block overwritten after caching (tenstorrent #415,
+    "token salad") is caught at the next hit; the request recomputes from
+    that block and the block leaves the prefix cache (bug: hits served
+    unchecked, or the check run before the entry was saved)."""
+    engine = engine_for(model_dir, "overwritten")
+    base = prompt(2, PREFIX + 5)
+    a = run(engine, "a", base)
+    bad = cached_block(engine, a, 2)
+    cache = next(iter(engine.workers[0].caches.values())).view(torch.uint8)
+    clean = cache[bad.block_id].clone()
+    flip_byte(engine, bad.block_id)
+    tail = [7, 7, 7]
+    run(engine, "c", base[:PREFIX] + tail)
+    assert prefix_verdicts(engine) == {"mismatch": 1}
+    # First step: 3 new tokens on the bad hit; then recomputed from block 2.
+    assert engine.scheduled_tokens("c") == len(tail) + (PREFIX - 2 * BS + len(tail))
+    assert torch.equal(cache[bad.block_id], clean)  # recomputed in place
+    assert cached_block(engine, a, 2) is None  # evicted from the prefix cache
+    run(engine, "d", base[:PREFIX] + [8, 8, 8])
+    assert prefix_verdicts(engine) == {"mismatch": 1, "verified": 1}
+
+
+def test_key_pointing_at_another_block_caught(model_dir: str) -> None:
+    """R140 (b): a prefix-cache key mapping to another block (vLLM #49125,
+    local-inference-lab #480: foreign KV after churn) is caught: the entry
+    binds the block's KV to the hash it was cached under (bug: entries
+    compared without the hash tag)."""
+    engine = engine_for(model_dir, "foreign")
+    base, other = prompt(3, PREFIX + 5), prompt(4, PREFIX + 5)
+    a = run(engine, "a", base)
+    b = run(engine, "b", other)
+    mine, foreign = cached_block(engine, a, 1), cached_block(engine, b, 1)
+    table = engine.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+    key = mine.block_hash
+    table.pop(key, mine.block_id)
+    table.insert(key, foreign)
+    run(engine, "c", base[:PREFIX] + [7, 7, 7])
+    assert prefix_verdicts(engine) == {"mismatch": 1}
+    assert engine.final["c"] is not None
+
+
+def test_reused_block_with_surviving_hash_caught(model_dir: str) -> None:
+    """R140 (c): a freed block reused by another request while its old hash
+    stays in the prefix cache (kvcached #362: eviction that leaves the key)
+    is caught; the entry survives because the key still reaches the block
+    (bug: entries dropped whenever vLLM's eviction runs)."""
+    engine = engine_for(model_dir, "reused", num_blocks=7)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    base = prompt(5, PREFIX + 1)
+    a = run(engine, "a", base)
+    reused = cached_block(engine, a, 3)
+    pool._remove_cached_block_hashes = lambda block: []  # the eviction bug
+    b_tokens = prompt(6, 40)
+    run(engine, "b", b_tokens)
+    assert cached_block(engine, a, 3) is reused  # the stale key survived
+    run(engine, "c", base[:PREFIX] + [7, 7, 7])
+    assert prefix_verdicts(engine) == {"mismatch": 1}
+
+
+def test_state_bounded_by_cached_blocks(model_dir: str) -> None:
+    """R140, R141: after churn through a small pool, entries exist only for
+    blocks the prefix cache still reaches (bug: entries of evicted blocks
+    kept forever)."""
+    engine = engine_for(model_dir, "bounded", num_blocks=14)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    prefixes = [prompt(10 + i, PREFIX) for i in range(3)]
+    recorded = 0
+    for i in range(24):
+        run(engine, f"r{i}", prefixes[i % 3] + prompt(100 + i, BS + 1))
+        recorded = max(recorded, hits_state(engine).num_entries)
+        hits = hits_state(engine)
+        cached = {b.block_id for b in pool.blocks if b.block_hash is not None}
+        assert set(hits.entry_keys) <= cached
+        assert int(hits.has_entry.sum()) == hits.num_entries
+    counts = prefix_verdicts(engine)
+    assert counts.get("mismatch", 0) == 0 and counts.get("verified", 0) > 0
+    assert not hits_state(engine).pending
+    assert recorded <= len(pool.blocks) - 1  # never more than cacheable blocks

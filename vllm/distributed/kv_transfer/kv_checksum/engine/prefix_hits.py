@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Verifying local prefix-cache hits against the entries recorded at caching (R140).
+
+When vLLM caches a full block, the entry of the offload tier (R116-R118: the
+block's checksum XOR the tag of its hash and the model fingerprint) is written
+by the workers after the forward that computed it. A request that hits cached
+blocks has them checksummed again in the step it first runs on them and is
+compared with those entries like a load of offloaded KV (R120): a "load" from
+the local prefix cache. Plain bookkeeping over block ids; no vLLM objects.
+"""
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
+    position_hashes,
+    verify_offloaded_load,
+)
+from vllm.distributed.kv_transfer.kv_checksum.offload.loads import PendingOffloadLoad
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
+    KVChecksumStatus,
+    KVChecksumVerdict,
+    UnverifiedReason,
+)
+
+# A hit check travels in records under this key, apart from the request's own
+# loads of the same step.
+HIT_KEY_SUFFIX = "#kv-checksum-prefix-hit"
+
+# (group id, first position, block ids, the request's hash at each block's end)
+SaveRun = tuple[int, int, np.ndarray, list[bytes]]
+
+
+def hit_key(req_id: str) -> str:
+    """The record key of a request's prefix-hit check."""
+    return req_id + HIT_KEY_SUFFIX
+
+
+@dataclass
+class PrefixHitStep:
+    """What the workers do for prefix hits in one step."""
+
+    saves: list[SaveRun] = field(default_factory=list)
+    checks: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+    # every hit registered this step, checked or not (no entry)
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PendingPrefixHit(PendingOffloadLoad):
+    """A request's hit check; `unchecked` hit blocks had no entry."""
+
+    unchecked: int = 0
+
+
+class KVChecksumPrefixHits:
+    """Entries of cached blocks and the pending checks of prefix hits (R140).
+
+    State is bounded by the cached blocks: an entry lives while its block is
+    reachable in the prefix cache under the entry's hash key.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        group_id: int,
+        block_size: int,
+        hash_block_size: int | None,
+        num_workers: int,
+    ) -> None:
+        self.group_id = group_id
+        self.block_size = block_size
+        self.hash_block_size = hash_block_size
+        self.num_workers = num_workers
+        self.has_entry = np.zeros(num_blocks, dtype=bool)
+        # block id -> the prefix-cache key the entry was recorded under
+        self.entry_keys: dict[int, Hashable] = {}
+        self.pending: dict[str, PendingPrefixHit] = {}
+        self._step = PrefixHitStep()
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.entry_keys)
+
+    def on_cached(
+        self,
+        request: Any,
+        positions: np.ndarray,
+        block_ids: np.ndarray,
+        keys: Sequence[Hashable],
+    ) -> None:
+        """Record the entries of blocks vLLM just cached at `positions`."""
+        if positions.size == 0:
+            return
+        breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+        for pos, ids in zip(np.split(positions, breaks), np.split(block_ids, breaks)):
+            hashes = position_hashes(
+                request.block_hashes,
+                int(pos[0]),
+                len(pos),
+                self.block_size,
+                self.hash_block_size,
+            )
+            if hashes is None:
+                continue
+            self._step.saves.append((self.group_id, int(pos[0]), ids, hashes))
+            self.has_entry[ids] = True
+        self.entry_keys.update(zip(block_ids.tolist(), keys))
+
+    def on_evicted(self, block_id: int, still_cached: bool) -> None:
+        """Drop a block's entry once no prefix-cache key reaches it any more."""
+        if not still_cached and self.entry_keys.pop(block_id, None) is not None:
+            self.has_entry[block_id] = False
+
+    def clear(self) -> None:
+        """The prefix cache was reset: every entry is gone."""
+        self.entry_keys.clear()
+        self.has_entry[:] = False
+
+    def add_hits(self, request: Any, block_ids: np.ndarray) -> None:
+        """Check the request's hit blocks (positions 0..) in this step.
+
+        The leading blocks with entries are checked; a hit without any entry is
+        reported unverified (never mismatched, R140).
+        """
+        if block_ids.size == 0:
+            return
+        missing = np.flatnonzero(~self.has_entry[block_ids])
+        count = int(missing[0]) if missing.size else int(block_ids.size)
+        blocks = KVChecksumBlocks(
+            count * self.block_size, {self.group_id: (0, block_ids[:count])}
+        )
+        load = PendingPrefixHit(blocks, request, unchecked=int(block_ids.size) - count)
+        self.pending[hit_key(request.request_id)] = load
+        self._step.keys.append(hit_key(request.request_id))
+        if count:
+            self._step.checks[hit_key(request.request_id)] = blocks
+
+    def take_step(self) -> PrefixHitStep:
+        """This step's saves and checks for the workers, then reset."""
+        step, self._step = self._step, PrefixHitStep()
+        return step
+
+    def verify(self, key: str) -> tuple[PendingPrefixHit, KVChecksumVerdict] | None:
+        """The verdict of one pending check, now that its step's reports are in."""
+        load = self.pending.pop(key, None)
+        if load is None:
+            return None
+        verdict = verify_offloaded_load(
+            load.reports,
+            load.blocks,
+            self.num_workers,
+            load.request.block_hashes,
+            {self.group_id: self.block_size},
+            self.hash_block_size,
+        )
+        unchecked = load.unchecked
+        if verdict.status == KVChecksumStatus.VERIFIED and (
+            unchecked or not verdict.compared_groups
+        ):
+            verdict.status = KVChecksumStatus.UNVERIFIED
+            detail = f"{unchecked} hit blocks have no entry"
+            verdict.reasons.append((UnverifiedReason.OTHER_BLOCKS, detail))
+        return load, verdict
+
+    def bad_block_ids(
+        self, load: PendingOffloadLoad, verdict: KVChecksumVerdict
+    ) -> set[int]:
+        """The block ids of the mismatched positions of a check."""
+        start, ids = load.blocks.groups[self.group_id]
+        positions = np.asarray(
+            verdict.mismatches.get(self.group_id, ()), dtype=np.int64
+        )
+        return set(np.asarray(ids)[positions - start].tolist())

@@ -1,0 +1,288 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Hooks of prefix-hit verification (R140) into vLLM 0.33.0's scheduler and
+block pool, and into the worker's connector wrapper.
+
+Each hook is a short call into :mod:`.prefix_hits`; with checksums or
+`kv_checksum_verify_prefix_hits` off nothing is attached and vLLM runs
+unchanged. Called from the package's existing hooks in :mod:`.wiring` (one
+line each), so no vLLM method is wrapped twice.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_checksum.config import read_flags
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumScheduled,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
+    HIT_KEY_SUFFIX,
+    KVChecksumPrefixHits,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
+    KVChecksumStatus,
+    KVChecksumWorkerReport,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_STATE_ATTR = "_kv_checksum_prefix_hits"
+
+
+class _SchedulerState:
+    """One scheduler's prefix-hit checker and the hits noted this step."""
+
+    def __init__(self, hits: KVChecksumPrefixHits) -> None:
+        self.hits = hits
+        self.noted: dict[str, int] = {}  # request id -> local hit tokens
+        self.step_keys: dict[int, list[str]] = {}  # id(SchedulerOutput) -> keys
+
+
+def _verify_prefix_hits(vllm_config: Any) -> bool:
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    return read_flags(kv_transfer_config).verify_prefix_hits
+
+
+def attach(scheduler: Any, kcs: Any) -> None:
+    """R140. Called by the Scheduler.__init__ hook once it built the checksum
+    scheduler `kcs`.
+
+    Why: entries are recorded when vLLM caches blocks and dropped when it
+    evicts them; hits are noted when vLLM looks them up.
+    How: instance wrappers on the block pool and KV cache manager; nothing is
+    attached with the flag off. An error leaves prefix-hit verification off.
+    """
+    try:
+        if _verify_prefix_hits(scheduler.vllm_config):
+            attach_scheduler(scheduler, kcs)
+    except Exception:
+        _turn_off(scheduler, "setup")
+
+
+def schedule(scheduler: Any, output: Any) -> None:
+    """R140. Called by the Scheduler._update_after_schedule hook after it set
+    `kv_checksum_scheduled`: hits of this step's scheduled requests become
+    checks; the step's entries to save and checks join the SchedulerOutput."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return
+    try:
+        _schedule_step(scheduler, state, output)
+    except Exception:
+        _turn_off(scheduler, "scheduling")
+
+
+def verify(scheduler: Any, scheduler_output: Any, model_output: Any) -> None:
+    """R140. Called by the Scheduler.update_from_output hook before vLLM's
+    update_from_output: verify the step's checks; mismatched block ids join
+    `invalid_block_ids`, so vLLM's `_handle_invalid_blocks` truncates the
+    request to its first bad block and applies kv_load_failure_policy."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return
+    try:
+        _verify_step(scheduler, state, scheduler_output, model_output)
+    except Exception:
+        _turn_off(scheduler, "verification")
+
+
+def enable_worker(worker: Any, vllm_config: Any) -> None:
+    """R140. Called by the ActiveKVConnector.__init__ hook with the checksum
+    worker it created: the worker saves entries and checks hits."""
+    try:
+        if _verify_prefix_hits(vllm_config):
+            worker.enable_prefix_entries()
+    except Exception:
+        logger.exception("KV checksums: prefix-hit verification is off.")
+
+
+def _turn_off(scheduler: Any, where: str) -> None:
+    """Last-resort guard (R134): log once, prefix-hit verification off."""
+    logger.exception(
+        "KV checksum prefix-hit verification turned off after an error in %s; "
+        "vLLM goes on without it.",
+        where,
+    )
+    scheduler.__dict__[_STATE_ATTR] = None
+
+
+def attach_scheduler(scheduler: Any, kcs: Any) -> None:
+    """Attach prefix-hit verification to one scheduler (R140)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    manager = scheduler.kv_cache_manager
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    if not manager.enable_caching:
+        return
+    if len(groups) != 1 or isinstance(groups[0].kv_cache_spec, MambaSpec):
+        logger.warning(
+            "KV checksum prefix-hit verification needs one attention KV cache "
+            "group (vLLM recomputes invalid blocks only then); it is off."
+        )
+        return
+    if 0 not in kcs.groups:
+        return
+    pool = manager.block_pool
+    hits = KVChecksumPrefixHits(
+        pool.num_gpu_blocks,
+        0,
+        groups[0].kv_cache_spec.block_size,
+        getattr(pool, "hash_block_size", None),
+        kcs.num_workers,
+    )
+    state = _SchedulerState(hits)
+    _hook_block_pool(scheduler, pool, hits)
+    _hook_hit_lookup(manager, state)
+    scheduler.__dict__[_STATE_ATTR] = state
+
+
+def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> None:
+    """Instance wrappers: entries on cache_full_blocks, dropped on eviction."""
+    cache_full_blocks = pool.cache_full_blocks
+    maybe_evict = pool._maybe_evict_cached_block
+    reset = pool.reset_prefix_cache
+
+    def cache_full_blocks_hook(
+        request: Any,
+        blocks: list,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        cache_full_blocks(
+            request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs
+        )
+        if scheduler.__dict__.get(_STATE_ATTR) is None:
+            return
+        try:
+            new = [
+                (num_cached_blocks + i, b.block_id, b.block_hash)
+                for i, b in enumerate(blocks[num_cached_blocks:num_full_blocks])
+                if not b.is_null and b.block_hash is not None
+            ]
+            if new:
+                positions, ids, keys = zip(*new)
+                hits.on_cached(
+                    request,
+                    np.asarray(positions, dtype=np.int64),
+                    np.asarray(ids, dtype=np.int64),
+                    keys,
+                )
+        except Exception:
+            _turn_off(scheduler, "recording entries")
+
+    def maybe_evict_hook(block: Any) -> bool:
+        evicted = maybe_evict(block)
+        key = hits.entry_keys.get(block.block_id)
+        if key is not None:
+            still = pool.cached_block_hash_to_block.contain(key, block.block_id)
+            hits.on_evicted(block.block_id, still)
+        return evicted
+
+    def reset_hook() -> bool:
+        done = reset()
+        if done:
+            hits.clear()
+        return done
+
+    pool.cache_full_blocks = cache_full_blocks_hook
+    pool._maybe_evict_cached_block = maybe_evict_hook
+    pool.reset_prefix_cache = reset_hook
+
+
+def _hook_hit_lookup(manager: Any, state: _SchedulerState) -> None:
+    """Instance wrapper noting each request's local prefix hit."""
+    get_computed_blocks = manager.get_computed_blocks
+
+    def get_computed_blocks_hook(request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = get_computed_blocks(request, *args, **kwargs)
+        if result[1] > 0:
+            state.noted[request.request_id] = result[1]
+        return result
+
+    manager.get_computed_blocks = get_computed_blocks_hook
+
+
+def _schedule_step(scheduler: Any, state: _SchedulerState, output: Any) -> None:
+    """Hits of this step's scheduled requests become checks (R140)."""
+    hits = state.hits
+    noted, state.noted = state.noted, {}
+    if scheduler.kv_checksum_scheduler.disabled_workers:
+        return
+    scheduled = output.num_scheduled_tokens
+    for req_id, num_tokens in noted.items():
+        if req_id not in scheduled:
+            continue
+        count = num_tokens // hits.block_size
+        ids = scheduler.kv_cache_manager.get_block_ids(req_id)[0][:count]
+        hits.add_hits(scheduler.requests[req_id], np.asarray(ids, dtype=np.int64))
+    step = hits.take_step()
+    if step.keys:
+        state.step_keys[id(output)] = step.keys
+    if not (step.saves or step.checks):
+        return
+    meta = output.kv_checksum_scheduled or KVChecksumScheduled()
+    meta.blocks_to_save.extend(step.saves)
+    meta.reqs_to_check.update(step.checks)
+    output.kv_checksum_scheduled = meta
+
+
+def _verify_step(
+    scheduler: Any, state: _SchedulerState, output: Any, model_output: Any
+) -> None:
+    """Verify the step's checks; mismatches become vLLM invalid blocks (R140)."""
+    keys = state.step_keys.pop(id(output), None)
+    if not keys:
+        return
+    kcs = scheduler.kv_checksum_scheduler
+    hits = state.hits
+    kv_output = model_output.kv_connector_output
+    records = finalize_records(getattr(kv_output, "kv_checksums", None))
+    if kcs.disabled_workers or any(r.disabled for r in records):
+        for key in keys:  # dropped without a verdict, as the loads are
+            hits.pending.pop(key, None)
+        return
+    for record in records:
+        for key in keys:
+            load = hits.pending.get(key)
+            report = KVChecksumWorkerReport.from_record(record, key)
+            if load is not None and report is not None:
+                load.reports[(record.pp_rank, record.tp_rank)] = report
+    invalid: set[int] = set()
+    for key in keys:
+        result = hits.verify(key)
+        if result is None:
+            continue
+        load, verdict = result
+        req_id = key[: -len(HIT_KEY_SUFFIX)]
+        kcs.stats.record_prefix_hit(verdict)
+        if verdict.status != KVChecksumStatus.MISMATCH:
+            logger.debug(
+                "KV checksums of prefix-cache hit of request %s: %s %s",
+                req_id,
+                verdict.status.value,
+                verdict.reasons,
+            )
+            continue
+        bad = hits.bad_block_ids(load, verdict)
+        logger.error(
+            "KV checksum mismatch in prefix-cache hit of request %s: group %d "
+            "block positions %s (block ids %s); the blocks leave the prefix "
+            "cache and the request is recomputed from its first bad block.",
+            req_id,
+            hits.group_id,
+            verdict.mismatches.get(hits.group_id),
+            sorted(bad),
+        )
+        if kcs.on_failed_load is not None:  # R138 containment evicts them
+            kcs.on_failed_load(req_id, verdict, load.blocks)
+        else:
+            scheduler.kv_cache_manager.evict_blocks(bad)
+        invalid |= bad
+    if invalid and kv_output is not None:
+        kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | invalid
