@@ -8,7 +8,10 @@
 #                                             #  gpu_mooncake/slim), same warm machine
 #   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, pull, pull-offload, push,
 #                                             # mooncake, hybrid, hybrid-tp2, offload,
-#                                             # simple-offload, bench-serve
+#                                             # simple-offload, bench-serve, mla,
+#                                             # mla-tp2, mla-tp2-consumer, gdn,
+#                                             # gdn-tp2, mamba1 (issue 29; gdn and
+#                                             # gdn-tp2 need the --moe bundle)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
 #
@@ -102,6 +105,28 @@ hybrid) run hybrid "$pd" --model hybrid --num-equality 20 --num-pd 60 \
     --num-faults 40 --fault-rate 0.5 --parallel-start "$@" ;;
 hybrid-tp2) run hybrid-tp2 "$pd" --model hybrid-g2 --producer-tp 2 --phases pd \
     --num-pd 60 --parallel-start "$@" ;;
+# Issue 29: the model families' P/D proofs (NIXL pull). 100 loads one at a
+# time plus the batched round, faults at rate 0.5 into every cache kind the
+# model has (the injector picks the group of each fault).
+# DeepSeek-V3-shaped MLA, all layers dense, TRITON_MLA (the driver forces it).
+mla) run mla "$pd" --model mla --num-equality 20 --num-pd 100 \
+    --num-faults 40 --fault-rate 0.5 --parallel-start "$@" ;;
+# Replicated latent, heterogeneous TP (two GPUs): producer TP2 -> consumer TP1,
+# and TP1 -> TP2 (each consumer replica checked).
+mla-tp2) run mla-tp2 "$pd" --model mla --producer-tp 2 --phases pd,faults \
+    --num-pd 100 --num-faults 40 --fault-rate 0.5 --parallel-start "$@" ;;
+mla-tp2-consumer) run mla-tp2-consumer "$pd" --model mla --consumer-tp 2 \
+    --phases pd,faults --num-pd 100 --num-faults 40 --fault-rate 0.5 \
+    --parallel-start "$@" ;;
+# Qwen3-Next-shaped GDN + attention: needs the MoE kernels (carry extra/ from
+# `build_bundle.sh --moe`) and the Triton GDN prefill (the driver sets it).
+gdn) run gdn "$pd" --model qwen3next --num-equality 20 --num-pd 100 \
+    --num-faults 40 --fault-rate 0.5 --parallel-start "$@" ;;
+gdn-tp2) run gdn-tp2 "$pd" --model qwen3next --producer-tp 2 --phases pd,faults \
+    --num-pd 100 --num-faults 40 --fault-rate 0.5 --parallel-start "$@" ;;
+# Jamba-shaped Mamba1 + attention, dense MLPs (one expert).
+mamba1) run mamba1 "$pd" --model mamba1 --num-equality 20 --num-pd 100 \
+    --num-faults 40 --fault-rate 0.5 --parallel-start "$@" ;;
 offload) run offload examples/offload/kv_checksum_offload_gpu.py "$@" ;;
 # `vllm bench serve` through vllm-router, checksums off and on (8B-shaped, dummy
 # weights; P and D share GPU 0 unless --gpu-d 1 is passed).
@@ -109,7 +134,7 @@ bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 *)
-    sed -n '2,18p' "$0"
+    sed -n '2,22p' "$0"
     exit 2
     ;;
 esac

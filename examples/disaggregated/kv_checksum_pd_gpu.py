@@ -54,6 +54,8 @@ Usage (needs vLLM 0.33.0, NIXL, transformers and this package installed):
     python kv_checksum_pd_gpu.py --out DIR --phases containment
     python kv_checksum_pd_gpu.py --out DIR --model hybrid --num-equality 20 \
         --num-pd 60 --num-faults 40 --fault-rate 0.5   (Mamba2 state, issue 14)
+    python kv_checksum_pd_gpu.py --out DIR --model mla|qwen3next|mamba1 ...
+        (MLA latent, GDN state, Mamba1 state: issue 29, `scripts/gpu_runs.sh`)
 Exit code 0 only if every check passed; a JSON summary goes to DIR/summary.json.
 """
 
@@ -82,15 +84,18 @@ MODELS = {
     "mamba2-g2": "/tmp/kv-checksum-mamba2-g2",
     "hybrid": "/tmp/kv-checksum-nemotron-h",
     "hybrid-g2": "/tmp/kv-checksum-nemotron-h-g2",
+    "mla": "/tmp/kv-checksum-deepseek-mla",
+    "qwen3next": "/tmp/kv-checksum-qwen3-next",
+    "mamba1": "/tmp/kv-checksum-jamba",
 }
-MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320}
-GPU_UTILS = {"tiny": 0.15, "8b": 0.3}
+MAX_MODEL_LENS = {"tiny": 4608, "8b": 8320, "mla": 4608}
+GPU_UTILS = {"tiny": 0.15, "8b": 0.3, "mla": 0.15}
 # Models with Mamba state (issue 14): vLLM picks their block size (attention
 # pages aligned to Mamba pages, "align" cache mode with prefix caching) and
 # NIXL needs the dim-first conv state layout. A P/D consumer computes the last
 # prompt token from the loaded state h(N - 1), so its outputs are compared with
 # a checksums-off consumer's, not with a single engine's.
-HYBRID_MODELS = {"mamba2", "mamba2-g2", "hybrid", "hybrid-g2"}
+HYBRID_MODELS = {"mamba2", "mamba2-g2", "hybrid", "hybrid-g2", "qwen3next", "mamba1"}
 for _shape in HYBRID_MODELS:
     MAX_MODEL_LENS[_shape] = 4608
     GPU_UTILS[_shape] = 0.12
@@ -99,6 +104,30 @@ for _shape in HYBRID_MODELS:
 # `_build_fa_remote`, fails on a model with Mamba groups only).
 HYBRID_PATTERN = "M*M-"
 HYBRID_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+# LLM arguments a model needs on the offline bundle (no FlashMLA, no
+# FlashInfer). MLA: vLLM 0.33.0 on SM90 tries FLASH_ATTN_MLA, FLASHMLA and
+# FLASHINFER_MLA before TRITON_MLA; TRITON_MLA is pure Triton, takes any
+# latent size (FLASH_ATTN_MLA only 576) and kernel blocks of any multiple of
+# 16; its prefill runs on FlashAttention 3, which the bundle has. GDN: the
+# Triton prefill (the default is FlashInfer's).
+ENGINE_KWARGS: dict[str, dict[str, Any]] = {
+    "mla": {
+        "attention_config": {
+            "backend": "TRITON_MLA",
+            "mla_prefill_backend": "FLASH_ATTN",
+        }
+    },
+    "qwen3next": {"gdn_prefill_backend": "triton"},
+}
+# Tiny MLA dims (DeepSeek-V3's shape, smaller): the latent cache holds
+# kv_lora_rank + qk_rope_head_dim = 160 elements per token, one per layer.
+MLA_DIMS = dict(
+    q_lora_rank=96,
+    kv_lora_rank=128,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+)
 INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
 INJECTED_AT = re.compile(
     r"KV checksum fault injection: (\w+) into request \S+ group (\d+) "
@@ -130,6 +159,13 @@ def build_model(shape: str) -> str:
     ``mamba2-g2``: the same with two groups (B/C sharded at TP 2).
     ``hybrid`` (``hybrid-g2``): a 4-layer NemotronHForCausalLM, Mamba2 and
     attention layers (`HYBRID_PATTERN`), one (two) Mamba2 groups, bf16.
+    ``mla``: a 4-layer DeepseekV3ForCausalLM (MLA latent cache, `MLA_DIMS`),
+    every layer dense (``first_k_dense_replace`` = layers: no MoE kernels).
+    ``qwen3next``: a 4-layer Qwen3NextForCausalLM, GDN and attention layers
+    with tiny MoE MLPs (vLLM refuses an all-dense one; needs the bundle's
+    MoE kernels, ``build_bundle.sh --moe``).
+    ``mamba1``: a 4-layer JambaForCausalLM, Mamba1 and attention layers
+    (NIXL needs an attention group), one expert: dense MLPs, no MoE.
     ``8b``: only the config of an 8B dense Llama (32 layers, 8 KV heads of 128);
     the engines fill the weights randomly with vLLM's dummy loader.
     """
@@ -142,6 +178,8 @@ def build_model(shape: str) -> str:
         return build_mamba2(model, 2 if shape == "mamba2-g2" else 1)
     if shape in ("hybrid", "hybrid-g2"):
         return build_hybrid(model, 2 if shape == "hybrid-g2" else 1)
+    if shape in STATE_AND_MLA_BUILDERS:
+        return STATE_AND_MLA_BUILDERS[shape](model)
     if shape == "8b":
         LlamaConfig(
             vocab_size=128256,
@@ -233,6 +271,92 @@ def build_hybrid(model: str, n_groups: int) -> str:
     return save_random(NemotronHForCausalLM, config, model)
 
 
+NUM_TINY_LAYERS = 4
+
+
+def build_mla(model: str) -> str:
+    """A random tiny DeepSeek-V3: MLA attention in every layer, dense MLPs."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=NUM_TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        # No routed experts and every layer before the first MoE layer: dense
+        # MLPs only, and vLLM does not see a MoE model (is_moe False).
+        n_routed_experts=0,
+        first_k_dense_replace=NUM_TINY_LAYERS,
+        max_position_embeddings=MAX_MODEL_LENS["mla"],
+        **MLA_DIMS,
+        **TINY_VOCAB,
+    )
+    return save_random(DeepseekV3ForCausalLM, config, model)
+
+
+def build_qwen3next(model: str) -> str:
+    """A random tiny Qwen3-Next: GDN layers, one attention layer in four
+    (its default), tiny MoE MLPs in every layer."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=NUM_TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=MAX_MODEL_LENS["qwen3next"],
+        **TINY_VOCAB,
+    )
+    return save_random(Qwen3NextForCausalLM, config, model)
+
+
+def build_jamba(model: str) -> str:
+    """A random tiny Jamba: Mamba1 layers 0 and 2, attention layers 1 and 3,
+    one expert (dense MLPs)."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=NUM_TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        use_mamba_kernels=False,  # transformers' own path, on CPU too
+        max_position_embeddings=MAX_MODEL_LENS["mamba1"],
+        **TINY_VOCAB,
+    )
+    return save_random(JambaForCausalLM, config, model)
+
+
+STATE_AND_MLA_BUILDERS: dict[str, Callable[[str], str]] = {
+    "mla": build_mla,
+    "qwen3next": build_qwen3next,
+    "mamba1": build_jamba,
+}
+
+
 def shutdown_engine(llm: Any) -> None:
     """End the engine core process now: left to the interpreter's exit, it can
     outlive this process and keep its output pipes (and the GPU) open."""
@@ -286,6 +410,7 @@ def engine_main(name: str, extra: dict, port: int, log: str, cmds, results) -> N
             disable_log_stats=False,
             tensor_parallel_size=tensor_parallel_size,
             async_scheduling=os.environ.get("KV_CHECKSUM_ASYNC", "1") == "1",
+            **ENGINE_KWARGS.get(shape, {}),
             kv_transfer_config=KVTransferConfig(
                 kv_connector=kv_connector,
                 kv_role=kv_role,

@@ -74,6 +74,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     compute_layout_strides,
 )
@@ -107,7 +108,12 @@ PRODUCER_ENGINE_ID = "producer"
 # VllmConfig itself cannot express (KV cache groups and sliding window).
 HARNESS_CONFIG_KEY = "kv_checksum_harness"
 
-GroupsKind = Literal["full", "sliding", "both"]
+GroupsKind = Literal["full", "sliding", "both", "mla"]
+# "mla": one latent cache per layer as vLLM 0.33.0 lays out MLA (one head slot
+# of kv_lora_rank + qk_rope_head_dim elements, the same on every TP rank).
+MLA_KV_LORA_RANK = 32
+MLA_ROPE_DIM = 16
+MLA_LATENT_DIM = MLA_KV_LORA_RANK + MLA_ROPE_DIM
 
 MODEL_CONFIG_JSON: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -252,11 +258,11 @@ def _harness_params(vllm_config: VllmConfig | None) -> dict[str, Any]:
 def group_layer_indices(groups: GroupsKind, num_layers: int) -> list[list[int]]:
     """Layer numbers of each KV cache group, in group order.
 
-    "full" and "sliding": one group with every layer. "both": group 0 is
+    "full", "sliding" and "mla": one group with every layer. "both": group 0 is
     full attention over the odd layers, group 1 sliding window over the even
     layers (a 1:1 hybrid; vLLM's hybrid groups hold equally many layers).
     """
-    if groups in ("full", "sliding"):
+    if groups in ("full", "sliding", "mla"):
         return [list(range(num_layers))]
     if groups == "both":
         return [list(range(1, num_layers, 2)), list(range(0, num_layers, 2))]
@@ -370,10 +376,15 @@ def make_kv_cache_config(
         dtype=dtype,
         sliding_window=sliding_window,
     )
+    # MLA: one latent "head" per layer, replicated across TP (not sharded).
+    mla = MLAAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=MLA_LATENT_DIM, dtype=dtype
+    )
     specs: list[KVCacheSpec] = {
         "full": [full],
         "sliding": [sliding],
         "both": [full, sliding],
+        "mla": [mla],
     }[groups]
     kv_cache_groups = [
         KVCacheGroupSpec([layer_name(i) for i in indices if i in stage_layers], spec)

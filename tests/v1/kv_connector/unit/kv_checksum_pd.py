@@ -17,9 +17,11 @@ the faults of R131 on the way.
 
 Knobs for the scheduler tests (all on `SideConfig`):
 
-* `groups`: "full" (one full-attention group) or "both" (group 0 full
+* `groups`: "full" (one full-attention group), "both" (group 0 full
   attention over the odd layers, group 1 sliding window over the even layers;
-  see `kv_checksum_helpers.group_layer_indices`).
+  see `kv_checksum_helpers.group_layer_indices`) or "mla" (one MLA latent
+  cache per layer, the same bytes on every TP rank: `write_global` writes
+  every replica, `read_global` reads the first).
 * `kv_salt`: mixed into the KV this engine computes itself, so locally
   computed KV differs from another engine's (as decode-computed KV is not
   bit-identical to the producer's prefill, R88); transferred KV is copied as is.
@@ -304,6 +306,8 @@ class SimEngine:
         heads = caches[next(iter(caches))].shape[1] if caches else 1
         replicas = max(1, side.tp // NUM_KV_HEADS)
         first_head = (tp_rank // replicas) * heads
+        if side.groups == "mla":  # every rank holds the whole latent (head 0)
+            first_head = 0
         layers = {
             name: (int(name.split(".")[2]), first_head, group_id)
             for group_id, group in enumerate(config.kv_cache_groups)

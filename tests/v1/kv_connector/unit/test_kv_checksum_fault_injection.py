@@ -425,6 +425,9 @@ SIDES: dict[str, dict[str, Any]] = {
     "tp1": dict(tp=1, pp=1, block_size=16),
     "tp2pp2-hybrid": dict(tp=2, pp=2, block_size=16, groups="both"),
     "tp4-replicated-bs8": dict(tp=4, pp=1, block_size=8),
+    # MLA latent caches, the same bytes on every TP rank (issue 29).
+    "tp2-mla": dict(tp=2, pp=1, block_size=16, groups="mla"),
+    "tp2pp2-mla": dict(tp=2, pp=2, block_size=16, groups="mla"),
 }
 
 
@@ -436,7 +439,9 @@ def test_every_injection_detected_at_its_position(model_dir, kind, side, caplog)
     injection is logged once with request, group and position, and the load's
     verdict is a mismatch at exactly the injected positions of that group.
     Catches injection after the checksums ran (verified verdict), workers
-    disagreeing on the block, or faults checksums cannot see."""
+    disagreeing on the block, or faults checksums cannot see; for MLA, an
+    injector that could not address a latent cache (one head slot per layer,
+    replicated on every rank)."""
     shape = SIDES[side]
     producer = SimEngine(model_dir, SideConfig(**shape), "producer")
     consumer = SimEngine(

@@ -314,3 +314,57 @@ def test_spread_phase_prompts_and_cases_r138(
     )
     # Scenario 2: B's own load faulted ("13"); scenario 3: A's load clean.
     assert cases == {"exercised": [0, 1], "served": [1]}
+
+
+def test_issue29_models_resolve_to_the_intended_families(
+    drivers: tuple[ModuleType, ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R32, R36 (issue 29): the driver's ``mla``, ``qwen3next`` and ``mamba1``
+    models build on CPU and vLLM 0.33.0 resolves them as meant: ``mla`` a
+    DeepSeek-V3 with an MLA latent cache of kv_lora_rank + qk_rope_head_dim
+    per token and no MoE (no MoE kernels on the bundle); ``qwen3next`` hybrid
+    GDN + attention (NIXL needs an attention group); ``mamba1`` a Jamba with
+    Mamba1 and attention layers and one expert (dense MLPs).
+
+    Bugs this fails: ``first_k_dense_replace`` below the layer count (MoE
+    layers); a DeepSeek config vLLM serves without MLA (MHA: a per-head
+    cache, not the replicated latent); an all-dense Qwen3-Next (vLLM refuses
+    it); a Jamba pattern without attention layers; a forced MLA backend that
+    is not TRITON_MLA.
+    """
+    from vllm.config import ModelConfig
+
+    pd_gpu, _ = drivers
+    configs = {}
+    for shape in ("mla", "qwen3next", "mamba1"):
+        folder = str(tmp_path / shape)
+        monkeypatch.setitem(pd_gpu.MODELS, shape, folder)
+        assert pd_gpu.build_model(shape) == folder
+        configs[shape] = ModelConfig(
+            model=folder, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True
+        )
+    mla = configs["mla"]
+    dims = pd_gpu.MLA_DIMS
+    assert mla.architectures == ["DeepseekV3ForCausalLM"]
+    assert mla.use_mla and not mla.is_hybrid and not mla.is_moe
+    assert mla.get_head_size() == dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
+    assert mla.hf_config.first_k_dense_replace >= mla.hf_config.num_hidden_layers
+    backend = pd_gpu.ENGINE_KWARGS["mla"]["attention_config"]["backend"]
+    assert backend == "TRITON_MLA"
+
+    gdn = configs["qwen3next"]
+    assert gdn.architectures == ["Qwen3NextForCausalLM"]
+    assert gdn.is_hybrid and not gdn.use_mla
+    assert set(gdn.hf_config.layer_types) == {"linear_attention", "full_attention"}
+    assert not gdn.hf_config.mlp_only_layers
+    assert pd_gpu.ENGINE_KWARGS["qwen3next"] == {"gdn_prefill_backend": "triton"}
+
+    jamba = configs["mamba1"]
+    assert jamba.architectures == ["JambaForCausalLM"]
+    assert jamba.is_hybrid and not jamba.use_mla
+    assert jamba.hf_config.layers_block_type == ["mamba", "attention"] * 2
+    assert jamba.hf_config.layers_num_experts == [1] * 4
+    assert {"qwen3next", "mamba1"} <= pd_gpu.HYBRID_MODELS
+    assert "mla" not in pd_gpu.HYBRID_MODELS

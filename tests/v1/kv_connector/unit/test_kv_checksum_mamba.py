@@ -799,7 +799,7 @@ def test_plugin_attaches_mamba2_splits_r44(
 
 
 @pytest.mark.parametrize("kind", ["bit_flip", "zero_block", "stale_block"])
-@pytest.mark.parametrize("family_name", ["mamba2_g1", "gdn"])
+@pytest.mark.parametrize("family_name", ["mamba1", "mamba2_g1", "gdn"])
 def test_fault_injector_corrupts_state_blocks_r131(
     world: Any, family_name: str, kind: str
 ) -> None:

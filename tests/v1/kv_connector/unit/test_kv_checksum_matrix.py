@@ -24,8 +24,14 @@ so thousands of flips cost no new engine.
 
 CI runs a fixed sample of cells. With KV_CHECKSUM_FULL=1 every cell runs
 several loads (at least 1,000 loads and 10,000 flips in all) and a summary
-line is printed (the guide records it). MLA is not in this matrix: the CPU
-harness models no MLA cache (its replication is covered in test_kv_checksum.py).
+line is printed (the guide records it).
+
+MLA (issue 29): the same cells with one latent cache per layer
+(`[blocks, 1, tokens, kv_lora_rank + qk_rope_head_dim]`, vLLM 0.33.0's MLA
+layout), which every TP rank holds whole. Flips go to a random rank's
+replica, so each replica is checked. What a wrong-rank read of a replicated
+latent looks like, and what of it can be detected, is tested by
+`test_mla_wrong_rank_reads`.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     SideConfig,
     SimEngine,
     consume,
+    per_group,
     produce,
     run_local,
 )
@@ -72,6 +79,11 @@ SAMPLE = [
     cell
     for i, cell in enumerate(CELLS)
     if (i * 7919) % len(CELLS) < 27  # a fixed spread over the matrix
+]
+MLA_CELLS = list(itertools.product(LAYOUTS, LAYOUTS, BLOCK_SIZES, ["mla"]))
+# CI: 9 MLA cells, a fixed spread as above.
+MLA_SAMPLE = [
+    cell for i, cell in enumerate(MLA_CELLS) if (i * 7919) % len(MLA_CELLS) < 9
 ]
 LOADS_PER_CELL = 5 if FULL else 1
 FLIPS_PER_LOAD = 10 if FULL else 6
@@ -278,6 +290,18 @@ def test_fault_free_loads_verify_and_flips_are_caught(model_dir: str, cell) -> N
     _run_cell(model_dir, cell, CELLS.index(cell))
 
 
+@pytest.mark.parametrize("cell", MLA_CELLS if FULL else MLA_SAMPLE, ids=_cell_id)
+def test_mla_fault_free_loads_verify_and_flips_are_caught(model_dir: str, cell) -> None:
+    """R32, R91, R134-R135 (issue 29) for MLA: in every TP/PP x block-size
+    cell a fault-free load of replicated latent caches is verified, and a
+    single-bit flip in any rank's replica mismatches at exactly its position.
+    Fails if MLA latents were numbered as sharded heads (rank r's copy taken
+    for head r: replica-0 totals then miss layers, "replica key missing", or
+    the producer folds TP copies into one sum) or if only rank 0's replica
+    were checksummed (flips on other ranks pass)."""
+    _run_cell(model_dir, cell, len(CELLS) + MLA_CELLS.index(cell))
+
+
 def test_matrix_summary() -> None:
     """Prints the figures of the cells run before it (the guide records a
     full run); it asserts only that every fault-free load verified."""
@@ -290,3 +314,108 @@ def test_matrix_summary() -> None:
     )
     assert TALLY.verified + TALLY.nothing_comparable == TALLY.loads
     assert TALLY.caught == TALLY.flips
+
+
+# ----------------------------------------------------------------------
+# MLA: wrong-rank reads of a replicated latent cache (issue 29)
+# ----------------------------------------------------------------------
+
+WRONG_READS = (
+    "other_block",  # the rank copied another loaded block of the request
+    "other_layer",  # the rank copied another layer's latent (wrong stage/layer)
+    "unloaded_block",  # the rank read a block outside the load (stale bytes)
+    "other_replica",  # the rank copied the block from another rank (same bytes)
+    "divergent_producer_replica",  # ... from a producer rank whose copy differs
+)
+
+
+def _block_rows(engine: SimEngine, cache: torch.Tensor, block: int) -> slice:
+    """The rows of `cache` (a [rows, heads, tokens, bytes] view) of one block."""
+    split = engine.side.block_size // cache.shape[2]
+    return slice(block * split, (block + 1) * split)
+
+
+@pytest.mark.parametrize("read", WRONG_READS)
+@pytest.mark.parametrize(("p_tp", "c_tp"), [(2, 2), (2, 1), (1, 2), (4, 2)])
+def test_mla_wrong_rank_reads(model_dir: str, read: str, p_tp: int, c_tp: int) -> None:
+    """R32, R91 (issue 29): with MLA every rank holds the same latent bytes
+    for a block, so a consumer rank reading the right block from another
+    producer rank ("other_replica") gets identical bytes: nothing to detect
+    and nothing wrong, and the load stays verified. Every wrong read that
+    changes bytes of one rank's replica is a mismatch at exactly that block
+    position: another block of the load, another layer's latent, a block
+    outside the load (a stale read), or the right block from a producer rank
+    whose copy diverged from the producer's rank 0 (the producer checksums
+    replica 0 only; it never compares its own replicas, so a divergent
+    producer copy that no consumer reads goes unnoticed).
+
+    Fails if MLA latents were numbered as sharded heads (a TP 4 producer and
+    a TP 2 consumer then disagree on every slice), or if a consumer
+    checksummed only the ranks holding replica 0 (a wrong read on another
+    rank passes)."""
+    if read == "divergent_producer_replica" and p_tp == 1:
+        pytest.skip("a producer with one rank has no other replica")
+    rng = np.random.default_rng(WRONG_READS.index(read) * 100 + p_tp * 10 + c_tp)
+    producer = SimEngine(model_dir, SideConfig(tp=p_tp, groups="mla"), "P")
+    consumer = SimEngine(
+        model_dir,
+        SideConfig(
+            tp=c_tp, groups="mla", kv_salt=1, connector=WHOLE_PROMPT_CONNECTOR_NAME
+        ),
+        "D",
+    )
+    prompt = _prompt(rng, 100)  # 7 blocks of 16, the last one partial
+    params = produce(producer, "r", prompt)
+    result = consume(consumer, producer, "r", prompt, params)
+    assert dict(consumer.checksums.stats.loads) == {"verified": 1}
+    payload = KVChecksumPayload.from_base64(params[KV_TRANSFER_PARAMS_KEY])
+    blocks = consumer.recv_blocks("r")
+    assert blocks is not None
+    kcs = consumer.checksums
+
+    def verify():
+        reports = _consumer_reports(consumer, "r", blocks)
+        return verify_load(
+            payload, None, reports, blocks, kcs.num_workers, kcs.tp_size,
+            kcs.group_infos,
+        )  # fmt: skip
+
+    baseline = verify().mismatches
+    start, ids = blocks.groups[0]
+    assert start == 0 and result.num_local_tokens == 0
+    position, other = 2, 4  # full blocks, neither the recomputed last one
+    rank = consumer.workers[-1]  # the last rank: a replica other than 0
+    names = sorted(rank.caches)
+    layer = names[1]
+    cache = rank.caches[layer].view(torch.uint8)
+    mine = _block_rows(consumer, cache, int(ids[position]))
+    saved = cache[mine].clone()
+    if read == "other_block":
+        cache[mine] = cache[_block_rows(consumer, cache, int(ids[other]))]
+    elif read == "other_layer":
+        theirs = rank.caches[names[2]].view(torch.uint8)
+        cache[mine] = theirs[_block_rows(consumer, theirs, int(ids[position]))]
+    elif read == "unloaded_block":
+        used = {int(b) for b in ids} | {consumer.null_block}
+        free = next(b for b in range(consumer.side.num_blocks) if b not in used)
+        cache[mine] = cache[_block_rows(consumer, cache, free)].clone()
+    else:
+        source = producer.workers[-1]
+        theirs = source.caches[layer].view(torch.uint8)
+        remote = per_group(params["remote_block_ids"])[0][position]
+        rows = theirs[_block_rows(producer, theirs, remote)].clone()
+        if read == "divergent_producer_replica":
+            rows[0, 0, int(rng.integers(16)), int(rng.integers(rows.shape[-1]))] ^= 1
+        cache[mine] = rows
+    try:
+        verdict = verify()
+    finally:
+        cache[mine] = saved
+    if read == "other_replica":
+        assert torch.equal(rows, saved)
+        assert verdict.mismatches == baseline
+        return
+    expected = {g: list(p) for g, p in baseline.items()}
+    expected[0] = sorted({*expected.get(0, ()), position})
+    assert verdict.status is KVChecksumStatus.MISMATCH
+    assert verdict.mismatches == expected
