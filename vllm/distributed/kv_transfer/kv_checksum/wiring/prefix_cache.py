@@ -1,12 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Hooks of prefix-hit verification (R140) into vLLM 0.33.0's scheduler and
-block pool, and into the worker's connector wrapper.
+"""Hooks of prefix-hit verification (R140); the logic is in engine/prefix_hits.py.
 
-Each hook is a short call into :mod:`.prefix_hits`; with checksums or
-`kv_checksum_verify_prefix_hits` off nothing is attached and vLLM runs
-unchanged. Called from the package's existing hooks in :mod:`.wiring` (one
-line each), so no vLLM method is wrapped twice.
+With checksums or `kv_checksum_verify_prefix_hits` off nothing is attached and
+vLLM runs unchanged. Called from the package's scheduler and worker hooks
+(wiring/scheduler.py, wiring/worker.py; one line each), so no vLLM method is
+wrapped twice.
+
+Hooks (target; why; how; the upstream change that lets it go):
+
+BlockPool cache_full_blocks, _maybe_evict_cached_block, reset_prefix_cache
+  (instance, set up with the checksum scheduler)
+    Why: an entry is recorded when vLLM caches a full block, dropped when it
+    evicts the block
+    How: after vLLM's own call, note the blocks (positions, hashes) or drop them
+    Upstream: block-cached / block-evicted callbacks on the block pool
+KVCacheManager get_computed_blocks (instance)
+    Why: the hit blocks of a request are checked before its output is used
+    How: note the request's local hit length after vLLM's lookup
+    Upstream: a per-request "local hit" field on SchedulerOutput
+Scheduler update_after_schedule / update_from_output (through the package's hooks)
+    Why: ask the workers to save entries and check hits; compare the results
+    How: `schedule` fills the step's checksum metadata, `verify` compares and, on
+    a mismatch, evicts and reports the blocks as invalid so vLLM recomputes
+    Upstream: a verification hook on prefix-cache hits
 """
 
 from typing import Any
