@@ -721,14 +721,14 @@ def consume(
 def on_verdicts(kcs: Any, record: Callable[[str, Any], None]) -> None:
     """`record(request id, verdict)` for every P/D verdict the checksum
     scheduler `kcs` reaches (a spy on its `_verify`)."""
-    original = kcs._verify
+    original = kcs.consumer._verify
 
     def verify(req_id: str, pending: Any) -> Any:
         verdict = original(req_id, pending)
         record(req_id, verdict)
         return verdict
 
-    kcs._verify = verify
+    kcs.consumer._verify = verify
 
 
 def capture_verdicts(engine: SimEngine) -> dict[str, Any]:
@@ -756,7 +756,10 @@ def package_state(engine: SimEngine, connector_scheduler: Any) -> int:
     kcs = engine.checksums
     outbox = connector_scheduler.__dict__.get("_kv_checksum_outbox")
     total = (
-        len(kcs._noted) + len(kcs._sends) + len(kcs._recvs) + len(kcs.offload.pending)
+        len(kcs.consumer._noted)
+        + len(kcs.producer._sends)
+        + len(kcs.consumer._recvs)
+        + len(kcs.offload.pending)
     )
-    total += len(kcs._outgoing) + len(kcs._producers)
+    total += len(kcs.producer._outgoing) + len(kcs.producer._producers)
     return total + (len(outbox.pending) if outbox is not None else 0)

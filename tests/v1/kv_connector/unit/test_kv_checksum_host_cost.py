@@ -77,16 +77,16 @@ def test_R142_add_send_runs_for_producer_requests_only(
     engine = SimEngine(model_dir, SideConfig(), "P")
     kcs = engine.checksums
     calls: list[str] = []
-    original = kcs.add_send
+    original = kcs.producer.add_send
 
     def add_send(request: Any, *args: Any) -> None:
         calls.append(request.request_id)
         original(request, *args)
 
-    monkeypatch.setattr(kcs, "add_send", add_send)
+    monkeypatch.setattr(kcs.producer, "add_send", add_send)
     run_local(engine, "local", PROMPT, max_tokens=6)
     assert calls == []
     params = produce(engine, "prod", [9] * 40)
     assert "kv_checksums" in params
     assert calls and set(calls) == {"prod"}
-    assert not kcs._producers
+    assert not kcs.producer._producers

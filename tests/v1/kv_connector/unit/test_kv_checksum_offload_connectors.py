@@ -385,8 +385,8 @@ def test_R139_multi_connector_pd_load_takes_the_nixl_path(model_dir: str) -> Non
     )
     engine.scheduler.schedule()
     kcs = engine.checksums
-    assert "pd" in kcs._recvs and "pd" not in kcs.offload.pending
-    assert kcs._recvs["pd"].carrier == KVChecksumCarrier.KV_TRANSFER_PARAMS
+    assert "pd" in kcs.consumer._recvs and "pd" not in kcs.offload.pending
+    assert kcs.consumer._recvs["pd"].carrier == KVChecksumCarrier.KV_TRANSFER_PARAMS
     request = engine.scheduler.requests["pd"]
     assert engine.scheduler.connector.get_kv_checksum_sources(request) == set()
 

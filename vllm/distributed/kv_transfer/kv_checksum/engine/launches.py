@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The device work of one worker step: rows in, checksums out, no host sync.
+
+All rows of a step are built on the host, copied to the device once, and each
+group pass's plan is queued on the compute stream (R48); the results are
+copied to pinned host memory on a side stream with an event to wait on (R55).
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
+    RowSegment,
+    pack_segments,
+    segment_rows,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
+from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
+    BlockChecksumTable,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.plans import (
+    ChecksumPlan,
+    GroupPlans,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.records import (
+    KVChecksumPendingRecord,
+    PassResult,
+)
+
+Requests = Sequence[tuple[str, KVChecksumBlocks]]
+
+
+class ChecksumLauncher:
+    """Queues a step's checksum launches and the copy of their results to the
+    host, so the engine step never waits on the device (R48, R55)."""
+
+    def __init__(
+        self,
+        groups: dict[int, GroupPlans],
+        topology: WorkerTopology,
+        table: BlockChecksumTable,
+    ) -> None:
+        self.groups = groups
+        self.topology = topology
+        self.table = table
+        self._side_stream: torch.cuda.Stream | None = None
+
+    def launch(
+        self,
+        recvs: Requests,
+        loads: Requests,
+        sends: Requests,
+        checks: Requests = (),
+    ) -> list[PassResult]:
+        """Build all rows, copy them once to the device and queue every launch.
+
+        P/D receives and sends are checksummed per chunk (R135), offloaded-KV
+        loads and prefix-hit checks per block with their stored entries
+        (R117, R140).
+        """
+        passes: list[tuple[GroupPlans, str, tuple, np.ndarray, np.ndarray]] = []
+        parts: list[np.ndarray] = []
+        for requests, kind in (
+            (recvs, "recv"),
+            (loads, "load"),
+            (list(checks), "check"),
+            (sends, "send"),
+        ):
+            if not requests:
+                continue
+            for plans in self.groups.values():
+                req_ids, starts, counts, rows = segment_rows(
+                    requests, plans.group_id, plans.block_size
+                )
+                if req_ids:
+                    passes.append((plans, kind, req_ids, starts, counts))
+                    parts.append(rows)
+        if not passes:
+            return []
+        on_device = self.topology.device.type != "cpu"
+        host_rows: list[torch.Tensor] = []
+
+        def pinned_zeros(shape: tuple[int, int]) -> np.ndarray:
+            host_rows.append(
+                torch.zeros(shape, dtype=torch.int64, pin_memory=on_device)
+            )
+            return host_rows[0].numpy()
+
+        _, columns = pack_segments(parts, pinned_zeros)
+        rows_dev = self._to_device(host_rows[0])
+        results = []
+        for (plans, kind, req_ids, starts, counts), part, column in zip(
+            passes, parts, columns
+        ):
+            plan: ChecksumPlan = getattr(plans, "load" if kind == "check" else kind)
+            n = part.shape[1]
+            out = torch.zeros(
+                (n, plan.width), dtype=torch.int64, device=rows_dev.device
+            )
+            plan.run(rows_dev[:, column : column + n], out)
+            if plan.chunks > 1:
+                # One row per chunk, in position order (R135).
+                out = out.view(n * plan.chunks, len(plan.replica_keys))
+                starts, counts = starts * plan.chunks, counts * plan.chunks
+            segment = RowSegment(plans.group_id, column, req_ids, starts, counts)
+            result = PassResult(segment, plan.replica_keys, out)
+            if plans.group_id in self.table.read_groups(kind):
+                assert self.table.tensor is not None
+                result.stored_device = self.table.tensor[
+                    rows_dev[0, column : column + n]
+                ]
+            results.append(result)
+        return results
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """One non-blocking host-to-device copy of all rows, from pinned memory."""
+        device = self.topology.device
+        if device.type == "cpu":
+            return host
+        return host.to(device, non_blocking=True)
+
+    def copy_to_host(self, pending: KVChecksumPendingRecord) -> None:
+        """Copy results to pinned host memory on a side stream; record an event."""
+        if not pending.results:
+            return
+        on_device = self.topology.device.type != "cpu"
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for result in pending.results:
+                result.host = torch.empty(
+                    result.device.shape, dtype=torch.int64, pin_memory=on_device
+                )
+                result.host.copy_(result.device, non_blocking=True)
+                if result.stored_device is not None:
+                    result.stored_host = torch.empty(
+                        result.stored_device.shape,
+                        dtype=torch.int64,
+                        pin_memory=on_device,
+                    )
+                    result.stored_host.copy_(result.stored_device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        pending.event = event

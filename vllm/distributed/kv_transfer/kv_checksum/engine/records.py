@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A worker's step record, on its way from the device to the scheduler.
+
+The launches of a step leave their results on the device; a side stream
+copies them to pinned host memory, and `KVChecksumPendingRecord.finalize()`
+waits for that copy only when the record is read (R55).
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumGroup,
+    KVChecksumRecord,
+    ReplicaKey,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.rows import RowSegment
+
+
+@dataclass
+class PassResult:
+    """Device output of one (pass, group) and the host copy it lands in."""
+
+    segment: RowSegment
+    replica_keys: tuple[ReplicaKey, ...]
+    device: torch.Tensor
+    host: torch.Tensor | None = None
+    # Loads: the stored block entries of the loaded blocks (R117), per row.
+    stored_device: torch.Tensor | None = None
+    stored_host: torch.Tensor | None = None
+
+
+@dataclass
+class KVChecksumPendingRecord:
+    """A step's record whose values are still on their way to host memory (R55)."""
+
+    pp_rank: int
+    tp_rank: int
+    req_ids: tuple[str, ...]
+    results: list[PassResult]
+    skipped_groups: tuple[int, ...]
+    fingerprints: dict[int, int]
+    received: dict[str, bytes]
+    event: object | None = None
+    _record: KVChecksumRecord | None = field(default=None, repr=False)
+
+    def __reduce__(self) -> tuple:
+        """Serialized for the scheduler as the finished host record (R55)."""
+        return (_same, (self.finalize(),))
+
+    def finalize(self) -> KVChecksumRecord:
+        """Wait for the side-stream copy and build the host record (idempotent)."""
+        if self._record is not None:
+            return self._record
+        if self.event is not None:
+            self.event.synchronize()  # type: ignore[attr-defined]
+        checksums: dict[str, dict[int, KVChecksumGroup]] = {r: {} for r in self.req_ids}
+        for result in self.results:
+            assert result.host is not None
+            values = result.host.numpy().view(np.uint64)
+            stored = None
+            if result.stored_host is not None:
+                stored = result.stored_host.numpy().view(np.uint64)
+            seg = result.segment
+            bounds = np.cumsum(seg.counts)
+            for i, req_id in enumerate(seg.req_ids):
+                end = int(bounds[i])
+                begin = end - int(seg.counts[i])
+                checksums[req_id][seg.group_id] = KVChecksumGroup(
+                    start=int(seg.starts[i]),
+                    replica_keys=result.replica_keys,
+                    values=values[begin:end].copy(),
+                    stored=None if stored is None else stored[begin:end].copy(),
+                )
+        self._record = KVChecksumRecord(
+            pp_rank=self.pp_rank,
+            tp_rank=self.tp_rank,
+            checksums=checksums,
+            skipped_groups=self.skipped_groups,
+            fingerprints=dict(self.fingerprints),
+            received=dict(self.received),
+        )
+        self.results = []
+        return self._record
+
+
+def _same(record: KVChecksumRecord) -> KVChecksumRecord:
+    return record
+
+
+def finalize_records(items: Iterable[object] | None) -> list[KVChecksumRecord]:
+    """Host records of pending or finished records, in order."""
+    records = []
+    for item in items or ():
+        if isinstance(item, KVChecksumPendingRecord):
+            records.append(item.finalize())
+        elif isinstance(item, KVChecksumRecord):
+            records.append(item)
+    return records
