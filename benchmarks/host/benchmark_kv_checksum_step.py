@@ -52,11 +52,11 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (  # noqa: E402
     register_carrier_connector,
 )
 from vllm.distributed.kv_transfer.kv_checksum import plugin  # noqa: E402
+from vllm.distributed.kv_transfer.kv_checksum.definition.views import (  # noqa: E402
+    WorkerTopology,
+)
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (  # noqa: E402
     KVChecksumWorker,
-)
-from vllm.distributed.kv_transfer.kv_checksum.views import (  # noqa: E402
-    WorkerTopology,
 )
 
 BLOCK_SIZE = 16
