@@ -12,7 +12,9 @@ chunk] per layer, into which each step's store jobs copy GPU blocks and from
 which load jobs copy them back, at the places vLLM's worker does: loads
 before the forward (after `start_loads`, as `start_load_kv`), stores after it
 (after `save_stores`, as `wait_for_save`). Finished async loads and completed
-jobs are reported in the same step's KVConnectorOutput.
+jobs are reported in the same step's KVConnectorOutput. With `hooks=True`
+the worker sides run inside the real connector class's worker hooks (and
+their last-resort guard, R134) on an instance without __init__.
 """
 
 import random
@@ -38,6 +40,9 @@ from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
     SimpleOffloadWorkerSide,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
+    take_offload_off_records,
 )
 
 
@@ -87,6 +92,8 @@ class _OffloadSimBase(SimEngine):
     workers' checksum records and handing the step's output to vLLM."""
 
     offload: Any
+    # Worker sides called through the real connector hooks (`_bare_connector`).
+    hooks: bool = False
 
     def _block_bytes(self, cache: torch.Tensor) -> int:
         return cache.numel() * cache.element_size() // self.side.num_blocks
@@ -108,7 +115,22 @@ class _OffloadSimBase(SimEngine):
             )
             if pending is not None:
                 records.append(pending)
+            # As the ActiveKVConnector.post_forward hook: an offload side's
+            # "tier off" record rides on the worker's output (R134).
+            records += take_offload_off_records(worker.checksum)
         return records
+
+    def _bare_connector(self, attr: str, side: Any) -> Any:
+        """With `hooks`: an instance of the real connector class, without
+        __init__, whose vLLM worker does nothing and whose checksum side is
+        `side`, so that the worker side runs inside the real hooks and their
+        last-resort guard (R134)."""
+        if not self.hooks or side is None:
+            return None
+        bare = object.__new__(type(self.offload))
+        bare.connector_worker = bare.worker_handler = CallRecorder([], "vllm")
+        setattr(bare, attr, side)
+        return bare
 
     def _worker_meta(self, meta: Any) -> Any:
         """`meta` of the offload connector, as MultiConnector wraps it."""
@@ -144,8 +166,10 @@ class OffloadSimEngine(_OffloadSimBase):
         side: SideConfig,
         name: str,
         entries: bool = True,
+        hooks: bool = False,
     ) -> None:
         super().__init__(model_dir, side, name)
+        self.hooks = hooks
         self.offload = offloading_connector(self.scheduler.connector)
         manager = self.offload.connector_scheduler.manager
         self.num_chunks = manager._num_chunks
@@ -180,6 +204,9 @@ class OffloadSimEngine(_OffloadSimBase):
                     worker.checksum, connector_worker, injector, lambda t=tensors: t
                 )
             )
+        self.bare = [
+            self._bare_connector("_kv_checksum_offload_worker", s) for s in self.sides
+        ]
         self.num_loads = 0
         self.num_stores = 0
 
@@ -214,9 +241,12 @@ class OffloadSimEngine(_OffloadSimBase):
         self.history.append(output)
         meta = offload_metadata(output.kv_connector_metadata)
         scheduled = getattr(output, "kv_checksum_scheduled", None)
-        for worker, side in zip(self.workers, self.sides):
+        for worker, side, bare in zip(self.workers, self.sides, self.bare):
             worker.checksum.bind(scheduled)
-            if side is not None and meta is not None:
+            if bare is not None and meta is not None:
+                bare._connector_metadata = meta
+                type(bare).start_load_kv(bare, None)
+            elif side is not None and meta is not None:
                 side.start_loads(meta)
         load_jobs = dict(meta.load_jobs) if meta is not None else {}
         store_jobs = dict(meta.store_jobs) if meta is not None else {}
@@ -224,8 +254,10 @@ class OffloadSimEngine(_OffloadSimBase):
             self._copy(job, to_host=False)
             self.num_loads += 1
         self._forward(output)
-        for side in self.sides:
-            if side is not None and meta is not None:
+        for side, bare in zip(self.sides, self.bare):
+            if bare is not None and meta is not None:
+                type(bare).wait_for_save(bare)
+            elif side is not None and meta is not None:
                 side.save_stores(meta, list(store_jobs))
         for job in store_jobs.values():
             self._copy(job, to_host=True)
@@ -276,9 +308,15 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
     """
 
     def __init__(
-        self, model_dir: str, side: SideConfig, name: str, entries: bool = True
+        self,
+        model_dir: str,
+        side: SideConfig,
+        name: str,
+        entries: bool = True,
+        hooks: bool = False,
     ) -> None:
         super().__init__(model_dir, side, name)
+        self.hooks = hooks
         self.offload = simple_offload_connector(self.scheduler.connector)
         manager = self.offload.scheduler_manager
         self.num_cpu_blocks = manager.num_cpu_blocks
@@ -310,6 +348,10 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
                     lambda t=tensors: t,
                 )
             )
+        self.bare = [
+            self._bare_connector("_kv_checksum_simple_offload_worker", s)
+            for s in self.sides
+        ]
         self.num_loads = 0
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
@@ -336,9 +378,12 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         if meta is not None and self.tamper is not None:
             self.tamper(meta)
         scheduled = getattr(output, "kv_checksum_scheduled", None)
-        for worker, side in zip(self.workers, self.sides):
+        for worker, side, bare in zip(self.workers, self.sides, self.bare):
             worker.checksum.bind(scheduled)
-            if side is not None and meta is not None:
+            if bare is not None and meta is not None:
+                bare._connector_metadata = meta
+                type(bare).start_load_kv(bare, None)
+            elif side is not None and meta is not None:
                 side.start_loads(meta)
         finished: set[str] = set()
         if meta is not None and meta.load_cpu_blocks:
@@ -348,8 +393,10 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             finished = set(meta.load_event_to_reqs.get(meta.load_event, ()))
         self._forward(output)
         stored = meta is not None and bool(meta.store_gpu_blocks)
-        for side in self.sides:
-            if side is not None and stored:
+        for side, bare in zip(self.sides, self.bare):
+            if bare is not None and meta is not None:
+                type(bare).wait_for_save(bare)
+            elif side is not None and stored:
                 side.save_stores(meta)
         if stored:
             self._copy(meta.store_gpu_blocks, meta.store_cpu_blocks, to_host=True)
@@ -443,3 +490,31 @@ def reload_after_drop(
     assert engine.num_loads > loads
     assert verdicts(engine).get("mismatch") == 1, verdicts(engine)
     assert verdicts(engine).get("verified", 0) >= 1
+
+
+def run_after_side_error(engine: Any, trip: bool) -> tuple[dict[str, int], list[int]]:
+    """Shared-prefix requests on an engine built with `hooks=True`, then (with
+    `trip`) an exception from TP rank 0's offload worker side inside the real
+    `start_load_kv` hook, then fault-free requests whose prefixes come back
+    from host memory. Asserts every request finished normally (no failed
+    load under policy "fail"). Returns the verdicts before the trip and the
+    tokens each later request computed (more than a control's: a recompute)."""
+    from vllm.v1.engine import FinishReason
+
+    run_shared_prefixes(engine, 8)
+    before = verdicts(engine)
+    assert before.get("verified", 0) >= 2, before
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected into the offload worker side")
+
+    if trip:
+        engine.sides[0].start_loads = broken  # type: ignore[union-attr, method-assign]
+    loads = engine.num_loads
+    prompts = run_shared_prefixes(engine, 12, seed=1)
+    assert engine.num_loads >= loads + 6
+    for req_id, final in engine.final.items():
+        assert final.finish_reason == FinishReason.LENGTH, req_id
+    return before, [
+        engine.scheduled_tokens(f"r1-{i}") - len(p) for i, p in enumerate(prompts)
+    ]

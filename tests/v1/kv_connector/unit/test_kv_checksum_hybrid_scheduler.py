@@ -992,3 +992,88 @@ def test_hybrid_containment_knows_the_state_groups_r138(
     verdict = KVChecksumVerdict(KVChecksumStatus.MISMATCH, {mamba: [0]})
     start = containment.on_failed_load("x", verdict, blocks)
     assert start[attention] == 2
+
+
+def run_local(side: HybridSide, req_id: str, prompt: list[int]) -> int:
+    """Run a plain request to its end; returns the tokens its first step
+    found in the prefix cache."""
+    side.scheduler.add_request(
+        make_request(
+            req_id, prompt, max_tokens=1, block_size=side.scheduler.hash_block_size
+        )
+    )
+    request = side.scheduler.requests[req_id]
+    hit = None
+    for _ in range(MAX_MODEL_LEN):
+        if req_id in side.finals:
+            break
+        output = side.scheduler.schedule()
+        if hit is None:
+            hit = request.num_computed_tokens - output.num_scheduled_tokens[req_id]
+        side.finish(output)
+    assert req_id in side.finals and hit is not None
+    return hit
+
+
+def test_hybrid_failed_load_after_a_local_hit_keeps_the_hit_r138(
+    distributed: Any,
+    tmp_path: Any,
+    hybrid_platform: None,
+    cuda_stream_stubs: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R138, issue 32 item 3, end to end on vLLM's real Scheduler and KV
+    cache manager of the hybrid model (fail-closed, policy "fail"): a local
+    request caches a prefix of two blocks; a P/D request over the same prefix
+    hits them locally and loads the rest, and that load fails verification
+    (no producer checksums: unverified, so every loaded group is bad from its
+    first loaded position, the Mamba group from position 0). Quarantine
+    starts at the attention group's first loaded position (2), in every
+    group; the request fails; a third request over the prefix still hits the
+    two shared blocks.
+
+    Bug this fails (checked by reverting containment's state-group rule):
+    the Mamba group's position 0 counted as the first bad token, so every
+    group is quarantined from position 0 and the shared prefix-hit blocks
+    lose their hashes (the third request hits nothing)."""
+    model = write_nemotron_h(str(tmp_path), 1)
+    side = build_side(model, 1, 1, "hit-then-load", distributed, monkeypatch)
+    containment = side.scheduler.kv_checksum_containment
+    bs = side.block_size
+    prompt = prompt_of(3 * bs + 9)
+    assert run_local(side, "local", prompt[: 2 * bs + 5]) == 0
+    starts: list[dict[int, int]] = []
+    original = containment.on_failed_load
+
+    def on_failed_load(*args: Any) -> dict[int, int]:
+        starts.append(original(*args))
+        return starts[-1]
+
+    monkeypatch.setattr(containment, "on_failed_load", on_failed_load)
+    params = consumer_kv_transfer_params("r", remote_block_ids=[[1, 2, 3]] * 3)
+    side.scheduler.add_request(
+        make_request(
+            "r",
+            prompt,
+            max_tokens=2,
+            kv_transfer_params=params,
+            block_size=side.scheduler.hash_block_size,
+        )
+    )
+    output = side.scheduler.schedule()
+    assert output.kv_checksum_scheduled is not None
+    recv = output.kv_checksum_scheduled.reqs_to_recv["r"]
+    assert recv.groups[side.attention_group][0] == 2  # after the local hit
+    for group_id in side.mamba_groups.values():
+        assert recv.groups[group_id][0] == 0
+    side.finish(output)
+    side.finish(side.scheduler.schedule(), finished_recving={"r"})
+    ((req_id, verdict),) = side.verdicts
+    assert req_id == "r" and verdict.status == KVChecksumStatus.UNVERIFIED
+    assert starts == [{g: 2 for g in side.all_groups}]
+    for _ in range(3):
+        if "r" in side.finals:
+            break
+        side.finish(side.scheduler.schedule())
+    assert side.finals["r"].finish_reason is not None
+    assert run_local(side, "again", prompt[: 2 * bs + 7]) == 2 * bs

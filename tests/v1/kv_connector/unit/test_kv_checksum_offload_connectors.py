@@ -26,6 +26,7 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     assert_every_load_verified,
     offload_metadata,
     reload_after_drop,
+    run_after_side_error,
     run_shared_prefixes,
     verdicts,
 )
@@ -522,3 +523,60 @@ def test_R134_worker_side_error_stops_stored_entries(hook: str) -> None:
     assert connector._kv_checksum_offload_worker is None
     assert calls[0] == "worker.stop_stored_entries"
     assert calls[1].startswith("vllm.")
+
+
+def offload_tier_off_logs(caplog: pytest.LogCaptureFixture) -> list[Any]:
+    return [r for r in caplog.records if "offload tier's checksums are off" in r.msg]
+
+
+@pytest.mark.parametrize(
+    "multi, policy", [(False, "fail"), (False, "recompute"), (True, "recompute")]
+)
+def test_R134_offload_side_error_leaves_fail_closed_loads_running(
+    model_dir: str, multi: bool, policy: str, vllm_caplog: pytest.LogCaptureFixture
+) -> None:
+    """R134, R139 (issue 32): TP rank 0's offload worker side raises inside
+    the real start_load_kv hook (fail-closed, TP 2). Its output tells the
+    scheduler, which stops checking host loads: the later fault-free loads
+    finish normally (none failed, none recomputed: the same tokens as an
+    untouched control engine), with no verdict; one error log and
+    `disabled_workers` count it. Only the offload tier goes off: P/D loads
+    under MultiConnector are still registered.
+
+    Bug this fails (the guard before issue 32, checked by reverting): the
+    side only stops its stored entries and the scheduler keeps registering
+    host loads; R120 then compares only the other rank's entries and counts
+    each load verified (6 more "verified" here), vouching for rank 0's KV
+    that nothing checked, with no signal to the operator. A scheduler that
+    kept expecting rank 0's entries would instead fail every load
+    fail-closed (the tokens and finish checks)."""
+    side = offload_side(multi, tp=2, fail_closed=True, policy=policy)
+    control = OffloadSimEngine(model_dir, side, "guard-control", hooks=True)
+    _, control_tokens = run_after_side_error(control, trip=False)
+    assert verdicts(control)["verified"] == control.num_loads  # checked
+    engine = OffloadSimEngine(model_dir, side, "guard", hooks=True)
+    before, tokens = run_after_side_error(engine, trip=True)
+    assert tokens == control_tokens
+    kcs = engine.checksums
+    assert verdicts(engine) == before
+    assert kcs.offload.off_sources == {"host"} and not kcs.offload.pending
+    assert kcs.stats.disabled_workers == 1 and not kcs.disabled_workers
+    assert engine.bare[0].__dict__["_kv_checksum_offload_worker"] is None
+    assert engine.bare[1].__dict__["_kv_checksum_offload_worker"] is not None
+    assert len(offload_tier_off_logs(vllm_caplog)) == 1
+    if multi:
+        from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+            consumer_kv_transfer_params,
+        )
+
+        params = consumer_kv_transfer_params(
+            "remote-a", remote_block_ids=[1, 2, 3], remote_engine_id="p0"
+        )
+        prompt = list(range(100, 100 + 3 * BS + 1))
+        engine.add(
+            make_request(
+                "pd", prompt, max_tokens=1, kv_transfer_params=params, block_size=BS
+            )
+        )
+        engine.scheduler.schedule()
+        assert "pd" in kcs._recvs

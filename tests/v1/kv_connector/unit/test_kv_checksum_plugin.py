@@ -92,6 +92,9 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    offloading as wiring_offloading,
+)
 from vllm.distributed.kv_transfer.kv_checksum.wiring import worker as wiring_worker
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -1661,6 +1664,35 @@ def test_active_connector_error_disables_checksums(
     assert later is not None
     assert getattr(later, "kv_checksums", None) is None
     assert len(checksum_logs(vllm_caplog, logging.ERROR)) == 1
+
+
+def test_active_connector_carries_offload_tier_off_record(
+    worker_setup: Any,
+) -> None:
+    """R134 (issue 32): after an offload connector's worker side failed on
+    this worker (its guard's `_disable_offload_worker`), the next output of
+    the real ActiveKVConnector carries one "offload tier off" record (host
+    source) for the scheduler, later outputs none, and the worker's own
+    checksums stay on. Catches a marker never sent (the scheduler keeps
+    counting the tier's loads verified on the other ranks' entries alone)
+    or sent every step."""
+    env = worker_setup(True)
+    active = env.active
+    worker = active.kv_checksum_worker
+    connector = SimpleNamespace(side=SimpleNamespace(checksum_worker=worker))
+    wiring_offloading._disable_offload_worker(connector, "side", "load")
+    assert connector.side is None
+    outputs = []
+    for _ in range(2):
+        active.pre_forward(env.empty_output)
+        env.connector.scripted.append(transfer_results())
+        active.finish_forward()
+        outputs.append(active.post_forward(set()))
+    assert outputs[0].kv_checksums == [
+        KVChecksumRecord(pp_rank=0, tp_rank=0, disabled_sources=("host",))
+    ]
+    assert getattr(outputs[1], "kv_checksums", None) is None
+    assert active.kv_checksum_worker is worker
 
 
 def test_active_connector_off_sets_nothing(worker_setup: Any) -> None:

@@ -22,6 +22,7 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     SimpleOffloadSimEngine,
     assert_every_load_verified,
     reload_after_drop,
+    run_after_side_error,
     run_shared_prefixes,
     simple_offload_metadata,
     verdicts,
@@ -536,3 +537,35 @@ def test_R117_simple_worker_registration(disk: bool) -> None:
     assert side.entries.entries.shape == (20,)
     assert side.entries.block_table is Worker.table
     assert side.injector is not None and side.host_tensors() == [host["layer"]]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_R134_simple_offload_side_error_leaves_fail_closed_loads_running(
+    model_dir: str, lazy: bool, vllm_caplog: pytest.LogCaptureFixture
+) -> None:
+    """R134, R139 (issue 32): TP rank 0's SimpleCPUOffloadConnector worker
+    side raises inside the real start_load_kv hook (fail-closed, recompute,
+    TP 2). Its output tells the scheduler, which stops checking host loads:
+    the later fault-free loads finish normally without recompute (the same
+    tokens as an untouched control engine) and without verdict; one error
+    log and `disabled_workers` count it.
+
+    Bug this fails (the guard before issue 32, checked by reverting): host
+    loads still registered, counted verified on rank 1's entries alone
+    while rank 0's KV goes unchecked, with no signal to the operator."""
+    side = simple_side(lazy, tp=2, fail_closed=True, policy="recompute")
+    control = SimpleOffloadSimEngine(model_dir, side, "guard-control", hooks=True)
+    _, control_tokens = run_after_side_error(control, trip=False)
+    assert verdicts(control)["verified"] == control.num_loads  # checked
+    engine = SimpleOffloadSimEngine(model_dir, side, "guard", hooks=True)
+    before, tokens = run_after_side_error(engine, trip=True)
+    assert tokens == control_tokens
+    kcs = engine.checksums
+    assert verdicts(engine) == before
+    assert kcs.offload.off_sources == {"host"} and not kcs.offload.pending
+    assert kcs.stats.disabled_workers == 1 and not kcs.disabled_workers
+    attr = "_kv_checksum_simple_offload_worker"
+    assert engine.bare[0].__dict__[attr] is None
+    assert engine.bare[1].__dict__[attr] is not None
+    logs = [r for r in vllm_caplog.records if "offload tier's" in r.msg]
+    assert len(logs) == 1

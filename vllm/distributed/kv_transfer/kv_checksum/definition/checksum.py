@@ -150,3 +150,6 @@ class KVChecksumRecord:
     # the worker's last-resort guard turned its checksums off (R134): the
     # scheduler stops expecting its records
     disabled: bool = False
+    # hit sources whose loads this worker no longer checks: an offload
+    # connector's worker side failed (R134); those loads go unchecked
+    disabled_sources: tuple[str, ...] = ()

@@ -51,7 +51,8 @@ class KVChecksumStats:
     not_sent: Counter = field(default_factory=Counter)  # reason -> requests
     # loaded blocks of failed loads kept out of the prefix cache (R138)
     quarantined_blocks: int = 0
-    # workers whose checksums their last-resort guard turned off (R134)
+    # workers whose checksums (or offload tier's) the last-resort guard
+    # turned off (R134)
     disabled_workers: int = 0
     # prefix-cache hit checks by verdict (R140)
     prefix_hits: Counter = field(default_factory=Counter)

@@ -23,7 +23,8 @@ server: the counters appear on vLLM's `/metrics` endpoint.
   against the entries recorded when their blocks were cached (R140);
 - `vllm:kv_checksum_disabled_workers`: workers whose checksums their
   last-resort guard turned off (R134); from the first one on the engine runs
-  as with checksums off, so alert on any increase.
+  as with checksums off (after an offload tier's worker side, only that
+  tier's loads go unchecked), so alert on any increase.
 
 All are counters (prometheus_client appends `_total`) with vLLM's
 `model_name` and `engine` labels first.
@@ -185,8 +186,9 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
         }
         disabled = counter(
             "vllm:kv_checksum_disabled_workers",
-            "Workers whose KV checksums were turned off after an error there; "
-            "the engine then runs as with KV checksums off.",
+            "Workers whose KV checksums (or whose offload tier's) were turned "
+            "off after an error there; the engine (or that tier) then runs as "
+            "with KV checksums off.",
             [],
         )
         self.disabled_workers = {

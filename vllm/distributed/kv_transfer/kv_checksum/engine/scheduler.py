@@ -229,6 +229,10 @@ class KVChecksumScheduler:
         for record in records:
             if record.disabled:
                 self._worker_disabled((record.pp_rank, record.tp_rank))
+            elif self.offload.stop_sources(
+                (record.pp_rank, record.tp_rank), record.disabled_sources
+            ):
+                self.stats.record_worker_disabled()  # R134, offload tier only
         for record in records:
             if not self.disabled_workers:
                 self._store(record)

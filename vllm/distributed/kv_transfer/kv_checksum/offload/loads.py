@@ -10,7 +10,7 @@ and, when it finishes, is compared with the entries that came back with the KV
 and counts the verdicts of both alike.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,10 +69,40 @@ class KVChecksumOffloadLoads:
         self.checksum_sources = checksum_sources
         self.on_failure = on_failure
         self.pending: dict[str, PendingOffloadLoad] = {}
+        # Sources no longer checked: a worker's offload side failed (R134).
+        self.off_sources: set[str] = set()
 
     def is_checked(self, request: Any, hit_sources: set[str]) -> bool:
-        """Whether every source of the load stores checksums (R119)."""
-        return bool(hit_sources) and hit_sources <= set(self.checksum_sources(request))
+        """Whether every source of the load stores checksums (R119) and none
+        was turned off."""
+        return (
+            bool(hit_sources)
+            and not hit_sources & self.off_sources
+            and hit_sources <= set(self.checksum_sources(request))
+        )
+
+    def stop_sources(self, worker: WorkerKey, sources: Iterable[str]) -> bool:
+        """A worker's offload side failed (R134): loads from `sources` are no
+        longer registered or verified, as with checksums off, and the loads in
+        flight are dropped without a verdict. Returns whether any was new."""
+        new = set(sources) - self.off_sources
+        if not new:
+            return False
+        self.off_sources |= new
+        dropped = len(self.pending)
+        self.pending.clear()
+        logger.error(
+            "KV checksums: the offload tier's checksums are off on worker "
+            "(pp rank %d, tp rank %d) after an error there: loads from %s are "
+            "no longer verified (fail-closed included), as with checksums off; "
+            "P/D transfers are still checked; %d offload loads in flight "
+            "dropped unverified.",
+            worker[0],
+            worker[1],
+            ", ".join(sorted(new)),
+            dropped,
+        )
+        return True
 
     def add(self, request: Any, blocks: KVChecksumBlocks) -> None:
         self.pending[request.request_id] = PendingOffloadLoad(blocks, request)

@@ -32,10 +32,13 @@ CPU manager prepare_store, lookup (instance)
     Upstream: a "do not offload" mark; a "remove key" call
 """
 
-import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumRecord,
+)
 from vllm.distributed.kv_transfer.kv_checksum.offload import (
     offloading as offload_connectors,
 )
@@ -149,14 +152,38 @@ def install_offload_connector() -> None:
         return original(self)
 
 
+# Checksum worker -> its "offload tier off" record, not yet sent (R134).
+_offload_off: "weakref.WeakKeyDictionary[Any, KVChecksumRecord]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _disable_offload_worker(connector: Any, attr: str, where: str) -> None:
     """`_disable_after_error` for an offload connector's worker side: its
     checksum worker stops comparing loads with the block table the side no
-    longer keeps, so later host loads are unverified, not falsely mismatched."""
+    longer keeps, and its next output tells the scheduler to stop checking
+    host loads (`take_offload_off_records`). Only the offload tier goes off:
+    the error was in its code, and P/D checks do not use its entries."""
     side = connector.__dict__.get(attr)
     _disable_after_error(connector, attr, where)
-    with contextlib.suppress(Exception):
-        side.checksum_worker.stop_stored_entries()
+    try:
+        worker = side.checksum_worker
+        worker.stop_stored_entries()
+        topology = worker.topology
+        _offload_off[worker] = KVChecksumRecord(
+            topology.pp_rank,
+            topology.tp_rank,
+            disabled_sources=(offload_connectors.HOST_SOURCE,),
+        )
+    except Exception:
+        logger.exception("KV checksums: the scheduler could not be told.")
+
+
+def take_offload_off_records(worker: Any) -> list[KVChecksumRecord]:
+    """The pending "offload tier off" record of a checksum worker, sent once
+    on its next output (ActiveKVConnector.post_forward)."""
+    record = _offload_off.pop(worker, None)
+    return [] if record is None else [record]
 
 
 def _offload_children(connector: Any) -> list[Any]:

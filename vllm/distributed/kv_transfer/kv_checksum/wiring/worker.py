@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _guard,
     _kv_cache_config,
     _wrap,
+    offloading,
     prefix_cache,
 )
 from vllm.logger import init_logger
@@ -147,7 +148,8 @@ def install_worker_hooks() -> None:
         its pending record goes on the KVConnectorOutput; configured fault
         injection (R131) corrupts finished loads just before. After an error
         turned this worker's checksums off, its next output carries one
-        "checksums disabled" record instead (R134).
+        "checksums disabled" record instead; after one in an offload
+        connector's worker side, one "offload tier off" record too (R134).
         Upstream: the same call inside post_forward.
         """
         output = original(self, finished_req_ids, *args, **kw)
@@ -175,8 +177,10 @@ def install_worker_hooks() -> None:
         except Exception:
             _disable_worker(self, "kv_checksum_worker", "post_forward")
             return _with_disabled_record(self, output)
-        if pending is not None:
-            output.kv_checksums = [pending]
+        records = [pending] if pending is not None else []
+        records += offloading.take_offload_off_records(worker)  # R134
+        if records:
+            output.kv_checksums = records
         return output
 
     @_wrap(KVOutputAggregator, "aggregate")
