@@ -505,8 +505,8 @@ def test_R134_worker_side_error_stops_stored_entries(hook: str) -> None:
     """R134 on vLLM's OffloadingConnector: an error in the worker side's
     entry moves disables it, vLLM's method still runs, and the checksum
     worker stops comparing loads with stored entries (its block table is no
-    longer kept: later host loads are unverified, never mismatched against
-    stale entries).
+    longer kept, so no host load is compared with stale entries; the scheduler
+    is told to stop checking the tier: see the fail-closed test below).
 
     Bug this fails: disabling only the connector's side (every later host
     load then mismatches, and good host copies are dropped)."""
