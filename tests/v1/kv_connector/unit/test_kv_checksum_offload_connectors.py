@@ -579,4 +579,4 @@ def test_R134_offload_side_error_leaves_fail_closed_loads_running(
             )
         )
         engine.scheduler.schedule()
-        assert "pd" in kcs._recvs
+        assert "pd" in kcs.consumer._recvs

@@ -33,7 +33,7 @@ CPU manager prepare_store, lookup (instance)
 """
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
@@ -284,8 +284,10 @@ def _offload_scheduler_side(sched: Any) -> Any:
     public view of the connector's requests."""
     from vllm.v1.kv_offload.base import get_offload_group_idx
 
-    def requests() -> dict[str, Any]:
-        return {rid: state.req for rid, state in sched._req_status.items()}
+    def requests() -> Mapping[str, Any]:
+        # R142: a C-level snapshot each step; Requests are looked up only for
+        # the request ids of store jobs, not for every running request.
+        return _RequestsOf(dict(sched._req_status))
 
     def load_key_ranges(req_id: str) -> Any:
         state = sched._req_status.get(req_id)
@@ -301,6 +303,23 @@ def _offload_scheduler_side(sched: Any) -> Any:
         try_remove,
         get_offload_group_idx,
     )
+
+
+class _RequestsOf(Mapping[str, Any]):
+    """Request id -> vLLM Request over a snapshot of the connector's
+    per-request states (`_req_status`)."""
+
+    def __init__(self, states: dict[str, Any]) -> None:
+        self._states = states
+
+    def __getitem__(self, req_id: str) -> Any:
+        return self._states[req_id].req
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)
 
 
 def _remove_host_chunk(manager: Any, key: Any) -> bool | None:
