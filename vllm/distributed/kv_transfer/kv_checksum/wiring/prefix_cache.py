@@ -138,6 +138,15 @@ def attach_scheduler(scheduler: Any, kcs: Any) -> None:
     _hook_block_pool(scheduler, pool, hits)
     _hook_hit_lookup(manager, state)
     scheduler.__dict__[_STATE_ATTR] = state
+    kcs.tracked_sources.append(lambda: _pending_request_ids(scheduler))  # R141
+
+
+def _pending_request_ids(scheduler: Any) -> list[str]:
+    """The requests whose prefix-hit checks wait for their step's reports."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return []
+    return [key[: -len(HIT_KEY_SUFFIX)] for key in state.hits.pending]
 
 
 def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> None:

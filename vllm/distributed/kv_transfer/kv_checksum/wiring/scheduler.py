@@ -114,6 +114,7 @@ def install_scheduler_hooks() -> None:
             _attach_simple_offload_schedulers(self.connector)
             _attach_containment(self, kcs)
             prefix_cache.attach(self, kcs)  # R140
+            kcs.tracked_sources.append(lambda: _outbox_request_ids(self.connector))
             self._kv_checksum_starting_loads = []
             _note_starting_loads(self)
             self.kv_checksum_scheduler = kcs
@@ -224,6 +225,18 @@ def install_scheduler_hooks() -> None:
                 self.connector.send_kv_checksums(request, data)
             return delay_free, params
         return result
+
+
+def _outbox_request_ids(connector: Any) -> list[str]:
+    """R141: the requests whose CONNECTOR payloads wait in a connector
+    scheduler's outbox (NIXL push, Mooncake; MultiConnector's children)."""
+    ids: list[str] = []
+    for child in getattr(connector, "_connectors", None) or [connector]:
+        sched = getattr(child, "connector_scheduler", None)
+        outbox = getattr(sched, "__dict__", {}).get("_kv_checksum_outbox")
+        if outbox is not None:
+            ids.extend(outbox.pending)
+    return ids
 
 
 def _note_starting_loads(scheduler: Any) -> None:
