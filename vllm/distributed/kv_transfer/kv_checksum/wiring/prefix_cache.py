@@ -264,11 +264,17 @@ def _verify_step(
                 load.reports[(record.pp_rank, record.tp_rank)] = report
     invalid: set[int] = set()
     for key in keys:
+        req_id = key[: -len(HIT_KEY_SUFFIX)]
+        request = scheduler.requests.get(req_id)
+        if request is None or request.is_finished():
+            # R141: aborted since its step was scheduled; vLLM freed (or
+            # frees) its blocks: no verdict, and nothing kept for it.
+            hits.pending.pop(key, None)
+            continue
         result = hits.verify(key)
         if result is None:
             continue
         load, verdict = result
-        req_id = key[: -len(HIT_KEY_SUFFIX)]
         kcs.stats.record_prefix_hit(verdict)
         if verdict.status != KVChecksumStatus.MISMATCH:
             logger.debug(
