@@ -196,14 +196,15 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
         self.disabled_workers = {
             i: disabled.labels(*values) for i, values in engines.items()
         }
-        tracked = self._gauge_cls(
+        gauge_cls: Any = self._gauge_cls
+        tracked = gauge_cls(
             name="vllm:kv_checksum_tracked_requests",
             documentation="Requests holding per-request KV checksum state on "
             "the engine's scheduler; 0 when idle.",
             multiprocess_mode="mostrecent",
             labelnames=labelnames,
         )
-        self.tracked_requests = {
+        self.tracked_requests: dict[int, Any] = {
             i: tracked.labels(*values) for i, values in engines.items()
         }
 
