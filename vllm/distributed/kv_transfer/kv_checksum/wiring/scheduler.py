@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
     KVChecksumScheduler,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
+from vllm.distributed.kv_transfer.kv_checksum.wire import outbox as outbox_module
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _enabled,
     _guard,
@@ -231,10 +232,11 @@ def _outbox_request_ids(connector: Any) -> list[str]:
     """R141: the requests whose CONNECTOR payloads wait in a connector
     scheduler's outbox (NIXL push, Mooncake; MultiConnector's children)."""
     ids: list[str] = []
-    for child in getattr(connector, "_connectors", None) or [connector]:
-        sched = getattr(child, "connector_scheduler", None)
+    children = getattr(connector, "__dict__", {}).get("_connectors") or [connector]
+    for child in children:
+        sched = getattr(child, "__dict__", {}).get("connector_scheduler")
         outbox = getattr(sched, "__dict__", {}).get("_kv_checksum_outbox")
-        if outbox is not None:
+        if isinstance(outbox, outbox_module.ChecksumOutbox):
             ids.extend(outbox.pending)
     return ids
 
