@@ -368,3 +368,47 @@ def test_prometheus_counts_disabled_workers(model_dir):
     clean = PrometheusStatLogger(clean_engine.vllm_config)
     record_all(clean, clean_engine)
     assert sample("vllm:kv_checksum_disabled_workers_total", clean) == 0.0
+
+
+def tracked_series(engine: SimEngine) -> list[int]:
+    """The tracked-requests values the engine's SchedulerStats carried, in order."""
+    values = []
+    for stats in engine.scheduler_stats:
+        data = (stats.kv_connector_stats or {}).get(STATS_KEY)
+        value = KVChecksumStats.from_dict(data).tracked_requests
+        if value is not None:
+            values.append(value)
+    return values
+
+
+def test_tracked_requests_gauge(pd_pair):
+    """R141: the number of requests holding checksum state travels in
+    SchedulerStats when it changes, is set on
+    vllm:kv_checksum_tracked_requests, and is back at 0 once every request
+    finished (3 consumer requests, one at a time: 1 -> 0 each). Catches
+    a gauge that is never sent, sent as a delta (summed), or stuck above 0."""
+    producer, consumer = pd_pair
+    run_three_loads(producer, consumer)
+    # Each request is noted on arrival: its first step already counts it.
+    assert tracked_series(consumer) == [1, 0, 1, 0, 1, 0]  # sent on change only
+    assert tracked_series(producer)[-1] == 0
+    logger = PrometheusStatLogger(consumer.vllm_config)
+    engine_stats = consumer.scheduler_stats
+    for stats in engine_stats:
+        logger.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+        data = (stats.kv_connector_stats or {}).get(STATS_KEY) or {}
+        if data.get("tracked_requests") == 1:
+            assert sample("vllm:kv_checksum_tracked_requests", logger) == 1.0
+    assert sample("vllm:kv_checksum_tracked_requests", logger) == 0.0
+
+
+def test_tracked_requests_round_trip():
+    """R141: the gauge's value crosses processes, 0 included (unlike the
+    counts, 0 is a value to send); a malformed one reads as "unchanged".
+    Catches a 0 dropped on the way, leaving the gauge stuck at its last
+    non-zero value."""
+    stats = KVChecksumStats(tracked_requests=0)
+    assert not stats.is_empty()
+    assert KVChecksumStats.from_dict(stats.to_dict()).tracked_requests == 0
+    assert KVChecksumStats.from_dict({"tracked_requests": -1}).tracked_requests is None
+    assert stats.take().tracked_requests == 0 and stats.tracked_requests is None

@@ -175,11 +175,20 @@ def test_dashboard_expressions_name_exported_metrics(exported: Exported):
 
 
 def test_dashboard_shows_every_checksum_counter(exported: Exported):
-    """R130: every exported checksum counter appears in at least one panel.
-    Catches a metric added to the package that operators cannot see."""
+    """R130, R141: every exported checksum counter, and the tracked-requests
+    gauge, appears in at least one panel. Catches a metric added to the
+    package that operators cannot see."""
     used = set(NAME.findall("\n".join(dashboard_exprs())))
-    totals = {n for n in exported.names if n.endswith("_total")}
-    assert totals - used == set()
+    shown = {n for n in exported.names if not n.endswith("_created")}
+    assert "vllm:kv_checksum_tracked_requests" in shown
+    assert shown - used == set()
+
+
+def test_guide_lists_the_tracked_requests_gauge():
+    """R141: the guide's metrics table has a row for the tracked-requests
+    gauge. Catches the gauge shipped without its documentation."""
+    guide = (REPO / "docs/features/kv_checksum.md").read_text()
+    assert "| `vllm:kv_checksum_tracked_requests` (gauge) |" in guide
 
 
 def test_dashboard_form():

@@ -207,3 +207,7 @@ class KVChecksumContainment:
     def release(self, req_id: str) -> None:
         """Forget a request whose blocks vLLM freed."""
         self._quarantined.pop(req_id, None)
+
+    def request_ids(self) -> list[str]:
+        """The quarantined requests (R141: state released when vLLM frees them)."""
+        return list(self._quarantined)

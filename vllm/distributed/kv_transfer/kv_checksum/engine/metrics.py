@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Counters of checksum verdicts, sends and quarantined blocks (R130, R138).
+"""Counters of checksum verdicts, sends and quarantined blocks (R130, R138),
+and the number of requests holding checksum state (R141, a gauge).
 
 The counts are plain integers here; the wiring exposes them through vLLM's own
 KV connector stats and Prometheus path: `Scheduler.make_stats` puts
@@ -40,6 +41,11 @@ def _count(value: Any) -> int:
     return int(value) if ok else 0
 
 
+def _gauge(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return int(value) if ok else None
+
+
 @dataclass
 class KVChecksumStats:
     """Verdict, payload and quarantine counts since the last `take()`."""
@@ -56,6 +62,8 @@ class KVChecksumStats:
     disabled_workers: int = 0
     # prefix-cache hit checks by verdict (R140)
     prefix_hits: Counter = field(default_factory=Counter)
+    # requests holding checksum state now (R141); None: unchanged since sent
+    tracked_requests: int | None = None
 
     def record_prefix_hit(self, verdict: KVChecksumVerdict) -> None:
         self.prefix_hits[verdict.status.value] += 1
@@ -90,11 +98,12 @@ class KVChecksumStats:
             or self.quarantined_blocks
             or self.disabled_workers
             or self.prefix_hits
+            or self.tracked_requests is not None
         )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, serializable counts (they cross processes in SchedulerStats)."""
-        return {
+        data: dict[str, Any] = {
             "loads": dict(self.loads),
             "unverified_reasons": dict(self.unverified_reasons),
             "mismatched_positions": self.mismatched_positions,
@@ -104,6 +113,9 @@ class KVChecksumStats:
             "disabled_workers": self.disabled_workers,
             "prefix_hits": dict(self.prefix_hits),
         }
+        if self.tracked_requests is not None:
+            data["tracked_requests"] = self.tracked_requests
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> "KVChecksumStats":
@@ -119,6 +131,7 @@ class KVChecksumStats:
             quarantined_blocks=_count(data.get("quarantined_blocks")),
             disabled_workers=_count(data.get("disabled_workers")),
             prefix_hits=_counts(data.get("prefix_hits")),
+            tracked_requests=_gauge(data.get("tracked_requests")),
         )
 
     def take(self) -> "KVChecksumStats":

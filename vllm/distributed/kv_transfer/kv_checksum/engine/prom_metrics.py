@@ -25,9 +25,13 @@ server: the counters appear on vLLM's `/metrics` endpoint.
   last-resort guard turned off (R134); from the first one on the engine runs
   as with checksums off (after an offload tier's worker side, only that
   tier's loads go unchecked), so alert on any increase.
+- `vllm:kv_checksum_tracked_requests` (a gauge, R141): requests holding
+  per-request checksum state on the engine's scheduler now; back to 0 when
+  the engine is idle, so a value that only grows is a leak.
 
-All are counters (prometheus_client appends `_total`) with vLLM's
-`model_name` and `engine` labels first.
+All but the gauge are counters (prometheus_client appends `_total`); all have
+vLLM's `model_name` and `engine` labels first. The gauge is sent when it
+changes (and once at start), like the counters only in steps with log_stats.
 An unverified load with several fixed reasons counts once under each of them.
 """
 
@@ -194,6 +198,17 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
         self.disabled_workers = {
             i: disabled.labels(*values) for i, values in engines.items()
         }
+        gauge_cls: Any = self._gauge_cls
+        tracked = gauge_cls(
+            name="vllm:kv_checksum_tracked_requests",
+            documentation="Requests holding per-request KV checksum state on "
+            "the engine's scheduler; 0 when idle.",
+            multiprocess_mode="mostrecent",
+            labelnames=labelnames,
+        )
+        self.tracked_requests: dict[int, Any] = {
+            i: tracked.labels(*values) for i, values in engines.items()
+        }
 
     @classmethod
     def for_connector_prom(
@@ -243,3 +258,5 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
             self.quarantined_blocks[engine_idx].inc(stats.quarantined_blocks)
         if stats.disabled_workers:
             self.disabled_workers[engine_idx].inc(stats.disabled_workers)
+        if stats.tracked_requests is not None:
+            self.tracked_requests[engine_idx].set(stats.tracked_requests)

@@ -122,6 +122,8 @@ class KVChecksumScheduler:
         )
         # Workers whose checksums their last-resort guard turned off (R134).
         self.disabled_workers: set[WorkerKey] = set()
+        # Request ids of per-request state kept next to this one (R141).
+        self.tracked_sources: list[Callable[[], Iterable[str]]] = []
 
     @property
     def on_failed_load(self) -> FailedLoadFn | None:
@@ -296,6 +298,17 @@ class KVChecksumScheduler:
     def take_kv_checksums_to_send(self, req_id: str) -> bytes | None:
         """The CONNECTOR-carried bytes of a finished producer request, once."""
         return self.producer.take_kv_checksums_to_send(req_id)
+
+    def tracked_request_ids(self) -> set[str]:
+        """Ids of the requests holding per-request checksum state on this
+        engine's scheduler side, here and in `tracked_sources` (R141)."""
+        ids = self._noted.union(
+            self._producers, self._sends, self._recvs, self._outgoing
+        )
+        ids.update(self.offload.pending)
+        for source in self.tracked_sources:
+            ids.update(source())
+        return ids
 
 
 def _transfer_groups(kv_cache_config: Any) -> dict[int, SchedulerGroup]:

@@ -162,3 +162,4 @@ def _contain_failed_loads(scheduler: Any, kcs: Any) -> None:
     coordinator.pop_blocks_for_free = pop_blocks_for_free
     scheduler.kv_checksum_containment = containment
     kcs.on_failed_load = on_failed_load
+    kcs.tracked_sources.append(containment.request_ids)  # R141

@@ -54,12 +54,18 @@ def install_metrics_hooks() -> None:
         API server's stat loggers. How: when vLLM returns SchedulerStats, move
         the counts as a plain dict under "kv_checksum" into a copy of its
         kv_connector_stats dict; an error disables checksums for the engine
-        (R134). Upstream: a checksum stats field."""
+        (R134). The number of requests holding checksum state goes with
+        them when it changed since it was last sent (R141, a gauge).
+        Upstream: a checksum stats field."""
         stats = original(self, *args, **kwargs)
         kcs = getattr(self, "kv_checksum_scheduler", None)
         if stats is None or kcs is None:
             return stats
         with _guard(self, "kv_checksum_scheduler", "make_stats"):
+            tracked = len(kcs.tracked_request_ids())
+            if tracked != self.__dict__.get("_kv_checksum_tracked_sent"):
+                kcs.stats.tracked_requests = tracked
+                self._kv_checksum_tracked_sent = tracked
             if not kcs.stats.is_empty():
                 merged = {
                     **(stats.kv_connector_stats or {}),

@@ -155,6 +155,15 @@ def attach_scheduler(scheduler: Any, kcs: Any) -> None:
     _hook_block_pool(scheduler, pool, hits)
     _hook_hit_lookup(manager, state)
     scheduler.__dict__[_STATE_ATTR] = state
+    kcs.tracked_sources.append(lambda: _pending_request_ids(scheduler))  # R141
+
+
+def _pending_request_ids(scheduler: Any) -> list[str]:
+    """The requests whose prefix-hit checks wait for their step's reports."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return []
+    return [key[: -len(HIT_KEY_SUFFIX)] for key in state.hits.pending]
 
 
 def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> None:
@@ -272,11 +281,17 @@ def _verify_step(
                 load.reports[(record.pp_rank, record.tp_rank)] = report
     invalid: set[int] = set()
     for key in keys:
+        req_id = key[: -len(HIT_KEY_SUFFIX)]
+        request = scheduler.requests.get(req_id)
+        if request is None or request.is_finished():
+            # R141: aborted since its step was scheduled; vLLM freed (or
+            # frees) its blocks: no verdict, and nothing kept for it.
+            hits.pending.pop(key, None)
+            continue
         result = hits.verify(key)
         if result is None:
             continue
         load, verdict = result
-        req_id = key[: -len(HIT_KEY_SUFFIX)]
         kcs.stats.record_prefix_hit(verdict)
         if verdict.status != KVChecksumStatus.MISMATCH:
             logger.debug(

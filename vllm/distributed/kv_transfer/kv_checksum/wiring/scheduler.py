@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
     KVChecksumScheduler,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
+from vllm.distributed.kv_transfer.kv_checksum.wire import outbox as outbox_module
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _enabled,
     _guard,
@@ -114,6 +115,7 @@ def install_scheduler_hooks() -> None:
             _attach_simple_offload_schedulers(self.connector)
             _attach_containment(self, kcs)
             prefix_cache.attach(self, kcs)  # R140
+            kcs.tracked_sources.append(lambda: _outbox_request_ids(self.connector))
             self._kv_checksum_starting_loads = []
             _note_starting_loads(self)
             self.kv_checksum_scheduler = kcs
@@ -224,6 +226,19 @@ def install_scheduler_hooks() -> None:
                 self.connector.send_kv_checksums(request, data)
             return delay_free, params
         return result
+
+
+def _outbox_request_ids(connector: Any) -> list[str]:
+    """R141: the requests whose CONNECTOR payloads wait in a connector
+    scheduler's outbox (NIXL push, Mooncake; MultiConnector's children)."""
+    ids: list[str] = []
+    children = getattr(connector, "__dict__", {}).get("_connectors") or [connector]
+    for child in children:
+        sched = getattr(child, "__dict__", {}).get("connector_scheduler")
+        outbox = getattr(sched, "__dict__", {}).get("_kv_checksum_outbox")
+        if isinstance(outbox, outbox_module.ChecksumOutbox):
+            ids.extend(outbox.pending)
+    return ids
 
 
 def _note_starting_loads(scheduler: Any) -> None:
