@@ -76,6 +76,10 @@ class KVChecksumConsumer:
     # Registration
     # ------------------------------------------------------------------
 
+    def request_ids(self) -> set[str]:
+        """Requests with consumer-side state here (R141)."""
+        return self._noted.union(self._recvs)
+
     def note(self, request: Any) -> None:
         """Note a consumer request before its connector starts the load (R69)."""
         params = request.kv_transfer_params or {}

@@ -50,6 +50,10 @@ class KVChecksumProducer:
         self._outgoing: dict[str, bytes] = {}
         self._step: dict[str, KVChecksumBlocks] = {}
 
+    def request_ids(self) -> set[str]:
+        """Requests with producer-side state here (R141)."""
+        return set(self._producers).union(self._sends, self._outgoing)
+
     def note(self, request: Any) -> None:
         """Remember a producer request on arrival (R142)."""
         params = request.kv_transfer_params or {}

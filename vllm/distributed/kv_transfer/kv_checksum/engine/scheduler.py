@@ -12,7 +12,7 @@ in the step the load starts and verified once every worker reported, SPEC
 log and count their verdicts through one :mod:`.verdict_log`.
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -302,9 +302,7 @@ class KVChecksumScheduler:
     def tracked_request_ids(self) -> set[str]:
         """Ids of the requests holding per-request checksum state on this
         engine's scheduler side, here and in `tracked_sources` (R141)."""
-        ids = self._noted.union(
-            self._producers, self._sends, self._recvs, self._outgoing
-        )
+        ids = self.consumer.request_ids() | self.producer.request_ids()
         ids.update(self.offload.pending)
         for source in self.tracked_sources:
             ids.update(source())
