@@ -492,6 +492,28 @@ def reload_after_drop(
     assert verdicts(engine).get("verified", 0) >= 1
 
 
+def check_side_error_turns_off_the_tier(
+    make_engine: Callable[[str], Any], attr: str
+) -> Any:
+    """R134 on an offload tier: a control engine checks its host loads; an
+    engine whose TP rank 0 side raises then computes the same tokens (no
+    failure, no recompute), gives later host loads no verdict, turns off only
+    that tier ("host") once, and keeps rank 1's side. Returns the engine."""
+    control = make_engine("guard-control")
+    _, control_tokens = run_after_side_error(control, trip=False)
+    assert verdicts(control)["verified"] == control.num_loads  # checked
+    engine = make_engine("guard")
+    before, tokens = run_after_side_error(engine, trip=True)
+    assert tokens == control_tokens
+    kcs = engine.checksums
+    assert verdicts(engine) == before
+    assert kcs.offload.off_sources == {"host"} and not kcs.offload.pending
+    assert kcs.stats.disabled_workers == 1 and not kcs.disabled_workers
+    assert engine.bare[0].__dict__[attr] is None
+    assert engine.bare[1].__dict__[attr] is not None
+    return engine
+
+
 def run_after_side_error(engine: Any, trip: bool) -> tuple[dict[str, int], list[int]]:
     """Shared-prefix requests on an engine built with `hooks=True`, then (with
     `trip`) an exception from TP rank 0's offload worker side inside the real

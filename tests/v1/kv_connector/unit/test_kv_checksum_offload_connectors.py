@@ -24,9 +24,9 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     CallRecorder,
     OffloadSimEngine,
     assert_every_load_verified,
+    check_side_error_turns_off_the_tier,
     offload_metadata,
     reload_after_drop,
-    run_after_side_error,
     run_shared_prefixes,
     verdicts,
 )
@@ -551,18 +551,11 @@ def test_R134_offload_side_error_leaves_fail_closed_loads_running(
     kept expecting rank 0's entries would instead fail every load
     fail-closed (the tokens and finish checks)."""
     side = offload_side(multi, tp=2, fail_closed=True, policy=policy)
-    control = OffloadSimEngine(model_dir, side, "guard-control", hooks=True)
-    _, control_tokens = run_after_side_error(control, trip=False)
-    assert verdicts(control)["verified"] == control.num_loads  # checked
-    engine = OffloadSimEngine(model_dir, side, "guard", hooks=True)
-    before, tokens = run_after_side_error(engine, trip=True)
-    assert tokens == control_tokens
+    engine = check_side_error_turns_off_the_tier(
+        lambda name: OffloadSimEngine(model_dir, side, name, hooks=True),
+        "_kv_checksum_offload_worker",
+    )
     kcs = engine.checksums
-    assert verdicts(engine) == before
-    assert kcs.offload.off_sources == {"host"} and not kcs.offload.pending
-    assert kcs.stats.disabled_workers == 1 and not kcs.disabled_workers
-    assert engine.bare[0].__dict__["_kv_checksum_offload_worker"] is None
-    assert engine.bare[1].__dict__["_kv_checksum_offload_worker"] is not None
     assert len(offload_tier_off_logs(vllm_caplog)) == 1
     if multi:
         from tests.v1.kv_connector.unit.kv_checksum_helpers import (

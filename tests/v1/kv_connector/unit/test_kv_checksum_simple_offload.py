@@ -21,8 +21,8 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     CallRecorder,
     SimpleOffloadSimEngine,
     assert_every_load_verified,
+    check_side_error_turns_off_the_tier,
     reload_after_drop,
-    run_after_side_error,
     run_shared_prefixes,
     simple_offload_metadata,
     verdicts,
@@ -554,18 +554,9 @@ def test_R134_simple_offload_side_error_leaves_fail_closed_loads_running(
     loads still registered, counted verified on rank 1's entries alone
     while rank 0's KV goes unchecked, with no signal to the operator."""
     side = simple_side(lazy, tp=2, fail_closed=True, policy="recompute")
-    control = SimpleOffloadSimEngine(model_dir, side, "guard-control", hooks=True)
-    _, control_tokens = run_after_side_error(control, trip=False)
-    assert verdicts(control)["verified"] == control.num_loads  # checked
-    engine = SimpleOffloadSimEngine(model_dir, side, "guard", hooks=True)
-    before, tokens = run_after_side_error(engine, trip=True)
-    assert tokens == control_tokens
-    kcs = engine.checksums
-    assert verdicts(engine) == before
-    assert kcs.offload.off_sources == {"host"} and not kcs.offload.pending
-    assert kcs.stats.disabled_workers == 1 and not kcs.disabled_workers
-    attr = "_kv_checksum_simple_offload_worker"
-    assert engine.bare[0].__dict__[attr] is None
-    assert engine.bare[1].__dict__[attr] is not None
+    check_side_error_turns_off_the_tier(
+        lambda name: SimpleOffloadSimEngine(model_dir, side, name, hooks=True),
+        "_kv_checksum_simple_offload_worker",
+    )
     logs = [r for r in vllm_caplog.records if "offload tier's" in r.msg]
     assert len(logs) == 1
