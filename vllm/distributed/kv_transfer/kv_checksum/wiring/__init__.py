@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_checksum.config import (
     kv_checksum_enabled,
     read_flags,
 )
+from vllm.distributed.kv_transfer.kv_checksum.wire.outbox import ChecksumOutbox
 from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
     DEFAULT_MAX_ENCODED_BYTES,
     max_valid_payload_bytes,
@@ -161,3 +162,12 @@ def install() -> None:
     offloading.install_offload_connector()
     simple_cpu_offload.install_simple_offload_connector()
     mamba_layers.install_mamba_split_hooks()
+
+
+OUTBOX_ATTR = "_kv_checksum_outbox"
+
+
+def _outbox(connector_scheduler: Any) -> ChecksumOutbox:
+    """The payloads a carrier connector's scheduler keeps until they travel
+    (NIXL push, Mooncake), created on first use on the instance."""
+    return connector_scheduler.__dict__.setdefault(OUTBOX_ATTR, ChecksumOutbox())

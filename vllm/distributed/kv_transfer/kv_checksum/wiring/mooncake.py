@@ -41,9 +41,9 @@ from vllm.distributed.kv_transfer.kv_checksum.carriers import mooncake
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
 )
-from vllm.distributed.kv_transfer.kv_checksum.wire import outbox as outbox_module
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _guard,
+    _outbox,
     _payload_byte_limit,
     _wrap,
 )
@@ -80,9 +80,7 @@ def install_mooncake() -> None:
 
     def send_kv_checksums(self: Any, request: Any, checksums: bytes) -> None:
         sched = self.connector_scheduler
-        outbox = sched.__dict__.setdefault(
-            "_kv_checksum_outbox", outbox_module.ChecksumOutbox()
-        )
+        outbox = _outbox(sched)
         sending = request.request_id in sched._reqs_need_send
         outbox.keep(request.request_id, checksums, sending)
 

@@ -42,10 +42,10 @@ from vllm.distributed.kv_transfer.kv_checksum.carriers import nixl_push
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
 )
-from vllm.distributed.kv_transfer.kv_checksum.wire import outbox as outbox_module
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _disable_after_error,
     _guard,
+    _outbox,
     _payload_byte_limit,
     _wrap,
 )
@@ -83,9 +83,7 @@ def install_nixl_push() -> None:
 
     def send_kv_checksums(self: Any, request: Any, checksums: bytes) -> None:
         sched = self.connector_scheduler
-        outbox = sched.__dict__.setdefault(
-            "_kv_checksum_outbox", outbox_module.ChecksumOutbox()
-        )
+        outbox = _outbox(sched)
         pushed = request.request_id in sched._newly_finished_push_blocks
         outbox.keep(request.request_id, checksums, pushed)
 

@@ -39,8 +39,9 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
     KVChecksumScheduler,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
-from vllm.distributed.kv_transfer.kv_checksum.wire import outbox as outbox_module
+from vllm.distributed.kv_transfer.kv_checksum.wire.outbox import ChecksumOutbox
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    OUTBOX_ATTR,
     _enabled,
     _guard,
     _wrap,
@@ -235,8 +236,8 @@ def _outbox_request_ids(connector: Any) -> list[str]:
     children = getattr(connector, "__dict__", {}).get("_connectors") or [connector]
     for child in children:
         sched = getattr(child, "__dict__", {}).get("connector_scheduler")
-        outbox = getattr(sched, "__dict__", {}).get("_kv_checksum_outbox")
-        if isinstance(outbox, outbox_module.ChecksumOutbox):
+        outbox = getattr(sched, "__dict__", {}).get(OUTBOX_ATTR)
+        if isinstance(outbox, ChecksumOutbox):
             ids.extend(outbox.pending)
     return ids
 
