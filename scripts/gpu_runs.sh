@@ -11,7 +11,9 @@
 #                                             # simple-offload, bench-serve, mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
-#                                             # gdn-tp2 need the --moe bundle)
+#                                             # gdn-tp2 need the --moe bundle),
+#                                             # chaos, chaos-push, chaos-offload,
+#                                             # soak (issue 27)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
 #
@@ -133,6 +135,18 @@ offload) run offload examples/offload/kv_checksum_offload_gpu.py "$@" ;;
 bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
+# Issue 27: faults of processes and time behind vllm-router (tiny model, fixed
+# ports 8000-8400: not for `pair`). chaos: every scenario but the soak;
+# chaos-push / chaos-offload: the client aborts over NIXL push and with the CPU
+# offload tier; soak: the quick mode (2000 requests at concurrency 64).
+chaos) run chaos examples/disaggregated/kv_checksum_chaos.py --repeats 2 \
+    --scenarios producer_kill,client_abort,consumer_restart,lease_expiry "$@" ;;
+chaos-push) run chaos-push examples/disaggregated/kv_checksum_chaos.py \
+    --connector nixl-push --scenarios client_abort "$@" ;;
+chaos-offload) run chaos-offload examples/disaggregated/kv_checksum_chaos.py \
+    --connector nixl-offload --scenarios client_abort "$@" ;;
+soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
+    --soak-requests 2000 "$@" ;;
 *)
     sed -n '2,22p' "$0"
     exit 2

@@ -1,0 +1,751 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Faults of processes and time on a `vllm serve` P/D pair behind vllm-router
+(issue 27): producer SIGKILL, client aborts, consumer restart, lease expiry at
+concurrency 32, and a soak, checksums on.
+
+The servers are those of ``kv_checksum_router_pd.sh`` (NIXL pull, producer
+:8100, consumer :8200 fail-closed + recompute, vllm-router :8000), started one
+by one here because a chaos run kills and restarts them (the script ends all
+three when one exits). producer_kill adds a fail-policy consumer behind a second
+router (:8001); lease_expiry a producer with a short lease and a small KV cache.
+
+Scenarios (``--scenarios``, each ``--repeats`` times):
+  producer_kill    SIGKILL the producer while requests load from it, restart it
+  client_abort     clients close streams before/during the load, before the
+                   verification, during decode; tracked-request gauges back to 0
+  consumer_restart SIGKILL and restart the consumer while the producer holds
+                   leases for it; new requests verify; the producer's gauge 0
+                   after the lease
+  lease_expiry     the stale-read incident at concurrency 32: every stale load
+                   reported, every answer right
+  soak             --soak-requests at concurrency 64, 5 % aborts, injector 0.01
+A right answer equals the reference of its prompt: the consumer's own
+computation without a KV load (no checksum code on its path) or the pre-chaos
+P/D answer (batch-invariant kernels make both deterministic).
+
+    python examples/disaggregated/kv_checksum_chaos.py --out /tmp/chaos \\
+        --scenarios producer_kill,client_abort,consumer_restart,lease_expiry
+
+Writes OUT/summary.json (per scenario: pass, counts, checks; soak: memory and
+gauge samples) and the servers' logs under OUT; exits 0 when all passed.
+Pure logic lives in ``kv_checksum_chaos_plan.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import http.client
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+import kv_checksum_chaos_plan as plan  # noqa: E402
+from kv_checksum_chaos_plan import AbortPlan, Outcome, ServerSpec  # noqa: E402
+
+EXPIRED_READ = "Potentially invalid KV blocks for unrecognized request"
+CLI = f"{sys.executable} -m vllm.entrypoints.cli.main"
+ROUTER = f"{sys.executable} -m vllm_router.launch_router"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def http_get(url: str, timeout: float = 5.0) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+class Proc:
+    """One server or router process in its own session (so a SIGKILL of its
+    group ends its engine core too); its log appends across restarts."""
+
+    def __init__(
+        self, name: str, cmd: list[str], env: dict[str, str], port: int, out: Path
+    ):
+        self.name, self.cmd, self.env, self.port = name, cmd, env, port
+        self.log_path = out / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n=== start {self.starts}: {shlex.join(self.cmd)}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.starts += 1
+
+    def wait_healthy(self, timeout: float) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                return False
+            if http_get(self.url + "/health", timeout=2) is not None:
+                return True
+            time.sleep(0.5)
+        return False
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what SIGTERM left
+
+    def pids(self) -> list[int]:
+        """The process and its children (API server, engine core, workers)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        try:
+            import psutil
+
+            root = psutil.Process(self.proc.pid)
+            return [root.pid] + [c.pid for c in root.children(recursive=True)]
+        except Exception:
+            return [self.proc.pid]
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def metrics(self) -> str | None:
+        return http_get(self.url + "/metrics", timeout=10)
+
+
+def server_proc(spec: ServerSpec, args: argparse.Namespace) -> Proc:
+    cmd = [*shlex.split(args.serve_cmd), "serve", args.model]
+    cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1"]
+    cmd += ["--port", str(spec.port), "--gpu-memory-utilization", str(args.gpu_util)]
+    cmd += ["--max-model-len", str(args.max_model_len), "--block-size", "16"]
+    cmd += ["--kv-cache-memory-bytes", str(1 << 30)]
+    if spec.num_blocks:
+        cmd += ["--num-gpu-blocks-override", str(spec.num_blocks)]
+    cmd += ["--dtype", "bfloat16", "--seed", "0", "--enforce-eager"]
+    config = plan.kv_transfer_config(spec, args.connector)
+    cmd += ["--kv-transfer-config", json.dumps(config)]
+    env = dict(os.environ)
+    env.pop("VLLM_PORT", None)
+    env.update(
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_port),
+        # Concurrent batches must not change outputs: answers are compared.
+        VLLM_BATCH_INVARIANT="1",
+    )
+    return Proc(spec.name, cmd, env, spec.port, args.out)
+
+
+def router_proc(
+    spec: plan.RouterSpec, ports: dict[str, int], args: argparse.Namespace
+) -> Proc:
+    cmd = [*shlex.split(args.router_cmd), "--vllm-pd-disaggregation"]
+    cmd += ["--kv-connector", "nixl", "--policy", "round_robin"]
+    cmd += ["--prefill", f"http://127.0.0.1:{ports[spec.producer]}"]
+    cmd += ["--decode", f"http://127.0.0.1:{ports[spec.consumer]}"]
+    cmd += ["--host", "127.0.0.1", "--port", str(spec.port)]
+    cmd += ["--prometheus-port", str(spec.prom_port)]
+    return Proc(spec.name, cmd, dict(os.environ), spec.port, args.out)
+
+
+def body(prompt: str, args: argparse.Namespace, stream: bool = True) -> dict[str, Any]:
+    """A client's greedy request; a unique cache salt keeps it off prefix caches."""
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+        "cache_salt": uuid.uuid4().hex,
+    }
+
+
+def complete(
+    url: str,
+    payload: dict[str, Any],
+    timeout: float,
+    abort: AbortPlan | None = None,
+    prompt: int = 0,
+    request_id: str | None = None,
+) -> Outcome:
+    """POST /v1/completions; a streamed answer is read chunk by chunk and the
+    connection closed where `abort` says (time or chunk count)."""
+    host, port = url.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    stop_at = (
+        t0 + abort.after_ms / 1000 if abort and abort.after_ms is not None else None
+    )
+    end_at = t0 + timeout
+    outcome = Outcome(status=0, prompt=prompt, phase=abort.phase if abort else "")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+    def budget() -> float:
+        limit = min(end_at, stop_at) if stop_at else end_at
+        return max(0.001, limit - time.monotonic())
+
+    try:
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(budget())
+        headers = {"Content-Type": "application/json"}
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        conn.request("POST", "/v1/completions", json.dumps(payload), headers)
+        response = conn.getresponse()
+        outcome.status = response.status
+        if response.status != 200:
+            outcome.error = response.read().decode(errors="replace")[:300]
+            return outcome
+        if not payload.get("stream"):
+            outcome.text = json.loads(response.read())["choices"][0]["text"]
+            return outcome
+        chunks, pieces, done = 0, [], False
+        while not done:
+            conn.sock.settimeout(budget())
+            line = response.readline()
+            if not line:
+                break
+            line = line.strip()
+            done = line == b"data: [DONE]"
+            if not line.startswith(b"data: ") or done:
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if choices:
+                chunks += 1
+                pieces.append(choices[0].get("text") or "")
+            if (
+                abort
+                and abort.after_chunks is not None
+                and chunks >= abort.after_chunks
+            ):
+                outcome.aborted = True
+                return outcome
+        if done:
+            outcome.text = "".join(pieces)
+        else:  # a stream cut short (a server died) is no answer
+            outcome.error = f"stream ended after {chunks} chunks without [DONE]"
+    except TimeoutError:
+        if stop_at is not None and time.monotonic() >= stop_at - 0.001:
+            outcome.aborted = True
+        else:
+            outcome.hung = True
+    except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError) as e:
+        outcome.error = repr(e)[:300]
+    finally:
+        conn.close()
+        outcome.elapsed_s = round(time.monotonic() - t0, 3)
+    return outcome
+
+
+def make_prompts(count: int, seed: int, lo: int = 24, hi: int = 200) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        " ".join(f"t{rng.randrange(4, 1024)}" for _ in range(rng.randint(lo, hi)))
+        for _ in range(count)
+    ]
+
+
+class Run:
+    """The processes of one chaos run and the helpers its scenarios share."""
+
+    def __init__(self, args: argparse.Namespace, topology: plan.Topology):
+        self.args, self.topology = args, topology
+        ports = {s.name: s.port for s in topology.servers}
+        self.procs = {s.name: server_proc(s, args) for s in topology.servers}
+        self.procs.update(
+            {r.name: router_proc(r, ports, args) for r in topology.routers}
+        )
+        self.prompts = make_prompts(args.num_prompts, seed=11)
+        self.references: list[set[str]] = [set() for _ in self.prompts]
+        self.ttft_ms = 200.0
+        self.samples: list[dict[str, Any]] = []
+
+    def start_all(self) -> None:
+        servers = [self.procs[s.name] for s in self.topology.servers]
+        for proc in servers:
+            proc.start()
+        for proc in servers:
+            if not proc.wait_healthy(self.args.startup_timeout):
+                raise RuntimeError(f"{proc.name} did not start; see {proc.log_path}")
+        for router in self.topology.routers:
+            self.procs[router.name].start()
+            if not self.procs[router.name].wait_healthy(self.args.startup_timeout):
+                raise RuntimeError(f"{router.name} did not start")
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            proc.kill(signal.SIGTERM)
+
+    def restart(self, name: str, sig: int = signal.SIGKILL) -> float:
+        """Kill `name`'s group with `sig`, start it again; seconds until healthy."""
+        proc = self.procs[name]
+        proc.kill(sig)
+        t0 = time.time()
+        proc.start()
+        if not proc.wait_healthy(self.args.startup_timeout):
+            raise RuntimeError(f"{name} did not restart; see {proc.log_path}")
+        return round(time.time() - t0, 1)
+
+    def router_url(self, name: str = "router") -> str:
+        return self.procs[name].url
+
+    def verdict(self, name: str, key: str = "verified") -> float:
+        from benchmark_kv_checksum_serve import verdict_counts
+
+        return verdict_counts(self.procs[name].metrics()).get(key, 0.0)
+
+    def gauge(self, name: str) -> float | None:
+        return plan.gauge_total(self.procs[name].metrics())
+
+    def wait_gauge_zero(self, name: str, timeout: float) -> float | None:
+        """Poll `name`'s tracked-request gauge until 0 (or n/a, or timeout)."""
+        deadline = time.time() + timeout
+        value = self.gauge(name)
+        while value and time.time() < deadline:
+            time.sleep(1.0)
+            value = self.gauge(name)
+        return value
+
+    def references_from(self, consumer: str) -> None:
+        """Each prompt computed locally by `consumer` and once through the
+        router before any fault: the acceptable answers. Then the median time
+        of a one-token P/D request: the TTFT the abort and kill times scale."""
+        proc = self.procs[consumer]
+        for i, prompt in enumerate(self.prompts):
+            for url in (proc.url, self.router_url()):
+                out = complete(url, body(prompt, self.args), self.args.timeout)
+                if out.text is not None:
+                    self.references[i].add(out.text)
+        times = []
+        for prompt in self.prompts[:8]:
+            payload = dict(body(prompt, self.args), max_tokens=1)
+            out = complete(self.router_url(), payload, self.args.timeout)
+            times.append(out.elapsed_s * 1000)
+        self.ttft_ms = max(1.0, statistics.median(times))
+        answers = sum(map(len, self.references))
+        log(f"references: {answers} answers; one-token P/D {self.ttft_ms:.0f} ms")
+
+    def fire(
+        self,
+        url: str,
+        count: int,
+        concurrency: int,
+        aborts: list[AbortPlan | None] | None = None,
+        seed: int = 0,
+    ) -> cf.Future:
+        """`count` requests (random prompts) in the background; the future
+        gives their outcomes."""
+        rng = random.Random(seed)
+        picks = [rng.randrange(len(self.prompts)) for _ in range(count)]
+        plans = aborts or [None] * count
+
+        def one(i: int) -> Outcome:
+            p = picks[i]
+            return complete(
+                url, body(self.prompts[p], self.args), self.args.timeout, plans[i], p
+            )
+
+        pool = cf.ThreadPoolExecutor(max_workers=concurrency)
+
+        def run_all() -> list[Outcome]:
+            try:
+                return list(pool.map(one, range(count)))
+            finally:
+                pool.shutdown(wait=False)
+
+        return cf.ThreadPoolExecutor(max_workers=1).submit(run_all)
+
+    def errors(self, *names: str) -> list[str]:
+        return [
+            e for n in names for e in plan.unexpected_errors(self.procs[n].log_text())
+        ]
+
+
+def producer_kill(run: Run) -> plan.Verdict:
+    args = run.args
+    routers = {"recompute": "router", "fail": "router_fail"}
+    consumers = {"recompute": "consumer", "fail": "consumer_fail"}
+    totals = {
+        p: dict.fromkeys(("right", "wrong", "error", "hang", "aborted"), 0)
+        for p in routers
+    }
+    verified = {p: 0.0 for p in routers}
+    fresh = {}
+    window = max(0.05, 3 * run.ttft_ms / 1000)
+    for i, offset in enumerate(plan.plan_offsets(args.repeats, window, seed=21)):
+        before = {p: run.verdict(c) for p, c in consumers.items()}
+        batches = {
+            p: run.fire(run.router_url(r), 32, 32, seed=100 + i)
+            for p, r in routers.items()
+        }
+        time.sleep(offset)
+        run.procs["producer"].kill(signal.SIGKILL)
+        log(f"producer_kill {i}: SIGKILL at {offset * 1000:.0f} ms")
+        for p, batch in batches.items():
+            counts = plan.tally(batch.result(), run.references)
+            for k, n in counts.items():
+                totals[p][k] += n
+        took = run.restart("producer")
+        log(f"producer_kill {i}: restarted in {took} s; {totals}")
+        for p, c in consumers.items():
+            verified[p] += run.verdict(c) - before[p]
+    for p, r in routers.items():
+        before_fresh = run.verdict(consumers[p])
+        out = complete(run.router_url(r), body(run.prompts[0], args), args.timeout)
+        ok = out.status == 200 and out.text in run.references[0]
+        fresh[p] = ok and run.verdict(consumers[p]) > before_fresh
+    return plan.judge_producer_kill(
+        totals, verified, fresh, run.errors("consumer", "consumer_fail", "producer")
+    )
+
+
+def client_abort(run: Run) -> plan.Verdict:
+    args = run.args
+    count = 32 * args.repeats
+    aborts = plan.plan_aborts(count, 0.5, run.ttft_ms, args.max_tokens, seed=31)
+    outcomes = run.fire(run.router_url(), count, 16, aborts, seed=32).result()
+    counts = plan.tally(outcomes, run.references)
+    counts.update({f"aborted_{p}": 0 for p in plan.PHASES})
+    for o in outcomes:
+        if o.aborted:
+            counts[f"aborted_{o.phase}"] += 1
+    gauges = {
+        "consumer": run.wait_gauge_zero("consumer", 60),
+        "producer": run.wait_gauge_zero("producer", args.lease + 30),
+    }
+    return plan.judge_client_abort(counts, gauges, run.errors("consumer", "producer"))
+
+
+def consumer_restart(run: Run) -> plan.Verdict:
+    args = run.args
+    v = plan.Verdict("consumer_restart")
+    restarts = []
+    held = 0
+    for i, offset in enumerate(plan.plan_offsets(args.repeats, 0.5, seed=41)):
+        # Prefills the producer answers and then holds for the consumer.
+        for p in range(8):
+            payload = body(run.prompts[p], args, stream=False)
+            payload.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            held += (
+                complete(run.procs["producer"].url, payload, args.timeout).status == 200
+            )
+        batch = run.fire(run.router_url(), 32, 32, seed=200 + i)
+        time.sleep(offset)
+        restarts.append(run.restart("consumer"))
+        outcomes = batch.result()
+        v.counts[f"repeat{i}"] = plan.tally(outcomes, run.references)
+        v.checks[f"repeat {i}: no hang"] = v.counts[f"repeat{i}"]["hang"] == 0
+        v.checks[f"repeat {i}: no wrong answer"] = v.counts[f"repeat{i}"]["wrong"] == 0
+    before = run.verdict("consumer")
+    fresh = run.fire(run.router_url(), 16, 8, seed=299).result()
+    counts = plan.tally(fresh, run.references)
+    v.counts.update(restart_s=restarts, held_prefills=held, fresh=counts)
+    v.checks["new requests right"] = counts["right"] == len(fresh)
+    v.checks["new requests verified"] = run.verdict("consumer") - before >= len(fresh)
+    gauge = run.wait_gauge_zero("producer", args.lease + 30)
+    v.counts["producer_tracked_after_lease"] = gauge
+    v.checks["producer tracked requests back to 0"] = plan.gauge_back_to_zero(gauge)
+    errors = run.errors("consumer", "producer")
+    v.counts["checksum_error_lines"] = errors[:10]
+    v.checks["no checksum error line"] = not errors
+    return v
+
+
+def lease_expiry(run: Run) -> plan.Verdict:
+    """Prefill 32 prompts on the short-lease producer, wait past the lease,
+    overwrite its small cache with fillers, then 32 pulls at once."""
+    args = run.args
+    producer, consumer = run.procs["producer_lease"], run.procs["consumer"]
+    n = 32
+    rids = [f"stale-{i}-{uuid.uuid4().hex[:8]}" for i in range(n)]
+    picks = list(range(n))
+    params: list[Any] = []
+    for rid, p in zip(rids, picks):
+        payload = body(run.prompts[p % len(run.prompts)], args, stream=False)
+        payload.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        params.append(_prefill(producer.url, payload, rid, args.timeout))
+    time.sleep(args.short_lease + 2.0)
+    for i, filler in enumerate(make_prompts(24, seed=4, lo=400, hi=600)):
+        payload = body(filler, args, stream=False)
+        payload["max_tokens"] = 1
+        complete(producer.url, payload, args.timeout, request_id=f"filler-{i}")
+    lines_before = consumer.log_text().count("\n")
+
+    def pull(i: int) -> Outcome:
+        p = picks[i] % len(run.prompts)
+        payload = body(run.prompts[p], args, stream=False)
+        if params[i]:
+            payload["kv_transfer_params"] = params[i]
+        return complete(
+            consumer.url, payload, args.timeout, prompt=p, request_id=rids[i]
+        )
+
+    with cf.ThreadPoolExecutor(max_workers=n) as pool:
+        outcomes = list(pool.map(pull, range(n)))
+    new_lines = "\n".join(consumer.log_text().splitlines()[lines_before:])
+    mismatched = plan.request_ids(plan.MISMATCH, new_lines)
+    reported = [any(rid in m for m in mismatched) for rid in rids]
+    classes = [plan.classify(o, run.references[o.prompt]) for o in outcomes]
+    stale = producer.log_text().count(EXPIRED_READ)
+    return plan.judge_lease_expiry(reported, classes, stale)
+
+
+def _prefill(url: str, payload: dict[str, Any], rid: str, timeout: float) -> Any:
+    """The proxy's producer request; its kv_transfer_params (None on error)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(payload),
+            {"Content-Type": "application/json", "X-Request-Id": rid},
+        )
+        response = conn.getresponse()
+        reply = json.loads(response.read())
+        return reply.get("kv_transfer_params") if response.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
+class Sampler(threading.Thread):
+    """Every few seconds: each server's RSS and GPU memory (MiB) and its
+    tracked-request gauge."""
+
+    def __init__(self, run: Run, names: list[str], every_s: float):
+        super().__init__(daemon=True)
+        self.run_, self.names, self.every_s = run, names, every_s
+        self.halt = threading.Event()
+        self.t0 = time.time()
+
+    def gpu_by_pid(self) -> dict[int, float]:
+        try:
+            text = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-compute-apps=pid,used_memory",
+                    "--format=csv,noheader,nounits",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        found = {}
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError):
+                pid, mib = line.split(",")
+                found[int(pid)] = float(mib)
+        return found
+
+    def run(self) -> None:
+        import psutil
+
+        while not self.halt.wait(self.every_s):
+            gpu = self.gpu_by_pid()
+            for name in self.names:
+                pids = self.run_.procs[name].pids()
+                rss = 0.0
+                for pid in pids:
+                    with contextlib.suppress(psutil.Error):
+                        rss += psutil.Process(pid).memory_info().rss / 2**20
+                self.run_.samples.append(
+                    {
+                        "t": round(time.time() - self.t0, 2),
+                        "server": name,
+                        "rss_mib": round(rss, 1),
+                        "gpu_mib": sum(gpu.get(p, 0.0) for p in pids) if gpu else None,
+                        "tracked": self.run_.gauge(name),
+                    }
+                )
+
+
+def soak(run: Run) -> plan.Verdict:
+    args = run.args
+    consumer = run.procs["consumer"]
+    spec = run.topology.server("consumer")
+    if not spec.faults:  # other scenarios ran first: restart with the injector
+        spec.faults = args.soak_fault_rate
+        consumer.cmd = server_proc(spec, args).cmd
+        run.restart("consumer", signal.SIGTERM)
+    lines_before = consumer.log_text().count("\n")
+    n = args.soak_requests
+    aborts = plan.plan_aborts(
+        n, args.soak_abort_rate, run.ttft_ms, args.max_tokens, seed=51
+    )
+    sampler = Sampler(run, ["producer", "consumer"], args.sample_s)
+    sampler.start()
+    t0 = time.time()
+    outcomes = run.fire(
+        run.router_url(), n, args.soak_concurrency, aborts, seed=52
+    ).result()
+    log(f"soak: {n} requests in {time.time() - t0:.0f} s")
+    gauges = {
+        "consumer": run.wait_gauge_zero("consumer", 60),
+        "producer": run.wait_gauge_zero("producer", args.lease + 30),
+    }
+    time.sleep(args.sample_s)
+    sampler.halt.set()
+    sampler.join()
+    new_lines = "\n".join(consumer.log_text().splitlines()[lines_before:])
+    memory = {}
+    for name in ("producer", "consumer"):
+        for key in ("rss_mib", "gpu_mib"):
+            series = [
+                (s["t"], float(s[key]))
+                for s in run.samples
+                if s["server"] == name and s[key] is not None
+            ]
+            memory[f"{name} {key}"] = plan.fit_slope(series)
+    return plan.judge_soak(
+        plan.tally(outcomes, run.references),
+        plan.request_ids(plan.INJECTED, new_lines),
+        plan.request_ids(plan.MISMATCH, new_lines),
+        gauges,
+        memory,
+        run.errors("consumer", "producer"),
+    )
+
+
+SCENARIO_FUNCS = {
+    "producer_kill": producer_kill,
+    "client_abort": client_abort,
+    "consumer_restart": consumer_restart,
+    "lease_expiry": lease_expiry,
+    "soak": soak,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--scenarios",
+        default="producer_kill,client_abort,consumer_restart,lease_expiry",
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--connector",
+        default="nixl-pull",
+        choices=("nixl-pull", "nixl-push", "nixl-offload"),
+    )
+    parser.add_argument("--model", default="/tmp/kv-checksum-serve-tiny")
+    parser.add_argument("--no-build", action="store_true", help="model folder exists")
+    parser.add_argument("--serve-cmd", default=CLI, help="the vLLM CLI")
+    parser.add_argument("--router-cmd", default=ROUTER)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--gpu-util", type=float, default=0.08)
+    parser.add_argument("--lease", type=int, default=20, help="producer lease (s)")
+    parser.add_argument("--short-lease", type=int, default=2, help="lease_expiry's")
+    parser.add_argument("--timeout", type=float, default=150, help="client timeout (s)")
+    parser.add_argument("--startup-timeout", type=float, default=300)
+    parser.add_argument("--soak-requests", type=int, default=20000)
+    parser.add_argument("--soak-concurrency", type=int, default=64)
+    parser.add_argument("--soak-abort-rate", type=float, default=0.05)
+    parser.add_argument("--soak-fault-rate", type=float, default=0.01)
+    parser.add_argument("--sample-s", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    args.out = args.out.resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    scenarios = args.scenarios.split(",")
+    # Soak last: it turns the consumer's injector on.
+    scenarios = sorted(scenarios, key=lambda s: s == "soak")
+    if not args.no_build:
+        from kv_checksum_serve_pd import build_model
+
+        build_model(args)
+    topology = plan.plan_topology(
+        scenarios, args.lease, args.short_lease, args.soak_fault_rate
+    )
+    run = Run(args, topology)
+    summary: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "scenarios": {},
+    }
+    try:
+        run.start_all()
+        run.references_from("consumer")
+        for name in scenarios:
+            t0 = time.time()
+            try:
+                verdict = SCENARIO_FUNCS[name](run)
+                entry = {
+                    "pass": verdict.passed,
+                    "counts": verdict.counts,
+                    "checks": verdict.checks,
+                }
+            except Exception as e:  # a scenario's crash is its failure, not the run's
+                entry = {"pass": False, "error": repr(e)}
+            entry["seconds"] = round(time.time() - t0, 1)
+            summary["scenarios"][name] = entry
+            verdict_word = "PASS" if entry["pass"] else "FAIL"
+            log(f"{name}: {verdict_word} {json.dumps(entry, default=str)[:1500]}")
+    except RuntimeError as e:
+        summary["error"] = str(e)
+        log(f"run failed: {e}")
+    finally:
+        run.stop_all()
+        summary["samples"] = run.samples
+        summary["pass"] = (
+            bool(summary["scenarios"])
+            and "error" not in summary
+            and all(s["pass"] for s in summary["scenarios"].values())
+        )
+        (args.out / "summary.json").write_text(
+            json.dumps(summary, indent=1, default=str)
+        )
+    log(f"PASS: {summary['pass']}")
+    return 0 if summary["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

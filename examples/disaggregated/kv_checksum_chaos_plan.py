@@ -1,0 +1,432 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The pure logic of `kv_checksum_chaos.py`: which servers a run needs, when
+to abort or kill, and how a scenario is judged from what was collected.
+
+No process, socket or clock here: every function takes plain inputs, so the
+CPU tests (tests/v1/kv_connector/unit/test_kv_checksum_chaos_driver.py) check
+it on hand-made records.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+SCENARIOS = (
+    "producer_kill",
+    "client_abort",
+    "consumer_restart",
+    "lease_expiry",
+    "soak",
+)
+# Where a client abort lands in a P/D request's life (R141: "whatever the point").
+PHASES = ("before_load", "during_load", "before_verify", "during_decode")
+# Each time-based phase as a window of the request's time to first chunk.
+PHASE_WINDOWS = {
+    "before_load": (0.0, 0.3),
+    "during_load": (0.3, 0.7),
+    "before_verify": (0.7, 1.0),
+}
+TRACKED_GAUGE = "vllm:kv_checksum_tracked_requests"
+# Greedy up to ": ": router request ids hold colons ("___prefill_addr_h:p...").
+MISMATCH = re.compile(r"KV checksum mismatch for request (\S+): ")
+INJECTED = re.compile(r"KV checksum fault injection: \w+ into request (\S+) ")
+# An exception frame inside the package: an error from checksum code too.
+PACKAGE_FRAME = re.compile(r'File "[^"]*kv_checksum/[^"]*"')
+
+
+@dataclass
+class ServerSpec:
+    """One `vllm serve` instance of a run (ports, role and checksum settings)."""
+
+    name: str
+    port: int
+    side_port: int
+    role: str  # "producer" or "consumer"
+    checksums: bool = True
+    fail_closed: bool = False
+    policy: str | None = None  # kv_load_failure_policy of a consumer
+    faults: float = 0.0
+    lease_s: int | None = None
+    num_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """One vllm-router in front of a producer and a consumer."""
+
+    name: str
+    port: int
+    prom_port: int
+    producer: str
+    consumer: str
+
+
+@dataclass
+class Topology:
+    """The servers and routers a set of scenarios needs."""
+
+    servers: list[ServerSpec]
+    routers: list[RouterSpec]
+
+    def server(self, name: str) -> ServerSpec:
+        return next(s for s in self.servers if s.name == name)
+
+
+def plan_topology(
+    scenarios: list[str], lease_s: int, short_lease_s: int, soak_fault_rate: float
+) -> Topology:
+    """Producer + recompute consumer behind router :8000 always; a fail-policy
+    consumer behind :8001 for producer_kill; a short-lease small-cache
+    producer for lease_expiry. The consumer's injector is on from the start
+    only when the soak is the only scenario (else the driver turns it on)."""
+    unknown = set(scenarios) - set(SCENARIOS)
+    if unknown:
+        raise ValueError(f"unknown scenarios {sorted(unknown)}")
+    soak_only = set(scenarios) == {"soak"}
+    servers = [
+        ServerSpec("producer", 8100, 5600, "producer", lease_s=lease_s),
+        ServerSpec(
+            "consumer",
+            8200,
+            5700,
+            "consumer",
+            fail_closed=True,
+            policy="recompute",
+            faults=soak_fault_rate if soak_only else 0.0,
+        ),
+    ]
+    routers = [RouterSpec("router", 8000, 29000, "producer", "consumer")]
+    if "producer_kill" in scenarios:
+        servers.append(
+            ServerSpec(
+                "consumer_fail", 8300, 5800, "consumer", fail_closed=True, policy="fail"
+            )
+        )
+        routers.append(
+            RouterSpec("router_fail", 8001, 29001, "producer", "consumer_fail")
+        )
+    if "lease_expiry" in scenarios:
+        servers.append(
+            ServerSpec(
+                "producer_lease",
+                8400,
+                5900,
+                "producer",
+                lease_s=short_lease_s,
+                num_blocks=256,
+            )
+        )
+    return Topology(servers, routers)
+
+
+def kv_transfer_config(spec: ServerSpec, connector: str) -> dict[str, Any]:
+    """The --kv-transfer-config of a server (the launch script's, plus the
+    run's lease, injector and policy; `connector` as in kv_checksum_pd_gpu)."""
+    extra: dict[str, Any] = {}
+    if spec.checksums:
+        extra["enable_kv_checksum"] = True
+    if spec.fail_closed:
+        extra["kv_checksum_fail_closed"] = True
+    if spec.faults:
+        extra["kv_checksum_fault_injection"] = {"rate": spec.faults, "seed": 7}
+    if spec.lease_s is not None:
+        extra["kv_lease_duration"] = spec.lease_s
+    nixl = "NixlPushConnector" if connector == "nixl-push" else "NixlConnector"
+    config: dict[str, Any] = {"kv_connector": nixl, "kv_role": "kv_both"}
+    if connector == "nixl-offload":
+        offload = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+        }
+        config["kv_connector"] = "MultiConnector"
+        extra["connectors"] = [dict(config, kv_connector=nixl), offload]
+    if spec.policy:
+        config["kv_load_failure_policy"] = spec.policy
+    config["kv_connector_extra_config"] = extra
+    return config
+
+
+@dataclass(frozen=True)
+class AbortPlan:
+    """When a client closes one request: after `after_ms` (no chunk needed)
+    or after reading `after_chunks` streamed chunks."""
+
+    phase: str
+    after_ms: float | None = None
+    after_chunks: int | None = None
+
+
+def plan_aborts(
+    count: int, rate: float, ttft_ms: float, max_tokens: int, seed: int
+) -> list[AbortPlan | None]:
+    """Which of `count` requests abort (round(count * rate) of them, chosen at
+    random) and where; the phases take turns so each gets its share."""
+    rng = random.Random(seed)
+    chosen = sorted(rng.sample(range(count), round(count * rate)))
+    plans: list[AbortPlan | None] = [None] * count
+    for turn, index in enumerate(chosen):
+        phase = PHASES[turn % len(PHASES)]
+        if phase == "during_decode":
+            plans[index] = AbortPlan(
+                phase, after_chunks=rng.randint(1, max(1, max_tokens - 1))
+            )
+        else:
+            lo, hi = PHASE_WINDOWS[phase]
+            plans[index] = AbortPlan(phase, after_ms=ttft_ms * rng.uniform(lo, hi))
+    return plans
+
+
+def plan_offsets(repeats: int, window_s: float, seed: int) -> list[float]:
+    """One kill (or restart) time per repeat, stratified over [0, window_s):
+    repeat i falls in the i-th slice, so together they cover the window."""
+    rng = random.Random(seed)
+    width = window_s / repeats
+    return [width * (i + rng.random()) for i in range(repeats)]
+
+
+@dataclass
+class Outcome:
+    """What one client request ended as."""
+
+    status: int  # HTTP status; 0: no response (connection refused or reset)
+    text: str | None = None
+    elapsed_s: float = 0.0
+    aborted: bool = False  # the client closed it on purpose
+    hung: bool = False  # no end before the client's timeout
+    phase: str = ""
+    error: str = ""
+    prompt: int = 0  # index into the run's prompts
+
+
+def classify(outcome: Outcome, right: set[str]) -> str:
+    """aborted, hang, error, right or wrong (a 200 whose text is none of the
+    acceptable references)."""
+    if outcome.aborted:
+        return "aborted"
+    if outcome.hung:
+        return "hang"
+    if outcome.status != 200 or outcome.text is None:
+        return "error"
+    return "right" if outcome.text in right else "wrong"
+
+
+def tally(outcomes: list[Outcome], references: list[set[str]]) -> dict[str, int]:
+    """Counts of `classify` over a run (every class present, zeros kept)."""
+    counts = dict.fromkeys(("right", "wrong", "error", "hang", "aborted"), 0)
+    for outcome in outcomes:
+        counts[classify(outcome, references[outcome.prompt])] += 1
+    return counts
+
+
+def gauge_total(metrics_text: str | None, name: str = TRACKED_GAUGE) -> float | None:
+    """Sum of a gauge over its label sets in a /metrics page; None when the
+    page lacks it (the server predates it: reported as n/a)."""
+    found, value = False, 0.0
+    for line in (metrics_text or "").splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, sample = line.rpartition(" ")
+        if key.split("{")[0] == name:
+            found = True
+            value += float(sample)
+    return value if found else None
+
+
+def unexpected_errors(log_text: str) -> list[str]:
+    """Error lines from checksum code other than mismatch reports: ERROR-level
+    lines naming KV checksum, and exception frames inside the package."""
+    lines = []
+    for line in log_text.splitlines():
+        if PACKAGE_FRAME.search(line) or (
+            "ERROR" in line
+            and ("KV checksum" in line or "kv_checksum" in line)
+            and not MISMATCH.search(line)
+        ):
+            lines.append(line)
+    return lines
+
+
+def request_ids(pattern: re.Pattern[str], log_text: str) -> set[str]:
+    return {m for line in log_text.splitlines() for m in pattern.findall(line)}
+
+
+@dataclass
+class SlopeFit:
+    """A least-squares line through the samples after warm-up."""
+
+    slope_per_min: float | None
+    mean: float | None
+    window_min: float
+    samples: int
+    flat: bool | None
+
+
+def fit_slope(
+    samples: list[tuple[float, float]],
+    warmup_fraction: float = 0.25,
+    abs_tolerance: float = 64.0,
+    rel_tolerance: float = 0.02,
+) -> SlopeFit:
+    """Slope (units per minute) of (seconds, value) samples after the first
+    `warmup_fraction` of the time; flat when slope x window stays within
+    max(abs_tolerance, rel_tolerance x mean). Fewer than 3 samples: no verdict."""
+    if not samples:
+        return SlopeFit(None, None, 0.0, 0, None)
+    start = min(t for t, _ in samples)
+    end = max(t for t, _ in samples)
+    cut = start + warmup_fraction * (end - start)
+    kept = [(t, v) for t, v in samples if t >= cut]
+    if len(kept) < 3:
+        return SlopeFit(None, None, 0.0, len(kept), None)
+    n = len(kept)
+    mean_t = sum(t for t, _ in kept) / n
+    mean_v = sum(v for _, v in kept) / n
+    var_t = sum((t - mean_t) ** 2 for t, _ in kept)
+    if var_t == 0:
+        return SlopeFit(None, mean_v, 0.0, n, None)
+    slope_s = sum((t - mean_t) * (v - mean_v) for t, v in kept) / var_t
+    window_min = (kept[-1][0] - kept[0][0]) / 60.0
+    slope_min = slope_s * 60.0
+    growth = abs(slope_min) * window_min
+    flat = growth <= max(abs_tolerance, rel_tolerance * abs(mean_v))
+    return SlopeFit(
+        round(slope_min, 4), round(mean_v, 2), round(window_min, 3), n, flat
+    )
+
+
+def gauge_back_to_zero(value: float | None) -> bool | None:
+    """True at 0, False above, None (n/a) when the server lacks the gauge."""
+    return None if value is None else value == 0
+
+
+@dataclass
+class Verdict:
+    """A scenario's pass/fail with the counts and checks behind it."""
+
+    name: str
+    counts: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, bool | None] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """Every check True; a None (n/a: gauge absent) does not fail."""
+        return bool(self.checks) and all(v is not False for v in self.checks.values())
+
+
+def judge_producer_kill(
+    by_policy: dict[str, dict[str, int]],
+    verified_delta: dict[str, float],
+    fresh_ok: dict[str, bool],
+    consumer_errors: list[str],
+) -> Verdict:
+    """recompute: no wrong answer; fail: no wrong answer either (a broken
+    load must end as an HTTP error); nothing hangs; no consumer counts more
+    verified loads than it gave right answers; a fresh request after the
+    restart verifies through every router."""
+    v = Verdict(
+        "producer_kill", counts={"outcomes": by_policy, "verified": verified_delta}
+    )
+    for policy, counts in by_policy.items():
+        v.checks[f"{policy}: no wrong answer"] = counts["wrong"] == 0
+        v.checks[f"{policy}: no hang"] = counts["hang"] == 0
+        v.checks[f"{policy}: verified loads <= right answers"] = (
+            verified_delta.get(policy, 0.0) <= counts["right"]
+        )
+    for policy, ok in fresh_ok.items():
+        v.checks[f"{policy}: fresh request after restart verified"] = ok
+    v.checks["no checksum error line"] = not consumer_errors
+    v.counts["checksum_error_lines"] = consumer_errors[:10]
+    return v
+
+
+def judge_client_abort(
+    counts: dict[str, int],
+    gauges: dict[str, float | None],
+    errors: list[str],
+) -> Verdict:
+    """Every finished request right, none hangs, each server's tracked gauge
+    back to 0 once idle, no checksum error line."""
+    v = Verdict("client_abort", counts={"outcomes": counts, "tracked_after": gauges})
+    v.checks["no wrong answer"] = counts["wrong"] == 0
+    v.checks["no hang"] = counts["hang"] == 0
+    v.checks["some requests aborted"] = counts["aborted"] > 0
+    for name, value in gauges.items():
+        v.checks[f"{name}: tracked requests back to 0"] = gauge_back_to_zero(value)
+    v.checks["no checksum error line"] = not errors
+    v.counts["checksum_error_lines"] = errors[:10]
+    return v
+
+
+def judge_lease_expiry(
+    reported: list[bool], classes: list[str], stale_reads: int
+) -> Verdict:
+    """Per load (`classify` class): a reported one must still be answered right
+    (recompute), an unreported one must not be wrong (else a stale load went
+    unreported); the incident must show (>= 1 reported)."""
+    pairs = list(zip(reported, classes))
+    unreported_wrong = sum(1 for r, c in pairs if not r and c == "wrong")
+    reported_wrong = sum(1 for r, c in pairs if r and c != "right")
+    errors = sum(1 for _, c in pairs if c in ("error", "hang"))
+    v = Verdict(
+        "lease_expiry",
+        counts={
+            "loads": len(pairs),
+            "mismatches": sum(reported),
+            "unreported_wrong": unreported_wrong,
+            "reported_not_right": reported_wrong,
+            "errors_or_hangs": errors,
+            "producer_expired_reads": stale_reads,
+        },
+    )
+    v.checks["stale loads happened (>= 1 mismatch)"] = sum(reported) > 0
+    v.checks["every stale load reported"] = unreported_wrong == 0
+    v.checks["reported loads recomputed right"] = reported_wrong == 0
+    v.checks["no HTTP error or hang"] = errors == 0
+    return v
+
+
+def judge_soak(
+    counts: dict[str, int],
+    injected: set[str],
+    mismatched: set[str],
+    gauges: dict[str, float | None],
+    memory: dict[str, SlopeFit],
+    errors: list[str],
+) -> Verdict:
+    """0 false mismatches (every mismatch an injected fault); every injected
+    fault reported except at most one per aborted request (an abort before
+    verification ends the request unverified); no wrong answer, no hang;
+    gauges 0 at the end; memory flat after warm-up; no checksum error line."""
+    false = mismatched - injected
+    unreported = injected - mismatched
+    v = Verdict(
+        "soak",
+        counts={
+            "outcomes": counts,
+            "injected": len(injected),
+            "mismatches": len(mismatched),
+            "false_mismatches": len(false),
+            "unreported_injected": len(unreported),
+            "tracked_after": gauges,
+            "memory": {k: vars(fit) for k, fit in memory.items()},
+            "checksum_error_lines": errors[:10],
+        },
+    )
+    v.checks["0 false mismatches"] = not false
+    v.checks["every injected fault reported (aborted ones aside)"] = (
+        len(unreported) <= counts["aborted"]
+    )
+    v.checks["faults were injected"] = bool(injected)
+    v.checks["no wrong answer"] = counts["wrong"] == 0
+    v.checks["no hang"] = counts["hang"] == 0
+    for name, value in gauges.items():
+        v.checks[f"{name}: tracked requests back to 0"] = gauge_back_to_zero(value)
+    for name, fit in memory.items():
+        v.checks[f"{name}: flat after warm-up"] = fit.flat
+    v.checks["no checksum error line"] = not errors
+    return v

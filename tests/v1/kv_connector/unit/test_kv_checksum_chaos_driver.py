@@ -1,0 +1,269 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The chaos driver's pure logic on hand-made inputs, and its process and
+client handling against the fake server (issue 27; the driver proves R141's
+bounded state and R138's containment under process faults on the GPU host,
+these tests keep its planning and verdicts honest)."""
+
+import importlib.util
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[4]
+EXAMPLES = ROOT / "examples/disaggregated"
+FAKE = Path(__file__).resolve().parent / "kv_checksum_fake_server.py"
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+plan = _load("kv_checksum_chaos_plan")
+chaos = _load("kv_checksum_chaos")
+ROUTER_ID = "___prefill_addr_127.0.0.1:8100___decode_addr_127.0.0.1:8200_ab12"
+
+
+def test_mismatch_ids_keep_router_colons() -> None:
+    """Bug caught: a non-greedy id pattern cut vllm-router's request ids at
+    their first colon, so no mismatch id equalled its injection id and every
+    injected fault counted as a false mismatch (seen in the fake dry run)."""
+    log = (
+        f"WARNING KV checksum fault injection: bitflip into request {ROUTER_ID} "
+        "group 0 block position 3\n"
+        f"ERROR 12-01 [verdict_log.py:64] KV checksum mismatch for request "
+        f"{ROUTER_ID}: [0]\n"
+    )
+    assert plan.request_ids(plan.MISMATCH, log) == {ROUTER_ID}
+    assert plan.request_ids(plan.INJECTED, log) == {ROUTER_ID}
+
+
+def test_plan_aborts_exact_share_every_phase() -> None:
+    """Bug caught: aborts drawn by a coin per request (the soak's 5 % off by
+    chance) or a phase never planned (a window of R141 never hit)."""
+    plans = plan.plan_aborts(100, 0.05, ttft_ms=80.0, max_tokens=16, seed=1)
+    assert len(plans) == 100 and sum(p is not None for p in plans) == 5
+    plans = plan.plan_aborts(40, 0.5, ttft_ms=80.0, max_tokens=16, seed=2)
+    chosen = [p for p in plans if p is not None]
+    assert len(chosen) == 20
+    assert {p.phase: sum(q.phase == p.phase for q in chosen) for p in chosen} == {
+        "before_load": 5,
+        "during_load": 5,
+        "before_verify": 5,
+        "during_decode": 5,
+    }
+    for p in chosen:
+        if p.phase == "during_decode":
+            assert p.after_ms is None and 1 <= p.after_chunks <= 15
+        else:
+            lo, hi = {"before_load": (0, 24), "during_load": (24, 56)}.get(
+                p.phase, (56, 80)
+            )
+            assert p.after_chunks is None and lo <= p.after_ms <= hi
+
+
+def test_plan_offsets_cover_the_window() -> None:
+    """Bug caught: every repeat killing at the same moment, so one in-flight
+    window is hit `repeats` times and the others never."""
+    offsets = plan.plan_offsets(4, 2.0, seed=3)
+    for i, offset in enumerate(offsets):
+        assert 0.5 * i <= offset < 0.5 * (i + 1)
+
+
+def test_classify_cut_stream_and_wrong_text() -> None:
+    """Bug caught: a 200 whose stream broke off (text None) or whose text is
+    not a reference counted as right; an abort counted as an error."""
+    right = {"a b"}
+    assert plan.classify(plan.Outcome(200, "a b"), right) == "right"
+    assert plan.classify(plan.Outcome(200, "a"), right) == "wrong"
+    assert plan.classify(plan.Outcome(200, None, error="cut"), right) == "error"
+    assert plan.classify(plan.Outcome(0, None), right) == "error"
+    assert plan.classify(plan.Outcome(0, None, hung=True), right) == "hang"
+    assert plan.classify(plan.Outcome(0, None, aborted=True), right) == "aborted"
+
+
+def test_gauge_total_sums_labels_and_reports_absence() -> None:
+    """Bug caught: the gauge read from one label set only (a second engine's
+    state missed), a prefixed metric counted in, or absence read as 0."""
+    page = (
+        "# HELP vllm:kv_checksum_tracked_requests requests with state\n"
+        'vllm:kv_checksum_tracked_requests{engine="0"} 2.0\n'
+        'vllm:kv_checksum_tracked_requests{engine="1"} 3.0\n'
+        'vllm:kv_checksum_tracked_requests_created{engine="0"} 1.7e9\n'
+    )
+    assert plan.gauge_total(page) == 5.0
+    assert plan.gauge_total("vllm:other 1.0\n") is None
+    assert plan.gauge_back_to_zero(None) is None
+    assert plan.gauge_back_to_zero(0.0) is True
+    assert plan.gauge_back_to_zero(1.0) is False
+
+
+def test_unexpected_errors_skip_mismatches_only() -> None:
+    """Bug caught: expected mismatch reports counted as checksum errors (every
+    soak fails), or an exception inside the package not counted."""
+    log = "\n".join(
+        [
+            f"ERROR [x.py:64] KV checksum mismatch for request {ROUTER_ID}: 0",
+            "WARNING KV checksum fault injection: bitflip into request r1 group 0",
+            "ERROR [wiring.py:10] KV checksum payload of request r2 unreadable",
+            '  File "/site/vllm/distributed/kv_transfer/kv_checksum/wiring.py", line 3',
+            "ERROR [scheduler.py:1] something else",
+        ]
+    )
+    found = plan.unexpected_errors(log)
+    assert len(found) == 2
+    assert "unreadable" in found[0] and "wiring.py" in found[1]
+
+
+def test_fit_slope_skips_warmup_and_sees_a_leak() -> None:
+    """Bug caught: the warm-up ramp fitted in (a flat engine reported as
+    leaking) or a steady leak reported flat."""
+    warm = [
+        (float(t), 1000.0 + (500.0 if t >= 60 else t * 8)) for t in range(0, 600, 5)
+    ]
+    fit = plan.fit_slope(warm, warmup_fraction=0.25)
+    assert fit.slope_per_min == pytest.approx(0.0, abs=1e-9)
+    assert fit.flat is True
+    leak = [(float(t), 2000.0 + t / 60 * 40.0) for t in range(0, 600, 5)]
+    fit = plan.fit_slope(leak, warmup_fraction=0.25)
+    assert fit.slope_per_min == pytest.approx(40.0, rel=1e-6)
+    assert fit.flat is False  # 40 MiB/min over 7.4 min > max(64, 40)
+    assert plan.fit_slope([(0.0, 1.0), (1.0, 2.0)]).flat is None
+
+
+def _counts(**kw: int) -> dict[str, int]:
+    return {**dict.fromkeys(("right", "wrong", "error", "hang", "aborted"), 0), **kw}
+
+
+def test_judge_soak() -> None:
+    """Bug caught: a mismatch without an injection (a false mismatch)
+    passing; injected faults unreported beyond what aborts explain passing;
+    a gauge left at 3 passing; a missing gauge (n/a) failing."""
+    flat = {"consumer rss_mib": plan.SlopeFit(0.1, 900.0, 5.0, 50, True)}
+    args = dict(gauges={"consumer": 0.0, "producer": None}, memory=flat, errors=[])
+    ok = plan.judge_soak(_counts(right=95, aborted=5), {"a", "b"}, {"a"}, **args)
+    assert ok.passed, ok.checks
+    false = plan.judge_soak(_counts(right=100), {"a"}, {"a", "x"}, **args)
+    assert not false.passed and false.counts["false_mismatches"] == 1
+    lost = plan.judge_soak(_counts(right=99, aborted=1), {"a", "b", "c"}, {"a"}, **args)
+    assert not lost.passed
+    args["gauges"] = {"consumer": 3.0}
+    assert not plan.judge_soak(_counts(right=1), {"a"}, {"a"}, **args).passed
+
+
+def test_judge_lease_expiry_and_producer_kill() -> None:
+    """Bug caught: an unreported stale load (a wrong 200) passing; a consumer
+    counting more verified loads than right answers (a broken load verified)
+    passing; a run without any mismatch passing as the incident."""
+    good = plan.judge_lease_expiry([True, False], ["right", "right"], stale_reads=1)
+    assert good.passed
+    silent = plan.judge_lease_expiry([True, False], ["right", "wrong"], 1)
+    assert not silent.passed and silent.counts["unreported_wrong"] == 1
+    assert not plan.judge_lease_expiry([False, False], ["right", "right"], 0).passed
+    outcomes = {"recompute": _counts(right=10, error=22), "fail": _counts(right=8)}
+    fresh = {"recompute": True, "fail": True}
+    ok = plan.judge_producer_kill(outcomes, {"recompute": 10, "fail": 8}, fresh, [])
+    assert ok.passed, ok.checks
+    over = plan.judge_producer_kill(outcomes, {"recompute": 11, "fail": 8}, fresh, [])
+    assert not over.passed
+
+
+def test_topology_and_configs() -> None:
+    """Bug caught: the injector on while the other scenarios run (their
+    mismatches false), the fail-policy consumer missing for producer_kill, or
+    the offload tier's MultiConnector losing the NIXL connector."""
+    soak = plan.plan_topology(["soak"], 20, 2, 0.01)
+    assert soak.server("consumer").faults == 0.01
+    assert [r.name for r in soak.routers] == ["router"]
+    both = plan.plan_topology(["producer_kill", "soak"], 20, 2, 0.01)
+    assert both.server("consumer").faults == 0.0
+    fail = plan.kv_transfer_config(both.server("consumer_fail"), "nixl-pull")
+    assert fail["kv_load_failure_policy"] == "fail"
+    assert fail["kv_connector_extra_config"]["kv_checksum_fail_closed"] is True
+    assert both.server("producer").lease_s == 20
+    lease = plan.plan_topology(["lease_expiry"], 20, 2, 0.01).server("producer_lease")
+    assert (lease.lease_s, lease.num_blocks) == (2, 256)
+    offload = plan.kv_transfer_config(soak.server("consumer"), "nixl-offload")
+    assert offload["kv_connector"] == "MultiConnector"
+    inner = offload["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in inner] == [
+        "NixlConnector",
+        "OffloadingConnector",
+    ]
+    push = plan.kv_transfer_config(soak.server("producer"), "nixl-push")
+    assert push["kv_connector"] == "NixlPushConnector"
+    with pytest.raises(ValueError):
+        plan.plan_topology(["nap"], 20, 2, 0.01)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fake_server_kill_restart_and_abort(tmp_path: Path) -> None:
+    """The driver's process and client handling end to end on the fake server
+    (no router, no timing): a full stream's text is the fake model's answer,
+    an abort after 2 chunks is an abort, a SIGKILLed server answers nothing,
+    a restart serves again, and the in-flight gauge is back to 0.
+
+    Bug caught: kill() leaving the group alive (the restart's port busy),
+    an abort counted as an answer, or a dead server counted as a hang."""
+    fake = _load_fake()
+    port = _free_port()
+    env = dict(__import__("os").environ, FAKE_TRACKED_GAUGE="1")
+    proc = chaos.Proc(
+        "fake",
+        [sys.executable, str(FAKE), "serve", "m", "--port", str(port)],
+        env,
+        port,
+        tmp_path,
+    )
+    proc.start()
+    try:
+        assert proc.wait_healthy(60)
+        payload = {"prompt": "t5 t6", "max_tokens": 4, "stream": True}
+        full = chaos.complete(proc.url, payload, timeout=30)
+        assert full.status == 200 and full.text == "".join(fake.words("t5 t6", 4))
+        cut = chaos.complete(
+            proc.url, payload, 30, plan.AbortPlan("during_decode", after_chunks=2)
+        )
+        assert cut.aborted and cut.text is None
+        proc.kill(signal.SIGKILL)
+        dead = chaos.complete(proc.url, payload, timeout=30)
+        assert dead.status == 0 and not dead.hung and not dead.aborted
+        proc.start()
+        assert proc.wait_healthy(60)
+        again = chaos.complete(proc.url, dict(payload, stream=False), timeout=30)
+        assert again.text == full.text
+        assert chaos.Run.wait_gauge_zero(_GaugeRun(proc), "fake", 30) == 0.0
+    finally:
+        proc.kill(signal.SIGTERM)
+
+
+def _load_fake() -> Any:
+    spec = importlib.util.spec_from_file_location("kv_checksum_fake_server", FAKE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _GaugeRun:
+    """Just what Run.wait_gauge_zero needs: gauge(name)."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    def gauge(self, name: str) -> float | None:
+        return plan.gauge_total(self.proc.metrics())
