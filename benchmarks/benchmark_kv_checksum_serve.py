@@ -179,6 +179,7 @@ class Launch:
             ROUTER=f"{sys.executable} -m vllm_router.launch_router",
             ROUTER_PORT=str(self.args.router_port),
             PROM_PORT=str(self.args.prom_port),
+            PARALLEL_START="1",  # --kv-cache-memory-bytes: no profiling race
             VLLM_USE_FLASHINFER_SAMPLER="0",
             VLLM_NO_USAGE_STATS="1",
             HF_HUB_OFFLINE="1",

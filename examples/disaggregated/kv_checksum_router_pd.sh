@@ -14,7 +14,9 @@
 # Settings (environment variables, defaults in brackets):
 #   MODEL [Qwen/Qwen3-8B]      model path or name, the same on both instances
 #   GPU_P [0], GPU_D [1]       CUDA_VISIBLE_DEVICES of producer and consumer; one GPU
-#                              for both (GPU_P=GPU_D=0) needs UTIL <= 0.45
+#                              for both (GPU_P=GPU_D=0) needs UTIL <= 0.45 and
+#                              starts the consumer after the producer is up
+#   PARALLEL_START [0]         1: start both at once even on the same GPU
 #   TP [1]                     tensor parallel size of each instance (GPU_P="0,1" ...)
 #   UTIL [0.85]                --gpu-memory-utilization of each instance
 #   CHECKSUMS [on]             "off" starts the same pair without the package's flags
@@ -61,17 +63,6 @@ CONSUMER_CONFIG="{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\",
 
 trap 'trap - EXIT INT TERM; kill 0 2>/dev/null; wait 2>/dev/null' EXIT INT TERM
 
-CUDA_VISIBLE_DEVICES=$GPU_P VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 \
-    VLLM_NIXL_SIDE_CHANNEL_PORT=$P_SIDE \
-    $VLLM serve "$MODEL" --host 127.0.0.1 --port "$P_PORT" \
-    --tensor-parallel-size "$TP" --gpu-memory-utilization "$UTIL" \
-    --kv-transfer-config "$PRODUCER_CONFIG" "$@" >"$LOG_DIR/producer.log" 2>&1 &
-CUDA_VISIBLE_DEVICES=$GPU_D VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 \
-    VLLM_NIXL_SIDE_CHANNEL_PORT=$D_SIDE \
-    $VLLM serve "$MODEL" --host 127.0.0.1 --port "$D_PORT" \
-    --tensor-parallel-size "$TP" --gpu-memory-utilization "$UTIL" \
-    --kv-transfer-config "$CONSUMER_CONFIG" "$@" >"$LOG_DIR/consumer.log" 2>&1 &
-
 wait_health() {
     until curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; do
         if ! kill -0 "$2" 2>/dev/null; then
@@ -81,8 +72,26 @@ wait_health() {
         sleep 2
     done
 }
-producer_pid=$(jobs -p | sed -n 1p)
-consumer_pid=$(jobs -p | sed -n 2p)
+
+CUDA_VISIBLE_DEVICES=$GPU_P VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 \
+    VLLM_NIXL_SIDE_CHANNEL_PORT=$P_SIDE \
+    $VLLM serve "$MODEL" --host 127.0.0.1 --port "$P_PORT" \
+    --tensor-parallel-size "$TP" --gpu-memory-utilization "$UTIL" \
+    --kv-transfer-config "$PRODUCER_CONFIG" "$@" >"$LOG_DIR/producer.log" 2>&1 &
+producer_pid=$!
+# Two instances on the same GPUs: vLLM's memory profiling at start-up must not
+# see the other one's memory move, so the consumer starts once the producer is
+# up (PARALLEL_START=1 skips the wait, e.g. with --kv-cache-memory-bytes, which
+# skips the profiling).
+if [ "$GPU_P" = "$GPU_D" ] && [ "${PARALLEL_START:-0}" != 1 ]; then
+    wait_health "$P_PORT" "$producer_pid" producer
+fi
+CUDA_VISIBLE_DEVICES=$GPU_D VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 \
+    VLLM_NIXL_SIDE_CHANNEL_PORT=$D_SIDE \
+    $VLLM serve "$MODEL" --host 127.0.0.1 --port "$D_PORT" \
+    --tensor-parallel-size "$TP" --gpu-memory-utilization "$UTIL" \
+    --kv-transfer-config "$CONSUMER_CONFIG" "$@" >"$LOG_DIR/consumer.log" 2>&1 &
+consumer_pid=$!
 wait_health "$P_PORT" "$producer_pid" producer
 wait_health "$D_PORT" "$consumer_pid" consumer
 
