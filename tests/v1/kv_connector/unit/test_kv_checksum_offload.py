@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumScheduled,
     block_checksum_tags,
 )
-from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import FullBlocks
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import FullBlocks
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import KVChecksumWorker
 from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
     position_hashes,

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import FullBlocks
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import FullBlocks
 from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     HOST_SOURCE,
     HostCopyDropper,
