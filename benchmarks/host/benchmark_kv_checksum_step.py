@@ -12,6 +12,10 @@ its steps, and on - off is the checksums' host cost per step. With
 `--loads`, every step a new P/D consumer request arrives and the load started
 one step earlier finishes (verified in the step; no worker records, so its
 verdict is "unverified" and the figure is the scheduler's bookkeeping only).
+With `--prefix` (issue 31, R140), the carrier connector with
+`kv_checksum_verify_prefix_hits` on (off: no checksums): the N decoding
+requests share a 256-token prefix and every step a new request with that
+prefix arrives (a local prefix-cache hit, checked) and finishes two steps on.
 
 Worker side: a `KVChecksumWorker` over CPU KV caches, `bind` and
 `post_forward` of a decode step (nothing to checksum), as the wiring's
@@ -52,6 +56,9 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (  # noqa: E402
     register_carrier_connector,
 )
 from vllm.distributed.kv_transfer.kv_checksum import plugin  # noqa: E402
+from vllm.distributed.kv_transfer.kv_checksum.config import (  # noqa: E402
+    VERIFY_PREFIX_HITS_KEY,
+)
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import (  # noqa: E402
     WorkerTopology,
 )
@@ -62,14 +69,17 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (  # noqa: E4
 BLOCK_SIZE = 16
 PROMPT_LEN = 32
 MAX_MODEL_LEN = 2048
+CARRIER_NAME = "nixl-pull-like (carrier test connector)"
 CONNECTORS: dict[str, tuple[str, dict[str, Any]]] = {
-    "nixl-pull-like (carrier test connector)": (CARRIER_CONNECTOR_NAME, {}),
+    CARRIER_NAME: (CARRIER_CONNECTOR_NAME, {}),
     "OffloadingConnector": ("OffloadingConnector", {"cpu_bytes_to_use": 1 << 22}),
     "SimpleCPUOffloadConnector": (
         "SimpleCPUOffloadConnector",
         {"cpu_bytes_to_use": 1 << 22, "num_cpu_blocks": 64},
     ),
 }
+PREFIX_NAME = "prefix hits (carrier test connector, verify_prefix_hits)"
+SHARED_PREFIX = [(11 * t) % 991 + 3 for t in range(256)]
 
 
 def _completed_jobs(scheduler: Any, output: Any) -> Any:
@@ -101,6 +111,7 @@ class Bench:
     enabled: bool
     n: int
     loads: bool = False
+    prefix: bool = False
     steps: int = 0
     _pending_loads: list[str] = field(default_factory=list)
 
@@ -108,9 +119,12 @@ class Bench:
         extra = dict(self.extra)
         if self.enabled:
             extra["enable_kv_checksum"] = True
+            if self.prefix:
+                extra[VERIFY_PREFIX_HITS_KEY] = True
         config = make_vllm_config(
             self.model_dir,
-            num_blocks=self.n * (MAX_MODEL_LEN // BLOCK_SIZE) + 64,
+            num_blocks=self.n * (MAX_MODEL_LEN // BLOCK_SIZE)
+            + (256 if self.prefix else 64),
             kv_connector=self.connector,
             extra_config=extra,
             max_model_len=MAX_MODEL_LEN,
@@ -120,6 +134,8 @@ class Bench:
         self.scheduler = make_scheduler(config, make_kv_cache_config(config))
         for i in range(self.n):
             prompt = [(i * 131 + 7 * t) % 991 + 3 for t in range(PROMPT_LEN)]
+            if self.prefix:
+                prompt = SHARED_PREFIX + prompt
             self.scheduler.add_request(
                 make_request(
                     f"d{i}",
@@ -137,6 +153,8 @@ class Bench:
         if self.loads:
             finished, self._pending_loads = self._pending_loads, []
             self._add_consumer()
+        if self.prefix:
+            self._add_prefix_hit()
         output = scheduler.schedule()
         self._pending_loads = [
             r.request_id
@@ -152,6 +170,15 @@ class Bench:
         )
         scheduler.update_from_output(output, model_output)
         self.steps += 1
+
+    def _add_prefix_hit(self) -> None:
+        i = self.steps
+        tail = [(i * 17 + 5 * t) % 991 + 3 for t in range(PROMPT_LEN)]
+        self.scheduler.add_request(
+            make_request(
+                f"h{i}", SHARED_PREFIX + tail, max_tokens=2, block_size=BLOCK_SIZE
+            )
+        )
 
     def _add_consumer(self) -> None:
         i = self.steps
@@ -209,10 +236,11 @@ def bench_scheduler(
     steps: int,
     loads: bool,
     profile: bool,
+    prefix: bool = False,
 ) -> Result:
-    connector, extra = CONNECTORS[name]
-    on = Bench(model_dir, connector, extra, True, n, loads)
-    off = Bench(model_dir, connector, extra, False, n, loads)
+    connector, extra = CONNECTORS[CARRIER_NAME if prefix else name]
+    on = Bench(model_dir, connector, extra, True, n, loads, prefix)
+    off = Bench(model_dir, connector, extra, False, n, loads, prefix)
     result = Result(name + (" +loads" if loads else ""), n, [], [])
     for _ in range(rounds):
         result.on.append(_timed(on.step, steps))
@@ -264,11 +292,28 @@ def main() -> None:
     parser.add_argument("--connectors", nargs="+", default=list(CONNECTORS))
     parser.add_argument("--no-loads", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--prefix", action="store_true", help="prefix hits only")
     args = parser.parse_args()
     plugin.register()
     register_carrier_connector()
     model_dir = write_model_dir(Path(tempfile.mkdtemp()))
     results = []
+    if args.prefix:
+        args.connectors = []
+        for n in args.requests:
+            profile = args.profile and n == max(args.requests)
+            results.append(
+                bench_scheduler(
+                    model_dir,
+                    PREFIX_NAME,
+                    n,
+                    args.rounds,
+                    args.steps,
+                    False,
+                    profile,
+                    True,
+                )
+            )
     for name in args.connectors:
         for n in args.requests:
             results.append(

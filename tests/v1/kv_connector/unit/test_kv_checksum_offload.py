@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumScheduled,
     block_checksum_tags,
 )
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import FullBlocks
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import KVChecksumWorker
 from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
     position_hashes,
@@ -144,6 +145,31 @@ def test_saved_entries_are_partial_sums_xor_tags(tp_size: int) -> None:
         others = [b for b in range(NUM_BLOCKS) if b not in BLOCK_IDS[1:]]
         assert not table[others].any()
     assert hexes(u64_sum(untagged)) == hexes(whole[1:])
+
+
+def test_R142_saved_entries_from_block_arrays_keep_each_position() -> None:
+    """R142, R118: a `FullBlocks` (per-block arrays, out of position order,
+    with a block of an unregistered group in between) writes each block's
+    entry for its own position and hash, and nothing for the other group.
+    Bug caught (tried): positions counted from the first block as in a run
+    (start + index), so out-of-order blocks get another position's weights."""
+    kv = ref.random_kv(np.random.default_rng(5), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    table = worker.init_block_checksums([0])
+    hashes = fake_hashes(4, seed=3)
+    order = [2, 0, 1]
+    ids = [BLOCK_IDS[p] for p in order]
+    arrays = FullBlocks(
+        np.array([0, 9, 0, 0]),
+        np.array([2, 0, 0, 1]),
+        np.array([ids[0], 3, ids[1], ids[2]]),
+        np.array(hashes, dtype=object),
+    )
+    worker.save_block_checksums(arrays)
+    tags = reference_tags([hashes[0], hashes[2], hashes[3]], worker.fingerprints[0])
+    assert hexes(table_entries(table, ids) ^ tags) == hexes(whole[order])
+    assert not table[[b for b in range(NUM_BLOCKS) if b not in ids]].any()
 
 
 def test_saved_entries_sum_every_replica_column() -> None:

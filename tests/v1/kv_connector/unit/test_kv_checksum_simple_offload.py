@@ -96,6 +96,36 @@ def test_R118_store_runs_sorted_and_cut() -> None:
     ]
 
 
+def test_R142_store_blocks_are_sorted_parallel_arrays() -> None:
+    """R142, R118: the stored blocks go to the workers as parallel arrays
+    (group, position, GPU block id, hash) sorted by (group, position), each
+    block with its own id and hash; hand-made blocks out of order, two groups,
+    gaps and unplaced blocks. Bug caught (tried): block ids and hashes taken
+    in store order of the placed blocks while groups and positions are
+    sorted (each entry written for another block's place)."""
+    keys = [
+        (key(4, 1), 64),  # group 1 (size 32), position 1
+        (None, None),
+        (key(3, 0), 80),  # group 0 (size 16), position 4
+        (key(2, 0), 16),  # 0
+        (key(6, 0), 40),  # partial: no place
+        (key(1, 1), 32),  # group 1, position 0
+        (key(5, 0), 32),  # 1
+    ]
+    blocks = store_runs([30, 31, 32, 33, 34, 35, 36], block_places(keys, [16, 32]))
+    assert blocks.groups.tolist() == [0, 0, 0, 1, 1]
+    assert blocks.positions.tolist() == [0, 1, 4, 0, 1]
+    assert blocks.block_ids.tolist() == [33, 36, 32, 35, 30]
+    assert blocks.hashes.tolist() == [bytes([b]) * 32 for b in (2, 5, 3, 1, 4)]
+    assert list(blocks) == [
+        (0, 0, [33, 36], [bytes([2]) * 32, bytes([5]) * 32]),
+        (0, 4, [32], [bytes([3]) * 32]),
+        (1, 0, [35, 30], [bytes([1]) * 32, bytes([4]) * 32]),
+    ]
+    empty = store_runs([1], block_places([(None, None)], [16]))
+    assert not len(empty.block_ids) and list(empty) == []
+
+
 def test_R119_a_load_of_a_copy_without_entry_is_not_declared() -> None:
     """A CPU block stored from a block with no place carries no entry: a load
     reading it is not checked (never a false mismatch); storing the block

@@ -8,26 +8,24 @@ loads compare against them (R118-R120); prefix-cache hits check the entries of
 locally cached blocks (R140).
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
-    KVChecksumBlocks,
     block_checksum_tags,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+    BlockRun,
+    FullBlocks,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     host_to_device,
     pack_segments,
-    segment_rows,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import GroupPlans
-
-# (group id, first position, block ids at consecutive positions, the request's
-# block hash at each block's last token)
-BlockRun = tuple[int, int, Sequence[int], Sequence[bytes]]
 
 
 class BlockChecksumTable:
@@ -68,7 +66,8 @@ class BlockChecksumTable:
         return self.prefix_groups if kind == "check" else set()
 
     def save(self, runs: Iterable[BlockRun], groups: set[int] | None = None) -> None:
-        """Write the entries of full blocks (R118).
+        """Write the entries of full blocks (R118); `runs` may be a
+        `FullBlocks`, consumed without a Python loop over runs or blocks.
 
         Runs of unregistered groups (or not in `groups`, when given) are
         ignored. Queued on the current stream, after the forward that wrote
@@ -77,35 +76,41 @@ class BlockChecksumTable:
         table = self.tensor
         if table is None:
             return
-        # One launch per group for every run of the call (a step's stores).
-        by_group: dict[int, list[tuple[str, KVChecksumBlocks]]] = {}
-        hashes: dict[int, list[bytes]] = {}
-        for group_id, start, block_ids, block_hashes in runs:
-            allowed = self.stored_groups if groups is None else groups
-            if group_id not in allowed or not len(block_ids):
+        blocks = runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
+        if not len(blocks.block_ids):
+            return
+        allowed = self.stored_groups if groups is None else groups
+        # One launch per group for every block of the call (a step's stores),
+        # groups in the order they first appear.
+        present, first = np.unique(blocks.groups, return_index=True)
+        for group_id in present[np.argsort(first)].tolist():
+            if group_id not in allowed:
                 continue
-            size = self.groups[group_id].block_size
-            ids = np.asarray(block_ids, dtype=np.int64)
-            requests = by_group.setdefault(group_id, [])
-            blocks = KVChecksumBlocks(
-                (start + len(ids)) * size, {group_id: (start, ids)}
+            mask = blocks.groups == group_id
+            self._save_group_entries(
+                table,
+                group_id,
+                blocks.block_ids[mask],
+                blocks.positions[mask],
+                blocks.hashes[mask].tolist(),
             )
-            requests.append((str(len(requests)), blocks))
-            hashes.setdefault(group_id, []).extend(block_hashes)
-        for group_id, requests in by_group.items():
-            self._save_group_entries(table, group_id, requests, hashes[group_id])
 
     def _save_group_entries(
         self,
         table: torch.Tensor,
         group_id: int,
-        requests: list[tuple[str, KVChecksumBlocks]],
+        block_ids: np.ndarray,
+        positions: np.ndarray,
         block_hashes: list[bytes],
     ) -> None:
-        """Entries of one group's runs: one launch, one table write (R118)."""
+        """Entries of one group's full blocks: one launch, one table write (R118)."""
         plans = self.groups[group_id]
-        rows = segment_rows(requests, group_id, plans.block_size)[3]
-        count = rows.shape[1]
+        size = plans.block_size
+        count = len(block_ids)
+        rows = np.empty((3, count), dtype=np.int64)
+        rows[0] = block_ids
+        rows[1] = positions * size
+        rows[2] = size
         packed, _ = pack_segments([rows])
         out = torch.zeros(
             (count, plans.load.width), dtype=torch.int64, device=self.topology.device

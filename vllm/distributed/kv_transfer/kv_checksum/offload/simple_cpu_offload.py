@@ -12,9 +12,9 @@ block pool caches a full block under that hash (with its KV cache group) and
 the number of prefix tokens it covers, (position + 1) * block size. So:
 
 - scheduler side, `SimpleOffloadSchedulerSide.attach`: after vLLM built the
-  step's metadata, the (group, position, [GPU block ids], [hashes]) runs of
-  the stored blocks, read from those cache keys (`block_places`), go on the
-  metadata for the workers. CPU blocks stored without a known place (a block
+  step's metadata, the (group, position, GPU block id, hash) arrays of the
+  stored blocks (`FullBlocks`), read from those cache keys (`block_places`),
+  go on the metadata for the workers. CPU blocks stored without a known place (a block
   cached under a partial hash) are remembered, and a load that reads one is
   not declared (no false mismatch); storing the block again with a place
   forgets it;
@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import FullBlocks
 from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     HOST_SOURCE,
     HostCopyDropper,
     HostEntryTable,
-    StoreRun,
     TryRemoveFn,
     failed_keys,
 )
@@ -107,36 +107,27 @@ def block_places(keys: Sequence[BlockKey], block_sizes: Sequence[int]) -> BlockP
     return BlockPlaces(groups, positions, hashes)
 
 
-def store_runs(block_ids: Sequence[int], places: BlockPlaces) -> list[StoreRun]:
-    """The runs `save_block_checksums` takes for blocks at known places.
+def store_runs(block_ids: Sequence[int], places: BlockPlaces) -> FullBlocks:
+    """The blocks at known places, as `save_block_checksums` takes them.
 
-    A run is cut wherever the group changes or the next position is not the
-    next one, so every block keeps its own position whatever the store order
-    (lazy-mode stores come in eviction order, a request's tail first; eager
-    ones in order). Sorting by (group, position) first only keeps the runs
-    few. Each block's entry depends on its own position and hash only, so
-    blocks of different requests may share a run.
+    Sorted by (group, position), so their runs (cut wherever the group
+    changes or the next position is not the next one) are few, and every
+    block keeps its own position whatever the store order (lazy-mode stores
+    come in eviction order, a request's tail first; eager ones in order).
+    Each block's entry depends on its own position and hash only, so blocks
+    of different requests may share a run. Arrays only: no Python loop over
+    runs or blocks (R142).
     """
     known = np.flatnonzero(places.known)
-    if not len(known):
-        return []
-    groups = places.groups[known]
-    positions = places.positions[known]
-    order = known[np.lexsort((positions, groups))]
-    groups, positions = places.groups[order], places.positions[order]
-    ids = np.asarray(block_ids, dtype=np.int64)[order]
-    cuts = np.flatnonzero((np.diff(groups) != 0) | (np.diff(positions) != 1)) + 1
-    runs: list[StoreRun] = []
-    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(order)]):
-        runs.append(
-            (
-                int(groups[lo]),
-                int(positions[lo]),
-                ids[lo:hi].tolist(),
-                [places.hashes[i] for i in order[lo:hi].tolist()],
-            )
-        )
-    return runs
+    order = known[np.lexsort((places.positions[known], places.groups[known]))]
+    hashes = np.empty(len(places.hashes), dtype=object)
+    hashes[:] = places.hashes
+    return FullBlocks(
+        places.groups[order],
+        places.positions[order],
+        np.asarray(block_ids, dtype=np.int64)[order],
+        hashes[order],
+    )
 
 
 class SimpleOffloadSchedulerSide:
@@ -175,9 +166,9 @@ class SimpleOffloadSchedulerSide:
             self.unentried.difference_update(cpu_ids[known].tolist())
             if not known.all():
                 self.unentried.update(cpu_ids[~known].tolist())
-            runs = store_runs(gpu_ids, places)
-            if runs:
-                metadata.kv_checksum_store_runs = runs
+            blocks = store_runs(gpu_ids, places)
+            if len(blocks.block_ids):
+                metadata.kv_checksum_store_runs = blocks
         event = getattr(metadata, "load_event", -1)
         req_ids = (getattr(metadata, "load_event_to_reqs", None) or {}).get(event)
         if req_ids:
