@@ -31,6 +31,10 @@ DEFAULT_MAX_PAYLOAD_BYTES: int | None = None
 # them). Defined here, with the other settings, so config imports no module of
 # the package and everything else may import config.
 FAULT_KINDS = ("bit_flip", "zero_block", "swap_blocks", "stale_block")
+# Opt-in only (not a default kind): one bit of a checked local prefix-cache hit
+# block, flipped before its check (R140).
+PREFIX_HIT_FAULT = "prefix_hit"
+VALID_FAULT_KINDS = (*FAULT_KINDS, PREFIX_HIT_FAULT)
 # Host-copy faults of the offload tiers (offload_faults.py applies them).
 HOST_FAULT_KEY = "kv_checksum_host_fault_injection"
 HOST_FAULT_KINDS = ("host_bit_flip", "host_other_block")
@@ -73,12 +77,16 @@ def _is_int(value: Any) -> bool:
 
 
 def read_fault_setting(
-    kv_transfer_config: Any, key: str, valid_kinds: tuple[str, ...]
+    kv_transfer_config: Any,
+    key: str,
+    valid_kinds: tuple[str, ...],
+    default_kinds: tuple[str, ...] | None = None,
 ) -> FaultInjectionConfig | None:
     """A fault-injection setting (R131) under `key`; None when absent.
 
     The value is a dict {"rate": number in [0, 1], "kinds": list of
-    `valid_kinds` (default all), "seed": int (default 0)}; anything else,
+    `valid_kinds` (default `default_kinds`, else all), "seed": int (default
+    0)}; anything else,
     unknown keys included, is a start-up error. Shared by the loaded-KV
     injector and the host-copy injector of the offload tiers.
     """
@@ -101,7 +109,7 @@ def read_fault_setting(
         or not (math.isfinite(rate) and 0 <= rate <= 1)
     ):
         raise ValueError(f"{where}['rate'] must be a number in [0, 1], got {rate!r}")
-    kinds = value.get("kinds", list(valid_kinds))
+    kinds = value.get("kinds", list(default_kinds or valid_kinds))
     if (
         not isinstance(kinds, (list, tuple))
         or not kinds
@@ -119,7 +127,9 @@ def read_fault_setting(
 
 def read_fault_injection(kv_transfer_config: Any) -> FaultInjectionConfig | None:
     """The `kv_checksum_fault_injection` setting (R131); None when absent."""
-    return read_fault_setting(kv_transfer_config, FAULT_INJECTION_KEY, FAULT_KINDS)
+    return read_fault_setting(
+        kv_transfer_config, FAULT_INJECTION_KEY, VALID_FAULT_KINDS, FAULT_KINDS
+    )
 
 
 def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:

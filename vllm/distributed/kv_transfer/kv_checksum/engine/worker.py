@@ -30,6 +30,9 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.launches import ChecksumLauncher
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import plan_groups
+from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
+    HIT_KEY_SUFFIX,
+)
 from vllm.distributed.kv_transfer.kv_checksum.engine.records import (
     KVChecksumPendingRecord,
     finalize_records,
@@ -99,6 +102,11 @@ class KVChecksumWorker:
             if blocks is not None:
                 pending[req_id] = blocks
         return pending
+
+    def pending_hit_checks(self) -> dict[str, KVChecksumBlocks]:
+        """Per request id, the prefix-hit blocks `post_forward` checks this step."""
+        suffix = len(HIT_KEY_SUFFIX)
+        return {key[:-suffix]: blocks for key, blocks in self._to_check.items()}
 
     def group_layer_names(self) -> dict[int, list[str]]:
         """Per covered group, the layers (one per distinct cache) it checksums."""

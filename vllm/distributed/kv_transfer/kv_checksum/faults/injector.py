@@ -20,12 +20,17 @@ same one without communicating; each corrupts its own caches:
 - "stale_block": the block overwritten with another block of the cache that is
   not part of the load, mimicking a read of a block after its reuse; without
   such a block, "zero_block".
+- "prefix_hit" (opt-in, never a default kind): with prefix-hit verification on
+  (R140), one bit of one checked local prefix-cache hit block, like
+  "bit_flip", before the check's checksums are queued; decided apart from the
+  loads (its own draw from seed and request id, its own `rate` test).
 
 Worker (pp_rank 0, tp_rank 0) logs each injection once per request at WARNING:
 "KV checksum fault injection: <kind> into request <id> group <G> block position
 <P>." The kind logged is the one applied (after fallbacks). Under fail-open the
 request itself runs on the corrupted KV (containment keeps it from other
-requests, R138): use it on test deployments only.
+requests, R138); "prefix_hit" corrupts a cached block other requests may share:
+use it on test deployments only.
 """
 
 import hashlib
@@ -38,6 +43,8 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     FAULT_KINDS,
+    PREFIX_HIT_FAULT,
+    VALID_FAULT_KINDS,
     read_fault_injection,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
@@ -128,11 +135,15 @@ class KVFaultInjector:
     ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"fault injection rate must be in [0, 1], got {rate}")
-        unknown = [k for k in kinds if k not in FAULT_KINDS]
+        unknown = [k for k in kinds if k not in VALID_FAULT_KINDS]
         if not kinds or unknown:
-            raise ValueError(f"fault kinds must be some of {FAULT_KINDS}: {kinds}")
+            raise ValueError(
+                f"fault kinds must be some of {VALID_FAULT_KINDS}: {kinds}"
+            )
         self.rate = rate
         self.kinds = tuple(kinds)
+        self.load_kinds = tuple(k for k in self.kinds if k != PREFIX_HIT_FAULT)
+        self.injects_hits = PREFIX_HIT_FAULT in self.kinds
         self.seed = seed
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
@@ -159,7 +170,7 @@ class KVFaultInjector:
         """
         rng = _generator(self.seed, req_id)
         inject, u_kind, u_group, u_pos, u_other = rng.random(5)
-        if not inject < self.rate:
+        if not inject < self.rate or not self.load_kinds:
             return None
         groups = [
             (group_id, start, np.asarray(ids, dtype=np.int64))
@@ -168,7 +179,7 @@ class KVFaultInjector:
         ]
         if not groups:
             return None
-        kind = self.kinds[_pick(u_kind, len(self.kinds))]
+        kind = self.load_kinds[_pick(u_kind, len(self.load_kinds))]
         group_id, start, ids = groups[_pick(u_group, len(groups))]
         index = _pick(u_pos, len(ids))
         base = Injection(req_id, kind, group_id, start + index, int(ids[index]))
@@ -205,6 +216,32 @@ class KVFaultInjector:
         free = np.setdiff1d(np.arange(num_blocks), np.fromiter(excluded, np.int64))
         return int(free[_pick(rng.random(), free.size)]) if free.size else None
 
+    def decide_hit(self, req_id: str, blocks: KVChecksumBlocks) -> Injection | None:
+        """Whether and where to flip a bit of a request's checked hit blocks.
+
+        Drawn from (seed, request id) apart from `decide`, so a request's load
+        and hit decisions are independent; touches no cache.
+        """
+        if not self.injects_hits:
+            return None
+        rng = _generator(self.seed, f"{req_id}/{PREFIX_HIT_FAULT}")
+        inject, u_group, u_pos = rng.random(3)
+        if not inject < self.rate:
+            return None
+        groups = [
+            (group_id, start, ids)
+            for group_id, (start, ids) in sorted(blocks.groups.items())
+            if len(ids) > 0
+        ]
+        if not groups:
+            return None
+        group_id, start, ids = groups[_pick(u_group, len(groups))]
+        index = _pick(u_pos, len(ids))
+        byte, bit = (int(x) for x in rng.integers(0, [1 << 30, 8]))
+        position, block_id = start + index, int(ids[index])
+        kind = PREFIX_HIT_FAULT
+        return Injection(req_id, kind, group_id, position, block_id, byte=byte, bit=bit)
+
     # ------------------------------------------------------------------
     # Applying it to this worker's caches
     # ------------------------------------------------------------------
@@ -229,8 +266,19 @@ class KVFaultInjector:
         decision = self.decide(req_id, blocks, num_blocks, skip_groups)
         if decision is None:
             return None
+        return self._corrupt(decision, caches, group_layers, num_blocks)
+
+    def _corrupt(
+        self,
+        decision: Injection,
+        caches: Mapping[str, torch.Tensor],
+        group_layers: Mapping[int, Sequence[str]],
+        num_blocks: int,
+    ) -> Injection:
+        """Apply a decision to this worker's caches and log it once."""
+        req_id = decision.req_id
         layers = _distinct(group_layers.get(decision.group_id, ()), caches)
-        if decision.kind == "bit_flip":
+        if decision.kind in ("bit_flip", PREFIX_HIT_FAULT):
             layers = layers[:1] if self.is_first_worker else []
             if self.is_first_worker and not layers:
                 logger.warning(
@@ -257,7 +305,7 @@ class KVFaultInjector:
     @staticmethod
     def _apply(decision: Injection, view: torch.Tensor) -> None:
         block = view[decision.block_id]
-        if decision.kind == "bit_flip":
+        if decision.kind in ("bit_flip", PREFIX_HIT_FAULT):
             cell = block[0, 0, 0]  # first kernel block, first head, first token
             cell[decision.byte % cell.shape[0]].bitwise_xor_(1 << decision.bit)
         elif decision.kind == "zero_block":
@@ -306,6 +354,29 @@ class KVFaultInjector:
             )
             if injection is not None:
                 injections.append(injection)
+        return injections
+
+    def corrupt_hits(self, worker: Any) -> list[Injection]:
+        """Flip bits in the prefix-hit blocks `worker` (a KVChecksumWorker)
+        checks this step (R140); called right before its `post_forward`."""
+        if not self.injects_hits:
+            return []
+        checks = worker.pending_hit_checks()
+        if not checks:
+            return []
+        group_layers = worker.group_layer_names()
+        injections = []
+        for req_id, blocks in checks.items():
+            decision = self.decide_hit(req_id, blocks)
+            if decision is not None and decision.group_id in group_layers:
+                injections.append(
+                    self._corrupt(
+                        decision,
+                        worker.kv_caches,
+                        group_layers,
+                        worker.topology.num_blocks,
+                    )
+                )
         return injections
 
 

@@ -146,7 +146,8 @@ def install_worker_hooks() -> None:
         finished loads, before any later forward writes those blocks (R49).
         How: after the original, the worker checksums on the compute stream and
         its pending record goes on the KVConnectorOutput; configured fault
-        injection (R131) corrupts finished loads just before. After an error
+        injection (R131) corrupts finished loads (and, kind "prefix_hit",
+        checked prefix-hit blocks, R140) just before. After an error
         turned this worker's checksums off, its next output carries one
         "checksums disabled" record instead; after one in an offload
         connector's worker side, one "offload tier off" record too (R134).
@@ -168,6 +169,7 @@ def install_worker_hooks() -> None:
                     results.failed_recving,
                     finished_req_ids,
                 )
+                injector.corrupt_hits(worker)  # R140: hit blocks before checks
             pending = worker.post_forward(
                 results.finished_recving,
                 results.failed_recving,
