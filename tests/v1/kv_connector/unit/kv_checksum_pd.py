@@ -458,6 +458,7 @@ class SimEngine:
                 self.injections += worker.injector.corrupt_loads(
                     worker.checksum, finished, failed, output.finished_req_ids
                 )
+                self.injections += worker.injector.corrupt_hits(worker.checksum)
             pending = worker.checksum.post_forward(
                 finished, failed, None, output.finished_req_ids
             )

@@ -12,17 +12,27 @@ it, and that request recomputed from the first bad block.
 """
 
 import random
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
 from vllm.distributed.kv_transfer.kv_checksum.config import (
+    FAULT_INJECTION_KEY,
+    FAULT_KINDS,
+    PREFIX_HIT_FAULT,
     VERIFY_PREFIX_HITS_KEY,
+    read_fault_injection,
     read_flags,
 )
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+)
+from vllm.distributed.kv_transfer.kv_checksum.faults.injector import KVFaultInjector
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 
@@ -181,3 +191,90 @@ def test_state_bounded_by_cached_blocks(model_dir: str) -> None:
     assert counts.get("mismatch", 0) == 0 and counts.get("verified", 0) > 0
     assert not hits_state(engine).pending
     assert recorded <= len(pool.blocks) - 1  # never more than cacheable blocks
+
+
+def faulted_engine(model_dir: str, name: str, rate: float, tp: int = 1) -> SimEngine:
+    side = SideConfig(
+        tp=tp,
+        num_blocks=48,
+        policy="recompute",
+        connector_extra={VERIFY_PREFIX_HITS_KEY: True},
+        fault_injection={"rate": rate, "kinds": [PREFIX_HIT_FAULT], "seed": 3},
+    )
+    engine = SimEngine(model_dir, side, name)
+    for worker in engine.workers:
+        worker.checksum.enable_prefix_entries()
+    return engine
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prefix_hit_faults_all_caught(model_dir: str, tp: int) -> None:
+    """R131, R140: at rate 1 every checked hit gets one flipped bit before its
+    check, and each is caught: a mismatch, the request recomputed from the
+    injected block (restored in place), the block out of the prefix cache
+    (bugs: the bit flipped after the check's checksums were queued, so the
+    check passes on clean bytes; the flip at another block than the one
+    logged; a hit decision that differs between TP workers)."""
+    engine = faulted_engine(model_dir, f"hit-faults-tp{tp}", 1.0, tp)
+    cache = next(iter(engine.workers[0].caches.values())).view(torch.uint8)
+    tail = [7, 7, 7]
+    for i in range(4):
+        base = prompt(20 + i, PREFIX + 5)
+        a = run(engine, f"a{i}", base)
+        seen = len(engine.injections)
+        assert seen == i * tp  # no hit, nothing injected
+        snapshot = cache.clone()
+        run(engine, f"c{i}", base[:PREFIX] + tail)
+        injected = engine.injections[seen:]
+        # One decision on every worker; only worker TP 0 flips the bit.
+        assert len(injected) == tp
+        assert len({replace(inj, layers=()) for inj in injected}) == 1
+        assert [bool(inj.layers) for inj in injected] == [True] + [False] * (tp - 1)
+        inj = injected[0]
+        assert (inj.req_id, inj.kind, inj.group_id) == (f"c{i}", "prefix_hit", 0)
+        assert prefix_verdicts(engine) == {"mismatch": i + 1}
+        recompute = PREFIX - inj.position * BS + len(tail)
+        assert engine.scheduled_tokens(f"c{i}") == len(tail) + recompute
+        assert torch.equal(cache[inj.block_id], snapshot[inj.block_id])
+        assert cached_block(engine, a, inj.position) is None
+
+
+def test_prefix_hit_faults_off_at_rate_zero(model_dir: str) -> None:
+    """R131, R140: at rate 0 nothing is injected and every hit verifies (bug:
+    the hit decision ignoring the rate)."""
+    engine = faulted_engine(model_dir, "hit-faults-off", 0.0)
+    for i in range(4):
+        base = prompt(30 + i, PREFIX + 5)
+        run(engine, f"a{i}", base)
+        run(engine, f"c{i}", base[:PREFIX] + [7, 7, 7])
+        assert engine.scheduled_tokens(f"c{i}") == 3
+    assert not engine.injections
+    assert prefix_verdicts(engine) == {"verified": 4}
+
+
+def test_prefix_hit_kind_validated_and_opt_in() -> None:
+    """R131: "prefix_hit" is accepted but never a default kind, an unknown kind
+    is a start-up error, and a load never gets a prefix_hit fault (bugs: the
+    new kind added to the defaults, changing existing deployments; a typo
+    silently accepted; loads corrupted under the hit kind)."""
+
+    class Config:
+        kv_connector_extra_config: dict = {FAULT_INJECTION_KEY: {"rate": 0.5}}
+
+    assert read_fault_injection(Config()).kinds == FAULT_KINDS  # type: ignore[union-attr]
+    Config.kv_connector_extra_config = {
+        FAULT_INJECTION_KEY: {"rate": 0.5, "kinds": ["prefix_hit"]}
+    }
+    assert read_fault_injection(Config()).kinds == ("prefix_hit",)  # type: ignore[union-attr]
+    Config.kv_connector_extra_config = {
+        FAULT_INJECTION_KEY: {"rate": 0.5, "kinds": ["prefix_hits"]}
+    }
+    with pytest.raises(ValueError, match="kinds"):
+        read_fault_injection(Config())
+    load = KVChecksumBlocks(2 * BS, {0: (0, np.array([3, 4]))})
+    only_hits = KVFaultInjector(1.0, ("prefix_hit",), 0)
+    assert all(only_hits.decide(f"r{i}", load, 32) is None for i in range(20))
+    assert all(only_hits.decide_hit(f"r{i}", load) for i in range(20))
+    mixed = KVFaultInjector(1.0, ("bit_flip", "prefix_hit"), 0)
+    assert {mixed.decide(f"r{i}", load, 32).kind for i in range(20)} == {"bit_flip"}  # type: ignore[union-attr]
+    assert KVFaultInjector(1.0, FAULT_KINDS, 0).decide_hit("r", load) is None
