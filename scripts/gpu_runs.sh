@@ -8,6 +8,7 @@
 #                                             #  gpu_mooncake/slim), same warm machine
 #   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, pull, pull-offload, push,
 #                                             # mooncake, hybrid, hybrid-tp2, offload,
+#                                             # prefix-hits,
 #                                             # simple-offload, bench-serve, mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
@@ -130,6 +131,8 @@ gdn-tp2) run gdn-tp2 "$pd" --model qwen3next --producer-tp 2 --phases pd,faults 
 mamba1) run mamba1 "$pd" --model mamba1 --num-equality 20 --num-pd 100 \
     --num-faults 40 --fault-rate 0.5 --parallel-start "$@" ;;
 offload) run offload examples/offload/kv_checksum_offload_gpu.py "$@" ;;
+prefix-hits) run prefix-hits examples/offload/kv_checksum_offload_gpu.py \
+    --connector simple --phases prefix "$@" ;;
 # `vllm bench serve` through vllm-router, checksums off and on (8B-shaped, dummy
 # weights; P and D share GPU 0 unless --gpu-d 1 is passed).
 bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;

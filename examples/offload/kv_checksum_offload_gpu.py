@@ -46,6 +46,15 @@ Phases:
    faulted; B is "served on bad-derived KV" when it found more than the
    prefix cached (`num_cached_tokens`: it loaded A's quarantined suffix) or
    its output parts clearly from ``fresh``'s. Pass: >= 1 exercised, 0 served.
+6. prefix (issue 31, R140; not in the default ``--phases``): ``prefix``
+   (checksums on, fail-closed, `kv_checksum_verify_prefix_hits`, fault kind
+   "prefix_hit" at `--prefix-fault-rate`, a GPU cache holding every prefix so
+   hits are local) runs `--prefix-requests` prompts over `--prefix-count`
+   long shared prefixes, first one at a time, then in batches. Pass: every
+   "fault injection: prefix_hit" line followed by a "mismatch in prefix-cache
+   hit" line of that request, verified hits > 0 (`vllm:kv_checksum_prefix_hits`),
+   faulted requests equal ``fresh``'s outputs, all others ``off``'s (both up
+   to a near-tie).
 
 Usage (vLLM 0.33.0, NIXL, transformers and this package installed):
     PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
@@ -86,6 +95,12 @@ HOST_INJECTION = re.compile(
     r"KV checksum host fault injection: (\w+) into request (\S+) chunk (\d+)\."
 )
 DROPPED = "KV checksums: dropped a host copy that failed verification."
+PREFIX_INJECTION = re.compile(
+    r"KV checksum fault injection: prefix_hit into request (\S+) group \d+"
+)
+PREFIX_MISMATCH = re.compile(
+    r"KV checksum mismatch in prefix-cache hit of request (\S+):"
+)
 
 
 # --connector: the offload connector and its own settings.
@@ -198,6 +213,9 @@ def read_counters(llm: Any) -> dict[str, float]:
             if metric.name == "vllm:kv_checksum_loads":
                 key = (metric.labels or {}).get("verdict", "?")
                 counts[key] = counts.get(key, 0) + float(metric.value)
+            elif metric.name == "vllm:kv_checksum_prefix_hits":
+                key = "prefix_" + (metric.labels or {}).get("verdict", "?")
+                counts[key] = counts.get(key, 0) + float(metric.value)
             elif metric.name == "vllm:kv_checksum_mismatched_blocks":
                 counts["mismatched_blocks"] = counts.get(
                     "mismatched_blocks", 0
@@ -262,6 +280,90 @@ def scan(path: str) -> dict[str, Any]:
         "dropped": text.count(DROPPED),
         "errors": text.count("KV checksums disabled for this engine"),
     }
+
+
+def scan_prefix_faults(text: str) -> dict[str, list[str]]:
+    """Prefix-hit injections (in log order) and those not followed by a
+    prefix-hit mismatch of the same request later in the log."""
+    injected, uncaught = [], []
+    for match in PREFIX_INJECTION.finditer(text):
+        req = match.group(1)
+        injected.append(req)
+        later = (m.group(1) for m in PREFIX_MISMATCH.finditer(text, match.end()))
+        if req not in later:
+            uncaught.append(req)
+    return {"injected": injected, "uncaught": uncaught}
+
+
+def prefix_workload(args: argparse.Namespace, seed: int = 11) -> list[list[list[int]]]:
+    """Prompts over a few long shared prefixes: the first quarter one request
+    at a time, the rest in batches of `--batch`."""
+    rng = random.Random(seed)
+    length = args.prefix_blocks * BLOCK_SIZE
+    prefixes = [
+        [rng.randrange(3, 2048) for _ in range(length)]
+        for _ in range(args.prefix_count)
+    ]
+    prompts = [
+        prefixes[i % args.prefix_count]
+        + [rng.randrange(3, 2048) for _ in range(BLOCK_SIZE // 2 + 1)]
+        for i in range(args.prefix_requests)
+    ]
+    alone = max(1, len(prompts) // 4)
+    batched = prompts[alone:]
+    return [[p] for p in prompts[:alone]] + [
+        batched[i : i + args.batch] for i in range(0, len(batched), args.batch)
+    ]
+
+
+def phase_prefix(engines: dict, args: Any, summary: dict) -> None:
+    batches = prefix_workload(args)
+    ref, _, _ = engines["off"].run_all(batches, args.max_tokens)
+    ref_top = engines["off"].top
+    got, counters, _ = engines["prefix"].run_all(batches, args.max_tokens)
+    got_top = engines["prefix"].top
+    fresh, _, _ = engines["fresh"].run_all(batches, args.max_tokens)
+    with open(engines["prefix"].log, errors="replace") as f:
+        text = f.read()
+    faults = scan_prefix_faults(text)
+    summary["prefix"] = {"counters": counters, **faults}
+    injected = set(faults["injected"])
+    check(summary, "prefix: some injected", len(injected) > 0, len(injected))
+    check(
+        summary,
+        "prefix: every fault caught",
+        not faults["uncaught"],
+        faults["uncaught"],
+    )
+    verified = counters.get("prefix_verified", 0)
+    check(summary, "prefix: verified hits > 0", verified > 0, counters)
+    index = {req.split("-")[0] for req in injected}
+    faulted = [i for i in range(len(got)) if str(i) in index]
+    clean = [i for i in range(len(got)) if str(i) not in index]
+    vs_fresh = compare_outputs(fresh, engines["fresh"].top, got, got_top, faulted)
+    vs_off = compare_outputs(ref, ref_top, got, got_top, clean)
+    summary["prefix"]["faulted_vs_fresh"] = vs_fresh
+    summary["prefix"]["clean_vs_off"] = vs_off
+    check(
+        summary,
+        "prefix: faulted outputs equal a whole-prompt computation (or part at a "
+        "near-tie)",
+        not vs_fresh["wrong"],
+        vs_fresh,
+    )
+    check(
+        summary,
+        "prefix: clean outputs equal checksums off (or part at a near-tie)",
+        not vs_off["wrong"],
+        vs_off,
+    )
+    check(
+        summary,
+        "prefix: no checksum errors",
+        "KV checksums disabled for this engine" not in text
+        and "prefix-hit verification turned off" not in text,
+        "",
+    )
 
 
 def check(summary: dict, name: str, ok: bool, detail: Any) -> None:
@@ -525,6 +627,9 @@ def main() -> int:
     parser.add_argument("--spread-scenarios", type=int, default=16)
     parser.add_argument("--spread-suffix-blocks", type=int, default=4)
     parser.add_argument("--spread-fault-rate", type=float, default=0.5)
+    parser.add_argument("--prefix-count", type=int, default=4)
+    parser.add_argument("--prefix-requests", type=int, default=96)
+    parser.add_argument("--prefix-fault-rate", type=float, default=0.3)
     parser.add_argument(
         "--batch-invariant", action=argparse.BooleanOptionalAction, default=True
     )
@@ -563,6 +668,16 @@ def main() -> int:
             "kv_checksum_host_fault_injection": spread_faults,
         }
         configs["fresh"] = {**base, "_fresh": True}
+    if "prefix" in phases:
+        hit_faults = {"rate": args.prefix_fault_rate, "kinds": ["prefix_hit"]}
+        configs["prefix"] = {
+            **on,
+            # Every prefix stays in the GPU cache: its hits are local.
+            "_gpu_blocks": max(args.gpu_blocks, 2048),
+            "kv_checksum_verify_prefix_hits": True,
+            "kv_checksum_fault_injection": hit_faults,
+        }
+        configs["fresh"] = {**base, "_fresh": True}
     ctx = mp.get_context("spawn")
     engines: dict[str, Engine] = {}
     start = time.time()
@@ -584,6 +699,7 @@ def main() -> int:
             ("multi", lambda: phase_multi(engines, batches, ref, args, summary)),
             ("spread", lambda: phase_spread(engines, args, summary)),
             ("overhead", lambda: phase_overhead(engines, args, summary)),
+            ("prefix", lambda: phase_prefix(engines, args, summary)),
         ]
         for name, run in steps:
             if name not in phases:

@@ -368,3 +368,44 @@ def test_issue29_models_resolve_to_the_intended_families(
     assert jamba.hf_config.layers_num_experts == [1] * 4
     assert {"qwen3next", "mamba1"} <= pd_gpu.HYBRID_MODELS
     assert "mla" not in pd_gpu.HYBRID_MODELS
+
+
+def test_prefix_phase_log_scan_and_workload_r140(
+    drivers: tuple[ModuleType, ModuleType],
+) -> None:
+    """Issue 31's GPU proof, host side: a prefix_hit injection counts as
+    caught only when a prefix-hit mismatch of the same request follows it in
+    the log; the workload shares prefixes, one request at a time first.
+
+    Bugs this fails: a mismatch of another request (or one logged before the
+    injection) taken as the catch; a load fault's line counted as a
+    prefix-hit one; prompts that share no prefix (no hit to fault)."""
+    _, offload_gpu = drivers
+    log = "\n".join(
+        [
+            "KV checksum mismatch in prefix-cache hit of request 3-ab: group 0",
+            "KV checksum fault injection: prefix_hit into request 3-ab group 0 "
+            "block position 1.",
+            "KV checksum fault injection: prefix_hit into request 5-cd group 0 "
+            "block position 0.",
+            "KV checksum fault injection: bit_flip into request 6-ef group 0 "
+            "block position 0.",
+            "KV checksum mismatch in prefix-cache hit of request 5-cd: group 0",
+            "KV checksum fault injection: prefix_hit into request 7-gh group 0 "
+            "block position 2.",
+            "KV checksum mismatch in prefix-cache hit of request 8-ij: group 0",
+        ]
+    )
+    found = offload_gpu.scan_prefix_faults(log)
+    assert found == {"injected": ["3-ab", "5-cd", "7-gh"], "uncaught": ["3-ab", "7-gh"]}
+    args = type(
+        "Args",
+        (),
+        {"prefix_blocks": 3, "prefix_count": 2, "prefix_requests": 12, "batch": 4},
+    )()
+    batches = offload_gpu.prefix_workload(args)
+    assert [len(b) for b in batches] == [1, 1, 1, 4, 4, 1]
+    prompts = [p for b in batches for p in b]
+    head = 3 * offload_gpu.BLOCK_SIZE
+    assert len({tuple(p[:head]) for p in prompts}) == 2
+    assert prompts[0][:head] == prompts[2][:head] != prompts[1][:head]
