@@ -48,7 +48,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
 import kv_checksum_chaos_plan as plan  # noqa: E402
+from benchmark_kv_checksum_serve import http_get  # noqa: E402
 from kv_checksum_chaos_plan import AbortPlan, Outcome, ServerSpec  # noqa: E402
+from kv_checksum_serve_pd import serve_env  # noqa: E402
 
 EXPIRED_READ = "Potentially invalid KV blocks for unrecognized request"
 CLI = f"{sys.executable} -m vllm.entrypoints.cli.main"
@@ -66,14 +67,6 @@ ROUTER = f"{sys.executable} -m vllm_router.launch_router"
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def http_get(url: str, timeout: float = 5.0) -> str | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.read().decode()
-    except OSError:
-        return None
 
 
 class Proc:
@@ -159,18 +152,9 @@ def server_proc(spec: ServerSpec, args: argparse.Namespace) -> Proc:
     cmd += ["--dtype", "bfloat16", "--seed", "0", "--enforce-eager"]
     config = plan.kv_transfer_config(spec, args.connector)
     cmd += ["--kv-transfer-config", json.dumps(config)]
-    env = dict(os.environ)
-    env.pop("VLLM_PORT", None)
-    env.update(
-        VLLM_USE_FLASHINFER_SAMPLER="0",
-        PYTHONUNBUFFERED="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-        VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_port),
-        # Concurrent batches must not change outputs: answers are compared.
-        VLLM_BATCH_INVARIANT="1",
-    )
+    env = serve_env(spec.side_port)
+    # Concurrent batches must not change outputs: answers are compared.
+    env["VLLM_BATCH_INVARIANT"] = "1"
     return Proc(spec.name, cmd, env, spec.port, args.out)
 
 

@@ -118,6 +118,22 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def serve_env(side_port: int) -> dict[str, str]:
+    """The environment of one `vllm serve` process on this offline host: no
+    FlashInfer sampler, no hub, no usage stats, its own NIXL side channel."""
+    env = dict(os.environ)
+    env.pop("VLLM_PORT", None)
+    env.update(
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
+    )
+    return env
+
+
 @dataclass
 class Server:
     """One `vllm serve` process and how to reach it."""
@@ -170,16 +186,7 @@ class Server:
         cmd += ["--dtype", "bfloat16", "--seed", "0", "--enforce-eager"]
         cmd += ["--enable-prompt-tokens-details"]
         cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
-        env = dict(os.environ)
-        env.pop("VLLM_PORT", None)
-        env.update(
-            VLLM_USE_FLASHINFER_SAMPLER="0",
-            PYTHONUNBUFFERED="1",
-            HF_HUB_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-            VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_port),
-        )
+        env = serve_env(self.side_port)
         if args.batch_invariant:
             env["VLLM_BATCH_INVARIANT"] = "1"
         with open(self.log_path, "wb") as out:
