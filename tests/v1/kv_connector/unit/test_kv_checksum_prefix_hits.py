@@ -193,6 +193,24 @@ def test_state_bounded_by_cached_blocks(model_dir: str) -> None:
     assert recorded <= len(pool.blocks) - 1  # never more than cacheable blocks
 
 
+def test_entry_hook_errors_never_reach_vllm(model_dir: str) -> None:
+    """R134, R140: an error in the hooks on vLLM's block pool (here: dropping
+    an entry on eviction) turns prefix-hit verification off with one error
+    line; vLLM's eviction and every request go on (bug: an unguarded block
+    pool hook raising into vLLM's allocator)."""
+    engine = engine_for(model_dir, "evict-error", num_blocks=14)
+    hits = hits_state(engine)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected into on_evicted")
+
+    hits.on_evicted = broken  # type: ignore[method-assign]
+    prefixes = [prompt(40 + i, PREFIX) for i in range(3)]
+    for i in range(12):  # churn through the small pool: evictions happen
+        run(engine, f"e{i}", prefixes[i % 3] + prompt(140 + i, BS + 1))
+    assert engine.scheduler.__dict__.get("_kv_checksum_prefix_hits") is None
+
+
 def faulted_engine(model_dir: str, name: str, rate: float, tp: int = 1) -> SimEngine:
     side = SideConfig(
         tp=tp,

@@ -26,6 +26,7 @@ Scheduler update_after_schedule / update_from_output (through the package's hook
     Upstream: a verification hook on prefix-cache hits
 """
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -204,16 +205,24 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
 
     def maybe_evict_hook(block: Any) -> bool:
         evicted = maybe_evict(block)
-        key = hits.entry_keys.get(block.block_id)
-        if key is not None:
-            still = pool.cached_block_hash_to_block.contain(key, block.block_id)
-            hits.on_evicted(block.block_id, still)
+        if scheduler.__dict__.get(_STATE_ATTR) is None:
+            return evicted
+        try:
+            key = hits.entry_keys.get(block.block_id)
+            if key is not None:
+                still = pool.cached_block_hash_to_block.contain(key, block.block_id)
+                hits.on_evicted(block.block_id, still)
+        except Exception:
+            _turn_off(scheduler, "dropping entries")
         return evicted
 
     def reset_hook() -> bool:
         done = reset()
-        if done:
-            hits.clear()
+        if done and scheduler.__dict__.get(_STATE_ATTR) is not None:
+            try:
+                hits.clear()
+            except Exception:
+                _turn_off(scheduler, "resetting entries")
         return done
 
     pool.cache_full_blocks = cache_full_blocks_hook
@@ -227,8 +236,9 @@ def _hook_hit_lookup(manager: Any, state: _SchedulerState) -> None:
 
     def get_computed_blocks_hook(request: Any, *args: Any, **kwargs: Any) -> Any:
         result = get_computed_blocks(request, *args, **kwargs)
-        if result[1] > 0:
-            state.noted[request.request_id] = result[1]
+        with contextlib.suppress(Exception):  # R134: never into vLLM
+            if result[1] > 0:
+                state.noted[request.request_id] = result[1]
         return result
 
     manager.get_computed_blocks = get_computed_blocks_hook
