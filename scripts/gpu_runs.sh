@@ -17,6 +17,8 @@
 #                                             # soak (issue 27)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
+#   bash scripts/gpu_runs.sh group RUN...     # up to 6 runs at once on one GPU
+#                                             # (tiny models), NIXL ports apart
 #
 # Each run writes its driver's output to $OUT/RUN.log (a file, not a pipe: an
 # engine left behind cannot hold the call open), its summary to
@@ -75,11 +77,46 @@ for shape in ('tiny', 'hybrid', 'hybrid-g2'):
     [ $rc_a -eq 0 ] && [ $rc_b -eq 0 ]
 }
 
+# Several runs at once on one GPU (tiny models: memory and SMs to spare), NIXL
+# ports apart; the logs and summaries come back in one archive (the device tool
+# returns at most 8 files).
+group() {
+    mkdir -p "$out"
+    (cd "$repo/examples/disaggregated" && python3 -c "
+import sys, kv_checksum_pd_gpu as d
+for shape in sys.argv[1:]:
+    try:
+        print('[gpu_runs] model', d.build_model(shape))
+    except Exception as e:
+        print('[gpu_runs] model', shape, 'failed:', repr(e)[:300])" tiny mla qwen3next mamba1)
+    local offsets=(0 1000 10000 11000 12000 13000) pids=() names=() i=0
+    for name in "$@"; do
+        KV_CHECKSUM_PAIRED=1 KV_CHECKSUM_PORT_OFFSET=${offsets[$i]} bash "$0" "$name" \
+            >"$out/group_$name.tail" 2>&1 &
+        pids+=($!)
+        names+=("$name")
+        i=$((i + 1))
+    done
+    local rc=0 j
+    for j in "${!pids[@]}"; do
+        wait "${pids[$j]}"
+        local r=$?
+        echo "[gpu_runs] group: ${names[$j]} exit $r"
+        [ $r -eq 0 ] || rc=1
+    done
+    pkill -9 -f "EngineCore|vllm.entrypoints|vllm_router|kv_checksum_.*_gpu.py" 2>/dev/null
+    for name in "$@"; do tail -n 25 "$out/group_$name.tail"; done
+    (cd "$out" && shopt -s nullglob && files=(./*.log ./*.json ./*.tail) &&
+        tar -czf group_logs.tar.gz "${files[@]}" && rm -f "${files[@]}")
+    return $rc
+}
+
 pd=examples/disaggregated/kv_checksum_pd_gpu.py
 what=${1:-}
 shift || true
 case "$what" in
 pair) pair "$@" ;;
+group) group "$@" ;;
 install-bundle)
     SITE=$site bash "$repo/scripts/gpu_install.sh"
     ;;
@@ -90,6 +127,15 @@ install-wheels)
                 --target "$site" "$repo/$dir"/*.whl 2>&1 | grep -v WARNING
             echo "[gpu_runs] installed $dir"
         fi
+    done
+    # The MoE kernels (build_bundle.sh --moe's extra/, 12.8 MiB) do not fit in
+    # the bundle's call: they travel here, as gpu_moe/*.xz.
+    for f in "$repo"/gpu_moe/*.xz; do
+        [ -f "$f" ] || continue
+        python3 -c "import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as i, open(sys.argv[2], 'wb') as o:
+    shutil.copyfileobj(i, o, 1 << 24)" "$f" "$site/vllm/$(basename "${f%.xz}")"
+        echo "[gpu_runs] installed $(basename "${f%.xz}")"
     done
     ;;
 serve) run serve examples/disaggregated/kv_checksum_serve_pd.py "$@" ;;

@@ -690,6 +690,10 @@ def main(argv: list[str] | None = None) -> int:
     topology = plan.plan_topology(
         scenarios, args.lease, args.short_lease, args.soak_fault_rate
     )
+    # gpu_runs.sh `group` runs several drivers on one host, ports apart.
+    topology = plan.shift_ports(
+        topology, int(os.environ.get("KV_CHECKSUM_PORT_OFFSET", "0"))
+    )
     run = Run(args, topology)
     summary: dict[str, Any] = {
         "args": {k: str(v) for k, v in vars(args).items()},

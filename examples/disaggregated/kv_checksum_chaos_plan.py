@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SCENARIOS = (
@@ -120,6 +120,20 @@ def plan_topology(
                 num_blocks=256,
             )
         )
+    return Topology(servers, routers)
+
+
+def shift_ports(topology: Topology, offset: int) -> Topology:
+    """The same topology `offset` ports up (servers, NIXL side channels,
+    routers and their metrics), so that several runs share one host."""
+    servers = [
+        replace(s, port=s.port + offset, side_port=s.side_port + offset)
+        for s in topology.servers
+    ]
+    routers = [
+        replace(r, port=r.port + offset, prom_port=r.prom_port + offset)
+        for r in topology.routers
+    ]
     return Topology(servers, routers)
 
 

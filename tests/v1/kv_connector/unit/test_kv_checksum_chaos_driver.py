@@ -205,6 +205,29 @@ def test_topology_and_configs() -> None:
         plan.plan_topology(["nap"], 20, 2, 0.01)
 
 
+def _ports(topology: Any) -> list[int]:
+    return [p for s in topology.servers for p in (s.port, s.side_port)] + [
+        p for r in topology.routers for p in (r.port, r.prom_port)
+    ]
+
+
+def test_shifted_topologies_share_no_port() -> None:
+    """Bug caught: a port left out of the shift (say the NIXL side channel or
+    the router's metrics port), so two drivers that gpu_runs.sh `group` starts
+    on one host bind the same port and one of them fails to start."""
+    every = ["producer_kill", "client_abort", "consumer_restart", "lease_expiry"]
+    base = plan.plan_topology(every, 20, 2, 0.01)
+    offsets = (0, 1000, 10000, 11000, 12000, 13000)
+    seen: list[int] = []
+    for offset in offsets:
+        shifted = plan.shift_ports(base, offset)
+        assert _ports(shifted) == [p + offset for p in _ports(base)]
+        assert [s.name for s in shifted.servers] == [s.name for s in base.servers]
+        seen += _ports(shifted)
+    assert len(seen) == len(set(seen))
+    assert _ports(plan.shift_ports(base, 0)) == _ports(base)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
