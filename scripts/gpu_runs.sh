@@ -88,7 +88,12 @@ for shape in sys.argv[1:]:
     try:
         print('[gpu_runs] model', d.build_model(shape))
     except Exception as e:
-        print('[gpu_runs] model', shape, 'failed:', repr(e)[:300])" tiny mla qwen3next mamba1)
+        print('[gpu_runs] model', shape, 'failed:', repr(e)[:300])
+try:  # the serve drivers' model (chaos, soak, tamper)
+    import argparse, kv_checksum_serve_pd as s
+    s.build_model(argparse.Namespace(model='/tmp/kv-checksum-serve-tiny'))
+except Exception as e:
+    print('[gpu_runs] serve model failed:', repr(e)[:300])" tiny mla qwen3next mamba1)
     local offsets=(0 1000 10000 11000 12000 13000) pids=() names=() i=0
     for name in "$@"; do
         KV_CHECKSUM_PAIRED=1 KV_CHECKSUM_PORT_OFFSET=${offsets[$i]} bash "$0" "$name" \
