@@ -200,7 +200,7 @@ chaos-push) run chaos-push examples/disaggregated/kv_checksum_chaos.py \
 chaos-offload) run chaos-offload examples/disaggregated/kv_checksum_chaos.py \
     --connector nixl-offload --scenarios client_abort "$@" ;;
 soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
-    --soak-requests 2000 "$@" ;;
+    --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" "$@" ;;
 *)
     sed -n '2,22p' "$0"
     exit 2
