@@ -190,9 +190,9 @@ bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 # Issue 27: faults of processes and time behind vllm-router (tiny model, fixed
-# ports 8000-8400: not for `pair`). chaos: every scenario but the soak;
+# ports 8000-8400 shifted by KV_CHECKSUM_PORT_OFFSET, as `group` does). chaos: every scenario but the soak;
 # chaos-push / chaos-offload: the client aborts over NIXL push and with the CPU
-# offload tier; soak: the quick mode (2000 requests at concurrency 64).
+# offload tier; soak: 20,000 requests at concurrency 64 (KV_CHECKSUM_SOAK_REQUESTS).
 chaos) run chaos examples/disaggregated/kv_checksum_chaos.py --repeats 2 \
     --scenarios producer_kill,client_abort,consumer_restart,lease_expiry "$@" ;;
 chaos-push) run chaos-push examples/disaggregated/kv_checksum_chaos.py \
