@@ -121,12 +121,14 @@ ENGINE_KWARGS: dict[str, dict[str, Any]] = {
 }
 # Tiny MLA dims (DeepSeek-V3's shape, smaller): the latent cache holds
 # kv_lora_rank + qk_rope_head_dim = 160 elements per token, one per layer.
+# DeepSeek-V3's latent and head dimensions (vLLM's FlashAttention MLA prefill
+# accepts only a few; smaller ones fail at engine start).
 MLA_DIMS = dict(
     q_lora_rank=96,
-    kv_lora_rank=128,
-    qk_rope_head_dim=32,
-    qk_nope_head_dim=64,
-    v_head_dim=64,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
 )
 INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
 INJECTED_AT = re.compile(

@@ -15,6 +15,7 @@
 
 import importlib
 import math
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -350,6 +351,19 @@ def test_issue29_models_resolve_to_the_intended_families(
     assert mla.architectures == ["DeepseekV3ForCausalLM"]
     assert mla.use_mla and not mla.is_hybrid and not mla.is_moe
     assert mla.get_head_size() == dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
+    # The GPU run of 2026-12-01 failed at engine start with (64, 32, 64): the
+    # MLA prefill backend takes only the dimensions it lists (read from its
+    # source: it does not import without CUDA).
+    import vllm.v1.attention.backends.mla.prefill as mla_prefill
+
+    source = (Path(mla_prefill.__file__).parent / "flash_attn.py").read_text()
+    listed = re.findall(
+        r"qk_nope_head_dim=(\d+),\s*qk_rope_head_dim=(\d+),\s*v_head_dim=(\d+)",
+        source,
+    )
+    assert listed
+    wanted = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    assert tuple(str(dims[k]) for k in wanted) in listed
     assert mla.hf_config.first_k_dense_replace >= mla.hf_config.num_hidden_layers
     backend = pd_gpu.ENGINE_KWARGS["mla"]["attention_config"]["backend"]
     assert backend == "TRITON_MLA"
