@@ -146,11 +146,14 @@ def http_get(url: str, timeout: float = 5.0) -> str | None:
         return None
 
 
-def verdict_counts(metrics_text: str | None) -> dict[str, float]:
-    """Sum of ``vllm:kv_checksum_loads_total`` by verdict in a /metrics page."""
+def verdict_counts(
+    metrics_text: str | None, pattern: re.Pattern[str] = VERDICT
+) -> dict[str, float]:
+    """Sum of ``vllm:kv_checksum_loads_total`` (or the counter of ``pattern``)
+    by verdict in a /metrics page."""
     counts: dict[str, float] = {}
     for line in (metrics_text or "").splitlines():
-        match = VERDICT.match(line)
+        match = pattern.match(line)
         if match:
             counts[match[1]] = counts.get(match[1], 0.0) + float(match[2])
     return counts
@@ -246,7 +249,12 @@ def run_workload(
     cmd += ["--result-dir", str(result_dir), "--result-filename", name]
     with open(result_dir / f"{workload.name}.log", "wb") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
-    path = result_dir / name
+    return read_result(result_dir / name, rc)
+
+
+def read_result(path: Path, rc: int) -> dict[str, Any]:
+    """The scalars and per-request TTFTs of a `vllm bench serve` result file
+    (which is then deleted), or an error record."""
     if rc != 0 or not path.exists():
         return {"error": f"bench exit {rc}", "completed": 0}
     saved = json.loads(path.read_text())

@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """TTFT distributions, checksums off vs on, from a recorded
 `benchmark_kv_checksum_serve.py` summary (one panel per workload, one
-empirical CDF per launch). Runs on any machine with matplotlib:
+empirical CDF per launch) or `benchmark_kv_checksum_prefix_hits.py` summary
+(one CDF per round). Runs on any machine with matplotlib:
 
     python benchmarks/plot_kv_checksum_serve.py \\
         benchmarks/results/h200_bench_serve_tiny_2026-12-01.json
@@ -30,7 +31,8 @@ def plot(record: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    launches = record["launches"]
+    kind = "launch" if "launches" in record else "round"
+    launches = record["launches"] if kind == "launch" else record["rounds"]
     names = list(dict.fromkeys(w for launch in launches for w in launch["results"]))
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
@@ -44,7 +46,7 @@ def plot(record: dict[str, Any], out: Path) -> None:
                 ys,
                 where="post",
                 color=COLORS.get(launch["mode"], "gray"),
-                label=f"launch {index} ({launch['mode']})",
+                label=f"{kind} {index} ({launch['mode']})",
             )
         ax.set_title(name)
         ax.set_xlabel("TTFT (ms)")
@@ -52,9 +54,9 @@ def plot(record: dict[str, Any], out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     config = record.get("config", {})
+    title = config.get("title", "TTFT through vllm-router, checksums off vs on")
     fig.suptitle(
-        f"TTFT through vllm-router, checksums off vs on\n"
-        f"{config.get('shape', '?')} model, TP {config.get('tp', '?')}",
+        f"{title}\n{config.get('shape', '?')} model, TP {config.get('tp', '?')}",
         fontsize="medium",
     )
     fig.tight_layout()

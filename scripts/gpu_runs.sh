@@ -9,7 +9,8 @@
 #   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, pull, pull-offload, push,
 #                                             # mooncake, hybrid, hybrid-tp2, offload,
 #                                             # prefix-hits,
-#                                             # simple-offload, bench-serve, mla,
+#                                             # simple-offload, bench-serve,
+#                                             # bench-prefix, mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
@@ -187,6 +188,9 @@ prefix-hits) run prefix-hits examples/offload/kv_checksum_offload_gpu.py \
 # `vllm bench serve` through vllm-router, checksums off and on (8B-shaped, dummy
 # weights; P and D share GPU 0 unless --gpu-d 1 is passed).
 bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
+# The cost of prefix-hit verification (issue 31 item 4): `vllm bench serve`
+# shared-prefix rounds against an off and an on engine started together on one GPU.
+bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 # Issue 27: faults of processes and time behind vllm-router (tiny model, fixed
@@ -202,7 +206,7 @@ chaos-offload) run chaos-offload examples/disaggregated/kv_checksum_chaos.py \
 soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
     --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" "$@" ;;
 *)
-    sed -n '2,22p' "$0"
+    sed -n '2,23p' "$0"
     exit 2
     ;;
 esac

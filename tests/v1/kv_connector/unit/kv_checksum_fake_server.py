@@ -11,6 +11,11 @@ P/D answer equals a local one. Environment:
 The injector of its --kv-transfer-config (rate r) fakes a fault every round(1/r)-th
 load: an injection line and its mismatch line in the log, as the package logs them.
   FAKE_DELAY_MS=T       sleep T ms before answering (an in-flight window)
+With kv_checksum_verify_prefix_hits in its config, every completion counts one
+verified vllm:kv_checksum_prefix_hits_total. ``python kv_checksum_fake_server.py
+bench serve --base-url URL --num-prompts N --result-dir D --result-filename F ...``
+is a fake `vllm bench serve`: N completions one at a time, then a result file
+with fixed timings (10 req/s, TTFT 20 ms, TPOT 5 ms).
 """
 
 import json
@@ -22,9 +27,10 @@ import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-STATE = {"tracked": 0, "loads": 0, "verified": 0, "mismatch": 0}
+STATE = {"tracked": 0, "loads": 0, "verified": 0, "mismatch": 0, "hits": 0}
 TRACKED = os.environ.get("FAKE_TRACKED_GAUGE") == "1"
 FAULT_EVERY = 0
+VERIFY_HITS = False
 DELAY_S = float(os.environ.get("FAKE_DELAY_MS", "0")) / 1000
 
 
@@ -39,6 +45,10 @@ def metrics() -> bytes:
         f'vllm:kv_checksum_loads_total{{engine="0",verdict="{v}"}} {float(STATE[v])}'
         for v in ("verified", "mismatch")
     ]
+    if VERIFY_HITS:
+        hits = "vllm:kv_checksum_prefix_hits_total"
+        lines.append(f'{hits}{{engine="0",verdict="verified"}} {float(STATE["hits"])}')
+        lines.append(f'{hits}{{engine="0",verdict="mismatch"}} 0.0')
     if TRACKED:
         lines.append(
             f'vllm:kv_checksum_tracked_requests{{engine="0"}} {float(STATE["tracked"])}'
@@ -96,6 +106,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             time.sleep(DELAY_S)
             load(body, rid)
+            with LOCK:
+                STATE["hits"] += 1
             self.answer(body)
         except OSError:
             pass  # the client went away
@@ -141,15 +153,52 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
 
 
+def bench(args: list[str]) -> None:
+    """A fake `vllm bench serve`: the completions, then a fixed result file."""
+    import urllib.request
+
+    def arg(name: str) -> str:
+        return args[args.index(name) + 1]
+
+    print("fake bench", args, flush=True)
+    count = int(arg("--num-prompts"))
+    for i in range(count):
+        body = {"model": "model", "prompt": f"s{arg('--seed')} p{i}", "max_tokens": 2}
+        request = urllib.request.Request(
+            arg("--base-url") + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            response.read()
+    result = {
+        "completed": count,
+        "failed": 0,
+        "duration": count / 10.0,
+        "request_throughput": 10.0,
+        "median_ttft_ms": 20.0,
+        "median_tpot_ms": 5.0,
+        "ttfts": [0.02] * count,
+        "errors": [""] * count,
+    }
+    path = os.path.join(arg("--result-dir"), arg("--result-filename"))
+    with open(path, "w") as out:
+        json.dump(result, out)
+
+
 def main() -> None:
-    global FAULT_EVERY
+    global FAULT_EVERY, VERIFY_HITS
     args = sys.argv[1:]
+    if args[:2] == ["bench", "serve"]:
+        bench(args[2:])
+        return
     port = int(args[args.index("--port") + 1])
     if "--kv-transfer-config" in args:
         config = json.loads(args[args.index("--kv-transfer-config") + 1])
         extra = config.get("kv_connector_extra_config", {})
         rate = extra.get("kv_checksum_fault_injection", {}).get("rate", 0)
         FAULT_EVERY = round(1 / rate) if rate else 0
+        VERIFY_HITS = extra.get("kv_checksum_verify_prefix_hits") is True
     print("fake serve", args, flush=True)
     Server(("127.0.0.1", port), Handler).serve_forever()
 

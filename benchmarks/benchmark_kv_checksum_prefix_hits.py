@@ -1,0 +1,443 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What verifying local prefix-cache hits costs (issue 31 item 4): `vllm bench
+serve` with a shared-prefix workload against one engine with checksums off and
+one with `kv_checksum_verify_prefix_hits` on, both on the same GPU at once.
+
+Each launch starts two `vllm serve` engines together (dummy-weight Qwen3 of the
+chosen shape, word-level tokenizer, `--enable-prefix-caching`, a fixed KV cache
+each) with SimpleCPUOffloadConnector kv_both, the connector vLLM 0.33.0 needs to
+read `kv_connector_extra_config` without P/D. `off`: the connector alone. `on`:
+`enable_kv_checksum`, `kv_checksum_verify_prefix_hits` and the Quick start's
+consumer policy (`kv_checksum_fail_closed`; `kv_load_failure_policy` "recompute"
+is vLLM's own key and set on both). Rounds then alternate between the engines in
+ABBA order (off, on, on, off, off, on, ...); round k uses seed k // 2 for every
+workload, so the two runs of one off/on pair send the same prompts and each
+engine sees every prefix once: the first requests miss, the rest hit.
+
+Verdict per workload (printed, not a timed test): on/off request throughput
+>= 0.98 and median TTFT on - off <= +1 ms (means over the rounds), whether each
+difference is inside the off-vs-off spread (max - min over off rounds), and
+every hit checked: `vllm:kv_checksum_prefix_hits_total` of the on engine grew by
+verified > 0 and mismatch 0 over its rounds (unverified reported).
+
+    python benchmarks/benchmark_kv_checksum_prefix_hits.py --out /tmp/prefix \\
+        --shape 8b --rounds 6
+
+Writes OUT/summary.json (per round: the bench's scalar results, every request's
+TTFT, the on engine's prefix-hit counter deltas) and prints the tables;
+`benchmarks/plot_kv_checksum_serve.py OUT/summary.json` draws the TTFTs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_kv_checksum_serve import (  # noqa: E402
+    CLI,
+    SHAPES,
+    build_model,
+    http_get,
+    log,
+    read_result,
+    verdict_counts,
+)
+
+# Targets of issue 31 item 4.
+MIN_THROUGHPUT_RATIO = 0.98
+MAX_TTFT_DELTA_MS = 1.0
+PREFIX_HITS = re.compile(
+    r'^vllm:kv_checksum_prefix_hits_total\{[^}]*verdict="(\w+)"[^}]*\} (\S+)'
+)
+ABBA = ("off", "on", "on", "off")
+# `gpu_runs.sh pair` runs a second driver on the other GPU, ports apart.
+PORT_OFFSET = int(os.environ.get("KV_CHECKSUM_PORT_OFFSET", "0"))
+METRICS = ("request_throughput", "median_ttft_ms", "median_tpot_ms")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One `vllm bench serve` run: prompts sharing `num_prefixes` prefixes."""
+
+    name: str
+    dataset: str  # "random" (one shared prefix) or "prefix_repetition"
+    prefix_len: int
+    suffix_len: int
+    output_len: int
+    concurrency: int
+    num_prompts: int
+    num_prefixes: int = 1
+
+
+# Prompt counts sized for about 8 s a run at 8B on an H200 (the call's 10 minutes
+# hold two engine starts and 6 rounds of the two default workloads).
+WORKLOADS = [
+    Workload("shared_c8", "random", 2048, 256, 32, 8, 160),
+    Workload("shared_c32", "random", 2048, 256, 32, 32, 320),
+    Workload("prefixes4_c32", "prefix_repetition", 2048, 256, 32, 32, 320, 4),
+]
+
+
+def round_modes(rounds: int) -> list[str]:
+    """Modes of the rounds in ABBA order: off, on, on, off, off, on, ..."""
+    return [ABBA[k % 4] for k in range(rounds)]
+
+
+def transfer_config(mode: str, cpu_gib: int) -> dict[str, Any]:
+    """The `--kv-transfer-config` of an engine; `on` adds the package's keys."""
+    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_gib << 30}
+    if mode == "on":
+        extra.update(
+            enable_kv_checksum=True,
+            kv_checksum_verify_prefix_hits=True,
+            kv_checksum_fail_closed=True,
+        )
+    return {
+        "kv_connector": "SimpleCPUOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def bench_command(
+    args: argparse.Namespace, workload: Workload, port: int, seed: int, result: Path
+) -> list[str]:
+    """`vllm bench serve` for one workload, one round, one engine."""
+    cmd = [*shlex.split(args.bench_cmd), "bench", "serve", "--backend", "vllm"]
+    cmd += ["--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions"]
+    cmd += ["--model", "model", "--tokenizer", str(args.model)]
+    cmd += ["--dataset-name", workload.dataset]
+    if workload.dataset == "random":
+        cmd += ["--random-prefix-len", str(workload.prefix_len)]
+        cmd += ["--random-input-len", str(workload.suffix_len)]
+        cmd += ["--random-output-len", str(workload.output_len)]
+    else:
+        cmd += ["--prefix-repetition-prefix-len", str(workload.prefix_len)]
+        cmd += ["--prefix-repetition-suffix-len", str(workload.suffix_len)]
+        cmd += ["--prefix-repetition-num-prefixes", str(workload.num_prefixes)]
+        cmd += ["--prefix-repetition-output-len", str(workload.output_len)]
+    prompts = max(workload.num_prefixes, round(workload.num_prompts * args.scale))
+    cmd += ["--num-prompts", str(prompts)]
+    cmd += ["--max-concurrency", str(workload.concurrency)]
+    cmd += ["--ignore-eos", "--seed", str(seed), "--disable-tqdm"]
+    # No warm-up and no ready check: both would cache the prefix before the
+    # measured requests, so none of them would miss.
+    cmd += ["--num-warmups", "0", "--ready-check-timeout-sec", "0"]
+    cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
+    cmd += ["--metric-percentiles", "50,90,99"]
+    cmd += ["--save-result", "--save-detailed"]
+    cmd += ["--result-dir", str(result.parent), "--result-filename", result.name]
+    return cmd
+
+
+class Engine:
+    """One `vllm serve` process group on the shared GPU."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, port: int, logs: Path):
+        self.args, self.mode, self.port, self.logs = args, mode, port, logs
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        args = self.args
+        env = dict(os.environ)
+        env.pop("VLLM_PORT", None)
+        if args.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = args.gpu
+        env.update(
+            VLLM_USE_FLASHINFER_SAMPLER="0",
+            VLLM_NO_USAGE_STATS="1",
+            HF_HUB_OFFLINE="1",
+        )
+        cmd = [*shlex.split(args.serve_cmd), "serve", str(args.model)]
+        cmd += ["--port", str(self.port), "--served-model-name", "model"]
+        cmd += ["--load-format", "dummy", "--enable-prefix-caching"]
+        cmd += ["--max-model-len", str(args.max_model_len)]
+        cmd += ["--gpu-memory-utilization", str(args.util)]
+        # A fixed KV cache: the two engines start together without a profiling race.
+        cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_gib << 30)]
+        config = transfer_config(self.mode, args.cpu_gib)
+        cmd += ["--kv-transfer-config", json.dumps(config), *args.serve_arg]
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=open(self.logs / f"{self.mode}.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def ready(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"{self.mode} engine ended: see {self.logs}")
+        return http_get(f"http://127.0.0.1:{self.port}/health") is not None
+
+    def prefix_hits(self) -> dict[str, float]:
+        page = http_get(f"http://127.0.0.1:{self.port}/metrics")
+        return verdict_counts(page, PREFIX_HITS)
+
+    def stop(self) -> None:
+        """Ends this engine's process group (its engine core included)."""
+        if self.proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+
+
+def start_pair(engines: dict[str, Engine], timeout: float) -> float:
+    """Starts both engines at once; seconds until both answer /health."""
+    t0 = time.time()
+    for engine in engines.values():
+        engine.start()
+    waiting = set(engines)
+    while waiting:
+        if time.time() - t0 > timeout:
+            raise RuntimeError(f"engines {sorted(waiting)} not ready in {timeout} s")
+        waiting = {mode for mode in waiting if not engines[mode].ready()}
+        if waiting:
+            time.sleep(2)
+    return time.time() - t0
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Per-verdict growth of a counter between two /metrics reads."""
+    keys = sorted(set(before) | set(after))
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
+
+
+def judge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per workload: means by mode, on/off ratio and delta, off-vs-off spread,
+    prefix-hit verdict totals of the on rounds and the verdict of the docstring."""
+    workloads: dict[str, Any] = {}
+    names = dict.fromkeys(name for r in rounds for name in r["results"])
+    for name in names:
+        row: dict[str, Any] = {}
+        for metric in METRICS:
+            values: dict[str, list[float]] = {"off": [], "on": []}
+            for r in rounds:
+                value = r["results"].get(name, {}).get(metric)
+                if value is not None:
+                    values[r["mode"]].append(float(value))
+            if not values["off"] or not values["on"]:
+                row[metric] = {"values": values}
+                continue
+            off, on = statistics.mean(values["off"]), statistics.mean(values["on"])
+            row[metric] = {
+                "values": values,
+                "off_mean": off,
+                "on_mean": on,
+                "on_minus_off": on - off,
+                "on_over_off": on / off if off else None,
+                "off_spread": max(values["off"]) - min(values["off"]),
+            }
+        hits: dict[str, float] = {}
+        for r in rounds:
+            if r["mode"] == "on":
+                for key, value in r["prefix_hits"].get(name, {}).items():
+                    hits[key] = hits.get(key, 0.0) + value
+        failed = sum(
+            (r["results"].get(name, {}).get("failed") or 0)
+            + (1 if "error" in r["results"].get(name, {"error": 1}) else 0)
+            for r in rounds
+        )
+        rps, ttft = row["request_throughput"], row["median_ttft_ms"]
+        timed = "off_mean" in rps and "off_mean" in ttft
+        ratio_ok = timed and rps["on_over_off"] >= MIN_THROUGHPUT_RATIO
+        ttft_ok = timed and ttft["on_minus_off"] <= MAX_TTFT_DELTA_MS
+        hits_ok = hits.get("verified", 0) > 0 and hits.get("mismatch", 0) == 0
+        row.update(
+            prefix_hits_on=hits,
+            failed=failed,
+            throughput_ok=ratio_ok,
+            ttft_ok=ttft_ok,
+            hits_ok=hits_ok,
+            # Informational: is the cost measurable against launch noise at all?
+            throughput_inside_spread=timed
+            and rps["off_mean"] - rps["on_mean"] <= rps["off_spread"],
+            ttft_inside_spread=timed and ttft["on_minus_off"] <= ttft["off_spread"],
+            passed=ratio_ok and ttft_ok and hits_ok and failed == 0,
+        )
+        workloads[name] = row
+    return {
+        "workloads": workloads,
+        "pass": bool(workloads) and all(w["passed"] for w in workloads.values()),
+    }
+
+
+def print_tables(rounds: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
+    print(
+        "\n| round | launch | mode | workload | req/s | median TTFT ms "
+        "| median TPOT ms | prefix hits |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rounds:
+        for name, res in r["results"].items():
+            cells = [
+                f"{res[m]:.3f}" if res.get(m) is not None else "-" for m in METRICS
+            ]
+            hits = r["prefix_hits"].get(name, "-")
+            print(
+                f"| {r['round']} | {r['launch']} | {r['mode']} | {name} | "
+                + " | ".join(cells)
+                + f" | {hits} |"
+            )
+    print("\n| workload | metric | off mean | on mean | on-off | on/off | off spread |")
+    print("|---|---|---|---|---|---|---|")
+    for name, row in verdict["workloads"].items():
+        for metric in METRICS:
+            m = row[metric]
+            if "off_mean" not in m:
+                print(f"| {name} | {metric} | - | - | - | - | - |")
+                continue
+            print(
+                f"| {name} | {metric} | {m['off_mean']:.3f} | {m['on_mean']:.3f} | "
+                f"{m['on_minus_off']:+.3f} | {m['on_over_off']:.4f} | "
+                f"{m['off_spread']:.3f} |"
+            )
+    for name, row in verdict["workloads"].items():
+        print(
+            f"\n{name}: throughput on/off >= {MIN_THROUGHPUT_RATIO}: "
+            f"{row['throughput_ok']} (inside off spread: "
+            f"{row['throughput_inside_spread']}); median TTFT delta <= "
+            f"+{MAX_TTFT_DELTA_MS} ms: {row['ttft_ok']} (inside off spread: "
+            f"{row['ttft_inside_spread']}); prefix hits on {row['prefix_hits_on']}: "
+            f"{'ok' if row['hits_ok'] else 'NO'}; failed {row['failed']}; "
+            f"{'PASS' if row['passed'] else 'FAIL'}"
+        )
+    print(f"\nPASS: {verdict['pass']}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=6, help="per launch, ABBA")
+    parser.add_argument("--launches", type=int, default=1, help="engine pairs")
+    parser.add_argument("--workloads", default="shared_c8,shared_c32")
+    parser.add_argument("--scale", type=float, default=1.0, help="prompts x SCALE")
+    parser.add_argument("--seed", type=int, default=0, help="seed of round 0")
+    parser.add_argument("--gpu", default=None, help="default: the inherited one")
+    parser.add_argument("--util", type=float, default=0.4)
+    parser.add_argument("--kv-cache-gib", type=int, default=20)
+    parser.add_argument("--cpu-gib", type=int, default=8, help="offload tier size")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--port-off", type=int, default=8300 + PORT_OFFSET)
+    parser.add_argument("--port-on", type=int, default=8400 + PORT_OFFSET)
+    parser.add_argument("--startup-timeout", type=float, default=400)
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="extra `vllm serve` arg"
+    )
+    parser.add_argument("--serve-cmd", default=shlex.join(CLI), help="serves")
+    parser.add_argument("--bench-cmd", default=shlex.join(CLI), help="benches")
+    return parser.parse_args(argv)
+
+
+def run_launch(
+    args: argparse.Namespace,
+    launch: int,
+    chosen: list[Workload],
+    rounds: list[dict[str, Any]],
+) -> None:
+    """One pair of engines and its rounds, appended to ``rounds``."""
+    logs = args.out / f"launch{launch}"
+    ports = {"off": args.port_off, "on": args.port_on}
+    engines = {mode: Engine(args, mode, port, logs) for mode, port in ports.items()}
+    try:
+        startup = start_pair(engines, args.startup_timeout)
+        log(f"launch {launch}: both engines ready in {startup:.0f} s")
+        for k, mode in enumerate(round_modes(args.rounds)):
+            index = launch * args.rounds + k
+            seed = args.seed + index // 2
+            entry: dict[str, Any] = {
+                "round": index,
+                "launch": launch,
+                "mode": mode,
+                "seed": seed,
+                "results": {},
+                "prefix_hits": {},
+            }
+            engine = engines[mode]
+            for workload in chosen:
+                path = logs / f"round{index}_{mode}_{workload.name}.json"
+                before = engine.prefix_hits()
+                cmd = bench_command(args, workload, engine.port, seed, path)
+                with open(path.with_suffix(".log"), "wb") as sink:
+                    rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT)
+                result = read_result(path, rc.returncode)
+                entry["results"][workload.name] = result
+                hits = counter_delta(before, engine.prefix_hits())
+                entry["prefix_hits"][workload.name] = hits
+                log(
+                    f"round {index} ({mode}) {workload.name}: "
+                    f"{result.get('request_throughput')} req/s, TTFT "
+                    f"{result.get('median_ttft_ms')} ms, TPOT "
+                    f"{result.get('median_tpot_ms')} ms, hits {hits} "
+                    f"{result.get('error', '')}"
+                )
+            rounds.append(entry)
+            write_summary(args, chosen, rounds)
+    except RuntimeError as err:
+        log(f"launch {launch} failed: {err}")
+    finally:
+        for engine in engines.values():
+            engine.stop()
+
+
+def write_summary(
+    args: argparse.Namespace, chosen: list[Workload], rounds: list[dict[str, Any]]
+) -> dict[str, Any]:
+    verdict = judge(rounds)
+    config = {
+        "shape": args.shape,
+        "dims": SHAPES[args.shape],
+        "tp": 1,
+        "rounds": args.rounds,
+        "launches": args.launches,
+        "workloads": [asdict(w) for w in chosen],
+        "scale": args.scale,
+        "kv_cache_gib": args.kv_cache_gib,
+        "transfer_config": {m: transfer_config(m, args.cpu_gib) for m in ABBA[:2]},
+        "serve_args": args.serve_arg,
+        "title": "vllm bench serve, prefix-hit verification off vs on",
+    }
+    record = {"config": config, "rounds": rounds, "summary": verdict}
+    (args.out / "summary.json").write_text(json.dumps(record, indent=1))
+    return verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Not the serve benchmark's folder: that one is built for 34K tokens.
+    args.model = args.model or Path(f"/tmp/kv-checksum-prefix-bench-{args.shape}")
+    build_model(args.model, args.shape, args.max_model_len)
+    chosen = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
+    rounds: list[dict[str, Any]] = []
+    for launch in range(args.launches):
+        run_launch(args, launch, chosen, rounds)
+    verdict = write_summary(args, chosen, rounds)
+    print_tables(rounds, verdict)
+    return 0 if verdict["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
