@@ -161,6 +161,9 @@ class Handler(BaseHTTPRequestHandler):
         if UPSTREAMS:
             self.route(body)
             return
+        if ("messages" in body) != self.path.endswith("/chat/completions"):
+            self.send(b'{"error": "wrong endpoint"}', "application/json", 400)
+            return
         rid = self.headers.get("X-Request-Id") or f"cmpl-{time.monotonic_ns()}"
         with LOCK:
             STATE["tracked"] += 1
