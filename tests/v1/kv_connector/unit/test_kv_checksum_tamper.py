@@ -134,12 +134,12 @@ def test_reason_texts_are_the_package_and_guide_ones() -> None:
 
 def test_labelled_counts() -> None:
     """Bug caught: another counter's samples summed in, or a label set read once."""
+    name = "vllm:kv_checksum_unverified_loads_total"
     page = (
-        'vllm:kv_checksum_unverified_loads_total{engine="0",reason="no_checksums"} 2.0\n'
-        'vllm:kv_checksum_unverified_loads_total{engine="1",reason="no_checksums"} 1.0\n'
+        f'{name}{{engine="0",reason="no_checksums"}} 2.0\n'
+        f'{name}{{engine="1",reason="no_checksums"}} 1.0\n'
         'vllm:kv_checksum_unverified_loads_created{reason="no_checksums"} 1.7e9\n'
     )
-    name = "vllm:kv_checksum_unverified_loads_total"
     assert plan.labelled_counts(page, name, "reason") == {"no_checksums": 3.0}
 
 
