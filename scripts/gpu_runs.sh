@@ -14,7 +14,8 @@
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
 #                                             # chaos, chaos-push, chaos-offload,
-#                                             # soak (issue 27)
+#                                             # soak (issue 27), tamper (issue
+#                                             # 26 item 5)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
 #
@@ -139,7 +140,7 @@ bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 # Issue 27: faults of processes and time behind vllm-router (tiny model, fixed
-# ports 8000-8400: not for `pair`). chaos: every scenario but the soak;
+# ports 8000-8600: not for `pair`). chaos: every scenario but the soak;
 # chaos-push / chaos-offload: the client aborts over NIXL push and with the CPU
 # offload tier; soak: the quick mode (2000 requests at concurrency 64).
 chaos) run chaos examples/disaggregated/kv_checksum_chaos.py --repeats 2 \
@@ -150,8 +151,11 @@ chaos-offload) run chaos-offload examples/disaggregated/kv_checksum_chaos.py \
     --connector nixl-offload --scenarios client_abort "$@" ;;
 soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
     --soak-requests 2000 "$@" ;;
+# Issue 26 item 5: a proxy before the producer drops, truncates, swaps or
+# garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
+tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,22p' "$0"
+    sed -n '2,23p' "$0"
     exit 2
     ;;
 esac
