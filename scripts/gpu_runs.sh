@@ -15,7 +15,8 @@
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
 #                                             # chaos, chaos-push, chaos-offload,
-#                                             # soak (issue 27)
+#                                             # soak (issue 27), tamper (issue
+#                                             # 26 item 5)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
 #   bash scripts/gpu_runs.sh group RUN...     # up to 6 runs at once on one GPU
@@ -194,7 +195,8 @@ bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py "
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 # Issue 27: faults of processes and time behind vllm-router (tiny model, fixed
-# ports 8000-8400 shifted by KV_CHECKSUM_PORT_OFFSET, as `group` does). chaos: every scenario but the soak;
+# ports 8000-8600 shifted by KV_CHECKSUM_PORT_OFFSET, as `group` does). chaos:
+# every scenario but the soak;
 # chaos-push / chaos-offload: the client aborts over NIXL push and with the CPU
 # offload tier; soak: 20,000 requests at concurrency 64 (KV_CHECKSUM_SOAK_REQUESTS).
 chaos) run chaos examples/disaggregated/kv_checksum_chaos.py --repeats 2 \
@@ -205,6 +207,9 @@ chaos-offload) run chaos-offload examples/disaggregated/kv_checksum_chaos.py \
     --connector nixl-offload --scenarios client_abort "$@" ;;
 soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
     --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" "$@" ;;
+# Issue 26 item 5: a proxy before the producer drops, truncates, swaps or
+# garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
+tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
     sed -n '2,23p' "$0"
     exit 2

@@ -20,6 +20,12 @@ Scenarios (``--scenarios``, each ``--repeats`` times):
   lease_expiry     the stale-read incident at concurrency 32: every stale load
                    reported, every answer right
   soak             --soak-requests at concurrency 64, 5 % aborts, injector 0.01
+  tamper           a proxy before the producer (kv_checksum_tamper_proxy.py)
+                   drops, truncates, swaps or garbles kv_checksums behind a
+                   router (:8002); per mode completions and chat requests one
+                   at a time and at once: every answer right, the consumer's
+                   verdicts and reasons as the guide says; a checksums-off
+                   consumer (router :8003) gives the same HTTP statuses
 A right answer equals the reference of its prompt: the consumer's own
 computation without a KV load (no checksum code on its path) or the pre-chaos
 P/D answer (batch-invariant kernels make both deterministic).
@@ -63,6 +69,10 @@ from kv_checksum_serve_pd import serve_env  # noqa: E402
 EXPIRED_READ = "Potentially invalid KV blocks for unrecognized request"
 CLI = f"{sys.executable} -m vllm.entrypoints.cli.main"
 ROUTER = f"{sys.executable} -m vllm_router.launch_router"
+PROXY = HERE / "kv_checksum_tamper_proxy.py"
+# The tiny model has no chat template: the messages' contents, as one prompt.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+UNVERIFIED = "vllm:kv_checksum_unverified_loads_total"
 
 
 def log(msg: str) -> None:
@@ -150,6 +160,7 @@ def server_proc(spec: ServerSpec, args: argparse.Namespace) -> Proc:
     if spec.num_blocks:
         cmd += ["--num-gpu-blocks-override", str(spec.num_blocks)]
     cmd += ["--dtype", "bfloat16", "--seed", "0", "--enforce-eager"]
+    cmd += ["--chat-template", CHAT_TEMPLATE]
     config = plan.kv_transfer_config(spec, args.connector)
     cmd += ["--kv-transfer-config", json.dumps(config)]
     env = serve_env(spec.side_port)
@@ -170,9 +181,19 @@ def router_proc(
     return Proc(spec.name, cmd, dict(os.environ), spec.port, args.out)
 
 
-def body(prompt: str, args: argparse.Namespace, stream: bool = True) -> dict[str, Any]:
-    """A client's greedy request; a unique cache salt keeps it off prefix caches."""
-    return {
+def proxy_proc(spec: plan.ProxySpec, ports: dict[str, int], out: Path) -> Proc:
+    upstream = f"http://127.0.0.1:{ports[spec.upstream]}"
+    cmd = [sys.executable, str(PROXY), "--port", str(spec.port)]
+    cmd += ["--upstream", upstream]
+    return Proc(spec.name, cmd, dict(os.environ), spec.port, out)
+
+
+def body(
+    prompt: str, args: argparse.Namespace, stream: bool = True, chat: bool = False
+) -> dict[str, Any]:
+    """A client's greedy request (chat: the prompt as one user message); a
+    unique cache salt keeps it off prefix caches."""
+    out: dict[str, Any] = {
         "model": "tiny",
         "prompt": prompt,
         "max_tokens": args.max_tokens,
@@ -181,6 +202,16 @@ def body(prompt: str, args: argparse.Namespace, stream: bool = True) -> dict[str
         "stream": stream,
         "cache_salt": uuid.uuid4().hex,
     }
+    if chat:
+        out["messages"] = [{"role": "user", "content": out.pop("prompt")}]
+    return out
+
+
+def choice_text(choice: dict[str, Any]) -> str:
+    """A completion choice's text, a chat choice's message or delta content."""
+    if "text" in choice:
+        return choice["text"] or ""
+    return (choice.get("message") or choice.get("delta") or {}).get("content") or ""
 
 
 def complete(
@@ -191,7 +222,8 @@ def complete(
     prompt: int = 0,
     request_id: str | None = None,
 ) -> Outcome:
-    """POST /v1/completions; a streamed answer is read chunk by chunk and the
+    """POST /v1/completions (/v1/chat/completions for a body with
+    messages); a streamed answer is read chunk by chunk and the
     connection closed where `abort` says (time or chunk count)."""
     host, port = url.removeprefix("http://").split(":")
     t0 = time.monotonic()
@@ -213,14 +245,15 @@ def complete(
         headers = {"Content-Type": "application/json"}
         if request_id:
             headers["X-Request-Id"] = request_id
-        conn.request("POST", "/v1/completions", json.dumps(payload), headers)
+        path = "/v1/chat/completions" if "messages" in payload else "/v1/completions"
+        conn.request("POST", path, json.dumps(payload), headers)
         response = conn.getresponse()
         outcome.status = response.status
         if response.status != 200:
             outcome.error = response.read().decode(errors="replace")[:300]
             return outcome
         if not payload.get("stream"):
-            outcome.text = json.loads(response.read())["choices"][0]["text"]
+            outcome.text = choice_text(json.loads(response.read())["choices"][0])
             return outcome
         chunks, pieces, done = 0, [], False
         while not done:
@@ -235,7 +268,7 @@ def complete(
             choices = json.loads(line[6:]).get("choices") or []
             if choices:
                 chunks += 1
-                pieces.append(choices[0].get("text") or "")
+                pieces.append(choice_text(choices[0]))
             if (
                 abort
                 and abort.after_chunks is not None
@@ -273,8 +306,11 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, topology: plan.Topology):
         self.args, self.topology = args, topology
-        ports = {s.name: s.port for s in topology.servers}
+        ports = {s.name: s.port for s in [*topology.servers, *topology.proxies]}
         self.procs = {s.name: server_proc(s, args) for s in topology.servers}
+        self.procs.update(
+            {p.name: proxy_proc(p, ports, args.out) for p in topology.proxies}
+        )
         self.procs.update(
             {r.name: router_proc(r, ports, args) for r in topology.routers}
         )
@@ -290,6 +326,10 @@ class Run:
         for proc in servers:
             if not proc.wait_healthy(self.args.startup_timeout):
                 raise RuntimeError(f"{proc.name} did not start; see {proc.log_path}")
+        for spec in self.topology.proxies:
+            self.procs[spec.name].start()
+            if not self.procs[spec.name].wait_healthy(self.args.startup_timeout):
+                raise RuntimeError(f"{spec.name} did not start")
         for router in self.topology.routers:
             self.procs[router.name].start()
             if not self.procs[router.name].wait_healthy(self.args.startup_timeout):
@@ -355,6 +395,7 @@ class Run:
         concurrency: int,
         aborts: list[AbortPlan | None] | None = None,
         seed: int = 0,
+        chat: bool = False,
     ) -> cf.Future:
         """`count` requests (random prompts) in the background; the future
         gives their outcomes."""
@@ -364,9 +405,8 @@ class Run:
 
         def one(i: int) -> Outcome:
             p = picks[i]
-            return complete(
-                url, body(self.prompts[p], self.args), self.args.timeout, plans[i], p
-            )
+            payload = body(self.prompts[p], self.args, chat=chat)
+            return complete(url, payload, self.args.timeout, plans[i], p)
 
         pool = cf.ThreadPoolExecutor(max_workers=concurrency)
 
@@ -633,12 +673,83 @@ def soak(run: Run) -> plan.Verdict:
     )
 
 
+def _post_json(url: str, payload: dict[str, Any]) -> dict[str, Any]:
+    import urllib.request
+
+    request = urllib.request.Request(
+        url, json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _deltas(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def tamper(run: Run) -> plan.Verdict:
+    """Per proxy mode, args.tamper_requests requests one at a time and
+    args.tamper_concurrent at once on each endpoint through the proxy's
+    router; then the off mode's requests again through the checksums-off
+    consumer."""
+    from benchmark_kv_checksum_serve import verdict_counts
+
+    args, consumer = run.args, run.procs["consumer"]
+    control = run.procs["proxy"].url + "/_tamper"
+    chat_refs: list[set[str]] = [set() for _ in run.prompts]
+    for i, prompt in enumerate(run.prompts):  # the consumer's local chat answers
+        out = complete(consumer.url, body(prompt, args, chat=True), args.timeout)
+        if out.text is not None:
+            chat_refs[i].add(out.text)
+    refs = {"completions": run.references, "chat": chat_refs}
+
+    def batch(router: str, seed: int) -> dict[str, list[Outcome]]:
+        url, n, m = run.router_url(router), args.tamper_requests, args.tamper_concurrent
+        return {
+            e: run.fire(url, n, 1, seed=seed, chat=e == "chat").result()
+            + run.fire(url, m, m, seed=seed + 1, chat=e == "chat").result()
+            for e in refs
+        }
+
+    phases, statuses = {}, {}
+    for k, mode in enumerate(plan.TAMPER_EXPECT):
+        rewritten = _post_json(control, {"mode": mode})["counts"][mode]
+        page, lines = consumer.metrics(), consumer.log_text().count("\n")
+        outcomes = batch("router_tamper", seed=600 + 10 * k)
+        sent = sum(map(len, outcomes.values()))
+        deadline = time.time() + 30  # the stat path lags the answers
+        while True:
+            verdicts = _deltas(verdict_counts(consumer.metrics()), verdict_counts(page))
+            if sum(verdicts.values()) >= sent or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        new_lines = "\n".join(consumer.log_text().splitlines()[lines:])
+        phases[mode] = plan.TamperPhase(
+            {e: plan.tally(o, refs[e]) for e, o in outcomes.items()},
+            verdicts,
+            _deltas(
+                plan.labelled_counts(consumer.metrics(), UNVERIFIED, "reason"),
+                plan.labelled_counts(page, UNVERIFIED, "reason"),
+            ),
+            json.loads(http_get(control) or "{}")["counts"][mode] - rewritten,
+            len(plan.request_ids(plan.MISMATCH, new_lines)),
+        )
+        if mode == args.tamper_off_mode:
+            statuses["on"] = [o.status for out in outcomes.values() for o in out]
+            off = batch("router_off", seed=600 + 10 * k)
+            statuses["off"] = [o.status for out in off.values() for o in out]
+        log(f"tamper {mode}: {vars(phases[mode])}")
+    _post_json(control, {"mode": "none"})
+    return plan.judge_tamper(phases, consumer.log_text(), statuses)
+
+
 SCENARIO_FUNCS = {
     "producer_kill": producer_kill,
     "client_abort": client_abort,
     "consumer_restart": consumer_restart,
     "lease_expiry": lease_expiry,
     "soak": soak,
+    "tamper": tamper,
 }
 
 
@@ -672,6 +783,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--soak-abort-rate", type=float, default=0.05)
     parser.add_argument("--soak-fault-rate", type=float, default=0.01)
     parser.add_argument("--sample-s", type=float, default=3.0)
+    parser.add_argument("--tamper-requests", type=int, default=8, help="one by one")
+    parser.add_argument("--tamper-concurrent", type=int, default=8, help="at once")
+    parser.add_argument(
+        "--tamper-off-mode", default="garbage", help="also run behind checksums off"
+    )
+    parser.add_argument("--port-offset", type=int, default=0, help="every port + N")
     args = parser.parse_args(argv)
     args.out = args.out.resolve()
     return args
@@ -687,8 +804,11 @@ def main(argv: list[str] | None = None) -> int:
         from kv_checksum_serve_pd import build_model
 
         build_model(args)
-    topology = plan.plan_topology(
-        scenarios, args.lease, args.short_lease, args.soak_fault_rate
+    topology = plan.shift_ports(
+        plan.plan_topology(
+            scenarios, args.lease, args.short_lease, args.soak_fault_rate
+        ),
+        args.port_offset,
     )
     # gpu_runs.sh `group` runs several drivers on one host, ports apart.
     topology = plan.shift_ports(

@@ -21,6 +21,7 @@ SCENARIOS = (
     "consumer_restart",
     "lease_expiry",
     "soak",
+    "tamper",
 )
 # Where a client abort lands in a P/D request's life (R141: "whatever the point").
 PHASES = ("before_load", "during_load", "before_verify", "during_decode")
@@ -34,6 +35,19 @@ TRACKED_GAUGE = "vllm:kv_checksum_tracked_requests"
 # Greedy up to ": ": router request ids hold colons ("___prefill_addr_h:p...").
 MISMATCH = re.compile(r"KV checksum mismatch for request (\S+): ")
 INJECTED = re.compile(r"KV checksum fault injection: \w+ into request (\S+) ")
+# The consumer's warning per unverified reason (the guide's "Log lines").
+NOT_VERIFIED = "KV checksums not verified: {}."
+NO_CHECKSUMS = "the producer sent no checksums"
+INVALID_CHECKSUMS = "the producer's checksums are invalid"
+# What a consumer reports per proxy mode (kv_checksum_tamper_proxy.py): the
+# verdicts it may give and the unverified reason label and text it must log.
+TAMPER_EXPECT: dict[str, tuple[tuple[str, ...], str | None, str | None]] = {
+    "none": (("verified",), None, None),
+    "drop": (("unverified",), "no_checksums", NO_CHECKSUMS),
+    "truncate": (("unverified",), "invalid_checksums", INVALID_CHECKSUMS),
+    "garbage": (("unverified",), "invalid_checksums", INVALID_CHECKSUMS),
+    "other": (("mismatch", "unverified"), None, None),
+}
 # An exception frame inside the package: an error from checksum code too.
 PACKAGE_FRAME = re.compile(r'File "[^"]*kv_checksum/[^"]*"')
 
@@ -65,12 +79,22 @@ class RouterSpec:
     consumer: str
 
 
+@dataclass(frozen=True)
+class ProxySpec:
+    """A tamper proxy in front of a producer (kv_checksum_tamper_proxy.py)."""
+
+    name: str
+    port: int
+    upstream: str
+
+
 @dataclass
 class Topology:
-    """The servers and routers a set of scenarios needs."""
+    """The servers, proxies and routers a set of scenarios needs."""
 
     servers: list[ServerSpec]
     routers: list[RouterSpec]
+    proxies: list[ProxySpec] = field(default_factory=list)
 
     def server(self, name: str) -> ServerSpec:
         return next(s for s in self.servers if s.name == name)
@@ -81,7 +105,9 @@ def plan_topology(
 ) -> Topology:
     """Producer + recompute consumer behind router :8000 always; a fail-policy
     consumer behind :8001 for producer_kill; a short-lease small-cache
-    producer for lease_expiry. The consumer's injector is on from the start
+    producer for lease_expiry; for tamper a proxy before the producer, a
+    router through it to the consumer (:8002) and one to a checksums-off
+    consumer (:8003). The consumer's injector is on from the start
     only when the soak is the only scenario (else the driver turns it on)."""
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
@@ -120,7 +146,15 @@ def plan_topology(
                 num_blocks=256,
             )
         )
-    return Topology(servers, routers)
+    proxies = []
+    if "tamper" in scenarios:
+        # The router's prefill URL is the proxy; a checksums-off consumer
+        # shows the HTTP results a client gets without checksums.
+        proxies.append(ProxySpec("proxy", 8600, "producer"))
+        servers.append(ServerSpec("consumer_off", 8500, 6000, "consumer", False))
+        routers.append(RouterSpec("router_tamper", 8002, 29002, "proxy", "consumer"))
+        routers.append(RouterSpec("router_off", 8003, 29003, "proxy", "consumer_off"))
+    return Topology(servers, routers, proxies)
 
 
 def shift_ports(topology: Topology, offset: int) -> Topology:
@@ -443,4 +477,88 @@ def judge_soak(
     for name, fit in memory.items():
         v.checks[f"{name}: flat after warm-up"] = fit.flat
     v.checks["no checksum error line"] = not errors
+    return v
+
+
+def shift_ports(topology: Topology, offset: int) -> Topology:
+    """Every port of `topology` moved by `offset` (a dry run's free range)."""
+    return Topology(
+        [
+            replace(s, port=s.port + offset, side_port=s.side_port + offset)
+            for s in topology.servers
+        ],
+        [
+            replace(r, port=r.port + offset, prom_port=r.prom_port + offset)
+            for r in topology.routers
+        ],
+        [replace(p, port=p.port + offset) for p in topology.proxies],
+    )
+
+
+def labelled_counts(
+    metrics_text: str | None, name: str, label: str
+) -> dict[str, float]:
+    """A counter's samples in a /metrics page summed by one label's value."""
+    pattern = re.compile(rf'{label}="([^"]*)"')
+    counts: dict[str, float] = {}
+    for line in (metrics_text or "").splitlines():
+        key, _, sample = line.rpartition(" ")
+        found = pattern.search(key)
+        if key.split("{")[0] == name and found:
+            counts[found[1]] = counts.get(found[1], 0.0) + float(sample)
+    return counts
+
+
+@dataclass
+class TamperPhase:
+    """What one proxy mode produced: client outcomes per endpoint (`tally`),
+    the consumer's verdict and unverified-reason deltas, the proxy's rewrites."""
+
+    outcomes: dict[str, dict[str, int]]
+    verdicts: dict[str, float]
+    reasons: dict[str, float]
+    rewritten: int
+    mismatch_lines: int = 0  # MISMATCH lines the consumer logged meanwhile
+
+
+def judge_tamper(
+    phases: dict[str, TamperPhase],
+    consumer_log: str,
+    statuses: dict[str, list[int]],
+) -> Verdict:
+    """Every answer right (HTTP 200, a reference text) in every mode; per mode
+    the verdicts and reason of TAMPER_EXPECT for every request and 0 verified
+    under a tampered mode; each reason's warning in the consumer log (logged
+    once per reason, so the whole log); `statuses` ("on"/"off": the HTTP
+    statuses of one mode through checksums-on and -off consumers) equal."""
+    v = Verdict("tamper", counts={m: vars(p) for m, p in phases.items()})
+    for mode, phase in phases.items():
+        allowed, label, text = TAMPER_EXPECT[mode]
+        sent = sum(sum(c.values()) for c in phase.outcomes.values())
+        right = sum(c["right"] for c in phase.outcomes.values())
+        v.checks[f"{mode}: every answer HTTP 200 and right"] = sent > 0 and (
+            right == sent
+        )
+        v.checks[f"{mode}: every prefill seen by the proxy"] = phase.rewritten >= sent
+        expected = sum(phase.verdicts.get(k, 0.0) for k in allowed)
+        v.checks[f"{mode}: {'/'.join(allowed)} for every request"] = expected >= sent
+        if mode != "none":
+            v.checks[f"{mode}: 0 verified"] = phase.verdicts.get("verified", 0.0) == 0
+        if label is not None:
+            v.checks[f"{mode}: reason {label} counted"] = (
+                phase.reasons.get(label, 0.0) >= sent
+            )
+        if phase.verdicts.get("mismatch", 0.0):
+            v.checks[f"{mode}: every mismatch logged"] = (
+                phase.mismatch_lines >= phase.verdicts["mismatch"]
+            )
+        if text is not None:
+            v.checks[f"{mode}: '{text}' logged"] = (
+                NOT_VERIFIED.format(text) in consumer_log
+            )
+    on, off = statuses.get("on", []), statuses.get("off", [])
+    v.counts["statuses"] = statuses
+    v.checks["same HTTP statuses with checksums off"] = bool(on) and sorted(
+        on
+    ) == sorted(off)
     return v

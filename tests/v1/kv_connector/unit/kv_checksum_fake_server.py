@@ -3,9 +3,15 @@
 """A fake `vllm serve` for CPU dry runs of the chaos driver and its tests.
 
 Run as ``python kv_checksum_fake_server.py serve MODEL --port N ...`` (other
-arguments ignored). Serves /health, /metrics and /v1/completions (plain and
-streamed) with kv_transfer_params; the answer depends only on the prompt, so a
-P/D answer equals a local one. Environment:
+arguments ignored). Serves /health, /metrics, /v1/completions and
+/v1/chat/completions (plain and streamed) with kv_transfer_params; the answer
+depends only on the prompt, so a P/D answer equals a local one. Its
+``kv_checksums`` are a self-checked digest of the prompt; a consumer with
+checksums on gives verified, mismatch (another prompt's) or unverified (none,
+or unreadable) and logs them as the package does.
+``python kv_checksum_fake_server.py router --prefill URL --decode URL --port N``
+plays vllm-router's P/D flow (prefill, then decode with its kv_transfer_params).
+Environment:
   FAKE_TRACKED_GAUGE=1  expose vllm:kv_checksum_tracked_requests (requests in
                         flight, so it returns to 0 once idle)
 The injector of its --kv-transfer-config (rate r) fakes a fault every round(1/r)-th
@@ -18,6 +24,9 @@ is a fake `vllm bench serve`: N completions one at a time, then a result file
 with fixed timings (10 req/s, TTFT 20 ms, TPOT 5 ms).
 """
 
+import base64
+import hashlib
+import http.client
 import json
 import os
 import sys
@@ -27,7 +36,22 @@ import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-STATE = {"tracked": 0, "loads": 0, "verified": 0, "mismatch": 0, "hits": 0}
+STATE = {
+    "tracked": 0,
+    "loads": 0,
+    "verified": 0,
+    "mismatch": 0,
+    "unverified": 0,
+    "hits": 0,
+}
+REASONS = {
+    "no_checksums": "the producer sent no checksums",
+    "invalid_checksums": "the producer's checksums are invalid",
+}
+UNVERIFIED = dict.fromkeys(REASONS, 0)
+WARNED: set[str] = set()
+CHECKSUMS = True
+UPSTREAMS: dict[str, str] = {}
 TRACKED = os.environ.get("FAKE_TRACKED_GAUGE") == "1"
 FAULT_EVERY = 0
 VERIFY_HITS = False
@@ -40,10 +64,27 @@ def words(prompt: str, count: int) -> list[str]:
     return [f" t{(seed + 7 * i) % 1000 + 4}" for i in range(count)]
 
 
+def prompt_of(body: dict) -> str:
+    messages = body.get("messages") or []
+    return body.get("prompt") or "".join(m.get("content", "") for m in messages)
+
+
+def checksums(prompt: str) -> str:
+    """The fake payload: 16 bytes of the prompt's digest and 8 of their own."""
+    digest = hashlib.sha256(prompt.encode()).digest()[:16]
+    return base64.b64encode(digest + hashlib.sha256(digest).digest()[:8]).decode()
+
+
 def metrics() -> bytes:
+    if not CHECKSUMS:
+        return b"vllm:other 1.0\n"
     lines = [
         f'vllm:kv_checksum_loads_total{{engine="0",verdict="{v}"}} {float(STATE[v])}'
-        for v in ("verified", "mismatch")
+        for v in ("verified", "mismatch", "unverified")
+    ]
+    lines += [
+        f'vllm:kv_checksum_unverified_loads_total{{engine="0",reason="{r}"}} {n}.0'
+        for r, n in UNVERIFIED.items()
     ]
     if VERIFY_HITS:
         hits = "vllm:kv_checksum_prefix_hits_total"
@@ -59,12 +100,22 @@ def metrics() -> bytes:
 def load(body: dict, rid: str) -> None:
     """A consumer request with remote prefill: count its verdict, log faults."""
     params = body.get("kv_transfer_params") or {}
-    if not params.get("do_remote_prefill"):
+    if not params.get("do_remote_prefill") or not CHECKSUMS:
         return
+    verdict, reason = judge(params.get("kv_checksums"), prompt_of(body))
     with LOCK:
         STATE["loads"] += 1
         fault = FAULT_EVERY and STATE["loads"] % FAULT_EVERY == 0
-        STATE["mismatch" if fault else "verified"] += 1
+        verdict = "mismatch" if fault else verdict
+        STATE[verdict] += 1
+        if verdict == "unverified":
+            UNVERIFIED[reason] += 1
+            first = reason not in WARNED
+            WARNED.add(reason)
+    if verdict == "unverified" and first:
+        print(f"WARNING KV checksums not verified: {REASONS[reason]}.", flush=True)
+    if verdict == "mismatch" and not fault:
+        print(f"ERROR KV checksum mismatch for request {rid}: [0]", flush=True)
     if fault:
         print(
             f"WARNING KV checksum fault injection: bitflip into request {rid} group 0",
@@ -76,14 +127,38 @@ def load(body: dict, rid: str) -> None:
         )
 
 
+def judge(value: object, prompt: str) -> tuple[str, str]:
+    """verified, mismatch or unverified (and its reason label)."""
+    if value is None:
+        return "unverified", "no_checksums"
+    try:
+        raw = base64.b64decode(str(value), validate=True)
+    except ValueError:
+        return "unverified", "invalid_checksums"
+    if len(raw) != 24 or hashlib.sha256(raw[:16]).digest()[:8] != raw[16:]:
+        return "unverified", "invalid_checksums"
+    return ("verified" if value == checksums(prompt) else "mismatch"), ""
+
+
+def post(url: str, body: dict, path: str, rid: str) -> tuple[int, bytes, str]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body), {"X-Request-Id": rid})
+        resp = conn.getresponse()
+        return resp.status, resp.read(), resp.getheader("Content-Type") or ""
+    finally:
+        conn.close()
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args: object) -> None:
         pass
 
-    def send(self, data: bytes, kind: str) -> None:
-        self.send_response(200)
+    def send(self, data: bytes, kind: str, status: int = 200) -> None:
+        self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -100,6 +175,12 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         size = int(self.headers.get("Content-Length", 0))
         body = json.loads(self.rfile.read(size))
+        if UPSTREAMS:
+            self.route(body)
+            return
+        if ("messages" in body) != self.path.endswith("/chat/completions"):
+            self.send(b'{"error": "wrong endpoint"}', "application/json", 400)
+            return
         rid = self.headers.get("X-Request-Id") or f"cmpl-{time.monotonic_ns()}"
         with LOCK:
             STATE["tracked"] += 1
@@ -115,21 +196,39 @@ class Handler(BaseHTTPRequestHandler):
             with LOCK:
                 STATE["tracked"] -= 1
 
+    def route(self, body: dict) -> None:
+        """vllm-router's P/D flow: prefill, then decode with its params."""
+        prefill = dict(body, max_tokens=1, stream=False)
+        prefill["kv_transfer_params"] = {"do_remote_decode": True}
+        rid = f"fake-router-{time.monotonic_ns()}"
+        status, data, kind = post(UPSTREAMS["prefill"], prefill, self.path, rid)
+        if status == 200:
+            params = json.loads(data).get("kv_transfer_params")
+            decode = dict(body, kv_transfer_params=params)
+            status, data, kind = post(UPSTREAMS["decode"], decode, self.path, rid)
+        self.send(data, kind, status)
+
     def answer(self, body: dict) -> None:
         count = body.get("max_tokens", 1)
-        tokens = words(body.get("prompt", ""), count)
+        tokens = words(prompt_of(body), count)
+        chat = "messages" in body
         if not body.get("stream"):
+            text = "".join(tokens)
+            choice = {"index": 0, "finish_reason": "length"}
+            choice.update(
+                {"message": {"role": "assistant", "content": text}}
+                if chat
+                else {"text": text}
+            )
             out = {
                 "id": "x",
                 "object": "text_completion",
                 "model": "tiny",
-                "choices": [
-                    {"index": 0, "text": "".join(tokens), "finish_reason": "length"}
-                ],
+                "choices": [choice],
                 "kv_transfer_params": {
                     "do_remote_prefill": True,
                     "remote_engine_id": "fake",
-                    "kv_checksums": "abc",
+                    "kv_checksums": checksums(prompt_of(body)),
                 },
             }
             self.send(json.dumps(out).encode(), "application/json")
@@ -141,7 +240,8 @@ class Handler(BaseHTTPRequestHandler):
         for i, token in enumerate(tokens):
             time.sleep(0.002)
             done = "length" if i == count - 1 else None
-            choice = {"index": 0, "text": token, "finish_reason": done}
+            choice = {"index": 0, "finish_reason": done}
+            choice.update({"delta": {"content": token}} if chat else {"text": token})
             self.chunk("data: " + json.dumps({"id": "x", "choices": [choice]}) + "\n\n")
         self.chunk("data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
@@ -187,15 +287,19 @@ def bench(args: list[str]) -> None:
 
 
 def main() -> None:
-    global FAULT_EVERY, VERIFY_HITS
+    global FAULT_EVERY, VERIFY_HITS, CHECKSUMS
     args = sys.argv[1:]
     if args[:2] == ["bench", "serve"]:
         bench(args[2:])
         return
     port = int(args[args.index("--port") + 1])
+    if args[0] == "router":
+        UPSTREAMS["prefill"] = args[args.index("--prefill") + 1]
+        UPSTREAMS["decode"] = args[args.index("--decode") + 1]
     if "--kv-transfer-config" in args:
         config = json.loads(args[args.index("--kv-transfer-config") + 1])
         extra = config.get("kv_connector_extra_config", {})
+        CHECKSUMS = bool(extra.get("enable_kv_checksum"))
         rate = extra.get("kv_checksum_fault_injection", {}).get("rate", 0)
         FAULT_EVERY = round(1 / rate) if rate else 0
         VERIFY_HITS = extra.get("kv_checksum_verify_prefix_hits") is True
