@@ -788,7 +788,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tamper-off-mode", default="garbage", help="also run behind checksums off"
     )
-    parser.add_argument("--port-offset", type=int, default=0, help="every port + N")
+    parser.add_argument(
+        "--port-offset",
+        type=int,
+        # gpu_runs.sh `group` runs several drivers on one host, ports apart.
+        default=int(os.environ.get("KV_CHECKSUM_PORT_OFFSET", "0")),
+        help="every port + N (default: $KV_CHECKSUM_PORT_OFFSET or 0)",
+    )
     args = parser.parse_args(argv)
     args.out = args.out.resolve()
     return args
@@ -809,10 +815,6 @@ def main(argv: list[str] | None = None) -> int:
             scenarios, args.lease, args.short_lease, args.soak_fault_rate
         ),
         args.port_offset,
-    )
-    # gpu_runs.sh `group` runs several drivers on one host, ports apart.
-    topology = plan.shift_ports(
-        topology, int(os.environ.get("KV_CHECKSUM_PORT_OFFSET", "0"))
     )
     run = Run(args, topology)
     summary: dict[str, Any] = {

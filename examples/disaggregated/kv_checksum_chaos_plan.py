@@ -157,20 +157,6 @@ def plan_topology(
     return Topology(servers, routers, proxies)
 
 
-def shift_ports(topology: Topology, offset: int) -> Topology:
-    """The same topology `offset` ports up (servers, NIXL side channels,
-    routers and their metrics), so that several runs share one host."""
-    servers = [
-        replace(s, port=s.port + offset, side_port=s.side_port + offset)
-        for s in topology.servers
-    ]
-    routers = [
-        replace(r, port=r.port + offset, prom_port=r.prom_port + offset)
-        for r in topology.routers
-    ]
-    return Topology(servers, routers)
-
-
 def kv_transfer_config(spec: ServerSpec, connector: str) -> dict[str, Any]:
     """The --kv-transfer-config of a server (the launch script's, plus the
     run's lease, injector and policy; `connector` as in kv_checksum_pd_gpu)."""
