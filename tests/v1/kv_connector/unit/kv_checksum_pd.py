@@ -275,6 +275,8 @@ class SimEngine:
         self.silent_workers = set(side.silent_workers)
         self.heads_per_rank = max(1, NUM_KV_HEADS // side.tp)
         self.final: dict[str, Any] = {}
+        self.tokens: dict[str, list[int]] = {}  # request id -> output tokens
+        self.step_tokens = False
         self.loads: dict[str, Any] = {}  # request id -> RecordedLoad, started
         # Every SchedulerOutput, in step order (kv_checksum_scheduled included).
         self.history: list[Any] = []
@@ -436,6 +438,15 @@ class SimEngine:
 
     def step(self) -> Any:
         """One engine step; returns the SchedulerOutput."""
+        output, model_output = self.forward()
+        self.update(output, model_output)
+        return output
+
+    def forward(self) -> tuple[Any, Any]:
+        """Schedule a step and run its forward (KV writes, checksum work); its
+        output goes to the scheduler in `update` (later, under async
+        scheduling: see `run_pipelined`). With `step_tokens` each sampled
+        token is 1000 + the step's index: an output token names its step."""
         scheduler = self.scheduler
         output = scheduler.schedule()
         self.history.append(output)
@@ -445,7 +456,9 @@ class SimEngine:
             request = scheduler.requests[req_id]
             end = request.num_computed_tokens
             start = end - num_tokens
-            tokens = np.asarray(request.all_token_ids[start:end])
+            known = request.all_token_ids[start:end]
+            # Async scheduling: a decode's input token is not known yet here.
+            tokens = np.asarray(known + [0] * (num_tokens - len(known)))
             self.write_tokens(self.block_ids(req_id), tokens, np.arange(start, end))
         finished = self._finish_next | self._fail_next
         failed = set(self._fail_next)
@@ -470,16 +483,44 @@ class SimEngine:
         )
         kv_output.kv_checksums = records or None  # type: ignore[attr-defined]
         model_output = make_model_runner_output(
-            output, scheduler=scheduler, kv_connector_output=kv_output
+            output,
+            scheduler=scheduler,
+            kv_connector_output=kv_output,
+            **(
+                {"default_token": 1000 + len(self.history) - 1}
+                if self.step_tokens
+                else {}
+            ),
         )
-        engine_outputs = scheduler.update_from_output(output, model_output)
+        return output, model_output
+
+    def update(self, output: Any, model_output: Any) -> None:
+        """The scheduler takes a step's model output."""
+        engine_outputs = self.scheduler.update_from_output(output, model_output)
         for outputs in (engine_outputs or {}).values():
             if outputs.scheduler_stats is not None:  # log_stats: to the loggers
                 self.scheduler_stats.append(outputs.scheduler_stats)
         for out in iter_engine_core_outputs(engine_outputs):
+            self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason is not None:
                 self.final[out.request_id] = out
-        return output
+
+    def run_pipelined(self, req_id: str, max_steps: int = 40) -> list[int]:
+        """Step as vLLM's engine does with async scheduling: step N + 1 is
+        scheduled before step N's output reaches the scheduler. Returns the
+        request's output tokens."""
+        in_flight: tuple[Any, Any] | None = None
+        for _ in range(max_steps):
+            if req_id in self.final:
+                break
+            step = self.forward()
+            if in_flight is not None:
+                self.update(*in_flight)
+            in_flight = step
+        if in_flight is not None:
+            self.update(*in_flight)
+        assert req_id in self.final, f"{req_id} did not finish in {max_steps} steps"
+        return self.tokens[req_id]
 
     def run(self, req_id: str, max_steps: int = 40) -> Any:
         """Step until `req_id` finished; returns its final EngineCoreOutput."""

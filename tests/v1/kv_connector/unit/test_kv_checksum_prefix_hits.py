@@ -296,3 +296,44 @@ def test_prefix_hit_kind_validated_and_opt_in() -> None:
     mixed = KVFaultInjector(1.0, ("bit_flip", "prefix_hit"), 0)
     assert {mixed.decide(f"r{i}", load, 32).kind for i in range(20)} == {"bit_flip"}  # type: ignore[union-attr]
     assert KVFaultInjector(1.0, FAULT_KINDS, 0).decide_hit("r", load) is None
+
+
+def test_bad_hit_under_async_scheduling_delivers_no_token_of_it(
+    model_dir: str,
+) -> None:
+    """R140 under async scheduling (vLLM's default), stepped as its engine
+    does: the step after a request's first step on a hit is scheduled before
+    the hit's verdict. A mismatch must drop that in-flight step's token too,
+    so every token the request returns comes from a step after its recompute
+    (bug seen on an H200: vLLM's invalid-block recovery kept the in-flight
+    token, so every faulted request answered wrong from its first token)."""
+    side = SideConfig(
+        num_blocks=48,
+        policy="recompute",
+        async_scheduler=True,
+        connector_extra={VERIFY_PREFIX_HITS_KEY: True},
+    )
+    engine = SimEngine(model_dir, side, "async-hit")
+    engine.step_tokens = True
+    for worker in engine.workers:
+        worker.checksum.enable_prefix_entries()
+    base = prompt(30, PREFIX + 5)
+    a = make_request("a", base, max_tokens=1, block_size=BS)
+    engine.add(a)
+    engine.run_pipelined("a")
+    flip_byte(engine, cached_block(engine, a, 1).block_id)
+    tail = [7, 7, 7]
+    c = make_request("c", base[:PREFIX] + tail, max_tokens=3, block_size=BS)
+    engine.add(c)
+    first = len(engine.history)
+    tokens = engine.run_pipelined("c")
+    assert prefix_verdicts(engine)["mismatch"] == 1
+    steps = [i for i, o in enumerate(engine.history) if "c" in o.num_scheduled_tokens]
+    assert steps[0] == first  # the step on the bad hit
+    # The recompute: the first step after the bad one that computes more than
+    # one token (from block 1 to the prompt's end).
+    recompute = next(
+        i for i in steps[1:] if engine.history[i].num_scheduled_tokens["c"] > 1
+    )
+    assert len(tokens) == 3
+    assert all(t >= 1000 + recompute for t in tokens), (tokens, steps, recompute)

@@ -22,8 +22,12 @@ KVCacheManager get_computed_blocks (instance)
 Scheduler update_after_schedule / update_from_output (through the package's hooks)
     Why: ask the workers to save entries and check hits; compare the results
     How: `schedule` fills the step's checksum metadata, `verify` compares and, on
-    a mismatch, evicts and reports the blocks as invalid so vLLM recomputes
-    Upstream: a verification hook on prefix-cache hits
+    a mismatch, evicts and reports the blocks as invalid so vLLM recomputes (or
+    fails) the requests on them; with "recompute" the output of their steps
+    still in flight is marked stale and dropped (the Request fields vLLM's
+    preemption sets)
+    Upstream: a verification hook on prefix-cache hits, and invalid-block
+    recovery that drops in-flight output under async scheduling
 """
 
 import contextlib
@@ -326,5 +330,27 @@ def _verify_step(
         else:
             scheduler.kv_cache_manager.evict_blocks(bad)
         invalid |= bad
-    if invalid and kv_output is not None:
-        kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | invalid
+    if not invalid or kv_output is None:
+        return
+    if scheduler.recompute_kv_load_failures:
+        _drop_in_flight_output(scheduler, invalid)
+    kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | invalid
+
+
+def _drop_in_flight_output(scheduler: Any, bad: set[int]) -> None:
+    """R140: the output of every step in flight for a running request on a bad
+    block is dropped, as vLLM's preemption drops it.
+
+    vLLM's invalid-block recovery (which recomputes the blocks in place) skips
+    only this step's output: under async scheduling the next step, already
+    scheduled on the bad KV, still delivered its token (seen on an H200: every
+    recomputed hit answered wrong from its first token). Same fields as vLLM's
+    `_preempt_request(drop_stale_output=True)`, without freeing the blocks.
+    """
+    for request in scheduler.running:
+        ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+        if bad.isdisjoint(ids):
+            continue
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.drop_stale_output = True
+        request.num_output_placeholders = 0
