@@ -126,13 +126,15 @@ def test_overwritten_block_caught_and_recomputed(model_dir: str) -> None:
     flip_byte(engine, bad.block_id)
     tail = [7, 7, 7]
     run(engine, "c", base[:PREFIX] + tail)
-    assert prefix_verdicts(engine) == {"mismatch": 1}
+    # The bad hit, then (restarted) a clean hit of blocks 0-1, checked again.
+    assert prefix_verdicts(engine) == {"mismatch": 1, "verified": 1}
     # First step: 3 new tokens on the bad hit; then recomputed from block 2.
     assert engine.scheduled_tokens("c") == len(tail) + (PREFIX - 2 * BS + len(tail))
-    assert torch.equal(cache[bad.block_id], clean)  # recomputed in place
-    assert cached_block(engine, a, 2) is None  # evicted from the prefix cache
+    again = cached_block(engine, a, 2)  # cached again by c's recompute
+    assert again.block_id != bad.block_id  # the bad block left the cache
+    assert torch.equal(cache[again.block_id], clean)
     run(engine, "d", base[:PREFIX] + [8, 8, 8])
-    assert prefix_verdicts(engine) == {"mismatch": 1, "verified": 1}
+    assert prefix_verdicts(engine) == {"mismatch": 1, "verified": 2}
 
 
 def test_key_pointing_at_another_block_caught(model_dir: str) -> None:
@@ -150,7 +152,8 @@ def test_key_pointing_at_another_block_caught(model_dir: str) -> None:
     table.pop(key, mine.block_id)
     table.insert(key, foreign)
     run(engine, "c", base[:PREFIX] + [7, 7, 7])
-    assert prefix_verdicts(engine) == {"mismatch": 1}
+    # Restarted, c's second hit (block 0 only) is checked again, not bad.
+    assert prefix_verdicts(engine).get("mismatch") == 1
     assert engine.final["c"] is not None
 
 
@@ -169,7 +172,10 @@ def test_reused_block_with_surviving_hash_caught(model_dir: str) -> None:
     run(engine, "b", b_tokens)
     assert cached_block(engine, a, 3) is reused  # the stale key survived
     run(engine, "c", base[:PREFIX] + [7, 7, 7])
-    assert prefix_verdicts(engine) == {"mismatch": 1}
+    # The broken eviction leaves the key: the restarted c hits the block again,
+    # is caught again and then recovers in place (bug: restarted forever).
+    assert prefix_verdicts(engine) == {"mismatch": 2}
+    assert engine.final["c"] is not None
 
 
 def test_state_bounded_by_cached_blocks(model_dir: str) -> None:
@@ -229,32 +235,42 @@ def faulted_engine(model_dir: str, name: str, rate: float, tp: int = 1) -> SimEn
 def test_prefix_hit_faults_all_caught(model_dir: str, tp: int) -> None:
     """R131, R140: at rate 1 every checked hit gets one flipped bit before its
     check, and each is caught: a mismatch, the request recomputed from the
-    injected block (restored in place), the block out of the prefix cache
+    injected block, the block out of the prefix cache
     (bugs: the bit flipped after the check's checksums were queued, so the
     check passes on clean bytes; the flip at another block than the one
-    logged; a hit decision that differs between TP workers)."""
+    logged; a hit decision that differs between TP workers). Restarted, the
+    request's clean re-hit is checked again."""
     engine = faulted_engine(model_dir, f"hit-faults-tp{tp}", 1.0, tp)
     cache = next(iter(engine.workers[0].caches.values())).view(torch.uint8)
     tail = [7, 7, 7]
+    caught = 0
     for i in range(4):
         base = prompt(20 + i, PREFIX + 5)
         a = run(engine, f"a{i}", base)
         seen = len(engine.injections)
-        assert seen == i * tp  # no hit, nothing injected
+        assert seen == caught * tp  # no hit in a's run, nothing injected
         snapshot = cache.clone()
         run(engine, f"c{i}", base[:PREFIX] + tail)
         injected = engine.injections[seen:]
-        # One decision on every worker; only worker TP 0 flips the bit.
-        assert len(injected) == tp
-        assert len({replace(inj, layers=()) for inj in injected}) == 1
-        assert [bool(inj.layers) for inj in injected] == [True] + [False] * (tp - 1)
-        inj = injected[0]
+        # At rate 1 the restarted request's re-hit (if any) is faulted too.
+        checks = [injected[j : j + tp] for j in range(0, len(injected), tp)]
+        assert 1 <= len(checks) <= 2 and len(injected) == len(checks) * tp
+        for check in checks:
+            # One decision on every worker; only worker TP 0 flips the bit.
+            assert len({replace(inj, layers=()) for inj in check}) == 1
+            assert [bool(inj.layers) for inj in check] == [True] + [False] * (tp - 1)
+        inj = checks[0][0]
         assert (inj.req_id, inj.kind, inj.group_id) == (f"c{i}", "prefix_hit", 0)
-        assert prefix_verdicts(engine) == {"mismatch": i + 1}
-        recompute = PREFIX - inj.position * BS + len(tail)
-        assert engine.scheduled_tokens(f"c{i}") == len(tail) + recompute
-        assert torch.equal(cache[inj.block_id], snapshot[inj.block_id])
-        assert cached_block(engine, a, inj.position) is None
+        caught += len(checks)
+        assert prefix_verdicts(engine) == {"mismatch": caught}
+        if len(checks) == 1:  # restarted once: recomputed from the bad block
+            recompute = PREFIX - inj.position * BS + len(tail)
+            assert engine.scheduled_tokens(f"c{i}") == len(tail) + recompute
+        # Cached again (after one restart), the position holds clean bytes.
+        again = cached_block(engine, a, inj.position)
+        assert again is not None or len(checks) == 2
+        if again is not None:
+            assert torch.equal(cache[again.block_id], snapshot[inj.block_id])
 
 
 def test_prefix_hit_faults_off_at_rate_zero(model_dir: str) -> None:

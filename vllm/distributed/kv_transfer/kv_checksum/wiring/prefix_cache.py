@@ -22,15 +22,16 @@ KVCacheManager get_computed_blocks (instance)
 Scheduler update_after_schedule / update_from_output (through the package's hooks)
     Why: ask the workers to save entries and check hits; compare the results
     How: `schedule` fills the step's checksum metadata, `verify` compares and, on
-    a mismatch, evicts and reports the blocks as invalid so vLLM recomputes (or
-    fails) the requests on them; with "recompute" the output of their steps
-    still in flight is marked stale and dropped (the Request fields vLLM's
-    preemption sets)
+    a mismatch, evicts the blocks; "recompute": preempts the running requests
+    on them (vLLM's `_preempt_request(drop_stale_output=True)`, as its
+    reset_prefix_cache does), a second time in-place recovery; "fail": reports
+    the blocks as invalid so vLLM fails those requests
     Upstream: a verification hook on prefix-cache hits, and invalid-block
     recovery that drops in-flight output under async scheduling
 """
 
 import contextlib
+import time
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,7 @@ class _SchedulerState:
         self.hits = hits
         self.noted: dict[str, int] = {}  # request id -> local hit tokens
         self.step_keys: dict[int, list[str]] = {}  # id(SchedulerOutput) -> keys
+        self.restarted: set[str] = set()  # requests preempted after a bad hit
 
 
 def _verify_prefix_hits(vllm_config: Any) -> bool:
@@ -275,7 +277,10 @@ def _schedule_step(scheduler: Any, state: _SchedulerState, output: Any) -> None:
 def _verify_step(
     scheduler: Any, state: _SchedulerState, output: Any, model_output: Any
 ) -> None:
-    """Verify the step's checks; mismatches become vLLM invalid blocks (R140)."""
+    """Verify the step's checks; the requests on mismatched blocks restart or
+    fail (R140)."""
+    if state.restarted:  # R141: nothing kept for requests vLLM dropped
+        state.restarted.intersection_update(scheduler.requests)
     keys = state.step_keys.pop(id(output), None)
     if not keys:
         return
@@ -333,24 +338,37 @@ def _verify_step(
     if not invalid or kv_output is None:
         return
     if scheduler.recompute_kv_load_failures:
-        _drop_in_flight_output(scheduler, invalid)
-    kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | invalid
+        invalid = _restart_requests_on(scheduler, state, invalid)
+    if invalid:
+        kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | invalid
 
 
-def _drop_in_flight_output(scheduler: Any, bad: set[int]) -> None:
-    """R140: the output of every step in flight for a running request on a bad
-    block is dropped, as vLLM's preemption drops it.
+def _restart_requests_on(
+    scheduler: Any, state: _SchedulerState, bad: set[int]
+) -> set[int]:
+    """R140: each running request on a bad block starts over through vLLM's
+    own preemption, which drops the output of its steps still in flight.
 
-    vLLM's invalid-block recovery (which recomputes the blocks in place) skips
-    only this step's output: under async scheduling the next step, already
-    scheduled on the bad KV, still delivered its token (seen on an H200: every
-    recomputed hit answered wrong from its first token). Same fields as vLLM's
-    `_preempt_request(drop_stale_output=True)`, without freeing the blocks.
+    vLLM's invalid-block recovery (truncate, recompute in place) answered
+    wrong on an H200 under async scheduling: every recomputed hit, from its
+    first token. A preempted request hits the prefix cache again up to its
+    first bad block (the bad blocks left it) and that hit is checked again.
+    A request restarted once already is left to the in-place recovery, so a
+    block vLLM fails to evict cannot restart it forever; returns the blocks
+    still to report as invalid for those.
     """
-    for request in scheduler.running:
+    timestamp = time.monotonic()
+    again: set[int] = set()
+    for request in list(scheduler.running):
         ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
         if bad.isdisjoint(ids):
             continue
-        request.num_stale_output_tokens = request.num_in_flight_tokens
-        request.drop_stale_output = True
-        request.num_output_placeholders = 0
+        if request.request_id in state.restarted:
+            again |= bad.intersection(ids)
+            continue
+        state.restarted.add(request.request_id)
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, timestamp, drop_stale_output=True)
+        # Resumed in the next step as if not scheduled in this one (V1 runner).
+        scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+    return again
