@@ -24,7 +24,7 @@ Scheduler update_after_schedule / update_from_output (through the package's hook
     How: `schedule` fills the step's checksum metadata, `verify` compares and, on
     a mismatch, evicts the blocks; "recompute": preempts the running requests
     on them (vLLM's `_preempt_request(drop_stale_output=True)`, as its
-    reset_prefix_cache does), a second time in-place recovery; "fail": reports
+    reset_prefix_cache does), after MAX_RESTARTS in-place recovery; "fail": reports
     the blocks as invalid so vLLM fails those requests
     Upstream: a verification hook on prefix-cache hits, and invalid-block
     recovery that drops in-flight output under async scheduling
@@ -54,6 +54,9 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _STATE_ATTR = "_kv_checksum_prefix_hits"
+# Restarts of one request after bad hits before vLLM's in-place recovery (an
+# H200 run answered wrong after it, and right after every restart).
+MAX_RESTARTS = 4
 
 
 class _SchedulerState:
@@ -63,7 +66,7 @@ class _SchedulerState:
         self.hits = hits
         self.noted: dict[str, int] = {}  # request id -> local hit tokens
         self.step_keys: dict[int, list[str]] = {}  # id(SchedulerOutput) -> keys
-        self.restarted: set[str] = set()  # requests preempted after a bad hit
+        self.restarted: dict[str, int] = {}  # request id -> restarts after bad hits
 
 
 def _verify_prefix_hits(vllm_config: Any) -> bool:
@@ -280,7 +283,8 @@ def _verify_step(
     """Verify the step's checks; the requests on mismatched blocks restart or
     fail (R140)."""
     if state.restarted:  # R141: nothing kept for requests vLLM dropped
-        state.restarted.intersection_update(scheduler.requests)
+        for req_id in state.restarted.keys() - scheduler.requests.keys():
+            del state.restarted[req_id]
     keys = state.step_keys.pop(id(output), None)
     if not keys:
         return
@@ -353,9 +357,9 @@ def _restart_requests_on(
     wrong on an H200 under async scheduling: every recomputed hit, from its
     first token. A preempted request hits the prefix cache again up to its
     first bad block (the bad blocks left it) and that hit is checked again.
-    A request restarted once already is left to the in-place recovery, so a
-    block vLLM fails to evict cannot restart it forever; returns the blocks
-    still to report as invalid for those.
+    A request restarted MAX_RESTARTS times is left to the in-place recovery,
+    so a block vLLM fails to evict cannot restart it forever; returns the
+    blocks still to report as invalid for those.
     """
     timestamp = time.monotonic()
     again: set[int] = set()
@@ -363,10 +367,11 @@ def _restart_requests_on(
         ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
         if bad.isdisjoint(ids):
             continue
-        if request.request_id in state.restarted:
+        restarts = state.restarted.get(request.request_id, 0)
+        if restarts >= MAX_RESTARTS:
             again |= bad.intersection(ids)
             continue
-        state.restarted.add(request.request_id)
+        state.restarted[request.request_id] = restarts + 1
         scheduler.running.remove(request)
         scheduler._preempt_request(request, timestamp, drop_stale_output=True)
         # Resumed in the next step as if not scheduled in this one (V1 runner).
