@@ -53,6 +53,7 @@ from benchmark_kv_checksum_serve import (  # noqa: E402
     build_model,
     http_get,
     log,
+    mode_values,
     read_result,
     verdict_counts,
 )
@@ -231,11 +232,7 @@ def judge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     for name in names:
         row: dict[str, Any] = {}
         for metric in METRICS:
-            values: dict[str, list[float]] = {"off": [], "on": []}
-            for r in rounds:
-                value = r["results"].get(name, {}).get(metric)
-                if value is not None:
-                    values[r["mode"]].append(float(value))
+            values = mode_values(rounds, name, metric)
             if not values["off"] or not values["on"]:
                 row[metric] = {"values": values}
                 continue

@@ -282,6 +282,19 @@ def read_result(path: Path, rc: int) -> dict[str, Any]:
 METRICS = ("median_ttft_ms", "median_tpot_ms", "request_throughput")
 
 
+def mode_values(
+    records: list[dict[str, Any]], name: str, metric: str
+) -> dict[str, list[float]]:
+    """One workload's `metric` from each launch or round record, by its mode
+    ("off", "on"), in record order."""
+    values: dict[str, list[float]] = {"off": [], "on": []}
+    for record in records:
+        value = record["results"].get(name, {}).get(metric)
+        if value is not None:
+            values[record["mode"]].append(float(value))
+    return values
+
+
 def summarize(launches: list[dict[str, Any]]) -> dict[str, Any]:
     """Per workload and metric: launch values by mode, on-off difference of the
     means, the off-vs-off spread, and the verdict of the module docstring."""
@@ -291,11 +304,7 @@ def summarize(launches: list[dict[str, Any]]) -> dict[str, Any]:
         row: dict[str, Any] = {}
         ok = True
         for metric in METRICS:
-            values: dict[str, list[float]] = {"off": [], "on": []}
-            for launch in launches:
-                value = launch["results"].get(name, {}).get(metric)
-                if value is not None:
-                    values[launch["mode"]].append(float(value))
+            values = mode_values(launches, name, metric)
             if not values["off"] or not values["on"]:
                 row[metric] = {"values": values, "verdict": "missing"}
                 ok = False

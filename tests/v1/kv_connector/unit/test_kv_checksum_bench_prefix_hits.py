@@ -5,7 +5,6 @@ local prefix-cache hits costs in `vllm bench serve`): its verdict rule on
 hand-computed rounds, its engine configs, and a whole run against fake servers
 and a fake `vllm bench serve` on CPU."""
 
-import importlib.util
 import json
 import socket
 import sys
@@ -14,21 +13,14 @@ from typing import Any
 
 import pytest
 
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[4]
 PATH = ROOT / "benchmarks/benchmark_kv_checksum_prefix_hits.py"
 FAKE = Path(__file__).resolve().parent / "kv_checksum_fake_server.py"
 
 
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_prefix_hits", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_script("bench_prefix_hits", PATH)
 
 
 def _rounds(

@@ -4,26 +4,16 @@
 hand-made launch records (no requirement: the benchmark reports R142's cost at
 production shape; these tests keep its verdict honest)."""
 
-import importlib.util
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
 
 PATH = Path(__file__).resolve().parents[4] / "benchmarks/benchmark_kv_checksum_serve.py"
 
 
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_serve", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_script("bench_serve", PATH)
 
 
 def _launch(mode: str, ttft: float, tpot: float, rps: float, **verdicts: float):
