@@ -24,8 +24,9 @@ Scheduler update_after_schedule / update_from_output (through the package's hook
     How: `schedule` fills the step's checksum metadata, `verify` compares and, on
     a mismatch, evicts the blocks; "recompute": preempts the running requests
     on them (vLLM's `_preempt_request(drop_stale_output=True)`, as its
-    reset_prefix_cache does), after MAX_RESTARTS in-place recovery; "fail": reports
-    the blocks as invalid so vLLM fails those requests
+    reset_prefix_cache does; the second time with the request's
+    `skip_reading_prefix_cache` set); "fail": reports the blocks as invalid so
+    vLLM fails those requests
     Upstream: a verification hook on prefix-cache hits, and invalid-block
     recovery that drops in-flight output under async scheduling
 """
@@ -54,9 +55,6 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _STATE_ATTR = "_kv_checksum_prefix_hits"
-# Restarts of one request after bad hits before vLLM's in-place recovery (an
-# H200 run answered wrong after it, and right after every restart).
-MAX_RESTARTS = 4
 
 
 class _SchedulerState:
@@ -66,7 +64,7 @@ class _SchedulerState:
         self.hits = hits
         self.noted: dict[str, int] = {}  # request id -> local hit tokens
         self.step_keys: dict[int, list[str]] = {}  # id(SchedulerOutput) -> keys
-        self.restarted: dict[str, int] = {}  # request id -> restarts after bad hits
+        self.restarted: set[str] = set()  # requests restarted after bad hits
 
 
 def _verify_prefix_hits(vllm_config: Any) -> bool:
@@ -105,9 +103,9 @@ def schedule(scheduler: Any, output: Any) -> None:
 
 def verify(scheduler: Any, scheduler_output: Any, model_output: Any) -> None:
     """R140. Called by the Scheduler.update_from_output hook before vLLM's
-    update_from_output: verify the step's checks; mismatched block ids join
-    `invalid_block_ids`, so vLLM's `_handle_invalid_blocks` truncates the
-    request to its first bad block and applies kv_load_failure_policy."""
+    update_from_output: verify the step's checks; with policy "recompute" the
+    requests on mismatched blocks restart (vLLM's preemption), with "fail" the
+    blocks join `invalid_block_ids` and vLLM fails those requests."""
     state = scheduler.__dict__.get(_STATE_ATTR)
     if state is None:
         return
@@ -283,8 +281,7 @@ def _verify_step(
     """Verify the step's checks; the requests on mismatched blocks restart or
     fail (R140)."""
     if state.restarted:  # R141: nothing kept for requests vLLM dropped
-        for req_id in state.restarted.keys() - scheduler.requests.keys():
-            del state.restarted[req_id]
+        state.restarted.intersection_update(scheduler.requests)
     keys = state.step_keys.pop(id(output), None)
     if not keys:
         return
@@ -339,41 +336,38 @@ def _verify_step(
         else:
             scheduler.kv_cache_manager.evict_blocks(bad)
         invalid |= bad
-    if not invalid or kv_output is None:
+    if not invalid:
         return
     if scheduler.recompute_kv_load_failures:
-        invalid = _restart_requests_on(scheduler, state, invalid)
-    if invalid:
+        _restart_requests_on(scheduler, state, invalid)
+    elif kv_output is not None:  # policy "fail": vLLM fails the requests on them
         kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | invalid
 
 
 def _restart_requests_on(
     scheduler: Any, state: _SchedulerState, bad: set[int]
-) -> set[int]:
+) -> None:
     """R140: each running request on a bad block starts over through vLLM's
     own preemption, which drops the output of its steps still in flight.
 
-    vLLM's invalid-block recovery (truncate, recompute in place) answered
-    wrong on an H200 under async scheduling: every recomputed hit, from its
-    first token. A preempted request hits the prefix cache again up to its
-    first bad block (the bad blocks left it) and that hit is checked again.
-    A request restarted MAX_RESTARTS times is left to the in-place recovery,
-    so a block vLLM fails to evict cannot restart it forever; returns the
-    blocks still to report as invalid for those.
+    vLLM's invalid-block recovery of a running request (truncate, recompute in
+    place) answered wrong on an H200 under async scheduling, in every request
+    it recovered; every restarted request answered right. A restarted request
+    hits the prefix cache again up to its first bad block (the bad blocks left
+    it) and that hit is checked again; one that meets a bad block a second
+    time restarts without reading the prefix cache (vLLM's per-request
+    `skip_reading_prefix_cache`), so a block vLLM fails to evict cannot
+    restart it forever.
     """
     timestamp = time.monotonic()
-    again: set[int] = set()
     for request in list(scheduler.running):
         ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
         if bad.isdisjoint(ids):
             continue
-        restarts = state.restarted.get(request.request_id, 0)
-        if restarts >= MAX_RESTARTS:
-            again |= bad.intersection(ids)
-            continue
-        state.restarted[request.request_id] = restarts + 1
+        if request.request_id in state.restarted:
+            request.skip_reading_prefix_cache = True
+        state.restarted.add(request.request_id)
         scheduler.running.remove(request)
         scheduler._preempt_request(request, timestamp, drop_stale_output=True)
         # Resumed in the next step as if not scheduled in this one (V1 runner).
         scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
-    return again
