@@ -344,9 +344,7 @@ def _verify_step(
         kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | invalid
 
 
-def _restart_requests_on(
-    scheduler: Any, state: _SchedulerState, bad: set[int]
-) -> None:
+def _restart_requests_on(scheduler: Any, state: _SchedulerState, bad: set[int]) -> None:
     """R140: each running request on a bad block starts over through vLLM's
     own preemption, which drops the output of its steps still in flight.
 
