@@ -6,6 +6,7 @@ bounded state and R138's containment under process faults on the GPU host,
 these tests keep its planning and verdicts honest)."""
 
 import importlib.util
+import json
 import signal
 import socket
 import sys
@@ -400,3 +401,48 @@ def test_attribute_wrong_answers() -> None:
     assert texts[0]["references"] == ["A"] and texts[0]["text"] == "X"
     assert texts[2]["text"] == "Z" * 200
     assert texts[3]["cause"] == "unexplained"
+
+
+def test_soak_dry_run_attributes_wrong_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The soak end to end on CPU (fake servers and router, one prompt, no
+    aborts, injector rate 0.1: loads 10 and 20 faulted); the fake consumer
+    answers loads 10 and 13 wrong. Its summary must attribute one wrong
+    answer to its own injected fault and one to the earlier mismatch of the
+    same prompt, and keep every outcome in outcomes_soak.jsonl.
+
+    Bug caught: the driver losing the response ids (streamed chunks' id)
+    or its outcomes' times, so no wrong answer maps to the log."""
+    from tests.v1.kv_connector.unit.test_kv_checksum_tamper import _free_offset
+
+    monkeypatch.setenv("FAKE_WRONG_LOADS", "10,13")
+    fake = f"{chaos.sys.executable} {FAKE}"
+    argv = ["--out", str(tmp_path), "--scenarios", "soak", "--no-build"]
+    argv += ["--serve-cmd", fake, "--router-cmd", f"{fake} router"]
+    argv += ["--num-prompts", "1", "--soak-requests", "20"]
+    argv += ["--soak-concurrency", "4", "--soak-abort-rate", "0"]
+    argv += ["--soak-fault-rate", "0.1", "--sample-s", "0.2"]
+    argv += ["--startup-timeout", "120", "--lease", "1"]
+    offset = _free_offset(plan.plan_topology(["soak"], 20, 2, 0.1))
+    assert chaos.main([*argv, "--port-offset", str(offset)]) == 1  # 2 wrong
+    entry = json.loads((tmp_path / "summary.json").read_text())["scenarios"]["soak"]
+    assert entry["counts"]["outcomes"]["wrong"] == 2, entry
+    assert entry["checks"]["0 false mismatches"]
+    found = entry["counts"]["attribution"]
+    assert found["by_cause"] == {
+        "injected": 1,
+        "mismatched": 0,
+        "same_prompt_mismatch": 1,
+        "unexplained": 0,
+    }
+    assert found["by_prompt"] == {"0": 2}
+    assert found["injected_by_kind"] == {"bitflip": {"wrong": 1, "right": 1}}
+    assert (found["unmatched_injected"], found["unmatched_mismatches"]) == (0, 0)
+    # Either may come first: the outcomes keep send order, not load order.
+    by_cause = {w["cause"]: w for w in found["examples"]}
+    contaminated = by_cause["same_prompt_mismatch"]
+    assert contaminated["sibling"] == by_cause["injected"]["request_id"]
+    assert contaminated["gap_s"] >= 0
+    lines = (tmp_path / "outcomes_soak.jsonl").read_text().splitlines()
+    assert len(lines) == 20
