@@ -73,6 +73,7 @@ PROXY = HERE / "kv_checksum_tamper_proxy.py"
 # The tiny model has no chat template: the messages' contents, as one prompt.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 UNVERIFIED = "vllm:kv_checksum_unverified_loads_total"
+T0 = time.monotonic()  # the driver's start: outcomes' send and finish times
 
 
 def log(msg: str) -> None:
@@ -149,6 +150,12 @@ class Proc:
 
     def metrics(self) -> str | None:
         return http_get(self.url + "/metrics", timeout=10)
+
+    def log_mark(self) -> int:
+        return self.log_text().count("\n")
+
+    def lines_since(self, mark: int) -> str:
+        return "\n".join(self.log_text().splitlines()[mark:])
 
 
 def server_proc(spec: ServerSpec, args: argparse.Namespace) -> Proc:
@@ -232,6 +239,7 @@ def complete(
     )
     end_at = t0 + timeout
     outcome = Outcome(status=0, prompt=prompt, phase=abort.phase if abort else "")
+    outcome.sent_s = round(t0 - T0, 3)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
 
     def budget() -> float:
@@ -253,7 +261,9 @@ def complete(
             outcome.error = response.read().decode(errors="replace")[:300]
             return outcome
         if not payload.get("stream"):
-            outcome.text = choice_text(json.loads(response.read())["choices"][0])
+            reply = json.loads(response.read())
+            outcome.request_id = str(reply.get("id", ""))
+            outcome.text = choice_text(reply["choices"][0])
             return outcome
         chunks, pieces, done = 0, [], False
         while not done:
@@ -265,7 +275,9 @@ def complete(
             done = line == b"data: [DONE]"
             if not line.startswith(b"data: ") or done:
                 continue
-            choices = json.loads(line[6:]).get("choices") or []
+            data = json.loads(line[6:])
+            outcome.request_id = outcome.request_id or str(data.get("id", ""))
+            choices = data.get("choices") or []
             if choices:
                 chunks += 1
                 pieces.append(choice_text(choices[0]))
@@ -290,6 +302,7 @@ def complete(
     finally:
         conn.close()
         outcome.elapsed_s = round(time.monotonic() - t0, 3)
+        outcome.finished_s = round(outcome.sent_s + outcome.elapsed_s, 3)
     return outcome
 
 
@@ -418,6 +431,22 @@ class Run:
 
         return cf.ThreadPoolExecutor(max_workers=1).submit(run_all)
 
+    def attribute(
+        self, label: str, outcomes: list[Outcome], log_text: str
+    ) -> dict[str, Any]:
+        """`plan.attribute_wrong` of a scenario, logged in one line; every
+        outcome (texts of wrong ones only) to OUT/outcomes_<label>.jsonl."""
+        found = plan.attribute_wrong(outcomes, self.references, log_text)
+        with open(self.args.out / f"outcomes_{label}.jsonl", "w") as out:
+            for o in outcomes:
+                record = vars(o) if o.cls == "wrong" else dict(vars(o), text=None)
+                out.write(json.dumps(record) + "\n")
+        log(
+            f"{label}: {found['wrong']} wrong by cause {found['by_cause']}; "
+            f"by prompt {found['by_prompt']}; injected {found['injected_by_kind']}"
+        )
+        return found
+
     def errors(self, *names: str) -> list[str]:
         return [
             e for n in names for e in plan.unexpected_errors(self.procs[n].log_text())
@@ -434,6 +463,8 @@ def producer_kill(run: Run) -> plan.Verdict:
     }
     verified = {p: 0.0 for p in routers}
     fresh = {}
+    marks = {p: run.procs[c].log_mark() for p, c in consumers.items()}
+    outcomes: dict[str, list[Outcome]] = {p: [] for p in routers}
     window = max(0.05, 3 * run.ttft_ms / 1000)
     for i, offset in enumerate(plan.plan_offsets(args.repeats, window, seed=21)):
         before = {p: run.verdict(c) for p, c in consumers.items()}
@@ -445,7 +476,8 @@ def producer_kill(run: Run) -> plan.Verdict:
         run.procs["producer"].kill(signal.SIGKILL)
         log(f"producer_kill {i}: SIGKILL at {offset * 1000:.0f} ms")
         for p, batch in batches.items():
-            counts = plan.tally(batch.result(), run.references)
+            outcomes[p] += batch.result()
+            counts = plan.tally(outcomes[p][-32:], run.references)
             for k, n in counts.items():
                 totals[p][k] += n
         took = run.restart("producer")
@@ -457,9 +489,16 @@ def producer_kill(run: Run) -> plan.Verdict:
         out = complete(run.router_url(r), body(run.prompts[0], args), args.timeout)
         ok = out.status == 200 and out.text in run.references[0]
         fresh[p] = ok and run.verdict(consumers[p]) > before_fresh
-    return plan.judge_producer_kill(
+    v = plan.judge_producer_kill(
         totals, verified, fresh, run.errors("consumer", "consumer_fail", "producer")
     )
+    v.counts["attribution"] = {
+        p: run.attribute(
+            f"producer_kill_{p}", outcomes[p], run.procs[c].lines_since(marks[p])
+        )
+        for p, c in consumers.items()
+    }
+    return v
 
 
 def client_abort(run: Run) -> plan.Verdict:
@@ -548,9 +587,12 @@ def lease_expiry(run: Run) -> plan.Verdict:
     new_lines = "\n".join(consumer.log_text().splitlines()[lines_before:])
     mismatched = plan.request_ids(plan.MISMATCH, new_lines)
     reported = [any(rid in m for m in mismatched) for rid in rids]
-    classes = [plan.classify(o, run.references[o.prompt]) for o in outcomes]
+    plan.tally(outcomes, run.references)  # each outcome's class
+    classes = [o.cls for o in outcomes]
     stale = producer.log_text().count(EXPIRED_READ)
-    return plan.judge_lease_expiry(reported, classes, stale)
+    v = plan.judge_lease_expiry(reported, classes, stale)
+    v.counts["attribution"] = run.attribute("lease_expiry", outcomes, new_lines)
+    return v
 
 
 def _prefill(url: str, payload: dict[str, Any], rid: str, timeout: float) -> Any:
@@ -663,7 +705,7 @@ def soak(run: Run) -> plan.Verdict:
                 if s["server"] == name and s[key] is not None
             ]
             memory[f"{name} {key}"] = plan.fit_slope(series)
-    return plan.judge_soak(
+    v = plan.judge_soak(
         plan.tally(outcomes, run.references),
         plan.request_ids(plan.INJECTED, new_lines),
         plan.request_ids(plan.MISMATCH, new_lines),
@@ -671,6 +713,8 @@ def soak(run: Run) -> plan.Verdict:
         memory,
         run.errors("consumer", "producer"),
     )
+    v.counts["attribution"] = run.attribute("soak", outcomes, new_lines)
+    return v
 
 
 def _post_json(url: str, payload: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 SCENARIOS = (
@@ -35,6 +35,12 @@ TRACKED_GAUGE = "vllm:kv_checksum_tracked_requests"
 # Greedy up to ": ": router request ids hold colons ("___prefill_addr_h:p...").
 MISMATCH = re.compile(r"KV checksum mismatch for request (\S+): ")
 INJECTED = re.compile(r"KV checksum fault injection: \w+ into request (\S+) ")
+INJECTED_KIND = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
+QUARANTINED = re.compile(r"quarantined \d+ loaded blocks of request (\S+) ")
+# A consumer's engine request id: the completion id a client gets, then
+# "-<prompt index>" (completions only) and vLLM's random "-<8 hex>".
+ENGINE_SUFFIX = re.compile(r"-\d+-[0-9a-f]{8}$")
+CHAT_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 # The consumer's warning per unverified reason (the guide's "Log lines").
 NOT_VERIFIED = "KV checksums not verified: {}."
 NO_CHECKSUMS = "the producer sent no checksums"
@@ -235,6 +241,10 @@ class Outcome:
     phase: str = ""
     error: str = ""
     prompt: int = 0  # index into the run's prompts
+    request_id: str = ""  # the response's id (the consumer's completion id)
+    sent_s: float = 0.0  # monotonic, from the driver's start
+    finished_s: float = 0.0
+    cls: str = ""  # `classify`'s class, set by `tally`
 
 
 def classify(outcome: Outcome, right: set[str]) -> str:
@@ -250,11 +260,117 @@ def classify(outcome: Outcome, right: set[str]) -> str:
 
 
 def tally(outcomes: list[Outcome], references: list[set[str]]) -> dict[str, int]:
-    """Counts of `classify` over a run (every class present, zeros kept)."""
+    """Counts of `classify` over a run (every class present, zeros kept);
+    each outcome keeps its class in `cls`."""
     counts = dict.fromkeys(("right", "wrong", "error", "hang", "aborted"), 0)
     for outcome in outcomes:
-        counts[classify(outcome, references[outcome.prompt])] += 1
+        outcome.cls = classify(outcome, references[outcome.prompt])
+        counts[outcome.cls] += 1
     return counts
+
+
+def completion_id(engine_id: str) -> str:
+    """The completion id a client saw for a consumer log's request id."""
+    chat = engine_id.startswith("chatcmpl-")
+    return (CHAT_SUFFIX if chat else ENGINE_SUFFIX).sub("", engine_id)
+
+
+# Why a wrong answer was wrong: its own load had a fault injected, its own
+# load mismatched (no injection), another request with its prompt mismatched
+# before it finished (contamination), or none of these.
+CAUSES = ("injected", "mismatched", "same_prompt_mismatch", "unexplained")
+
+
+@dataclass
+class WrongAnswer:
+    """One wrong answer and what the consumer's log says of it; `gap_s` is
+    its finish minus the send of the same-prompt mismatched request (an upper
+    bound of the time since that mismatch)."""
+
+    prompt: int
+    request_id: str
+    sent_s: float
+    finished_s: float
+    cause: str
+    injected_kind: str = ""
+    quarantined: bool = False
+    sibling: str = ""
+    gap_s: float | None = None
+
+
+def attribute_wrong(
+    outcomes: list[Outcome],
+    references: list[set[str]],
+    log_text: str,
+    examples: int = 50,
+    texts: int = 8,
+) -> dict[str, Any]:
+    """Each wrong answer's cause (CAUSES) from the consumer's injection,
+    mismatch and quarantine lines; counts by cause and by prompt, every
+    injected load's class by fault kind, the first `examples` records and
+    the first `texts` wrong texts beside their references (200 chars)."""
+    injected = {completion_id(r): k for k, r in INJECTED_KIND.findall(log_text)}
+    mismatched = {completion_id(r) for r in MISMATCH.findall(log_text)}
+    quarantined = {completion_id(r) for r in QUARANTINED.findall(log_text)}
+    bad_by_prompt: dict[int, list[Outcome]] = {}
+    for o in outcomes:
+        if o.request_id in mismatched:
+            bad_by_prompt.setdefault(o.prompt, []).append(o)
+    by_kind: dict[str, dict[str, int]] = {}
+    wrong: list[WrongAnswer] = []
+    shown: list[dict[str, Any]] = []
+    for o in outcomes:
+        cls = classify(o, references[o.prompt])
+        kind = injected.get(o.request_id, "")
+        if kind:
+            by_kind.setdefault(kind, {})
+            by_kind[kind][cls] = by_kind[kind].get(cls, 0) + 1
+        if cls != "wrong":
+            continue
+        w = WrongAnswer(o.prompt, o.request_id, o.sent_s, o.finished_s, "unexplained")
+        w.injected_kind, w.quarantined = kind, o.request_id in quarantined
+        if kind:
+            w.cause = "injected"
+        elif o.request_id in mismatched:
+            w.cause = "mismatched"
+        else:
+            before = [
+                b
+                for b in bad_by_prompt.get(o.prompt, [])
+                if b.request_id != o.request_id and b.sent_s <= o.finished_s
+            ]
+            if before:
+                last = max(before, key=lambda b: b.sent_s)
+                w.cause, w.sibling = "same_prompt_mismatch", last.request_id
+                w.gap_s = round(o.finished_s - last.sent_s, 3)
+        wrong.append(w)
+        if len(shown) < texts:
+            refs = sorted(r[:200] for r in references[o.prompt])
+            shown.append(
+                {
+                    "prompt": o.prompt,
+                    "request_id": o.request_id,
+                    "cause": w.cause,
+                    "text": (o.text or "")[:200],
+                    "references": refs,
+                }
+            )
+    by_prompt: dict[str, int] = {}
+    for w in wrong:
+        by_prompt[str(w.prompt)] = by_prompt.get(str(w.prompt), 0) + 1
+    seen = {o.request_id for o in outcomes}
+    return {
+        "wrong": len(wrong),
+        "by_cause": {c: sum(w.cause == c for w in wrong) for c in CAUSES},
+        "by_prompt": dict(sorted(by_prompt.items(), key=lambda kv: int(kv[0]))),
+        "injected_by_kind": by_kind,
+        # Injected/mismatched loads whose id no outcome has (0 unless the
+        # id mapping broke, or the load was not the driver's).
+        "unmatched_injected": len(set(injected) - seen),
+        "unmatched_mismatches": len(mismatched - seen),
+        "examples": [asdict(w) for w in wrong[:examples]],
+        "texts": shown,
+    }
 
 
 def gauge_total(metrics_text: str | None, name: str = TRACKED_GAUGE) -> float | None:

@@ -17,6 +17,9 @@ Environment:
 The injector of its --kv-transfer-config (rate r) fakes a fault every round(1/r)-th
 load: an injection line and its mismatch line in the log, as the package logs them.
   FAKE_DELAY_MS=T       sleep T ms before answering (an in-flight window)
+  FAKE_WRONG_LOADS=N,M  the consumer's N-th, M-th... loads answer a wrong text
+Ids as vLLM's: the response id is cmpl-<X-Request-Id> (chat: chatcmpl-), log
+lines name the engine id (cmpl-<X-Request-Id>-0-<8 hex>).
 With kv_checksum_verify_prefix_hits in its config, every completion counts one
 verified vllm:kv_checksum_prefix_hits_total. ``python kv_checksum_fake_server.py
 bench serve --base-url URL --num-prompts N --result-dir D --result-filename F ...``
@@ -32,6 +35,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -56,6 +60,7 @@ TRACKED = os.environ.get("FAKE_TRACKED_GAUGE") == "1"
 FAULT_EVERY = 0
 VERIFY_HITS = False
 DELAY_S = float(os.environ.get("FAKE_DELAY_MS", "0")) / 1000
+WRONG_LOADS = {int(n) for n in os.environ.get("FAKE_WRONG_LOADS", "").split(",") if n}
 
 
 def words(prompt: str, count: int) -> list[str]:
@@ -97,14 +102,16 @@ def metrics() -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-def load(body: dict, rid: str) -> None:
-    """A consumer request with remote prefill: count its verdict, log faults."""
+def load(body: dict, rid: str) -> bool:
+    """A consumer request with remote prefill: count its verdict, log faults;
+    True when this load is one FAKE_WRONG_LOADS answers wrong."""
     params = body.get("kv_transfer_params") or {}
     if not params.get("do_remote_prefill") or not CHECKSUMS:
-        return
+        return False
     verdict, reason = judge(params.get("kv_checksums"), prompt_of(body))
     with LOCK:
         STATE["loads"] += 1
+        wrong = STATE["loads"] in WRONG_LOADS
         fault = FAULT_EVERY and STATE["loads"] % FAULT_EVERY == 0
         verdict = "mismatch" if fault else verdict
         STATE[verdict] += 1
@@ -125,6 +132,7 @@ def load(body: dict, rid: str) -> None:
             f"ERROR [verdict_log.py:64] KV checksum mismatch for request {rid}: [0]",
             flush=True,
         )
+    return wrong
 
 
 def judge(value: object, prompt: str) -> tuple[str, str]:
@@ -181,15 +189,17 @@ class Handler(BaseHTTPRequestHandler):
         if ("messages" in body) != self.path.endswith("/chat/completions"):
             self.send(b'{"error": "wrong endpoint"}', "application/json", 400)
             return
-        rid = self.headers.get("X-Request-Id") or f"cmpl-{time.monotonic_ns()}"
+        rid = self.headers.get("X-Request-Id") or str(time.monotonic_ns())
+        cid = ("chatcmpl-" if "messages" in body else "cmpl-") + rid
+        engine_id = cid + ("" if "messages" in body else "-0")
         with LOCK:
             STATE["tracked"] += 1
         try:
             time.sleep(DELAY_S)
-            load(body, rid)
+            wrong = load(body, f"{engine_id}-{uuid.uuid4().hex[:8]}")
             with LOCK:
                 STATE["hits"] += 1
-            self.answer(body)
+            self.answer(body, cid, wrong)
         except OSError:
             pass  # the client went away
         finally:
@@ -208,9 +218,9 @@ class Handler(BaseHTTPRequestHandler):
             status, data, kind = post(UPSTREAMS["decode"], decode, self.path, rid)
         self.send(data, kind, status)
 
-    def answer(self, body: dict) -> None:
+    def answer(self, body: dict, cid: str, wrong: bool) -> None:
         count = body.get("max_tokens", 1)
-        tokens = words(prompt_of(body), count)
+        tokens = words(prompt_of(body) + (" wrong" if wrong else ""), count)
         chat = "messages" in body
         if not body.get("stream"):
             text = "".join(tokens)
@@ -221,7 +231,7 @@ class Handler(BaseHTTPRequestHandler):
                 else {"text": text}
             )
             out = {
-                "id": "x",
+                "id": cid,
                 "object": "text_completion",
                 "model": "tiny",
                 "choices": [choice],
@@ -242,7 +252,7 @@ class Handler(BaseHTTPRequestHandler):
             done = "length" if i == count - 1 else None
             choice = {"index": 0, "finish_reason": done}
             choice.update({"delta": {"content": token}} if chat else {"text": token})
-            self.chunk("data: " + json.dumps({"id": "x", "choices": [choice]}) + "\n\n")
+            self.chunk("data: " + json.dumps({"id": cid, "choices": [choice]}) + "\n\n")
         self.chunk("data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()

@@ -6,6 +6,7 @@ bounded state and R138's containment under process faults on the GPU host,
 these tests keep its planning and verdicts honest)."""
 
 import importlib.util
+import json
 import signal
 import socket
 import sys
@@ -290,3 +291,158 @@ class _GaugeRun:
 
     def gauge(self, name: str) -> float | None:
         return plan.gauge_total(self.proc.metrics())
+
+
+def test_completion_id_of_engine_ids() -> None:
+    """The consumer logs vLLM's engine id (completion id, "-<index>" for
+    completions, a random "-<8 hex>"); ids from the H200 soak's logs.
+
+    Bug caught: engine ids compared to the client's completion ids as they
+    are (no wrong answer ever matched its own mismatch line), or a chat id
+    losing a "-<digits>" of its own."""
+    soak = f"cmpl-{ROUTER_ID}d34d3e5d235044e48a968ae3283d2d34"
+    assert plan.completion_id(f"{soak}-0-b71db729") == soak
+    assert plan.completion_id("cmpl-stale-0-a5e8db85-0-a5080a99") == (
+        "cmpl-stale-0-a5e8db85"
+    )
+    assert plan.completion_id("chatcmpl-stale-3-0badf00d") == "chatcmpl-stale-3"
+
+
+def _log(rid: str, inject: str = "", quarantine: bool = False) -> str:
+    """The consumer's lines for one mismatched load of completion `rid`."""
+    eid = f"{rid}-0-1a2b3c4d"
+    lines = []
+    if inject:
+        lines.append(
+            f"WARNING 12-01 06:44:43 [injector.py:294] KV checksum fault injection: "
+            f"{inject} into request {eid} group 0 block position 2."
+        )
+    lines.append(
+        f"ERROR 12-01 06:44:43 [verdict_log.py:64] KV checksum mismatch for "
+        f"request {eid}: group 0 block positions [2]"
+    )
+    if quarantine:
+        lines.append(
+            f"INFO 12-01 06:44:43 [containment.py:194] KV checksums: quarantined "
+            f"3 loaded blocks of request {eid} (group 0 from block position 2): "
+            "kept out of the prefix cache."
+        )
+    return "\n".join(lines)
+
+
+def test_attribute_wrong_answers() -> None:
+    """R138 (a failed load never serves wrong KV): each wrong answer of a run
+    attributed by hand from made-up outcomes and consumer lines: own fault
+    injected, own load mismatched, a same-prompt request mismatched before it
+    finished (contamination, nearest such send), or unexplained (the only
+    same-prompt mismatch was sent after it finished).
+
+    Bug caught: a wrong answer whose own load mismatched counted as
+    contamination, a sibling sent after the wrong answer finished counted as
+    its cause, the farther sibling's gap reported, or right/aborted answers
+    counted as wrong."""
+    rid = {k: f"cmpl-{ROUTER_ID}{k}" for k in ("r1", "r2", "r3", "r4", "r5", "r6")}
+    refs = [{"A"}, {"B"}, {"C"}]
+
+    def out(k: str, prompt: int, text: str, sent: float, done: float) -> Any:
+        return plan.Outcome(
+            200, text, prompt=prompt, request_id=rid[k], sent_s=sent, finished_s=done
+        )
+
+    outcomes = [
+        out("r1", 0, "A", 1.0, 2.0),  # injected, recomputed right
+        out("r2", 0, "X", 2.0, 3.0),  # injected, wrong
+        out("r3", 1, "Y", 0.5, 4.0),  # mismatched without injection, wrong
+        out("r4", 0, "Z" * 300, 5.0, 6.0),  # clean load, wrong: r2 sent 4 s before
+        out("r5", 2, "W", 6.5, 7.0),  # clean load, wrong, r6 sent after
+        out("r6", 2, "C", 10.0, 11.0),  # mismatched, right
+        plan.Outcome(0, None, aborted=True, prompt=1),
+    ]
+    log_text = "\n".join(
+        [
+            _log(rid["r1"], "swap_blocks"),
+            _log(rid["r2"], "zero_block", quarantine=True),
+            _log(rid["r3"]),
+            _log(rid["r6"]),
+            _log("cmpl-not-the-drivers"),
+        ]
+    )
+    found = plan.attribute_wrong(outcomes, refs, log_text, examples=3, texts=4)
+    assert found["wrong"] == 4
+    assert found["by_cause"] == {
+        "injected": 1,
+        "mismatched": 1,
+        "same_prompt_mismatch": 1,
+        "unexplained": 1,
+    }
+    assert found["by_prompt"] == {"0": 2, "1": 1, "2": 1}
+    assert found["injected_by_kind"] == {
+        "swap_blocks": {"right": 1},
+        "zero_block": {"wrong": 1},
+    }
+    assert (found["unmatched_injected"], found["unmatched_mismatches"]) == (0, 1)
+    assert len(found["examples"]) == 3
+    r2, r3, r4 = found["examples"]
+    assert (r2["cause"], r2["injected_kind"], r2["quarantined"]) == (
+        "injected",
+        "zero_block",
+        True,
+    )
+    assert (r3["cause"], r3["quarantined"]) == ("mismatched", False)
+    assert (r4["cause"], r4["sibling"], r4["gap_s"]) == (
+        "same_prompt_mismatch",
+        rid["r2"],
+        4.0,
+    )
+    texts = found["texts"]
+    assert [t["request_id"] for t in texts] == [
+        rid[k] for k in ("r2", "r3", "r4", "r5")
+    ]
+    assert texts[0]["references"] == ["A"] and texts[0]["text"] == "X"
+    assert texts[2]["text"] == "Z" * 200
+    assert texts[3]["cause"] == "unexplained"
+
+
+def test_soak_dry_run_attributes_wrong_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The soak end to end on CPU (fake servers and router, one prompt, no
+    aborts, injector rate 0.1: loads 10 and 20 faulted); the fake consumer
+    answers loads 10 and 13 wrong. Its summary must attribute one wrong
+    answer to its own injected fault and one to the earlier mismatch of the
+    same prompt, and keep every outcome in outcomes_soak.jsonl.
+
+    Bug caught: the driver losing the response ids (streamed chunks' id)
+    or its outcomes' times, so no wrong answer maps to the log."""
+    from tests.v1.kv_connector.unit.test_kv_checksum_tamper import _free_offset
+
+    monkeypatch.setenv("FAKE_WRONG_LOADS", "10,13")
+    fake = f"{chaos.sys.executable} {FAKE}"
+    argv = ["--out", str(tmp_path), "--scenarios", "soak", "--no-build"]
+    argv += ["--serve-cmd", fake, "--router-cmd", f"{fake} router"]
+    argv += ["--num-prompts", "1", "--soak-requests", "20"]
+    argv += ["--soak-concurrency", "4", "--soak-abort-rate", "0"]
+    argv += ["--soak-fault-rate", "0.1", "--sample-s", "0.2"]
+    argv += ["--startup-timeout", "120", "--lease", "1"]
+    offset = _free_offset(plan.plan_topology(["soak"], 20, 2, 0.1))
+    assert chaos.main([*argv, "--port-offset", str(offset)]) == 1  # 2 wrong
+    entry = json.loads((tmp_path / "summary.json").read_text())["scenarios"]["soak"]
+    assert entry["counts"]["outcomes"]["wrong"] == 2, entry
+    assert entry["checks"]["0 false mismatches"]
+    found = entry["counts"]["attribution"]
+    assert found["by_cause"] == {
+        "injected": 1,
+        "mismatched": 0,
+        "same_prompt_mismatch": 1,
+        "unexplained": 0,
+    }
+    assert found["by_prompt"] == {"0": 2}
+    assert found["injected_by_kind"] == {"bitflip": {"wrong": 1, "right": 1}}
+    assert (found["unmatched_injected"], found["unmatched_mismatches"]) == (0, 0)
+    # Either may come first: the outcomes keep send order, not load order.
+    by_cause = {w["cause"]: w for w in found["examples"]}
+    contaminated = by_cause["same_prompt_mismatch"]
+    assert contaminated["sibling"] == by_cause["injected"]["request_id"]
+    assert contaminated["gap_s"] >= 0
+    lines = (tmp_path / "outcomes_soak.jsonl").read_text().splitlines()
+    assert len(lines) == 20
