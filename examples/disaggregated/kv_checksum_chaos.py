@@ -67,6 +67,8 @@ from kv_checksum_chaos_plan import AbortPlan, Outcome, ServerSpec  # noqa: E402
 from kv_checksum_serve_pd import serve_env  # noqa: E402
 
 EXPIRED_READ = "Potentially invalid KV blocks for unrecognized request"
+# vLLM's finished-request counter: a producer's answered prefills.
+ANSWERED = "vllm:request_success_total"
 CLI = f"{sys.executable} -m vllm.entrypoints.cli.main"
 ROUTER = f"{sys.executable} -m vllm_router.launch_router"
 PROXY = HERE / "kv_checksum_tamper_proxy.py"
@@ -373,6 +375,17 @@ class Run:
     def gauge(self, name: str) -> float | None:
         return plan.gauge_total(self.procs[name].metrics())
 
+    def wait_answered(self, name: str, count: float, timeout: float) -> float:
+        """Poll `name`'s finished-request counter until it reaches `count` (or
+        timeout); returns the seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            done = plan.gauge_total(self.procs[name].metrics(), ANSWERED) or 0.0
+            if done >= count:
+                break
+            time.sleep(0.002)
+        return round(time.monotonic() - t0, 3)
+
     def wait_gauge_zero(self, name: str, timeout: float) -> float | None:
         """Poll `name`'s tracked-request gauge until 0 (or n/a, or timeout)."""
         deadline = time.time() + timeout
@@ -465,16 +478,22 @@ def producer_kill(run: Run) -> plan.Verdict:
     fresh = {}
     marks = {p: run.procs[c].log_mark() for p, c in consumers.items()}
     outcomes: dict[str, list[Outcome]] = {p: [] for p in routers}
-    window = max(0.05, 3 * run.ttft_ms / 1000)
-    for i, offset in enumerate(plan.plan_offsets(args.repeats, window, seed=21)):
+    kills = []
+    # The kill lands after k of the 64 prefills answered (k spread over the
+    # repeats), so consumers are reading from the producer when it dies: a
+    # kill timed from the send landed before any prefill answered on an H200.
+    for i, share in enumerate(plan.plan_offsets(args.repeats, 0.75, seed=21)):
         before = {p: run.verdict(c) for p, c in consumers.items()}
+        answered = plan.gauge_total(run.procs["producer"].metrics(), ANSWERED) or 0.0
         batches = {
             p: run.fire(run.router_url(r), 32, 32, seed=100 + i)
             for p, r in routers.items()
         }
-        time.sleep(offset)
+        k = max(1, round(share * 64))
+        waited = run.wait_answered("producer", answered + k, timeout=30)
         run.procs["producer"].kill(signal.SIGKILL)
-        log(f"producer_kill {i}: SIGKILL at {offset * 1000:.0f} ms")
+        kills.append({"after_prefills": k, "waited_s": waited})
+        log(f"producer_kill {i}: SIGKILL after {k} prefills answered ({waited} s)")
         for p, batch in batches.items():
             outcomes[p] += batch.result()
             counts = plan.tally(outcomes[p][-32:], run.references)
@@ -492,6 +511,7 @@ def producer_kill(run: Run) -> plan.Verdict:
     v = plan.judge_producer_kill(
         totals, verified, fresh, run.errors("consumer", "consumer_fail", "producer")
     )
+    v.counts["kills"] = kills
     v.counts["attribution"] = {
         p: run.attribute(
             f"producer_kill_{p}", outcomes[p], run.procs[c].lines_since(marks[p])

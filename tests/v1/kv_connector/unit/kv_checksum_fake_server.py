@@ -81,9 +81,11 @@ def checksums(prompt: str) -> str:
 
 
 def metrics() -> bytes:
+    # vLLM's finished-request counter (the chaos driver times kills by it).
+    answered = f'vllm:request_success_total{{engine="0"}} {float(STATE["hits"])}\n'
     if not CHECKSUMS:
-        return b"vllm:other 1.0\n"
-    lines = [
+        return ("vllm:other 1.0\n" + answered).encode()
+    lines = [answered.strip()] + [
         f'vllm:kv_checksum_loads_total{{engine="0",verdict="{v}"}} {float(STATE[v])}'
         for v in ("verified", "mismatch", "unverified")
     ]

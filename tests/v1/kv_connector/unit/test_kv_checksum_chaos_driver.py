@@ -271,6 +271,11 @@ def test_fake_server_kill_restart_and_abort(tmp_path: Path) -> None:
         again = chaos.complete(proc.url, dict(payload, stream=False), timeout=30)
         assert again.text == full.text
         assert chaos.Run.wait_gauge_zero(_GaugeRun(proc), "fake", 30) == 0.0
+        # The restarted server answered one request: the kill trigger of
+        # producer_kill reads that counter (bug: the wrong metric name, so the
+        # kill waits out its timeout and lands after every load).
+        runner = _GaugeRun(proc)
+        assert chaos.Run.wait_answered(runner, "fake", 1, timeout=30) < 30
     finally:
         proc.kill(signal.SIGTERM)
 
@@ -284,10 +289,13 @@ def _load_fake() -> Any:
 
 
 class _GaugeRun:
-    """Just what Run.wait_gauge_zero needs: gauge(name)."""
+    """Just what Run.wait_gauge_zero and wait_answered need: gauge(name),
+    procs."""
 
     def __init__(self, proc: Any) -> None:
         self.proc = proc
+
+        self.procs = {"fake": proc}
 
     def gauge(self, name: str) -> float | None:
         return plan.gauge_total(self.proc.metrics())
