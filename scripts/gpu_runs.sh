@@ -198,7 +198,8 @@ simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
 # ports 8000-8600 shifted by KV_CHECKSUM_PORT_OFFSET, as `group` does). chaos:
 # every scenario but the soak;
 # chaos-push / chaos-offload: the client aborts over NIXL push and with the CPU
-# offload tier; soak: 20,000 requests at concurrency 64 (KV_CHECKSUM_SOAK_REQUESTS).
+# offload tier; soak: rounds of 20,000 requests at concurrency 64 for at least
+# 240 s (KV_CHECKSUM_SOAK_REQUESTS, KV_CHECKSUM_SOAK_SECONDS).
 chaos) run chaos examples/disaggregated/kv_checksum_chaos.py --repeats 2 \
     --scenarios producer_kill,client_abort,consumer_restart,lease_expiry "$@" ;;
 chaos-push) run chaos-push examples/disaggregated/kv_checksum_chaos.py \
@@ -206,7 +207,8 @@ chaos-push) run chaos-push examples/disaggregated/kv_checksum_chaos.py \
 chaos-offload) run chaos-offload examples/disaggregated/kv_checksum_chaos.py \
     --connector nixl-offload --scenarios client_abort "$@" ;;
 soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
-    --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" "$@" ;;
+    --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" \
+    --soak-min-s "${KV_CHECKSUM_SOAK_SECONDS:-240}" "$@" ;;
 # Issue 26 item 5: a proxy before the producer drops, truncates, swaps or
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;

@@ -704,10 +704,15 @@ def soak(run: Run) -> plan.Verdict:
     sampler = Sampler(run, ["producer", "consumer"], args.sample_s)
     sampler.start()
     t0 = time.time()
-    outcomes = run.fire(
-        run.router_url(), n, args.soak_concurrency, aborts, seed=52
-    ).result()
-    log(f"soak: {n} requests in {time.time() - t0:.0f} s")
+    outcomes: list[Outcome] = []
+    # Rounds of n requests until --soak-min-s has passed too: a memory slope
+    # over 1.1 minutes (20,000 requests on an H200) says little.
+    while not outcomes or time.time() - t0 < args.soak_min_s:
+        seed = 52 + len(outcomes) // n
+        outcomes += run.fire(
+            run.router_url(), n, args.soak_concurrency, aborts, seed=seed
+        ).result()
+    log(f"soak: {len(outcomes)} requests in {time.time() - t0:.0f} s")
     gauges = {
         "consumer": run.wait_gauge_zero("consumer", 60),
         "producer": run.wait_gauge_zero("producer", args.lease + 30),
@@ -843,6 +848,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=150, help="client timeout (s)")
     parser.add_argument("--startup-timeout", type=float, default=300)
     parser.add_argument("--soak-requests", type=int, default=20000)
+    parser.add_argument(
+        "--soak-min-s",
+        type=float,
+        default=0.0,
+        help="repeat rounds of --soak-requests until this many seconds passed",
+    )
     parser.add_argument("--soak-concurrency", type=int, default=64)
     parser.add_argument("--soak-abort-rate", type=float, default=0.05)
     parser.add_argument("--soak-fault-rate", type=float, default=0.01)
