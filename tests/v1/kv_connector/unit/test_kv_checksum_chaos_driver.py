@@ -454,3 +454,22 @@ def test_soak_dry_run_attributes_wrong_answers(
     assert contaminated["gap_s"] >= 0
     lines = (tmp_path / "outcomes_soak.jsonl").read_text().splitlines()
     assert len(lines) == 20
+
+
+def test_soak_plot_series_per_server() -> None:
+    """The soak plot's curves: one server's samples of one key, in time
+    order, unknown values left out (bug: another server's samples mixed in,
+    or a None sample plotted as a drop to 0)."""
+    from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
+
+    plot = load_script(
+        "plot_kv_checksum_soak", ROOT / "benchmarks/plot_kv_checksum_soak.py"
+    )
+    samples = [
+        {"t": 1.0, "server": "producer", "rss_mib": 10.0, "tracked": 0.0},
+        {"t": 1.1, "server": "consumer", "rss_mib": 20.0, "tracked": 3.0},
+        {"t": 2.0, "server": "producer", "rss_mib": None, "tracked": 1.0},
+        {"t": 3.0, "server": "producer", "rss_mib": 12.0, "tracked": 0.0},
+    ]
+    assert plot.series(samples, "producer", "rss_mib") == ([1.0, 3.0], [10.0, 12.0])
+    assert plot.series(samples, "consumer", "tracked") == ([1.1], [3.0])
