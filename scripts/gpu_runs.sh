@@ -5,7 +5,10 @@
 #   bash scripts/gpu_runs.sh install-bundle   # carry gpu_bundle (57 MiB)
 #   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve: the
 #                                             #  `vllm serve` wheels and vllm-router,
-#                                             #  gpu_mooncake/slim), same warm machine
+#                                             #  gpu_mooncake/slim; gpu_moe: the
+#                                             #  `build_bundle.sh OUT --moe` extra/*.xz,
+#                                             #  for gdn), same warm machine; 64 MiB
+#                                             #  a call: nixl+serve or nixl+moe
 #   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, pull, pull-offload, push,
 #                                             # mooncake, hybrid, hybrid-tp2, offload,
 #                                             # prefix-hits,
