@@ -216,7 +216,7 @@ soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,23p' "$0"
+    sed -n '2,26p' "$0"
     exit 2
     ;;
 esac
