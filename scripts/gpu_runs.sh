@@ -192,6 +192,9 @@ prefix-hits) run prefix-hits examples/offload/kv_checksum_offload_gpu.py \
 # `vllm bench serve` through vllm-router, checksums off and on (8B-shaped, dummy
 # weights; P and D share GPU 0 unless --gpu-d 1 is passed).
 bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
+# Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
+# stand-in model output, cProfile at 256 running requests) on the GPU host's cores.
+host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile "$@" ;;
 # The cost of prefix-hit verification (issue 31 item 4): `vllm bench serve`
 # shared-prefix rounds against an off and an on engine started together on one GPU.
 bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py "$@" ;;

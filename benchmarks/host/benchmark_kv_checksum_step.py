@@ -29,6 +29,7 @@ import argparse
 import cProfile
 import gc
 import io
+import json
 import pstats
 import statistics
 import sys
@@ -293,6 +294,9 @@ def main() -> None:
     parser.add_argument("--no-loads", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--prefix", action="store_true", help="prefix hits only")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="also write OUT/summary.json"
+    )
     args = parser.parse_args()
     plugin.register()
     register_carrier_connector()
@@ -347,8 +351,16 @@ def main() -> None:
     for result in results:
         print(result.row())
     print("\nWorker decode step (bind + post_forward, nothing to checksum):")
-    for n in args.requests:
-        print(f"| {n} | {bench_worker(model_dir, n, 2000):.1f} us |")
+    worker_us = {n: bench_worker(model_dir, n, 2000) for n in args.requests}
+    for n, us in worker_us.items():
+        print(f"| {n} | {us:.1f} us |")
+    if args.out is not None:  # gpu_runs.sh host-step: the rows come back as JSON
+        args.out.mkdir(parents=True, exist_ok=True)
+        summary = {
+            "scheduler_rows": [result.row() for result in results],
+            "worker_decode_step_us": worker_us,
+        }
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
