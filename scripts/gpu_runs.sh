@@ -10,7 +10,10 @@
 #                                             # mooncake, hybrid, hybrid-tp2, offload,
 #                                             # prefix-hits,
 #                                             # simple-offload, bench-serve,
-#                                             # bench-prefix, mla,
+#                                             # bench-prefix, bench-offload,
+#                                             # bench-offload-multi (issue 26
+#                                             # item 3; -multi needs gpu_nixl),
+#                                             # mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
@@ -192,6 +195,14 @@ bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 # The cost of prefix-hit verification (issue 31 item 4): `vllm bench serve`
 # shared-prefix rounds against an off and an on engine started together on one GPU.
 bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py "$@" ;;
+# Issue 26 item 3: the CPU offload tier's cost, the same driver with a GPU cache
+# too small for its 16 prefixes (reuses load from host): OffloadingConnector
+# alone, and MultiConnector(NixlConnector, OffloadingConnector) (install-wheels
+# first: NIXL). Defaults: 4 ABBA rounds, one workload, about 270 s at 8B.
+bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py \
+    --tier offloading "$@" ;;
+bench-offload-multi) run bench-offload-multi \
+    benchmarks/benchmark_kv_checksum_prefix_hits.py --tier multi "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 # Issue 27: faults of processes and time behind vllm-router (tiny model, fixed
@@ -211,7 +222,7 @@ soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,23p' "$0"
+    sed -n '2,26p' "$0"
     exit 2
     ;;
 esac
