@@ -21,12 +21,23 @@ difference is inside the off-vs-off spread (max - min over off rounds), and
 every hit checked: `vllm:kv_checksum_prefix_hits_total` of the on engine grew by
 verified > 0 and mismatch 0 over its rounds (unverified reported).
 
+`--tier offloading` / `--tier multi` (issue 26 item 3) measure the CPU offload
+tier instead: OffloadingConnector alone or MultiConnector(NixlConnector,
+OffloadingConnector), `on` = `enable_kv_checksum` + `kv_checksum_fail_closed`
+(configs in `kv_checksum_bench_tiers.py`), a GPU KV cache for the running
+requests and two prefixes only and `prefix_repetition` with 16 prefixes, so
+most reuses load from host memory. Their verdict: on/off throughput >= 0.98,
+host loads (`vllm:kv_offload_load_size_count`) > 0 on both engines and the on
+engine's `vllm:kv_checksum_loads_total` verified > 0, mismatch 0 (TTFT is
+reported). Defaults: 4 rounds of `host16_c8`, about 270 s at 8B on an H200.
+
     python benchmarks/benchmark_kv_checksum_prefix_hits.py --out /tmp/prefix \\
         --shape 8b --rounds 6
 
 Writes OUT/summary.json (per round: the bench's scalar results, every request's
-TTFT, the on engine's prefix-hit counter deltas) and prints the tables;
-`benchmarks/plot_kv_checksum_serve.py OUT/summary.json` draws the TTFTs.
+TTFT, each engine's prefix-hit, host-load and load-verdict counter deltas) and
+prints the tables; `benchmarks/plot_kv_checksum_serve.py OUT/summary.json` draws
+the TTFTs.
 """
 
 from __future__ import annotations
@@ -57,6 +68,16 @@ from benchmark_kv_checksum_serve import (  # noqa: E402
     read_result,
     verdict_counts,
 )
+from kv_checksum_bench_tiers import (  # noqa: E402
+    HOST_LOADS,
+    OFFLOAD_TIERS,
+    TIER_DEFAULTS,
+    TIERS,
+    host_load_totals,
+    host_loads_ok,
+    kv_cache_bytes,
+    transfer_config,
+)
 
 # Targets of issue 31 item 4.
 MIN_THROUGHPUT_RATIO = 0.98
@@ -68,6 +89,8 @@ ABBA = ("off", "on", "on", "off")
 # `gpu_runs.sh pair` runs a second driver on the other GPU, ports apart.
 PORT_OFFSET = int(os.environ.get("KV_CHECKSUM_PORT_OFFSET", "0"))
 METRICS = ("request_throughput", "median_ttft_ms", "median_tpot_ms")
+NIXL_SIDE_OFFSET = 5000
+COUNTERS = ("prefix_hits", "host_loads", "load_verdicts")
 
 
 @dataclass(frozen=True)
@@ -90,29 +113,16 @@ WORKLOADS = [
     Workload("shared_c8", "random", 2048, 256, 32, 8, 160),
     Workload("shared_c32", "random", 2048, 256, 32, 32, 320),
     Workload("prefixes4_c32", "prefix_repetition", 2048, 256, 32, 32, 320, 4),
+    # The offload tiers: 16 prefixes, 12 prompts each, shuffled, 8 at a time on a
+    # GPU cache of the running requests plus 2 prefixes: most reuses load the
+    # prefix back from host memory (about 8 s a run at 8B on an H200).
+    Workload("host16_c8", "prefix_repetition", 2048, 256, 32, 8, 192, 16),
 ]
 
 
 def round_modes(rounds: int) -> list[str]:
     """Modes of the rounds in ABBA order: off, on, on, off, off, on, ..."""
     return [ABBA[k % 4] for k in range(rounds)]
-
-
-def transfer_config(mode: str, cpu_gib: int) -> dict[str, Any]:
-    """The `--kv-transfer-config` of an engine; `on` adds the package's keys."""
-    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_gib << 30}
-    if mode == "on":
-        extra.update(
-            enable_kv_checksum=True,
-            kv_checksum_verify_prefix_hits=True,
-            kv_checksum_fail_closed=True,
-        )
-    return {
-        "kv_connector": "SimpleCPUOffloadConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
-    }
 
 
 def bench_command(
@@ -163,6 +173,9 @@ class Engine:
             VLLM_USE_FLASHINFER_SAMPLER="0",
             VLLM_NO_USAGE_STATS="1",
             HF_HUB_OFFLINE="1",
+            # `--tier multi`: each engine's NixlConnector its own side channel.
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.port + NIXL_SIDE_OFFSET),
         )
         cmd = [*shlex.split(args.serve_cmd), "serve", str(args.model)]
         cmd += ["--port", str(self.port), "--served-model-name", "model"]
@@ -170,8 +183,8 @@ class Engine:
         cmd += ["--max-model-len", str(args.max_model_len)]
         cmd += ["--gpu-memory-utilization", str(args.util)]
         # A fixed KV cache: the two engines start together without a profiling race.
-        cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_gib << 30)]
-        config = transfer_config(self.mode, args.cpu_gib)
+        cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
+        config = transfer_config(self.mode, args.cpu_gib, args.tier)
         cmd += ["--kv-transfer-config", json.dumps(config), *args.serve_arg]
         self.logs.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
@@ -188,9 +201,15 @@ class Engine:
             raise RuntimeError(f"{self.mode} engine ended: see {self.logs}")
         return http_get(f"http://127.0.0.1:{self.port}/health") is not None
 
-    def prefix_hits(self) -> dict[str, float]:
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Prefix-hit verdicts, host loads (vLLM's offload transfer counters)
+        and the package's load verdicts (host loads alike) from /metrics."""
         page = http_get(f"http://127.0.0.1:{self.port}/metrics")
-        return verdict_counts(page, PREFIX_HITS)
+        return {
+            "prefix_hits": verdict_counts(page, PREFIX_HITS),
+            "host_loads": verdict_counts(page, HOST_LOADS),
+            "load_verdicts": verdict_counts(page),
+        }
 
     def stop(self) -> None:
         """Ends this engine's process group (its engine core included)."""
@@ -224,9 +243,10 @@ def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
 
 
-def judge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def judge(rounds: list[dict[str, Any]], tier: str = "simple-hits") -> dict[str, Any]:
     """Per workload: means by mode, on/off ratio and delta, off-vs-off spread,
-    prefix-hit verdict totals of the on rounds and the verdict of the docstring."""
+    prefix-hit verdicts (on rounds), host loads by mode and the verdict of the
+    docstring (an offload tier's: throughput and host loads, TTFT reported)."""
     workloads: dict[str, Any] = {}
     names = dict.fromkeys(name for r in rounds for name in r["results"])
     for name in names:
@@ -260,8 +280,12 @@ def judge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         ratio_ok = timed and rps["on_over_off"] >= MIN_THROUGHPUT_RATIO
         ttft_ok = timed and ttft["on_minus_off"] <= MAX_TTFT_DELTA_MS
         hits_ok = hits.get("verified", 0) > 0 and hits.get("mismatch", 0) == 0
+        host = host_load_totals(rounds, name)
+        if tier in OFFLOAD_TIERS:
+            ttft_ok, hits_ok = True, host_loads_ok(host)
         row.update(
             prefix_hits_on=hits,
+            host_loads=host,
             failed=failed,
             throughput_ok=ratio_ok,
             ttft_ok=ttft_ok,
@@ -282,19 +306,21 @@ def judge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def print_tables(rounds: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
     print(
         "\n| round | launch | mode | workload | req/s | median TTFT ms "
-        "| median TPOT ms | prefix hits |"
+        "| median TPOT ms | prefix hits | host loads | load verdicts |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rounds:
         for name, res in r["results"].items():
             cells = [
                 f"{res[m]:.3f}" if res.get(m) is not None else "-" for m in METRICS
             ]
             hits = r["prefix_hits"].get(name, "-")
+            host = r.get("host_loads", {}).get(name, {}).get("size_count", "-")
+            loads = r.get("load_verdicts", {}).get(name, "-")
             print(
                 f"| {r['round']} | {r['launch']} | {r['mode']} | {name} | "
                 + " | ".join(cells)
-                + f" | {hits} |"
+                + f" | {hits} | {host} | {loads} |"
             )
     print("\n| workload | metric | off mean | on mean | on-off | on/off | off spread |")
     print("|---|---|---|---|---|---|---|")
@@ -315,7 +341,8 @@ def print_tables(rounds: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
             f"{row['throughput_ok']} (inside off spread: "
             f"{row['throughput_inside_spread']}); median TTFT delta <= "
             f"+{MAX_TTFT_DELTA_MS} ms: {row['ttft_ok']} (inside off spread: "
-            f"{row['ttft_inside_spread']}); prefix hits on {row['prefix_hits_on']}: "
+            f"{row['ttft_inside_spread']}); prefix hits on {row['prefix_hits_on']}, "
+            f"host loads {row['host_loads']}: "
             f"{'ok' if row['hits_ok'] else 'NO'}; failed {row['failed']}; "
             f"{'PASS' if row['passed'] else 'FAIL'}"
         )
@@ -327,15 +354,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--rounds", type=int, default=6, help="per launch, ABBA")
+    parser.add_argument("--tier", choices=TIERS, default="simple-hits")
+    parser.add_argument("--rounds", type=int, default=None, help="per launch, ABBA")
     parser.add_argument("--launches", type=int, default=1, help="engine pairs")
-    parser.add_argument("--workloads", default="shared_c8,shared_c32")
+    parser.add_argument("--workloads", default=None, help="names, comma-separated")
     parser.add_argument("--scale", type=float, default=1.0, help="prompts x SCALE")
     parser.add_argument("--seed", type=int, default=0, help="seed of round 0")
     parser.add_argument("--gpu", default=None, help="default: the inherited one")
     parser.add_argument("--util", type=float, default=0.4)
-    parser.add_argument("--kv-cache-gib", type=int, default=20)
-    parser.add_argument("--cpu-gib", type=int, default=8, help="offload tier size")
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=None, help="default: by tier"
+    )
+    parser.add_argument("--cpu-gib", type=int, default=None, help="offload tier size")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--port-off", type=int, default=8300 + PORT_OFFSET)
     parser.add_argument("--port-on", type=int, default=8400 + PORT_OFFSET)
@@ -345,7 +375,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--serve-cmd", default=shlex.join(CLI), help="serves")
     parser.add_argument("--bench-cmd", default=shlex.join(CLI), help="benches")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    rounds, workloads, cpu_gib = TIER_DEFAULTS[args.tier]
+    args.rounds = rounds if args.rounds is None else args.rounds
+    args.workloads = args.workloads or workloads
+    args.cpu_gib = cpu_gib if args.cpu_gib is None else args.cpu_gib
+    return args
 
 
 def run_launch(
@@ -370,24 +405,29 @@ def run_launch(
                 "mode": mode,
                 "seed": seed,
                 "results": {},
-                "prefix_hits": {},
+                **{counter: {} for counter in COUNTERS},
             }
             engine = engines[mode]
             for workload in chosen:
                 path = logs / f"round{index}_{mode}_{workload.name}.json"
-                before = engine.prefix_hits()
+                before = engine.counters()
                 cmd = bench_command(args, workload, engine.port, seed, path)
                 with open(path.with_suffix(".log"), "wb") as sink:
                     rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT)
                 result = read_result(path, rc.returncode)
                 entry["results"][workload.name] = result
-                hits = counter_delta(before, engine.prefix_hits())
-                entry["prefix_hits"][workload.name] = hits
+                after = engine.counters()
+                for counter in COUNTERS:
+                    delta = counter_delta(before[counter], after[counter])
+                    entry[counter][workload.name] = delta
+                hits = entry["prefix_hits"][workload.name]
+                host = entry["host_loads"][workload.name]
                 log(
                     f"round {index} ({mode}) {workload.name}: "
                     f"{result.get('request_throughput')} req/s, TTFT "
                     f"{result.get('median_ttft_ms')} ms, TPOT "
-                    f"{result.get('median_tpot_ms')} ms, hits {hits} "
+                    f"{result.get('median_tpot_ms')} ms, hits {hits}, host "
+                    f"loads {host} {entry['load_verdicts'][workload.name]} "
                     f"{result.get('error', '')}"
                 )
             rounds.append(entry)
@@ -402,7 +442,7 @@ def run_launch(
 def write_summary(
     args: argparse.Namespace, chosen: list[Workload], rounds: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    verdict = judge(rounds)
+    verdict = judge(rounds, args.tier)
     config = {
         "shape": args.shape,
         "dims": SHAPES[args.shape],
@@ -411,10 +451,13 @@ def write_summary(
         "launches": args.launches,
         "workloads": [asdict(w) for w in chosen],
         "scale": args.scale,
-        "kv_cache_gib": args.kv_cache_gib,
-        "transfer_config": {m: transfer_config(m, args.cpu_gib) for m in ABBA[:2]},
+        "tier": args.tier,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "transfer_config": {
+            m: transfer_config(m, args.cpu_gib, args.tier) for m in ABBA[:2]
+        },
         "serve_args": args.serve_arg,
-        "title": "vllm bench serve, prefix-hit verification off vs on",
+        "title": f"vllm bench serve, {args.tier}: checksums off vs on",
     }
     record = {"config": config, "rounds": rounds, "summary": verdict}
     (args.out / "summary.json").write_text(json.dumps(record, indent=1))
@@ -428,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.model or Path(f"/tmp/kv-checksum-prefix-bench-{args.shape}")
     build_model(args.model, args.shape, args.max_model_len)
     chosen = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
+    args.kv_cache_bytes = kv_cache_bytes(
+        args.tier, args.kv_cache_gib, SHAPES[args.shape], chosen, args.max_model_len
+    )
     rounds: list[dict[str, Any]] = []
     for launch in range(args.launches):
         run_launch(args, launch, chosen, rounds)

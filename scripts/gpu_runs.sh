@@ -13,7 +13,10 @@
 #                                             # mooncake, hybrid, hybrid-tp2, offload,
 #                                             # prefix-hits,
 #                                             # simple-offload, bench-serve,
-#                                             # bench-prefix, mla,
+#                                             # bench-prefix, bench-offload,
+#                                             # bench-offload-multi (issue 26
+#                                             # item 3; -multi needs gpu_nixl),
+#                                             # mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
@@ -198,6 +201,14 @@ host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile
 # The cost of prefix-hit verification (issue 31 item 4): `vllm bench serve`
 # shared-prefix rounds against an off and an on engine started together on one GPU.
 bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py "$@" ;;
+# Issue 26 item 3: the CPU offload tier's cost, the same driver with a GPU cache
+# too small for its 16 prefixes (reuses load from host): OffloadingConnector
+# alone, and MultiConnector(NixlConnector, OffloadingConnector) (install-wheels
+# first: NIXL). Defaults: 4 ABBA rounds, one workload, about 270 s at 8B.
+bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py \
+    --tier offloading "$@" ;;
+bench-offload-multi) run bench-offload-multi \
+    benchmarks/benchmark_kv_checksum_prefix_hits.py --tier multi "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 # Issue 27: faults of processes and time behind vllm-router (tiny model, fixed

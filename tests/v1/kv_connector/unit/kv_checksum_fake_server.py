@@ -21,7 +21,10 @@ load: an injection line and its mismatch line in the log, as the package logs th
 Ids as vLLM's: the response id is cmpl-<X-Request-Id> (chat: chatcmpl-), log
 lines name the engine id (cmpl-<X-Request-Id>-0-<8 hex>).
 With kv_checksum_verify_prefix_hits in its config, every completion counts one
-verified vllm:kv_checksum_prefix_hits_total. ``python kv_checksum_fake_server.py
+verified vllm:kv_checksum_prefix_hits_total. With an OffloadingConnector in it
+(alone or a MultiConnector child), every completion is one host load: vLLM's
+vllm:kv_offload_load_* counters grow (1 MiB each) and, with checksums on, one
+verified vllm:kv_checksum_loads_total. ``python kv_checksum_fake_server.py
 bench serve --base-url URL --num-prompts N --result-dir D --result-filename F ...``
 is a fake `vllm bench serve`: N completions one at a time, then a result file
 with fixed timings (10 req/s, TTFT 20 ms, TPOT 5 ms).
@@ -47,6 +50,7 @@ STATE = {
     "mismatch": 0,
     "unverified": 0,
     "hits": 0,
+    "host_loads": 0,
 }
 REASONS = {
     "no_checksums": "the producer sent no checksums",
@@ -59,6 +63,7 @@ UPSTREAMS: dict[str, str] = {}
 TRACKED = os.environ.get("FAKE_TRACKED_GAUGE") == "1"
 FAULT_EVERY = 0
 VERIFY_HITS = False
+OFFLOAD = False
 DELAY_S = float(os.environ.get("FAKE_DELAY_MS", "0")) / 1000
 WRONG_LOADS = {int(n) for n in os.environ.get("FAKE_WRONG_LOADS", "").split(",") if n}
 
@@ -83,6 +88,10 @@ def checksums(prompt: str) -> str:
 def metrics() -> bytes:
     # vLLM's finished-request counter (the chaos driver times kills by it).
     answered = f'vllm:request_success_total{{engine="0"}} {float(STATE["hits"])}\n'
+    if OFFLOAD:  # vLLM's OffloadingConnector counters, checksums or not
+        host = float(STATE["host_loads"])
+        answered += f'vllm:kv_offload_load_bytes_total{{engine="0"}} {host * 2**20}\n'
+        answered += f'vllm:kv_offload_load_size_count{{engine="0"}} {host}\n'
     if not CHECKSUMS:
         return ("vllm:other 1.0\n" + answered).encode()
     lines = [answered.strip()] + [
@@ -201,6 +210,9 @@ class Handler(BaseHTTPRequestHandler):
             wrong = load(body, f"{engine_id}-{uuid.uuid4().hex[:8]}")
             with LOCK:
                 STATE["hits"] += 1
+                if OFFLOAD:
+                    STATE["host_loads"] += 1
+                    STATE["verified"] += CHECKSUMS
             self.answer(body, cid, wrong)
         except OSError:
             pass  # the client went away
@@ -299,7 +311,7 @@ def bench(args: list[str]) -> None:
 
 
 def main() -> None:
-    global FAULT_EVERY, VERIFY_HITS, CHECKSUMS
+    global FAULT_EVERY, VERIFY_HITS, CHECKSUMS, OFFLOAD
     args = sys.argv[1:]
     if args[:2] == ["bench", "serve"]:
         bench(args[2:])
@@ -315,6 +327,8 @@ def main() -> None:
         rate = extra.get("kv_checksum_fault_injection", {}).get("rate", 0)
         FAULT_EVERY = round(1 / rate) if rate else 0
         VERIFY_HITS = extra.get("kv_checksum_verify_prefix_hits") is True
+        children = [config, *extra.get("connectors", [])]
+        OFFLOAD = any(c.get("kv_connector") == "OffloadingConnector" for c in children)
     print("fake serve", args, flush=True)
     Server(("127.0.0.1", port), Handler).serve_forever()
 

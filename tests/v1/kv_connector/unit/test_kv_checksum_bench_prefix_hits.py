@@ -3,7 +3,8 @@
 """The prefix-hit cost benchmark (issue 31 item 4: what R140's verification of
 local prefix-cache hits costs in `vllm bench serve`): its verdict rule on
 hand-computed rounds, its engine configs, and a whole run against fake servers
-and a fake `vllm bench serve` on CPU."""
+and a fake `vllm bench serve` on CPU; the same for the CPU offload tiers (issue 26
+item 3: what verifying loads back from host memory, R116-R121, costs)."""
 
 import json
 import socket
@@ -21,6 +22,7 @@ FAKE = Path(__file__).resolve().parent / "kv_checksum_fake_server.py"
 
 
 bench = load_script("bench_prefix_hits", PATH)
+tiers = load_script("bench_tiers", ROOT / "benchmarks/kv_checksum_bench_tiers.py")
 
 
 def _rounds(
@@ -186,4 +188,169 @@ def test_whole_run_against_fake_servers(tmp_path: Path) -> None:
     for flag in ("'--random-prefix-len', '2048'", "'--max-concurrency', '32'"):
         assert flag in bench_log
     assert "'--seed', '1'" in bench_log and "'--num-warmups', '0'" in bench_log
+    assert record["summary"]["pass"] is True and rc == 0
+
+
+PACKAGE_KEYS = {"enable_kv_checksum", "kv_checksum_fail_closed"}
+
+
+def _without(config: Any, keys: set[str]) -> Any:
+    """``config`` with ``keys`` removed at every level."""
+    if isinstance(config, dict):
+        return {k: _without(v, keys) for k, v in config.items() if k not in keys}
+    if isinstance(config, list):
+        return [_without(v, keys) for v in config]
+    return config
+
+
+@pytest.mark.parametrize("tier", ["offloading", "multi"])
+def test_offload_tier_configs_differ_only_by_package_keys(tier: str) -> None:
+    """Issue 26 item 3: off and on run the same connectors, CPU size and vLLM
+    policy; on adds exactly enable_kv_checksum and kv_checksum_fail_closed, in
+    the extra config the guide names (OffloadingConnector's own; the
+    MultiConnector's, not its child's). Bugs caught: the prefix-hit flag leaking
+    into the offload tiers, the keys put in a MultiConnector child, an on engine
+    with another offload size than the off one."""
+    off, on = (
+        bench.transfer_config("off", 16, tier),
+        bench.transfer_config("on", 16, tier),
+    )
+    assert _without(on, PACKAGE_KEYS) == off
+    assert "kv_checksum" not in json.dumps(off)
+    assert off["kv_load_failure_policy"] == "recompute"
+    extra = on["kv_connector_extra_config"]
+    assert {k for k in extra if "kv_checksum" in k} == PACKAGE_KEYS
+    assert all(extra[k] is True for k in PACKAGE_KEYS)
+    host = {"cpu_bytes_to_use": 16 * 1024**3}
+    if tier == "offloading":
+        assert on["kv_connector"] == "OffloadingConnector"
+        assert extra == {**host, **dict.fromkeys(PACKAGE_KEYS, True)}
+    else:
+        assert on["kv_connector"] == "MultiConnector"
+        assert extra["connectors"] == [
+            {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": host,
+            },
+        ]
+
+
+def test_offload_gpu_cache_keeps_two_prefixes_only() -> None:
+    """The 8B shape's KV is 36 x 8 x 128 x 2 x 2 = 147,456 bytes a token; the
+    offload tiers' GPU cache holds host16_c8's 8 running requests (2,336 tokens,
+    146 blocks of 16 + 2 spare each: 18,944 tokens) and two 2,048-token prefixes:
+    23,040 tokens = 3,397,386,240 bytes, far below 16 prefixes, so most reuses load
+    from host (bug caught: the 20 GiB default, which keeps every prefix on the GPU
+    and never loads from host)."""
+    dims = bench.SHAPES["8b"]
+    assert tiers.kv_bytes_per_token(dims) == 147_456
+    host16 = [w for w in bench.WORKLOADS if w.name == "host16_c8"]
+    cache = tiers.kv_cache_bytes("offloading", None, dims, host16, 4096)
+    assert cache == 3_397_386_240
+    assert tiers.kv_cache_bytes("multi", None, dims, host16, 4096) == cache
+    assert tiers.kv_cache_bytes("simple-hits", None, dims, host16, 4096) == 20 << 30
+    assert tiers.kv_cache_bytes("offloading", 0.5, dims, host16, 4096) == 1 << 29
+    # The CPU tier (16 GiB by default) holds all 16 prefixes, 4.5 GiB.
+    assert tiers.TIER_DEFAULTS["offloading"][2] << 30 > 16 * 2048 * 147_456
+
+
+def _host_rounds(
+    rps: list[float], host: list[float], verdicts: list[dict[str, float]]
+) -> list[dict[str, Any]]:
+    """ABBA rounds of an offload tier: per-round throughput and host loads,
+    the on rounds' load verdicts in order; no prefix hits, TTFT +2 ms on."""
+    rounds = _rounds(rps, [30.0, 32.0, 32.0, 30.0, 30.0, 32.0][: len(rps)], [{}] * 3)
+    on_verdicts = iter(verdicts)
+    for r, loads in zip(rounds, host):
+        r["prefix_hits"] = {"w": {}}
+        r["host_loads"] = {"w": {"size_count": loads, "bytes_total": loads * 2**28}}
+        r["load_verdicts"] = {"w": next(on_verdicts) if r["mode"] == "on" else {}}
+    return rounds
+
+
+LOADS = [{"verified": 90.0}, {"verified": 95.0, "unverified": 1.0}, {"verified": 92.0}]
+
+
+def test_offload_verdict_throughput_and_host_loads() -> None:
+    """An offload tier passes on throughput and verified host loads (no
+    prefix-hit counter there, TTFT reported only); it fails when either engine
+    made no host load (the prefixes stayed on the GPU: nothing measured), when
+    on/off < 0.98, or on one host mismatch (bugs caught: judging the offload
+    tiers by the prefix-hit counter they do not have; host loads checked on the
+    on engine only; a mismatch ignored)."""
+    rps = [10.0, 9.9, 9.9, 10.0, 10.0, 9.9]
+    host = [80.0, 90.0, 95.0, 85.0, 82.0, 92.0]
+    summary = bench.judge(_host_rounds(rps, host, LOADS), "offloading")
+    row = summary["workloads"]["w"]
+    assert row["host_loads"]["off"]["size_count"] == 247.0
+    assert row["host_loads"]["on"] == {
+        "size_count": 277.0,
+        "bytes_total": 277.0 * 2**28,
+        "verified": 277.0,
+        "unverified": 1.0,
+    }
+    assert row["median_ttft_ms"]["on_minus_off"] == pytest.approx(2.0)
+    assert summary["pass"] is True
+    no_off_loads = [
+        0.0 if m == "off" else n for m, n in zip(bench.round_modes(6), host)
+    ]
+    assert bench.judge(_host_rounds(rps, no_off_loads, LOADS), "multi")["pass"] is False
+    no_loads = [0.0] * 6
+    assert bench.judge(_host_rounds(rps, no_loads, LOADS), "multi")["pass"] is False
+    slow = [10.0, 9.7, 9.7, 10.0, 10.0, 9.7]
+    assert bench.judge(_host_rounds(slow, host, LOADS), "offloading")["pass"] is False
+    bad = [{"verified": 90.0}, {"verified": 94.0, "mismatch": 1.0}, {"verified": 9}]
+    assert bench.judge(_host_rounds(rps, host, bad), "offloading")["pass"] is False
+    unchecked = [{"unverified": 90.0}, {}, {}]
+    assert bench.judge(_host_rounds(rps, host, unchecked), "multi")["pass"] is False
+
+
+@pytest.mark.parametrize("tier", ["offloading", "multi"])
+def test_offload_tier_run_against_fake_servers(tmp_path: Path, tier: str) -> None:
+    """`--tier` with its defaults (4 ABBA rounds of host16_c8, 16 prompts at
+    scale 0.02): the engines get the tier's config and the small GPU cache, the
+    bench gets the prefix_repetition flags, each completion of the fake is one
+    host load on both engines and one verified load on the on engine, and the
+    run passes (bugs caught: the workload flags or the cache size not reaching
+    the commands; host loads read from the wrong counter)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    fake = f"{sys.executable} {FAKE}"
+    out = tmp_path / "out"
+    rc = bench.main(
+        ["--out", str(out), "--model", str(model), "--tier", tier, "--scale"]
+        + ["0.02", "--serve-cmd", fake, "--bench-cmd", fake, "--startup-timeout"]
+        + ["120", "--port-off", str(_free_port()), "--port-on", str(_free_port())]
+    )
+    record = json.loads((out / "summary.json").read_text())
+    assert [r["mode"] for r in record["rounds"]] == ["off", "on", "on", "off"]
+    for r in record["rounds"]:
+        assert r["results"]["host16_c8"]["completed"] == 16
+        assert r["host_loads"]["host16_c8"]["size_count"] == 16.0
+        verdicts = r["load_verdicts"]["host16_c8"]
+        on = r["mode"] == "on"
+        assert verdicts == (
+            {"mismatch": 0.0, "unverified": 0.0, "verified": 16.0} if on else {}
+        )
+    logs = out / "launch0"
+    off_log, on_log = (logs / "off.log").read_text(), (logs / "on.log").read_text()
+    for log_text in (off_log, on_log):
+        assert "'--kv-cache-memory-bytes', '3397386240'" in log_text
+        assert "OffloadingConnector" in log_text
+    assert "kv_checksum_fail_closed" in on_log and "kv_checksum" not in off_log
+    assert "verify_prefix_hits" not in on_log
+    bench_log = (logs / "round3_off_host16_c8.log").read_text()
+    for flag in (
+        "'--dataset-name', 'prefix_repetition'",
+        "'--prefix-repetition-num-prefixes', '16'",
+        "'--prefix-repetition-prefix-len', '2048'",
+        "'--max-concurrency', '8'",
+        "'--num-prompts', '16'",
+        "'--seed', '1'",
+    ):
+        assert flag in bench_log
+    assert record["config"]["tier"] == tier
     assert record["summary"]["pass"] is True and rc == 0

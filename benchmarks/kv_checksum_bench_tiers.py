@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The engine tiers of `benchmark_kv_checksum_prefix_hits.py` (issue 26 item 3):
+each tier's `--kv-transfer-config` off and on, the GPU KV cache that makes the
+offload tiers load from host memory, and the host-load counters of /metrics.
+
+- ``simple-hits``: SimpleCPUOffloadConnector; on adds
+  `kv_checksum_verify_prefix_hits` (local prefix-cache hits checked).
+- ``offloading``: OffloadingConnector alone (CPU backend); the package's keys
+  next to `cpu_bytes_to_use`, as the guide's "Connectors" section says.
+- ``multi``: MultiConnector(NixlConnector, OffloadingConnector), built as the
+  chaos runs build it; the package's keys in the MultiConnector's extra config.
+
+`off` is the same connector config without any of the package's keys; `on`
+adds `enable_kv_checksum` and `kv_checksum_fail_closed` (plus the prefix-hit
+flag for ``simple-hits`` only). `kv_load_failure_policy` "recompute" is vLLM's
+own key and set on both.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples/disaggregated"))
+from kv_checksum_chaos_plan import ServerSpec, kv_transfer_config  # noqa: E402
+
+TIERS = ("simple-hits", "offloading", "multi")
+OFFLOAD_TIERS = TIERS[1:]
+# Per tier: rounds and workloads by default, the CPU tier's GiB. An offload
+# tier's 4 rounds of one workload at 8B on an H200: about 120 s to start both
+# engines and 4 x 35 s of rounds (the bench CLI's start included): ~270 s.
+TIER_DEFAULTS: dict[str, tuple[int, str, int]] = {
+    "simple-hits": (6, "shared_c8,shared_c32", 8),
+    "offloading": (4, "host16_c8", 16),
+    "multi": (4, "host16_c8", 16),
+}
+# vLLM's OffloadingConnector transfer counters (prometheus_client names): bytes
+# loaded from host memory and one histogram sample per load transfer.
+HOST_LOADS = re.compile(
+    r"^vllm:kv_offload_load_(bytes_total|size_count)\{[^}]*\} (\S+)"
+)
+# GPU blocks per request beyond its tokens (a partial last block, rounding).
+SPARE_BLOCKS = 2
+BLOCK_TOKENS = 16
+KV_ELEMENT_BYTES = 2  # bf16
+
+
+def transfer_config(mode: str, cpu_gib: int, tier: str = "simple-hits") -> dict:
+    """The `--kv-transfer-config` of an engine of `tier`; `on` adds the
+    package's keys (and nothing else)."""
+    on = mode == "on"
+    host = {"cpu_bytes_to_use": cpu_gib << 30}
+    if tier == "multi":
+        spec = ServerSpec(
+            "bench", 0, 0, "consumer", checksums=on, fail_closed=on, policy="recompute"
+        )
+        config = kv_transfer_config(spec, "nixl-offload")
+        children = config["kv_connector_extra_config"]["connectors"]
+        children[1]["kv_connector_extra_config"] = host
+        return config
+    extra: dict[str, Any] = dict(host)
+    if on:
+        extra["enable_kv_checksum"] = True
+        if tier == "simple-hits":
+            extra["kv_checksum_verify_prefix_hits"] = True
+        extra["kv_checksum_fail_closed"] = True
+    connector = "SimpleCPUOffloadConnector"
+    if tier == "offloading":
+        connector = "OffloadingConnector"
+    return {
+        "kv_connector": connector,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def kv_bytes_per_token(dims: dict[str, int]) -> int:
+    """KV bytes of one token: layers x KV heads x head dim x (K, V) x bf16
+    (8B shape: 36 x 8 x 128 x 2 x 2 = 147,456)."""
+    heads = dims["num_key_value_heads"] * dims["head_dim"]
+    return dims["num_hidden_layers"] * heads * 2 * KV_ELEMENT_BYTES
+
+
+def offload_kv_cache_bytes(
+    dims: dict[str, int],
+    concurrency: int,
+    request_tokens: int,
+    prefix_len: int,
+    max_model_len: int,
+) -> int:
+    """A GPU KV cache for the running requests plus two idle prefixes: the
+    workload's other prefixes are evicted from the GPU and hit the CPU tier."""
+    blocks = math.ceil(request_tokens / BLOCK_TOKENS) + SPARE_BLOCKS
+    tokens = concurrency * blocks * BLOCK_TOKENS + 2 * prefix_len
+    return max(tokens, max_model_len) * kv_bytes_per_token(dims)
+
+
+def kv_cache_bytes(
+    tier: str,
+    gib: float | None,
+    dims: dict[str, int],
+    workloads: list[Any],
+    max_model_len: int,
+) -> int:
+    """`gib` when given, else 20 GiB (simple-hits) or the offload tiers' small
+    cache, sized for the largest of `workloads` (Workload records)."""
+    if gib is not None:
+        return int(gib * (1 << 30))
+    if tier not in OFFLOAD_TIERS:
+        return 20 << 30
+    return max(
+        offload_kv_cache_bytes(
+            dims,
+            w.concurrency,
+            w.prefix_len + w.suffix_len + w.output_len,
+            w.prefix_len,
+            max_model_len,
+        )
+        for w in workloads
+    )
+
+
+def host_load_totals(
+    rounds: list[dict[str, Any]], name: str
+) -> dict[str, dict[str, float]]:
+    """Per mode: the host loads (vLLM's transfer counters) and the package's
+    load verdicts summed over the rounds of workload `name`."""
+    totals: dict[str, dict[str, float]] = {"off": {}, "on": {}}
+    for r in rounds:
+        counts = {
+            **r.get("host_loads", {}).get(name, {}),
+            **r.get("load_verdicts", {}).get(name, {}),
+        }
+        mode = totals[r["mode"]]
+        for key, value in counts.items():
+            mode[key] = mode.get(key, 0.0) + value
+    return totals
+
+
+def host_loads_ok(totals: dict[str, dict[str, float]]) -> bool:
+    """Host loads happened on both engines and the on engine's were verified
+    (at least one) with no mismatch."""
+    off, on = totals["off"], totals["on"]
+    loaded = off.get("size_count", 0) > 0 and on.get("size_count", 0) > 0
+    return loaded and on.get("verified", 0) > 0 and on.get("mismatch", 0) == 0
