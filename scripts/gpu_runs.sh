@@ -16,7 +16,7 @@
 #                                             # bench-prefix, bench-offload,
 #                                             # bench-offload-multi (issue 26
 #                                             # item 3; -multi needs gpu_nixl),
-#                                             # mla,
+#                                             # host-step (issue 30), mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
@@ -230,7 +230,7 @@ soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,26p' "$0"
+    sed -n '2,29p' "$0"
     exit 2
     ;;
 esac
