@@ -19,7 +19,8 @@ Verdict per workload (printed, not a timed test): on/off request throughput
 >= 0.98 and median TTFT on - off <= +1 ms (means over the rounds), whether each
 difference is inside the off-vs-off spread (max - min over off rounds), and
 every hit checked: `vllm:kv_checksum_prefix_hits_total` of the on engine grew by
-verified > 0 and mismatch 0 over its rounds (unverified reported).
+verified > 0 and mismatch 0 over its rounds (unverified reported). Defaults: 8
+rounds of `shared_c32`, about 400 s at 8B on an H200.
 
 `--tier offloading` / `--tier multi` (issue 26 item 3) measure the CPU offload
 tier instead: OffloadingConnector alone or MultiConnector(NixlConnector,
@@ -32,7 +33,7 @@ engine's `vllm:kv_checksum_loads_total` verified > 0, mismatch 0 (TTFT is
 reported). Defaults: 4 rounds of `host16_c8`, about 270 s at 8B on an H200.
 
     python benchmarks/benchmark_kv_checksum_prefix_hits.py --out /tmp/prefix \\
-        --shape 8b --rounds 6
+        --shape 8b --rounds 8
 
 Writes OUT/summary.json (per round: the bench's scalar results, every request's
 TTFT, each engine's prefix-hit, host-load and load-verdict counter deltas) and
@@ -107,8 +108,8 @@ class Workload:
     num_prefixes: int = 1
 
 
-# Prompt counts sized for about 8 s a run at 8B on an H200 (the call's 10 minutes
-# hold two engine starts and 6 rounds of the two default workloads).
+# Prompt counts sized for about 8 s of requests a run at 8B on an H200 (a round
+# took 31-38 s there with the bench CLI's start).
 WORKLOADS = [
     Workload("shared_c8", "random", 2048, 256, 32, 8, 160),
     Workload("shared_c32", "random", 2048, 256, 32, 32, 320),

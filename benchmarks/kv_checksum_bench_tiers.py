@@ -30,11 +30,13 @@ from kv_checksum_chaos_plan import ServerSpec, kv_transfer_config  # noqa: E402
 
 TIERS = ("simple-hits", "offloading", "multi")
 OFFLOAD_TIERS = TIERS[1:]
-# Per tier: rounds and workloads by default, the CPU tier's GiB. An offload
-# tier's 4 rounds of one workload at 8B on an H200: about 120 s to start both
-# engines and 4 x 35 s of rounds (the bench CLI's start included): ~270 s.
+# Per tier: rounds and workloads by default, the CPU tier's GiB. Measured at 8B
+# on an H200 (2026-12-01): 116 s to start both engines, 31-38 s a round of one
+# workload (the bench CLI's start included); 6 rounds of two workloads did not
+# fit a 480 s call. Prefix hits: 8 rounds of one workload, ~400 s; an offload
+# tier: 4 rounds, ~270 s (estimated).
 TIER_DEFAULTS: dict[str, tuple[int, str, int]] = {
-    "simple-hits": (6, "shared_c8,shared_c32", 8),
+    "simple-hits": (8, "shared_c32", 8),
     "offloading": (4, "host16_c8", 16),
     "multi": (4, "host16_c8", 16),
 }

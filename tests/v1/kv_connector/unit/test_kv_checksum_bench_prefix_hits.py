@@ -147,8 +147,8 @@ def _free_port() -> int:
 
 
 def test_whole_run_against_fake_servers(tmp_path: Path) -> None:
-    """Two fake engines at once, 4 ABBA rounds of the two default workloads
-    (3 and 6 prompts at scale 0.02): seeds 0, 0, 1, 1 so each off/on pair
+    """Two fake engines at once, 4 ABBA rounds of the two shared-prefix
+    workloads (3 and 6 prompts at scale 0.02): seeds 0, 0, 1, 1 so each off/on pair
     sends the same prompts, the on engine's prefix-hit counter grows by one per
     prompt (the fake's rule) and the off engine's not at all, each bench call
     carries the shared-prefix flags, and the fixed fake timings pass."""
@@ -159,7 +159,8 @@ def test_whole_run_against_fake_servers(tmp_path: Path) -> None:
     out = tmp_path / "out"
     rc = bench.main(
         ["--out", str(out), "--model", str(model), "--rounds", "4", "--scale"]
-        + ["0.02", "--serve-cmd", fake, "--bench-cmd", fake, "--startup-timeout"]
+        + ["0.02", "--workloads", "shared_c8,shared_c32"]
+        + ["--serve-cmd", fake, "--bench-cmd", fake, "--startup-timeout"]
         + ["120", "--port-off", str(_free_port()), "--port-on", str(_free_port())]
     )
     record = json.loads((out / "summary.json").read_text())
