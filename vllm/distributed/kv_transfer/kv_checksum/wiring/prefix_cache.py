@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumWorkerReport,
 )
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
 logger = init_logger(__name__)
 
@@ -360,7 +361,9 @@ def _restart_requests_on(scheduler: Any, state: _SchedulerState, bad: set[int]) 
     timestamp = time.monotonic()
     for request in list(scheduler.running):
         ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
-        if bad.isdisjoint(ids):
+        # vLLM preempts RUNNING requests only (asserted): anything else in the
+        # queue is left to vLLM rather than dropped from it half-way.
+        if bad.isdisjoint(ids) or request.status != RequestStatus.RUNNING:
             continue
         if request.request_id in state.restarted:
             request.skip_reading_prefix_cache = True
