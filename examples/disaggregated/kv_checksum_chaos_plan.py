@@ -296,6 +296,24 @@ class WrongAnswer:
     quarantined: bool = False
     sibling: str = ""
     gap_s: float | None = None
+    diverges_at: int = 0
+
+
+def first_divergence(text: str, references: set[str]) -> int:
+    """The word index where `text` first differs from its closest reference
+    (the longest common word prefix): 0 means wrong from the first token, as
+    KV that was never right gives; a late index looks like numerics drifting
+    after a near-tie."""
+    words = text.split()
+    best = 0
+    for reference in references:
+        common = 0
+        for a, b in zip(words, reference.split()):
+            if a != b:
+                break
+            common += 1
+        best = max(best, common)
+    return best
 
 
 def attribute_wrong(
@@ -308,7 +326,8 @@ def attribute_wrong(
     """Each wrong answer's cause (CAUSES) from the consumer's injection,
     mismatch and quarantine lines; counts by cause and by prompt, every
     injected load's class by fault kind, the first `examples` records and
-    the first `texts` wrong texts beside their references (200 chars)."""
+    the first `texts` wrong texts beside their references (200 chars), and
+    how many were wrong from their first word."""
     injected = {completion_id(r): k for k, r in INJECTED_KIND.findall(log_text)}
     mismatched = {completion_id(r) for r in MISMATCH.findall(log_text)}
     quarantined = {completion_id(r) for r in QUARANTINED.findall(log_text)}
@@ -329,6 +348,7 @@ def attribute_wrong(
             continue
         w = WrongAnswer(o.prompt, o.request_id, o.sent_s, o.finished_s, "unexplained")
         w.injected_kind, w.quarantined = kind, o.request_id in quarantined
+        w.diverges_at = first_divergence(o.text or "", references[o.prompt])
         if kind:
             w.cause = "injected"
         elif o.request_id in mismatched:
@@ -363,6 +383,9 @@ def attribute_wrong(
         "wrong": len(wrong),
         "by_cause": {c: sum(w.cause == c for w in wrong) for c in CAUSES},
         "by_prompt": dict(sorted(by_prompt.items(), key=lambda kv: int(kv[0]))),
+        # Wrong from the first word (bad KV) or later (numerics after a tie).
+        "from_first_word": sum(w.diverges_at == 0 for w in wrong),
+        "later": sum(w.diverges_at > 0 for w in wrong),
         "injected_by_kind": by_kind,
         # Injected/mismatched loads whose id no outcome has (0 unless the
         # id mapping broke, or the load was not the driver's).

@@ -473,3 +473,14 @@ def test_soak_plot_series_per_server() -> None:
     ]
     assert plot.series(samples, "producer", "rss_mib") == ([1.0, 3.0], [10.0, 12.0])
     assert plot.series(samples, "consumer", "tracked") == ([1.1], [3.0])
+
+
+def test_first_divergence_against_the_closest_reference() -> None:
+    """Where a wrong answer leaves its references, by words: the closest
+    reference counts (bug: the first reference only, so a near-tie of the
+    second reads as wrong from the first word)."""
+    refs = {"t1 t2 t3 t4", "t1 t9 t3 t4"}
+    assert plan.first_divergence("t7 t2 t3 t4", refs) == 0
+    assert plan.first_divergence("t1 t9 t5 t4", refs) == 2
+    assert plan.first_divergence("t1 t2 t3 t8", refs) == 3
+    assert plan.first_divergence("", refs) == 0
