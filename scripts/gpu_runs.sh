@@ -63,14 +63,27 @@ run() {
     return $rc
 }
 
-# Two runs at once on a two-GPU host, one per GPU, ports apart; the models are
-# built first so that the two drivers do not write the same folder.
+# The drivers' model folders (and the serve drivers' one), built once before
+# runs that go at once, so that two drivers do not write the same folder.
+build_models() {
+    (cd "$repo/examples/disaggregated" && python3 -c "
+import sys, kv_checksum_pd_gpu as d
+for shape in sys.argv[1:]:
+    try:
+        print('[gpu_runs] model', d.build_model(shape))
+    except Exception as e:
+        print('[gpu_runs] model', shape, 'failed:', repr(e)[:300])
+try:  # the serve drivers' model (chaos, soak, tamper)
+    import argparse, kv_checksum_serve_pd as s
+    s.build_model(argparse.Namespace(model='/tmp/kv-checksum-serve-tiny'))
+except Exception as e:
+    print('[gpu_runs] serve model failed:', repr(e)[:300])" "$@")
+}
+
+# Two runs at once on a two-GPU host, one per GPU, ports apart.
 pair() {
     local first=$1 second=$2
-    (cd "$repo/examples/disaggregated" && python3 -c "
-import kv_checksum_pd_gpu as d
-for shape in ('tiny', 'hybrid', 'hybrid-g2'):
-    print('[gpu_runs] model', d.build_model(shape))") || echo "[gpu_runs] model build failed"
+    build_models tiny hybrid hybrid-g2
     CUDA_VISIBLE_DEVICES=0 KV_CHECKSUM_PAIRED=1 bash "$0" "$first" &
     local a=$!
     CUDA_VISIBLE_DEVICES=1 KV_CHECKSUM_PAIRED=1 KV_CHECKSUM_PORT_OFFSET=1000 \
@@ -90,18 +103,7 @@ for shape in ('tiny', 'hybrid', 'hybrid-g2'):
 # returns at most 8 files).
 group() {
     mkdir -p "$out"
-    (cd "$repo/examples/disaggregated" && python3 -c "
-import sys, kv_checksum_pd_gpu as d
-for shape in sys.argv[1:]:
-    try:
-        print('[gpu_runs] model', d.build_model(shape))
-    except Exception as e:
-        print('[gpu_runs] model', shape, 'failed:', repr(e)[:300])
-try:  # the serve drivers' model (chaos, soak, tamper)
-    import argparse, kv_checksum_serve_pd as s
-    s.build_model(argparse.Namespace(model='/tmp/kv-checksum-serve-tiny'))
-except Exception as e:
-    print('[gpu_runs] serve model failed:', repr(e)[:300])" tiny mla qwen3next mamba1)
+    build_models tiny mla qwen3next mamba1
     local offsets=(0 1000 10000 11000 12000 13000) pids=() names=() i=0
     for name in "$@"; do
         KV_CHECKSUM_PAIRED=1 KV_CHECKSUM_PORT_OFFSET=${offsets[$i]} bash "$0" "$name" \

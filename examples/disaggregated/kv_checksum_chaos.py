@@ -64,9 +64,8 @@ sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
 import kv_checksum_chaos_plan as plan  # noqa: E402
 from benchmark_kv_checksum_serve import http_get  # noqa: E402
 from kv_checksum_chaos_plan import AbortPlan, Outcome, ServerSpec  # noqa: E402
-from kv_checksum_serve_pd import serve_env  # noqa: E402
+from kv_checksum_serve_pd import EXPIRED_READ, serve_env  # noqa: E402
 
-EXPIRED_READ = "Potentially invalid KV blocks for unrecognized request"
 # vLLM's finished-request counter: a producer's answered prefills.
 ANSWERED = "vllm:request_success_total"
 CLI = f"{sys.executable} -m vllm.entrypoints.cli.main"

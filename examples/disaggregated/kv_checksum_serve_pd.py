@@ -58,6 +58,12 @@ from typing import Any
 
 import requests
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kv_checksum_chaos_plan import INJECTED, ServerSpec  # noqa: E402
+from kv_checksum_chaos_plan import (  # noqa: E402
+    kv_transfer_config as chaos_kv_transfer_config,
+)
+
 SERVE = ["-m", "vllm.entrypoints.cli.main", "serve"]
 VOCAB = 1024
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -70,7 +76,6 @@ NULL_REMOTE = {
     "remote_port": None,
 }
 MISMATCH = re.compile(r"KV checksum mismatch for request (\S+?):")
-INJECTED = re.compile(r"KV checksum fault injection: \w+ into request (\S+) ")
 EXPIRED_READ = "Potentially invalid KV blocks for unrecognized request"
 
 # Run in a child python: a random tiny Qwen3 and a word-level tokenizer
@@ -155,20 +160,19 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def kv_transfer_config(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {}
-        if self.checksums:
-            extra["enable_kv_checksum"] = True
-        if self.fail_closed:
-            extra["kv_checksum_fail_closed"] = True
-        if self.faults:
-            extra["kv_checksum_fault_injection"] = {"rate": self.faults, "seed": 7}
-        if self.lease_s is not None:
-            extra["kv_lease_duration"] = self.lease_s
-        config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-        if self.fail_closed:
-            config["kv_load_failure_policy"] = "recompute"
-        config["kv_connector_extra_config"] = extra
-        return config
+        """NIXL pull as the chaos runs build it; fail-closed servers recompute."""
+        spec = ServerSpec(
+            self.name,
+            self.port,
+            self.side_port,
+            "consumer" if self.fail_closed else "producer",
+            checksums=self.checksums,
+            fail_closed=self.fail_closed,
+            policy="recompute" if self.fail_closed else None,
+            faults=self.faults,
+            lease_s=self.lease_s,
+        )
+        return chaos_kv_transfer_config(spec, "nixl-pull")
 
     def start(self, args: argparse.Namespace) -> None:
         self.log_path = os.path.join(args.out, f"{self.name}.log")
