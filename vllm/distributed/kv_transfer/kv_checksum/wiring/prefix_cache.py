@@ -350,8 +350,9 @@ def _restart_requests_on(scheduler: Any, state: _SchedulerState, bad: set[int]) 
     own preemption, which drops the output of its steps still in flight.
 
     vLLM's invalid-block recovery of a running request (truncate, recompute in
-    place) answered wrong on an H200 under async scheduling, in every request
-    it recovered; every restarted request answered right. A restarted request
+    place) answered wrong on an H200 under async scheduling in every faulted
+    request it recovered (vLLM #49250); faulted requests restarted once
+    answered right (21 of 21, 2 at a logprob near-tie). A restarted request
     hits the prefix cache again up to its first bad block (the bad blocks left
     it) and that hit is checked again; one that meets a bad block a second
     time restarts without reading the prefix cache (vLLM's per-request
