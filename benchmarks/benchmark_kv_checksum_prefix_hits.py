@@ -20,7 +20,9 @@ Verdict per workload (printed, not a timed test): on/off request throughput
 difference is inside the off-vs-off spread (max - min over off rounds), and
 every hit checked: `vllm:kv_checksum_prefix_hits_total` of the on engine grew by
 verified > 0 and mismatch 0 over its rounds (unverified reported). Defaults: 8
-rounds of `shared_c32`, about 400 s at 8B on an H200.
+rounds of `shared_c32` after one unrecorded warm-up run per engine (other
+prompts: the first measured round was the slowest of both engines without it),
+about 400 s at 8B on an H200.
 
 `--tier offloading` / `--tier multi` (issue 26 item 3) measure the CPU offload
 tier instead: OffloadingConnector alone or MultiConnector(NixlConnector,
@@ -92,6 +94,8 @@ PORT_OFFSET = int(os.environ.get("KV_CHECKSUM_PORT_OFFSET", "0"))
 METRICS = ("request_throughput", "median_ttft_ms", "median_tpot_ms")
 NIXL_SIDE_OFFSET = 5000
 COUNTERS = ("prefix_hits", "host_loads", "load_verdicts")
+# Seeds of the unrecorded warm-up runs, far from the measured rounds' k // 2.
+WARMUP_SEED = 10_000
 
 
 @dataclass(frozen=True)
@@ -361,6 +365,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=None, help="names, comma-separated")
     parser.add_argument("--scale", type=float, default=1.0, help="prompts x SCALE")
     parser.add_argument("--seed", type=int, default=0, help="seed of round 0")
+    parser.add_argument(
+        "--warmup-rounds", type=int, default=1, help="unrecorded runs per engine"
+    )
     parser.add_argument("--gpu", default=None, help="default: the inherited one")
     parser.add_argument("--util", type=float, default=0.4)
     parser.add_argument(
@@ -384,6 +391,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def warm_up(
+    args: argparse.Namespace,
+    engines: dict[str, Any],
+    chosen: list[Workload],
+    logs: Path,
+    launch: int,
+) -> None:
+    """--warmup-rounds unrecorded runs of the first workload on each engine,
+    with seeds no measured round uses (their prefixes are not the measured
+    ones): the first measured round then pays no first-traffic cost."""
+    for k in range(args.warmup_rounds):
+        for mode, engine in engines.items():
+            seed = WARMUP_SEED + launch * 100 + k
+            path = logs / f"warmup{k}_{mode}.json"
+            cmd = bench_command(args, chosen[0], engine.port, seed, path)
+            with open(path.with_suffix(".log"), "wb") as sink:
+                rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT)
+            result = read_result(path, rc.returncode)
+            log(
+                f"warm-up {k} ({mode}): {result.get('request_throughput')} req/s, "
+                f"TTFT {result.get('median_ttft_ms')} ms (not recorded)"
+            )
+
+
 def run_launch(
     args: argparse.Namespace,
     launch: int,
@@ -397,6 +428,7 @@ def run_launch(
     try:
         startup = start_pair(engines, args.startup_timeout)
         log(f"launch {launch}: both engines ready in {startup:.0f} s")
+        warm_up(args, engines, chosen, logs, launch)
         for k, mode in enumerate(round_modes(args.rounds)):
             index = launch * args.rounds + k
             seed = args.seed + index // 2
@@ -449,6 +481,7 @@ def write_summary(
         "dims": SHAPES[args.shape],
         "tp": 1,
         "rounds": args.rounds,
+        "warmup_rounds": args.warmup_rounds,
         "launches": args.launches,
         "workloads": [asdict(w) for w in chosen],
         "scale": args.scale,

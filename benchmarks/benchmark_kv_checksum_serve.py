@@ -19,6 +19,12 @@ with checksums on verified.
     python benchmarks/benchmark_kv_checksum_serve.py --out /tmp/bench \\
         --shape 8b --launches off,on,off,on
 
+``--together`` starts the off and the on pair at once on the same GPUs (ports
+and NIXL side channels apart) and alternates rounds between their routers in
+the order of ``--rounds`` (default off,on,on,off): one engine start for both
+modes, and every on round next to an off round in time. Only one pair serves
+at a time; the idle pair holds memory but no compute.
+
 Writes OUT/summary.json (per launch and workload: the bench's scalar results,
 every request's TTFT, the consumer's verdict counters) and prints the tables.
 """
@@ -162,11 +168,33 @@ def verdict_counts(
 class Launch:
     """The launch script's producer, consumer and router, in one process group."""
 
-    def __init__(self, args: argparse.Namespace, mode: str, log_dir: Path) -> None:
+    def __init__(
+        self, args: argparse.Namespace, mode: str, log_dir: Path, port_shift: int = 0
+    ) -> None:
         self.args, self.mode, self.log_dir = args, mode, log_dir
         self.proc: subprocess.Popen | None = None
+        # The launch script's ports (API, router, metrics, NIXL side channels,
+        # one per TP rank from the base) moved by `port_shift` for a second pair.
+        self.ports = {
+            "P_PORT": 8100 + port_shift,
+            "D_PORT": 8200 + port_shift,
+            "ROUTER_PORT": args.router_port + port_shift,
+            "PROM_PORT": args.prom_port + port_shift,
+            "P_SIDE": 5600 + 20 * port_shift,
+            "D_SIDE": 5700 + 20 * port_shift,
+        }
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['ROUTER_PORT']}"
 
     def start(self) -> float:
+        """Start the pair and wait until its router answers; seconds taken."""
+        self.begin()
+        return self.wait_ready()
+
+    def begin(self) -> None:
+        """Start the launch script (returns at once)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.pop("VLLM_PORT", None)
@@ -180,8 +208,7 @@ class Launch:
             LOG_DIR=str(self.log_dir),
             VLLM=self.args.serve_cmd,
             ROUTER=f"{sys.executable} -m vllm_router.launch_router",
-            ROUTER_PORT=str(self.args.router_port),
-            PROM_PORT=str(self.args.prom_port),
+            **{key: str(port) for key, port in self.ports.items()},
             PARALLEL_START="1",  # --kv-cache-memory-bytes: no profiling race
             VLLM_USE_FLASHINFER_SAMPLER="0",
             VLLM_NO_USAGE_STATS="1",
@@ -191,7 +218,7 @@ class Launch:
         serve_args += ["--max-model-len", str(self.args.max_model_len)]
         serve_args += ["--kv-cache-memory-bytes", str(self.args.kv_cache_gib << 30)]
         serve_args += self.args.serve_arg
-        t0 = time.time()
+        self.started = time.time()
         self.proc = subprocess.Popen(
             ["bash", str(LAUNCH), *serve_args],
             env=env,
@@ -200,19 +227,23 @@ class Launch:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = t0 + self.args.startup_timeout
-        router = f"http://127.0.0.1:{self.args.router_port}"
+
+    def wait_ready(self) -> float:
+        """Seconds from `begin` until the router answers /health."""
+        assert self.proc is not None
+        deadline = self.started + self.args.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"launch ended: see {self.log_dir}")
             text = (self.log_dir / "launch.log").read_text(errors="replace")
-            if "[router_pd] ready" in text and http_get(router + "/health"):
-                return time.time() - t0
+            if "[router_pd] ready" in text and http_get(self.router_url + "/health"):
+                return time.time() - self.started
             time.sleep(2)
         raise RuntimeError(f"launch not ready in {self.args.startup_timeout} s")
 
     def consumer_verdicts(self) -> dict[str, float]:
-        return verdict_counts(http_get("http://127.0.0.1:8200/metrics"))
+        port = self.ports["D_PORT"]
+        return verdict_counts(http_get(f"http://127.0.0.1:{port}/metrics"))
 
     def stop(self) -> None:
         if self.proc is None:
@@ -229,12 +260,15 @@ class Launch:
 
 
 def run_workload(
-    args: argparse.Namespace, workload: Workload, result_dir: Path
+    args: argparse.Namespace,
+    workload: Workload,
+    result_dir: Path,
+    router_url: str | None = None,
 ) -> dict[str, Any]:
     """One `vllm bench serve` run through the router; its saved result."""
     name = f"{workload.name}.json"
     cmd = [*CLI, "bench", "serve", "--backend", "vllm"]
-    cmd += ["--base-url", f"http://127.0.0.1:{args.router_port}"]
+    cmd += ["--base-url", router_url or f"http://127.0.0.1:{args.router_port}"]
     cmd += ["--endpoint", "/v1/completions", "--model", "model"]
     cmd += ["--tokenizer", str(args.model), "--dataset-name", "random"]
     cmd += ["--random-input-len", str(workload.input_len)]
@@ -388,12 +422,105 @@ def print_tables(launches: list[dict[str, Any]], summary: dict[str, Any]) -> Non
     print(f"PASS: {summary['pass']}")
 
 
+def run_round(
+    args: argparse.Namespace,
+    launch: Launch,
+    chosen: list[Workload],
+    entry: dict[str, Any],
+    log_dir: Path,
+) -> None:
+    """Every chosen workload through `launch`'s router, into `entry`'s results;
+    the consumer's verdict counts of this round (counter deltas)."""
+    before = launch.consumer_verdicts()
+    for workload in chosen:
+        result = run_workload(args, workload, log_dir, launch.router_url)
+        entry["results"][workload.name] = result
+        log(
+            f"  {workload.name}: TTFT {result.get('median_ttft_ms')} ms, "
+            f"TPOT {result.get('median_tpot_ms')} ms, "
+            f"{result.get('request_throughput')} req/s, "
+            f"failed {result.get('failed')} {result.get('error', '')}"
+        )
+    after = launch.consumer_verdicts()
+    entry["verdicts"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    log(f"  consumer verdicts: {entry['verdicts']}")
+
+
+def run_launches(
+    args: argparse.Namespace,
+    chosen: list[Workload],
+    launches: list[dict[str, Any]],
+    save: Any,
+) -> None:
+    """One pair per entry of --launches, started, measured and stopped in turn."""
+    for mode in args.launches.split(","):
+        index = len(launches)
+        log_dir = args.out / f"launch{index}_{mode}"
+        launch = Launch(args, mode, log_dir)
+        entry: dict[str, Any] = {"mode": mode, "results": {}, "verdicts": {}}
+        try:
+            entry["startup_s"] = round(launch.start(), 1)
+            log(f"launch {index} ({mode}) ready in {entry['startup_s']} s")
+            run_round(args, launch, chosen, entry, log_dir)
+        except RuntimeError as err:
+            entry["error"] = str(err)
+            log(f"launch {index} ({mode}) failed: {err}")
+        finally:
+            launch.stop()
+        launches.append(entry)
+        save(launches)
+
+
+def run_together(
+    args: argparse.Namespace,
+    chosen: list[Workload],
+    rounds: list[dict[str, Any]],
+    save: Any,
+) -> None:
+    """The off and the on pair started at once, then --rounds alternating
+    between their routers; each round is one record."""
+    pairs = {
+        "off": Launch(args, "off", args.out / "pair_off"),
+        "on": Launch(args, "on", args.out / "pair_on", port_shift=args.pair_shift),
+    }
+    try:
+        for pair in pairs.values():
+            pair.begin()
+        startup = {mode: round(pair.wait_ready(), 1) for mode, pair in pairs.items()}
+        log(f"both pairs ready in {startup} s")
+        for index, mode in enumerate(args.rounds.split(",")):
+            log(f"round {index} ({mode})")
+            log_dir = args.out / f"round{index}_{mode}"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            entry: dict[str, Any] = {"mode": mode, "results": {}, "verdicts": {}}
+            entry["startup_s"] = startup[mode]
+            run_round(args, pairs[mode], chosen, entry, log_dir)
+            rounds.append(entry)
+            save(rounds)
+    except RuntimeError as err:
+        rounds.append(
+            {"mode": "error", "results": {}, "verdicts": {}, "error": str(err)}
+        )
+        log(f"together run failed: {err}")
+        save(rounds)
+    finally:
+        for pair in pairs.values():
+            pair.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--launches", default="off,on,off,on")
+    parser.add_argument(
+        "--together", action="store_true", help="off and on pairs at once, rounds"
+    )
+    parser.add_argument("--rounds", default="off,on,on,off", help="with --together")
+    parser.add_argument(
+        "--pair-shift", type=int, default=10, help="port shift of the on pair"
+    )
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
     parser.add_argument("--scale", type=int, default=1, help="prompts x SCALE")
     parser.add_argument("--tp", type=int, default=1)
@@ -423,50 +550,29 @@ def main() -> int:
     launches: list[dict[str, Any]] = []
     if args.append and record.exists():
         launches = json.loads(record.read_text())["launches"]
-    for mode in args.launches.split(","):
-        index = len(launches)
-        log_dir = args.out / f"launch{index}_{mode}"
-        launch = Launch(args, mode, log_dir)
-        entry: dict[str, Any] = {"mode": mode, "results": {}, "verdicts": {}}
-        try:
-            entry["startup_s"] = round(launch.start(), 1)
-            log(f"launch {index} ({mode}) ready in {entry['startup_s']} s")
-            for workload in chosen:
-                result = run_workload(args, workload, log_dir)
-                entry["results"][workload.name] = result
-                log(
-                    f"  {workload.name}: TTFT {result.get('median_ttft_ms')} ms, "
-                    f"TPOT {result.get('median_tpot_ms')} ms, "
-                    f"{result.get('request_throughput')} req/s, "
-                    f"failed {result.get('failed')} {result.get('error', '')}"
-                )
-            entry["verdicts"] = launch.consumer_verdicts()
-            log(f"  consumer verdicts: {entry['verdicts']}")
-        except RuntimeError as err:
-            entry["error"] = str(err)
-            log(f"launch {index} ({mode}) failed: {err}")
-        finally:
-            launch.stop()
-        launches.append(entry)
-        summary = summarize(launches)
-        record.write_text(
-            json.dumps(
-                {
-                    "config": {
-                        "shape": args.shape,
-                        "dims": SHAPES[args.shape],
-                        "tp": args.tp,
-                        "workloads": [asdict(w) for w in chosen],
-                        "scale": args.scale,
-                        "kv_cache_gib": args.kv_cache_gib,
-                        "serve_args": args.serve_arg,
-                    },
-                    "launches": launches,
-                    "summary": summary,
-                },
-                indent=1,
-            )
-        )
+
+    def save(records: list[dict[str, Any]]) -> None:
+        config = {
+            "shape": args.shape,
+            "dims": SHAPES[args.shape],
+            "tp": args.tp,
+            "gpu_p": args.gpu_p,
+            "gpu_d": args.gpu_d,
+            "together": args.together,
+            "workloads": [asdict(w) for w in chosen],
+            "scale": args.scale,
+            "kv_cache_gib": args.kv_cache_gib,
+            "util": args.util,
+            "serve_args": args.serve_arg,
+        }
+        summary = summarize(records)
+        payload = {"config": config, "launches": records, "summary": summary}
+        record.write_text(json.dumps(payload, indent=1))
+
+    if args.together:
+        run_together(args, chosen, launches, save)
+    else:
+        run_launches(args, chosen, launches, save)
     summary = summarize(launches)
     print_tables(launches, summary)
     return 0 if summary["pass"] else 1

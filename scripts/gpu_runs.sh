@@ -9,10 +9,12 @@
 #                                             #  `build_bundle.sh OUT --moe` extra/*.xz,
 #                                             #  for gdn), same warm machine; 64 MiB
 #                                             #  a call: nixl+serve or nixl+moe
+#   bash scripts/gpu_runs.sh update-package   # this tree's package files into SITE
 #   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, pull, pull-offload, push,
 #                                             # mooncake, hybrid, hybrid-tp2, offload,
 #                                             # prefix-hits,
 #                                             # simple-offload, bench-serve,
+#                                             # bench-serve-x2, bench-serve-tp2,
 #                                             # bench-prefix, bench-offload,
 #                                             # bench-offload-multi (issue 26
 #                                             # item 3; -multi needs gpu_nixl),
@@ -21,12 +23,15 @@
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
 #                                             # chaos, chaos-push, chaos-offload,
-#                                             # soak (issue 27), tamper (issue
+#                                             # soak, soak-control, soak-clean
+#                                             # (issue 27), tamper (issue
 #                                             # 26 item 5)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
-#   bash scripts/gpu_runs.sh group RUN...     # up to 6 runs at once on one GPU
-#                                             # (tiny models), NIXL ports apart
+#   bash scripts/gpu_runs.sh group RUN...     # up to 8 runs at once on one GPU
+#                                             # (tiny models), NIXL ports apart;
+#                                             # "RUN1 RUN2 / RUN3": RUN3 on GPU 1;
+#                                             # RUN+ARG+ARG passes ARGs to RUN
 #
 # Each run writes its driver's output to $OUT/RUN.log (a file, not a pipe: an
 # engine left behind cannot hold the call open), its summary to
@@ -101,15 +106,26 @@ pair() {
 # Several runs at once on one GPU (tiny models: memory and SMs to spare), NIXL
 # ports apart; the logs and summaries come back in one archive (the device tool
 # returns at most 8 files).
+# A "/" between names moves the runs after it to the next GPU (GPU 0 first).
 group() {
     mkdir -p "$out"
     build_models tiny mla qwen3next mamba1
-    local offsets=(0 1000 10000 11000 12000 13000) pids=() names=() i=0
+    local offsets=(0 1000 10000 11000 12000 13000 14000 15000) pids=() names=()
+    local i=0 gpu=0 split=0 name
+    for name in "$@"; do [ "$name" = / ] && split=1; done
     for name in "$@"; do
-        KV_CHECKSUM_PAIRED=1 KV_CHECKSUM_PORT_OFFSET=${offsets[$i]} bash "$0" "$name" \
-            >"$out/group_$name.tail" 2>&1 &
+        if [ "$name" = / ]; then
+            gpu=$((gpu + 1))
+            continue
+        fi
+        local pin=() words
+        [ $split = 1 ] && pin=(CUDA_VISIBLE_DEVICES=$gpu)
+        IFS=+ read -ra words <<<"$name"  # RUN+ARG+ARG: arguments of the run
+        env "${pin[@]}" KV_CHECKSUM_PAIRED=1 \
+            KV_CHECKSUM_PORT_OFFSET=${offsets[$i]} bash "$0" "${words[@]}" \
+            >"$out/group_${words[0]}.tail" 2>&1 &
         pids+=($!)
-        names+=("$name")
+        names+=("${words[0]}")
         i=$((i + 1))
     done
     local rc=0 j
@@ -120,7 +136,7 @@ group() {
         [ $r -eq 0 ] || rc=1
     done
     pkill -9 -f "EngineCore|vllm.entrypoints|vllm_router|kv_checksum_.*_gpu.py" 2>/dev/null
-    for name in "$@"; do tail -n 25 "$out/group_$name.tail"; done
+    for name in "${names[@]}"; do tail -n 25 "$out/group_$name.tail"; done
     (cd "$out" && shopt -s nullglob && files=(./*.log ./*.json ./*.tail) &&
         tar -czf group_logs.tar.gz "${files[@]}" && rm -f "${files[@]}")
     return $rc
@@ -134,6 +150,13 @@ pair) pair "$@" ;;
 group) group "$@" ;;
 install-bundle)
     SITE=$site bash "$repo/scripts/gpu_install.sh"
+    ;;
+# The package's files again, over what install-bundle put into $SITE (a later
+# call of the same warm machine runs the working tree it was sent).
+update-package)
+    (cd "$repo" && find vllm/distributed/kv_transfer/kv_checksum -name '*.py' \
+        -not -path '*/__pycache__/*' -exec cp --parents {} "$site/" \;)
+    echo "[gpu_runs] package updated in $site"
     ;;
 install-wheels)
     for dir in gpu_nixl gpu_serve gpu_mooncake/slim; do
@@ -197,6 +220,13 @@ prefix-hits) run prefix-hits examples/offload/kv_checksum_offload_gpu.py \
 # `vllm bench serve` through vllm-router, checksums off and on (8B-shaped, dummy
 # weights; P and D share GPU 0 unless --gpu-d 1 is passed).
 bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
+# Two-GPU host: the off and the on pair started at once, rounds off,on,on,off
+# alternating between their routers; -x2: P TP1 on GPU 0 -> D TP1 on GPU 1;
+# -tp2: P TP2 -> D TP2, the four engines' ranks sharing GPUs 0 and 1.
+bench-serve-x2) run bench-serve-x2 benchmarks/benchmark_kv_checksum_serve.py \
+    --together --gpu-p 0 --gpu-d 1 "$@" ;;
+bench-serve-tp2) run bench-serve-tp2 benchmarks/benchmark_kv_checksum_serve.py \
+    --together --tp 2 --gpu-p 0,1 --gpu-d 0,1 --util 0.22 --kv-cache-gib 16 "$@" ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.
 host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile "$@" ;;
@@ -226,6 +256,16 @@ chaos-push) run chaos-push examples/disaggregated/kv_checksum_chaos.py \
 chaos-offload) run chaos-offload examples/disaggregated/kv_checksum_chaos.py \
     --connector nixl-offload --scenarios client_abort "$@" ;;
 soak) run soak examples/disaggregated/kv_checksum_chaos.py --scenarios soak \
+    --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" \
+    --soak-min-s "${KV_CHECKSUM_SOAK_SECONDS:-240}" "$@" ;;
+# The soak's controls: the same load with checksums off on every server and no
+# injector (the wrong answers vLLM gives alone), and checksums on without faults.
+soak-control) run soak-control examples/disaggregated/kv_checksum_chaos.py \
+    --scenarios soak --checksums off \
+    --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" \
+    --soak-min-s "${KV_CHECKSUM_SOAK_SECONDS:-240}" "$@" ;;
+soak-clean) run soak-clean examples/disaggregated/kv_checksum_chaos.py \
+    --scenarios soak --soak-fault-rate 0 \
     --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" \
     --soak-min-s "${KV_CHECKSUM_SOAK_SECONDS:-240}" "$@" ;;
 # Issue 26 item 5: a proxy before the producer drops, truncates, swaps or

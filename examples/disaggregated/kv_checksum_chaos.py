@@ -263,6 +263,9 @@ def complete(
             return outcome
         if not payload.get("stream"):
             reply = json.loads(response.read())
+            if reply.get("error") or not reply.get("choices"):
+                outcome.error = json.dumps(reply.get("error"))[:300]
+                return outcome
             outcome.request_id = str(reply.get("id", ""))
             outcome.text = choice_text(reply["choices"][0])
             return outcome
@@ -277,6 +280,11 @@ def complete(
             if not line.startswith(b"data: ") or done:
                 continue
             data = json.loads(line[6:])
+            if data.get("error"):
+                # vLLM streams a failed request (e.g. kv_load_failure_policy
+                # "fail") as an error event and [DONE] after its HTTP 200.
+                outcome.error = json.dumps(data["error"])[:300]
+                continue
             outcome.request_id = outcome.request_id or str(data.get("id", ""))
             choices = data.get("choices") or []
             if choices:
@@ -289,7 +297,9 @@ def complete(
             ):
                 outcome.aborted = True
                 return outcome
-        if done:
+        if outcome.error:
+            pass  # an error event: no answer (classified as an error)
+        elif done:
             outcome.text = "".join(pieces)
         else:  # a stream cut short (a server died) is no answer
             outcome.error = f"stream ended after {chunks} chunks without [DONE]"
@@ -530,10 +540,12 @@ def client_abort(run: Run) -> plan.Verdict:
     for o in outcomes:
         if o.aborted:
             counts[f"aborted_{o.phase}"] += 1
-    gauges = {
-        "consumer": run.wait_gauge_zero("consumer", 60),
-        "producer": run.wait_gauge_zero("producer", args.lease + 30),
-    }
+    gauges = {}
+    if args.checksums == "on":  # the control's servers expose no gauge
+        gauges = {
+            "consumer": run.wait_gauge_zero("consumer", 60),
+            "producer": run.wait_gauge_zero("producer", args.lease + 30),
+        }
     return plan.judge_client_abort(counts, gauges, run.errors("consumer", "producer"))
 
 
@@ -691,7 +703,7 @@ def soak(run: Run) -> plan.Verdict:
     args = run.args
     consumer = run.procs["consumer"]
     spec = run.topology.server("consumer")
-    if not spec.faults:  # other scenarios ran first: restart with the injector
+    if not spec.faults and args.soak_fault_rate:  # restart with the injector
         spec.faults = args.soak_fault_rate
         consumer.cmd = server_proc(spec, args).cmd
         run.restart("consumer", signal.SIGTERM)
@@ -712,10 +724,12 @@ def soak(run: Run) -> plan.Verdict:
             run.router_url(), n, args.soak_concurrency, aborts, seed=seed
         ).result()
     log(f"soak: {len(outcomes)} requests in {time.time() - t0:.0f} s")
-    gauges = {
-        "consumer": run.wait_gauge_zero("consumer", 60),
-        "producer": run.wait_gauge_zero("producer", args.lease + 30),
-    }
+    gauges = {}
+    if args.checksums == "on":  # the control's servers expose no gauge
+        gauges = {
+            "consumer": run.wait_gauge_zero("consumer", 60),
+            "producer": run.wait_gauge_zero("producer", args.lease + 30),
+        }
     time.sleep(args.sample_s)
     sampler.halt.set()
     sampler.join()
@@ -729,6 +743,13 @@ def soak(run: Run) -> plan.Verdict:
                 if s["server"] == name and s[key] is not None
             ]
             memory[f"{name} {key}"] = plan.fit_slope(series)
+    if args.checksums == "off":  # the control: vLLM alone under the same load
+        counts = plan.tally(outcomes, run.references)
+        v = plan.Verdict("soak", counts={"outcomes": counts, "checksums": "off"})
+        v.checks["no hang"] = counts["hang"] == 0
+        v.checks["no error"] = counts["error"] == 0
+        v.counts["attribution"] = run.attribute("soak", outcomes, new_lines)
+        return v
     v = plan.judge_soak(
         plan.tally(outcomes, run.references),
         plan.request_ids(plan.INJECTED, new_lines),
@@ -856,6 +877,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--soak-concurrency", type=int, default=64)
     parser.add_argument("--soak-abort-rate", type=float, default=0.05)
     parser.add_argument("--soak-fault-rate", type=float, default=0.01)
+    parser.add_argument(
+        "--checksums",
+        choices=("on", "off"),
+        default="on",
+        help="off: every server without the package's flags and no injector "
+        "(the soak's control: wrong answers vLLM gives alone under that load)",
+    )
     parser.add_argument("--sample-s", type=float, default=3.0)
     parser.add_argument("--tamper-requests", type=int, default=8, help="one by one")
     parser.add_argument("--tamper-concurrent", type=int, default=8, help="at once")
@@ -884,12 +912,16 @@ def main(argv: list[str] | None = None) -> int:
         from kv_checksum_serve_pd import build_model
 
         build_model(args)
+    if args.checksums == "off":
+        args.soak_fault_rate = 0.0
     topology = plan.shift_ports(
         plan.plan_topology(
             scenarios, args.lease, args.short_lease, args.soak_fault_rate
         ),
         args.port_offset,
     )
+    if args.checksums == "off":
+        topology = plan.without_checksums(topology)
     run = Run(args, topology)
     summary: dict[str, Any] = {
         "args": {k: str(v) for k, v in vars(args).items()},

@@ -163,6 +163,16 @@ def plan_topology(
     return Topology(servers, routers, proxies)
 
 
+def without_checksums(topology: Topology) -> Topology:
+    """The same servers with the package's flags off and no injector (the
+    soak's control run); vLLM's own settings (policy, lease) unchanged."""
+    servers = [
+        replace(s, checksums=False, fail_closed=False, faults=0.0)
+        for s in topology.servers
+    ]
+    return replace(topology, servers=servers)
+
+
 def kv_transfer_config(spec: ServerSpec, connector: str) -> dict[str, Any]:
     """The --kv-transfer-config of a server (the launch script's, plus the
     run's lease, injector and policy; `connector` as in kv_checksum_pd_gpu)."""

@@ -111,3 +111,46 @@ def test_verdict_counts_sums_labels() -> None:
     )
     assert bench.verdict_counts(page) == {"verified": 10.0, "mismatch": 1.0}
     assert bench.verdict_counts(None) == {}
+
+
+def test_together_pairs_use_disjoint_ports() -> None:
+    """The off and on pairs of --together start at once on the same host: every
+    port of one (API, router, metrics, and the NIXL side channels of up to 8 TP
+    ranks from each base) differs from every port of the other (bug caught: the
+    on pair's producer side channel shifted onto the off pair's consumer's)."""
+    args = bench.argparse.Namespace(router_port=8000, prom_port=29000)
+    off = bench.Launch(args, "off", Path("/nonexistent"))
+    on = bench.Launch(args, "on", Path("/nonexistent"), port_shift=10)
+
+    def used(launch) -> set[int]:
+        ports = set(launch.ports.values())
+        for key in ("P_SIDE", "D_SIDE"):
+            ports |= {launch.ports[key] + rank for rank in range(8)}
+        return ports
+
+    assert not used(off) & used(on)
+    assert len(used(off)) == 4 + 16
+    assert on.router_url == "http://127.0.0.1:8010"
+
+
+def test_round_verdicts_are_counter_deltas(monkeypatch, tmp_path) -> None:
+    """A --together pair serves several rounds, and its /metrics counters add
+    up over them: a round's verdicts are the counts after minus before (bug
+    caught: the second on round reporting the first round's loads again)."""
+    args = bench.argparse.Namespace(router_port=8000, prom_port=29000)
+    launch = bench.Launch(args, "on", tmp_path, port_shift=10)
+    pages = iter([{"verified": 10.0}, {"verified": 25.0, "mismatch": 1.0}])
+    monkeypatch.setattr(launch, "consumer_verdicts", lambda: next(pages))
+    calls = []
+
+    def fake_workload(args, workload, log_dir, router_url):
+        calls.append(router_url)
+        return {"median_ttft_ms": 1.0}
+
+    monkeypatch.setattr(bench, "run_workload", fake_workload)
+    entry: dict = {"mode": "on", "results": {}, "verdicts": {}}
+    workload = bench.Workload("w", 8, 1, 1, 1)
+    bench.run_round(args, launch, [workload], entry, tmp_path)
+    assert entry["verdicts"] == {"verified": 15.0, "mismatch": 1.0}
+    assert calls == ["http://127.0.0.1:8010"]
+    assert entry["results"] == {"w": {"median_ttft_ms": 1.0}}
