@@ -484,3 +484,45 @@ def test_first_divergence_against_the_closest_reference() -> None:
     assert plan.first_divergence("t1 t9 t5 t4", refs) == 2
     assert plan.first_divergence("t1 t2 t3 t8", refs) == 3
     assert plan.first_divergence("", refs) == 0
+
+
+def test_in_stream_error_event_is_an_error_not_a_wrong_answer() -> None:
+    """vLLM answers a request that kv_load_failure_policy "fail" ended with
+    HTTP 200, one `data: {"error": ...}` event and [DONE] (its
+    GenerationError path). Bug caught (H200, 2026-12-01): the driver read that
+    stream as an empty answer, so 44 requests the fail policy had failed as it
+    should counted as wrong answers."""
+    import http.server
+    import threading
+
+    error = {"message": "Internal server error", "code": 500}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # as vLLM's server: the socket stays open
+
+        def do_POST(self) -> None:
+            length = int(self.headers["Content-Length"])
+            stream = json.loads(self.rfile.read(length)).get("stream")
+            body = json.dumps({"error": error}).encode()
+            if stream:
+                body = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for stream in (True, False):
+            payload = {"prompt": "t5", "max_tokens": 4, "stream": stream}
+            out = chaos.complete(url, payload, timeout=30)
+            assert out.status == 200 and out.text is None
+            assert "Internal server error" in out.error
+            assert plan.classify(out, {""}) == "error"
+    finally:
+        server.shutdown()
