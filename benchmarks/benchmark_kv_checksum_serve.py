@@ -47,6 +47,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "examples/disaggregated/kv_checksum_router_pd.sh"
+BATCH = REPO / "benchmarks/kv_checksum_bench_serve_batch.py"
 CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 # Targets of the issue (the reference design's fused figures).
@@ -259,15 +260,14 @@ class Launch:
         time.sleep(3)
 
 
-def run_workload(
+def bench_args(
     args: argparse.Namespace,
     workload: Workload,
     result_dir: Path,
     router_url: str | None = None,
-) -> dict[str, Any]:
-    """One `vllm bench serve` run through the router; its saved result."""
-    name = f"{workload.name}.json"
-    cmd = [*CLI, "bench", "serve", "--backend", "vllm"]
+) -> list[str]:
+    """The arguments of one `vllm bench serve` run (what follows the command)."""
+    cmd = ["--backend", "vllm"]
     cmd += ["--base-url", router_url or f"http://127.0.0.1:{args.router_port}"]
     cmd += ["--endpoint", "/v1/completions", "--model", "model"]
     cmd += ["--tokenizer", str(args.model), "--dataset-name", "random"]
@@ -280,10 +280,47 @@ def run_workload(
     cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
     cmd += ["--metric-percentiles", "50,90,99"]
     cmd += ["--save-result", "--save-detailed"]
-    cmd += ["--result-dir", str(result_dir), "--result-filename", name]
+    cmd += [
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        f"{workload.name}.json",
+    ]
+    return cmd
+
+
+def run_workload(
+    args: argparse.Namespace,
+    workload: Workload,
+    result_dir: Path,
+    router_url: str | None = None,
+) -> dict[str, Any]:
+    """One `vllm bench serve` run through the router; its saved result."""
+    cmd = [*CLI, "bench", "serve", *bench_args(args, workload, result_dir, router_url)]
     with open(result_dir / f"{workload.name}.log", "wb") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
-    return read_result(result_dir / name, rc)
+    return read_result(result_dir / f"{workload.name}.json", rc)
+
+
+def run_workloads_batch(
+    args: argparse.Namespace,
+    workloads: list[Workload],
+    result_dir: Path,
+    router_url: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Every workload's `vllm bench serve` run in one process
+    (kv_checksum_bench_serve_batch.py: vLLM imported once); their results."""
+    runs = [bench_args(args, w, result_dir, router_url) for w in workloads]
+    spec = result_dir / "bench_runs.json"
+    spec.write_text(json.dumps(runs))
+    with open(result_dir / "bench_batch.log", "wb") as out:
+        subprocess.run(
+            [sys.executable, str(BATCH), str(spec)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    # A run without its result file failed (its error is in the log).
+    return {w.name: read_result(result_dir / f"{w.name}.json", 0) for w in workloads}
 
 
 def read_result(path: Path, rc: int) -> dict[str, Any]:
@@ -432,8 +469,13 @@ def run_round(
     """Every chosen workload through `launch`'s router, into `entry`'s results;
     the consumer's verdict counts of this round (counter deltas)."""
     before = launch.consumer_verdicts()
+    batch: dict[str, dict[str, Any]] = {}
+    if args.bench_batch:
+        batch = run_workloads_batch(args, chosen, log_dir, launch.router_url)
     for workload in chosen:
-        result = run_workload(args, workload, log_dir, launch.router_url)
+        result = batch.get(workload.name) or run_workload(
+            args, workload, log_dir, launch.router_url
+        )
         entry["results"][workload.name] = result
         log(
             f"  {workload.name}: TTFT {result.get('median_ttft_ms')} ms, "
@@ -519,6 +561,11 @@ def main() -> int:
     )
     parser.add_argument("--rounds", default="off,on,on,off", help="with --together")
     parser.add_argument(
+        "--bench-batch",
+        action="store_true",
+        help="a round's `vllm bench serve` runs in one process (vLLM imported once)",
+    )
+    parser.add_argument(
         "--pair-shift", type=int, default=10, help="port shift of the on pair"
     )
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
@@ -559,6 +606,7 @@ def main() -> int:
             "gpu_p": args.gpu_p,
             "gpu_d": args.gpu_d,
             "together": args.together,
+            "bench_batch": args.bench_batch,
             "workloads": [asdict(w) for w in chosen],
             "scale": args.scale,
             "kv_cache_gib": args.kv_cache_gib,

@@ -143,6 +143,9 @@ group() {
 }
 
 pd=examples/disaggregated/kv_checksum_pd_gpu.py
+# bench-serve-x2 and -tp2 (below).
+serve8b=(benchmarks/benchmark_kv_checksum_serve.py --together --bench-batch
+    --workloads 1k_c1,1k_c32,8k_burst,32k_c1 --max-model-len 40960)
 what=${1:-}
 shift || true
 case "$what" in
@@ -221,12 +224,14 @@ prefix-hits) run prefix-hits examples/offload/kv_checksum_offload_gpu.py \
 # weights; P and D share GPU 0 unless --gpu-d 1 is passed).
 bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 # Two-GPU host: the off and the on pair started at once, rounds off,on,on,off
-# alternating between their routers; -x2: P TP1 on GPU 0 -> D TP1 on GPU 1;
-# -tp2: P TP2 -> D TP2, the four engines' ranks sharing GPUs 0 and 1.
-bench-serve-x2) run bench-serve-x2 benchmarks/benchmark_kv_checksum_serve.py \
-    --together --gpu-p 0 --gpu-d 1 "$@" ;;
-bench-serve-tp2) run bench-serve-tp2 benchmarks/benchmark_kv_checksum_serve.py \
-    --together --tp 2 --gpu-p 0,1 --gpu-d 0,1 --util 0.22 --kv-cache-gib 16 "$@" ;;
+# alternating between their routers, the reference table's four workloads, a
+# round's bench runs in one process (on 2026-12-01 the four engines of -tp2
+# took 202 s to start and one CLI run per workload 30-37 s: a round of five
+# did not fit); -x2: P TP1 on GPU 0 -> D TP1 on GPU 1; -tp2: P TP2 -> D TP2,
+# the four engines' ranks sharing GPUs 0 and 1.
+bench-serve-x2) run bench-serve-x2 "${serve8b[@]}" --gpu-p 0 --gpu-d 1 "$@" ;;
+bench-serve-tp2) run bench-serve-tp2 "${serve8b[@]}" --tp 2 --gpu-p 0,1 \
+    --gpu-d 0,1 --util 0.22 --kv-cache-gib 16 "$@" ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.
 host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile "$@" ;;

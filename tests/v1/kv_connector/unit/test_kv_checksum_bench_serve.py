@@ -137,7 +137,9 @@ def test_round_verdicts_are_counter_deltas(monkeypatch, tmp_path) -> None:
     """A --together pair serves several rounds, and its /metrics counters add
     up over them: a round's verdicts are the counts after minus before (bug
     caught: the second on round reporting the first round's loads again)."""
-    args = bench.argparse.Namespace(router_port=8000, prom_port=29000)
+    args = bench.argparse.Namespace(
+        router_port=8000, prom_port=29000, bench_batch=False
+    )
     launch = bench.Launch(args, "on", tmp_path, port_shift=10)
     pages = iter([{"verified": 10.0}, {"verified": 25.0, "mismatch": 1.0}])
     monkeypatch.setattr(launch, "consumer_verdicts", lambda: next(pages))
@@ -154,3 +156,78 @@ def test_round_verdicts_are_counter_deltas(monkeypatch, tmp_path) -> None:
     assert entry["verdicts"] == {"verified": 15.0, "mismatch": 1.0}
     assert calls == ["http://127.0.0.1:8010"]
     assert entry["results"] == {"w": {"median_ttft_ms": 1.0}}
+
+
+def _vllm_bench_parser():
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    return parser
+
+
+def test_bench_args_parse_with_vllms_own_parser(tmp_path) -> None:
+    """Every workload's arguments go through vLLM 0.33.0's bench-serve parser
+    with the values meant (bug caught: an option vLLM does not know, which the
+    batch runner would only report as a failed run on the GPU host)."""
+    args = bench.argparse.Namespace(router_port=8000, model=tmp_path, scale=2)
+    parser = _vllm_bench_parser()
+    for workload in bench.WORKLOADS:
+        argv = bench.bench_args(args, workload, tmp_path, "http://127.0.0.1:8010")
+        parsed = parser.parse_args(argv)
+        assert parsed.base_url == "http://127.0.0.1:8010"
+        assert parsed.random_input_len == workload.input_len
+        assert parsed.random_output_len == workload.output_len
+        assert parsed.num_prompts == 2 * workload.num_prompts
+        assert parsed.max_concurrency == workload.concurrency
+        assert parsed.result_filename == f"{workload.name}.json"
+
+
+def test_batch_runner_keeps_going_after_a_failed_run(monkeypatch) -> None:
+    """The batch runner calls vLLM's bench-serve `main` once per argument list
+    and a run that raises does not stop the next (bug caught: one bad workload
+    losing the rest of the round)."""
+    import vllm.benchmarks.serve as serve
+
+    runner = load_script(
+        "bench_batch", PATH.parent / "kv_checksum_bench_serve_batch.py"
+    )
+    seen: list[int] = []
+
+    def fake_main(parsed) -> dict:
+        seen.append(parsed.num_prompts)
+        if parsed.num_prompts == 1:
+            raise RuntimeError("server went away")
+        return {}
+
+    monkeypatch.setattr(serve, "main", fake_main)
+    base = ["--backend", "vllm", "--model", "m", "--dataset-name", "random"]
+    runs = [base + ["--num-prompts", "1"], base + ["--num-prompts", "2"]]
+    assert runner.run_all(runs) == 1
+    assert seen == [1, 2]
+
+
+def test_round_with_bench_batch_runs_one_process(monkeypatch, tmp_path) -> None:
+    """--bench-batch: a round's workloads go to the batch runner once, in
+    order, and no CLI run starts (bug caught: the flag ignored, so the round
+    pays vLLM's import once per workload again)."""
+    args = bench.argparse.Namespace(router_port=8000, prom_port=29000, bench_batch=True)
+    launch = bench.Launch(args, "off", tmp_path)
+    monkeypatch.setattr(launch, "consumer_verdicts", lambda: {})
+    batches: list[list[str]] = []
+
+    def fake_batch(args, workloads, log_dir, router_url):
+        batches.append([w.name for w in workloads])
+        return {w.name: {"median_ttft_ms": 2.0} for w in workloads}
+
+    def no_cli(*_a, **_k):
+        raise AssertionError("a CLI run started")
+
+    monkeypatch.setattr(bench, "run_workloads_batch", fake_batch)
+    monkeypatch.setattr(bench, "run_workload", no_cli)
+    entry: dict = {"mode": "off", "results": {}, "verdicts": {}}
+    chosen = bench.WORKLOADS[:2]
+    bench.run_round(args, launch, chosen, entry, tmp_path)
+    assert batches == [[w.name for w in chosen]]
+    assert list(entry["results"]) == [w.name for w in chosen]
