@@ -28,7 +28,13 @@ Scenarios (``--scenarios``, each ``--repeats`` times):
                    consumer (router :8003) gives the same HTTP statuses
 A right answer equals the reference of its prompt: the consumer's own
 computation without a KV load (no checksum code on its path) or the pre-chaos
-P/D answer (batch-invariant kernels make both deterministic).
+P/D answer (batch-invariant kernels make both deterministic). An alternate
+answer is another text of its prompt measured before any fault, with no
+injector on, while local multi-token prefills share the consumer's batch
+(``--mixed-repeats``): batch invariance does not hold there, and near-tie
+prompts take a second deterministic continuation (what a recompute beside a
+load gives). Alternates are counted apart, neither right nor wrong; every
+"no wrong answer" check counts wrong ones only.
 
     python examples/disaggregated/kv_checksum_chaos.py --out /tmp/chaos \\
         --scenarios producer_kill,client_abort,consumer_restart,lease_expiry
@@ -75,6 +81,10 @@ PROXY = HERE / "kv_checksum_tamper_proxy.py"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 UNVERIFIED = "vllm:kv_checksum_unverified_loads_total"
 T0 = time.monotonic()  # the driver's start: outcomes' send and finish times
+# The mixed references: local long prefills in flight at once on the
+# consumer, and the router requests sent at once meanwhile.
+MIXED_FILLERS = 4
+MIXED_CONCURRENCY = 16
 
 
 def log(msg: str) -> None:
@@ -340,6 +350,8 @@ class Run:
         )
         self.prompts = make_prompts(args.num_prompts, seed=11)
         self.references: list[set[str]] = [set() for _ in self.prompts]
+        # Per prompt, the texts of `mixed_references` (the second regime).
+        self.alternates: list[set[str]] = [set() for _ in self.prompts]
         self.ttft_ms = 200.0
         self.samples: list[dict[str, Any]] = []
 
@@ -423,6 +435,62 @@ class Run:
         answers = sum(map(len, self.references))
         log(f"references: {answers} answers; one-token P/D {self.ttft_ms:.0f} ms")
 
+    def mixed_references(self, consumer: str) -> None:
+        """Before any fault (no injector on): every prompt --mixed-repeats
+        times through the router while MIXED_FILLERS threads keep `consumer`
+        busy with local 1,000-1,500-token prefills (max_tokens 1); each
+        answered text that is no reference is an alternate of its prompt.
+        Such prefills in the consumer's batch are what a recompute does, so
+        this measures the answers that regime gives without any fault."""
+        args, proc = self.args, self.procs[consumer]
+        repeats = args.mixed_repeats
+        if repeats <= 0:
+            log("mixed references: off (--mixed-repeats 0)")
+            return
+        hi = min(1500, args.max_model_len - 16)
+        fillers = make_prompts(64, seed=6, lo=min(1000, hi), hi=hi)
+        stop = threading.Event()
+
+        def busy(k: int) -> list[int]:
+            """Local prefills one after another until `stop`; their statuses."""
+            statuses: list[int] = []
+            n = k
+            while not stop.is_set():
+                payload = body(fillers[n % len(fillers)], args, stream=False)
+                payload["max_tokens"] = 1
+                statuses.append(complete(proc.url, payload, args.timeout).status)
+                n += MIXED_FILLERS
+            return statuses
+
+        jobs = [p for _ in range(repeats) for p in range(len(self.prompts))]
+
+        def one(p: int) -> Outcome:
+            return complete(
+                self.router_url(), body(self.prompts[p], args), args.timeout, None, p
+            )
+
+        with cf.ThreadPoolExecutor(max_workers=MIXED_FILLERS) as background:
+            busy_runs = [background.submit(busy, k) for k in range(MIXED_FILLERS)]
+            try:
+                with cf.ThreadPoolExecutor(max_workers=MIXED_CONCURRENCY) as pool:
+                    outcomes = list(pool.map(one, jobs))
+            finally:
+                stop.set()
+            statuses = [s for run in busy_runs for s in run.result()]
+        self.alternates = plan.collect_alternates(outcomes, self.references)
+        found = {
+            p: sorted(plan.first_divergence(t, self.references[p]) for t in texts)
+            for p, texts in enumerate(self.alternates)
+            if texts
+        }
+        counts = plan.tally(outcomes, self.references, self.alternates)
+        log(
+            f"mixed references: {len(found)} of {len(self.prompts)} prompts got "
+            f"alternates (prompt: divergence word per alternate {found}); "
+            f"{counts}; local prefills {len(statuses)}, "
+            f"{statuses.count(200)} answered"
+        )
+
     def fire(
         self,
         url: str,
@@ -457,14 +525,19 @@ class Run:
         self, label: str, outcomes: list[Outcome], log_text: str
     ) -> dict[str, Any]:
         """`plan.attribute_wrong` of a scenario, logged in one line; every
-        outcome (texts of wrong ones only) to OUT/outcomes_<label>.jsonl."""
-        found = plan.attribute_wrong(outcomes, self.references, log_text)
+        outcome (texts of wrong and alternate ones only) to
+        OUT/outcomes_<label>.jsonl."""
+        found = plan.attribute_wrong(
+            outcomes, self.references, log_text, alternates=self.alternates
+        )
         with open(self.args.out / f"outcomes_{label}.jsonl", "w") as out:
             for o in outcomes:
-                record = vars(o) if o.cls == "wrong" else dict(vars(o), text=None)
+                kept = o.cls in ("wrong", "alternate")
+                record = vars(o) if kept else dict(vars(o), text=None)
                 out.write(json.dumps(record) + "\n")
         log(
-            f"{label}: {found['wrong']} wrong by cause {found['by_cause']}; "
+            f"{label}: {found['wrong']} wrong by cause {found['by_cause']} "
+            f"({found['alternate']} alternate); "
             f"by prompt {found['by_prompt']}; injected {found['injected_by_kind']}"
         )
         return found
@@ -479,10 +552,7 @@ def producer_kill(run: Run) -> plan.Verdict:
     args = run.args
     routers = {"recompute": "router", "fail": "router_fail"}
     consumers = {"recompute": "consumer", "fail": "consumer_fail"}
-    totals = {
-        p: dict.fromkeys(("right", "wrong", "error", "hang", "aborted"), 0)
-        for p in routers
-    }
+    totals = {p: dict.fromkeys(plan.CLASSES, 0) for p in routers}
     verified = {p: 0.0 for p in routers}
     fresh = {}
     marks = {p: run.procs[c].log_mark() for p, c in consumers.items()}
@@ -505,7 +575,7 @@ def producer_kill(run: Run) -> plan.Verdict:
         log(f"producer_kill {i}: SIGKILL after {k} prefills answered ({waited} s)")
         for p, batch in batches.items():
             outcomes[p] += batch.result()
-            counts = plan.tally(outcomes[p][-32:], run.references)
+            counts = plan.tally(outcomes[p][-32:], run.references, run.alternates)
             for k, n in counts.items():
                 totals[p][k] += n
         took = run.restart("producer")
@@ -515,7 +585,7 @@ def producer_kill(run: Run) -> plan.Verdict:
     for p, r in routers.items():
         before_fresh = run.verdict(consumers[p])
         out = complete(run.router_url(r), body(run.prompts[0], args), args.timeout)
-        ok = out.status == 200 and out.text in run.references[0]
+        ok = out.status == 200 and out.text in run.references[0] | run.alternates[0]
         fresh[p] = ok and run.verdict(consumers[p]) > before_fresh
     v = plan.judge_producer_kill(
         totals, verified, fresh, run.errors("consumer", "consumer_fail", "producer")
@@ -535,7 +605,7 @@ def client_abort(run: Run) -> plan.Verdict:
     count = 32 * args.repeats
     aborts = plan.plan_aborts(count, 0.5, run.ttft_ms, args.max_tokens, seed=31)
     outcomes = run.fire(run.router_url(), count, 16, aborts, seed=32).result()
-    counts = plan.tally(outcomes, run.references)
+    counts = plan.tally(outcomes, run.references, run.alternates)
     counts.update({f"aborted_{p}": 0 for p in plan.PHASES})
     for o in outcomes:
         if o.aborted:
@@ -566,14 +636,15 @@ def consumer_restart(run: Run) -> plan.Verdict:
         time.sleep(offset)
         restarts.append(run.restart("consumer"))
         outcomes = batch.result()
-        v.counts[f"repeat{i}"] = plan.tally(outcomes, run.references)
+        v.counts[f"repeat{i}"] = plan.tally(outcomes, run.references, run.alternates)
         v.checks[f"repeat {i}: no hang"] = v.counts[f"repeat{i}"]["hang"] == 0
         v.checks[f"repeat {i}: no wrong answer"] = v.counts[f"repeat{i}"]["wrong"] == 0
     before = run.verdict("consumer")
     fresh = run.fire(run.router_url(), 16, 8, seed=299).result()
-    counts = plan.tally(fresh, run.references)
+    counts = plan.tally(fresh, run.references, run.alternates)
     v.counts.update(restart_s=restarts, held_prefills=held, fresh=counts)
-    v.checks["new requests right"] = counts["right"] == len(fresh)
+    answered = counts["right"] + counts["alternate"]
+    v.checks["new requests right or alternate"] = answered == len(fresh)
     v.checks["new requests verified"] = run.verdict("consumer") - before >= len(fresh)
     gauge = run.wait_gauge_zero("producer", args.lease + 30)
     v.counts["producer_tracked_after_lease"] = gauge
@@ -618,7 +689,7 @@ def lease_expiry(run: Run) -> plan.Verdict:
     new_lines = "\n".join(consumer.log_text().splitlines()[lines_before:])
     mismatched = plan.request_ids(plan.MISMATCH, new_lines)
     reported = [any(rid in m for m in mismatched) for rid in rids]
-    plan.tally(outcomes, run.references)  # each outcome's class
+    plan.tally(outcomes, run.references, run.alternates)  # each outcome's class
     classes = [o.cls for o in outcomes]
     stale = producer.log_text().count(EXPIRED_READ)
     v = plan.judge_lease_expiry(reported, classes, stale)
@@ -744,14 +815,14 @@ def soak(run: Run) -> plan.Verdict:
             ]
             memory[f"{name} {key}"] = plan.fit_slope(series)
     if args.checksums == "off":  # the control: vLLM alone under the same load
-        counts = plan.tally(outcomes, run.references)
+        counts = plan.tally(outcomes, run.references, run.alternates)
         v = plan.Verdict("soak", counts={"outcomes": counts, "checksums": "off"})
         v.checks["no hang"] = counts["hang"] == 0
         v.checks["no error"] = counts["error"] == 0
         v.counts["attribution"] = run.attribute("soak", outcomes, new_lines)
         return v
     v = plan.judge_soak(
-        plan.tally(outcomes, run.references),
+        plan.tally(outcomes, run.references, run.alternates),
         plan.request_ids(plan.INJECTED, new_lines),
         plan.request_ids(plan.MISMATCH, new_lines),
         gauges,
@@ -791,6 +862,8 @@ def tamper(run: Run) -> plan.Verdict:
         if out.text is not None:
             chat_refs[i].add(out.text)
     refs = {"completions": run.references, "chat": chat_refs}
+    # Alternates were measured on completions only; chat answers have none.
+    alts = {"completions": run.alternates, "chat": None}
 
     def batch(router: str, seed: int) -> dict[str, list[Outcome]]:
         url, n, m = run.router_url(router), args.tamper_requests, args.tamper_concurrent
@@ -814,7 +887,7 @@ def tamper(run: Run) -> plan.Verdict:
             time.sleep(0.5)
         new_lines = "\n".join(consumer.log_text().splitlines()[lines:])
         phases[mode] = plan.TamperPhase(
-            {e: plan.tally(o, refs[e]) for e, o in outcomes.items()},
+            {e: plan.tally(o, refs[e], alts[e]) for e, o in outcomes.items()},
             verdicts,
             _deltas(
                 plan.labelled_counts(consumer.metrics(), UNVERIFIED, "reason"),
@@ -867,6 +940,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--short-lease", type=int, default=2, help="lease_expiry's")
     parser.add_argument("--timeout", type=float, default=150, help="client timeout (s)")
     parser.add_argument("--startup-timeout", type=float, default=300)
+    parser.add_argument(
+        "--mixed-repeats",
+        type=int,
+        default=4,
+        help="before any fault, send every prompt this many times through the "
+        "router while local long prefills share the consumer's batch; texts "
+        "other than the references become alternates (0: off)",
+    )
     parser.add_argument("--soak-requests", type=int, default=20000)
     parser.add_argument(
         "--soak-min-s",
@@ -914,10 +995,12 @@ def main(argv: list[str] | None = None) -> int:
         build_model(args)
     if args.checksums == "off":
         args.soak_fault_rate = 0.0
+    # The mixed references need the injector off: with them the consumer
+    # starts without it even for a soak-only run, and soak() restarts it with
+    # the injector on (one consumer restart more).
+    first_rate = 0.0 if args.mixed_repeats > 0 else args.soak_fault_rate
     topology = plan.shift_ports(
-        plan.plan_topology(
-            scenarios, args.lease, args.short_lease, args.soak_fault_rate
-        ),
+        plan.plan_topology(scenarios, args.lease, args.short_lease, first_rate),
         args.port_offset,
     )
     if args.checksums == "off":
@@ -930,6 +1013,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run.start_all()
         run.references_from("consumer")
+        run.mixed_references("consumer")
+        summary["alternates"] = {
+            str(p): len(a) for p, a in enumerate(run.alternates) if a
+        }
         for name in scenarios:
             t0 = time.time()
             try:

@@ -257,26 +257,61 @@ class Outcome:
     cls: str = ""  # `classify`'s class, set by `tally`
 
 
-def classify(outcome: Outcome, right: set[str]) -> str:
-    """aborted, hang, error, right or wrong (a 200 whose text is none of the
-    acceptable references)."""
+# `classify`'s classes; "alternate" is a prompt's second deterministic answer
+# measured before any fault (`collect_alternates`), neither right nor wrong.
+CLASSES = ("right", "alternate", "wrong", "error", "hang", "aborted")
+
+
+def classify(
+    outcome: Outcome, right: set[str], alternates: set[str] | None = None
+) -> str:
+    """aborted, hang, error, right, alternate (a text of `alternates`: the
+    prompt's other answer when recomputes share the batch) or wrong (a 200
+    whose text is neither)."""
     if outcome.aborted:
         return "aborted"
     if outcome.hung:
         return "hang"
     if outcome.status != 200 or outcome.text is None:
         return "error"
-    return "right" if outcome.text in right else "wrong"
+    if outcome.text in right:
+        return "right"
+    return "alternate" if alternates and outcome.text in alternates else "wrong"
 
 
-def tally(outcomes: list[Outcome], references: list[set[str]]) -> dict[str, int]:
-    """Counts of `classify` over a run (every class present, zeros kept);
-    each outcome keeps its class in `cls`."""
-    counts = dict.fromkeys(("right", "wrong", "error", "hang", "aborted"), 0)
+def tally(
+    outcomes: list[Outcome],
+    references: list[set[str]],
+    alternates: list[set[str]] | None = None,
+) -> dict[str, int]:
+    """Counts of `classify` over a run (every class of CLASSES present, zeros
+    kept); each outcome keeps its class in `cls`."""
+    counts = dict.fromkeys(CLASSES, 0)
     for outcome in outcomes:
-        outcome.cls = classify(outcome, references[outcome.prompt])
+        outcome.cls = classify(
+            outcome,
+            references[outcome.prompt],
+            alternates[outcome.prompt] if alternates else None,
+        )
         counts[outcome.cls] += 1
     return counts
+
+
+def collect_alternates(
+    outcomes: list[Outcome], references: list[set[str]]
+) -> list[set[str]]:
+    """Per prompt, the answered texts (HTTP 200, a text) that are none of its
+    references: the second regime measured with no fault on (a recompute in
+    the consumer's batch breaks batch invariance on near-tie prompts)."""
+    found: list[set[str]] = [set() for _ in references]
+    for o in outcomes:
+        if (
+            o.status == 200
+            and o.text is not None
+            and o.text not in references[o.prompt]
+        ):
+            found[o.prompt].add(o.text)
+    return found
 
 
 def completion_id(engine_id: str) -> str:
@@ -332,12 +367,14 @@ def attribute_wrong(
     log_text: str,
     examples: int = 50,
     texts: int = 8,
+    alternates: list[set[str]] | None = None,
 ) -> dict[str, Any]:
     """Each wrong answer's cause (CAUSES) from the consumer's injection,
     mismatch and quarantine lines; counts by cause and by prompt, every
     injected load's class by fault kind, the first `examples` records and
     the first `texts` wrong texts beside their references (200 chars), and
-    how many were wrong from their first word."""
+    how many were wrong from their first word. An answer in its prompt's
+    `alternates` is no wrong answer: counted apart (`alternate`)."""
     injected = {completion_id(r): k for k, r in INJECTED_KIND.findall(log_text)}
     mismatched = {completion_id(r) for r in MISMATCH.findall(log_text)}
     quarantined = {completion_id(r) for r in QUARANTINED.findall(log_text)}
@@ -348,8 +385,12 @@ def attribute_wrong(
     by_kind: dict[str, dict[str, int]] = {}
     wrong: list[WrongAnswer] = []
     shown: list[dict[str, Any]] = []
+    alternate = 0
     for o in outcomes:
-        cls = classify(o, references[o.prompt])
+        cls = classify(
+            o, references[o.prompt], alternates[o.prompt] if alternates else None
+        )
+        alternate += cls == "alternate"
         kind = injected.get(o.request_id, "")
         if kind:
             by_kind.setdefault(kind, {})
@@ -391,6 +432,7 @@ def attribute_wrong(
     seen = {o.request_id for o in outcomes}
     return {
         "wrong": len(wrong),
+        "alternate": alternate,
         "by_cause": {c: sum(w.cause == c for w in wrong) for c in CAUSES},
         "by_prompt": dict(sorted(by_prompt.items(), key=lambda kv: int(kv[0]))),
         # Wrong from the first word (bad KV) or later (numerics after a tie).
@@ -509,16 +551,18 @@ def judge_producer_kill(
 ) -> Verdict:
     """recompute: no wrong answer; fail: no wrong answer either (a broken
     load must end as an HTTP error); nothing hangs; no consumer counts more
-    verified loads than it gave right answers; a fresh request after the
-    restart verifies through every router."""
+    verified loads than it gave right or alternate answers (a verified load
+    beside recomputes may give its prompt's alternate); a fresh request after
+    the restart verifies through every router."""
     v = Verdict(
         "producer_kill", counts={"outcomes": by_policy, "verified": verified_delta}
     )
     for policy, counts in by_policy.items():
         v.checks[f"{policy}: no wrong answer"] = counts["wrong"] == 0
         v.checks[f"{policy}: no hang"] = counts["hang"] == 0
-        v.checks[f"{policy}: verified loads <= right answers"] = (
-            verified_delta.get(policy, 0.0) <= counts["right"]
+        v.checks[f"{policy}: verified loads <= right or alternate answers"] = (
+            verified_delta.get(policy, 0.0)
+            <= counts["right"] + counts.get("alternate", 0)
         )
     for policy, ok in fresh_ok.items():
         v.checks[f"{policy}: fresh request after restart verified"] = ok
@@ -549,11 +593,12 @@ def judge_lease_expiry(
     reported: list[bool], classes: list[str], stale_reads: int
 ) -> Verdict:
     """Per load (`classify` class): a reported one must still be answered right
-    (recompute), an unreported one must not be wrong (else a stale load went
-    unreported); the incident must show (>= 1 reported)."""
+    or alternate (recompute; 32 recomputes at once is the second regime), an
+    unreported one must not be wrong (else a stale load went unreported); the
+    incident must show (>= 1 reported). Alternates are counted, not hidden."""
     pairs = list(zip(reported, classes))
     unreported_wrong = sum(1 for r, c in pairs if not r and c == "wrong")
-    reported_wrong = sum(1 for r, c in pairs if r and c != "right")
+    reported_wrong = sum(1 for r, c in pairs if r and c not in ("right", "alternate"))
     errors = sum(1 for _, c in pairs if c in ("error", "hang"))
     v = Verdict(
         "lease_expiry",
@@ -562,6 +607,7 @@ def judge_lease_expiry(
             "mismatches": sum(reported),
             "unreported_wrong": unreported_wrong,
             "reported_not_right": reported_wrong,
+            "alternate": classes.count("alternate"),
             "errors_or_hangs": errors,
             "producer_expired_reads": stale_reads,
         },
@@ -661,7 +707,8 @@ def judge_tamper(
     consumer_log: str,
     statuses: dict[str, list[int]],
 ) -> Verdict:
-    """Every answer right (HTTP 200, a reference text) in every mode; per mode
+    """Every answer right (HTTP 200, a reference text) or a measured alternate
+    (a swapped mode's recomputes share the batch) in every mode; per mode
     the verdicts and reason of TAMPER_EXPECT for every request and 0 verified
     under a tampered mode; each reason's warning in the consumer log (logged
     once per reason, so the whole log); `statuses` ("on"/"off": the HTTP
@@ -670,9 +717,9 @@ def judge_tamper(
     for mode, phase in phases.items():
         allowed, label, text = TAMPER_EXPECT[mode]
         sent = sum(sum(c.values()) for c in phase.outcomes.values())
-        right = sum(c["right"] for c in phase.outcomes.values())
-        v.checks[f"{mode}: every answer HTTP 200 and right"] = sent > 0 and (
-            right == sent
+        right = sum(c["right"] + c.get("alternate", 0) for c in phase.outcomes.values())
+        v.checks[f"{mode}: every answer HTTP 200 and right or alternate"] = (
+            sent > 0 and right == sent
         )
         v.checks[f"{mode}: every prefill seen by the proxy"] = phase.rewritten >= sent
         expected = sum(phase.verdicts.get(k, 0.0) for k in allowed)

@@ -432,6 +432,8 @@ def test_soak_dry_run_attributes_wrong_answers(
     argv += ["--soak-concurrency", "4", "--soak-abort-rate", "0"]
     argv += ["--soak-fault-rate", "0.1", "--sample-s", "0.2"]
     argv += ["--startup-timeout", "120", "--lease", "1"]
+    # No mixed references: the wrong loads' numbers count the soak's loads.
+    argv += ["--mixed-repeats", "0"]
     offset = _free_offset(plan.plan_topology(["soak"], 20, 2, 0.1))
     assert chaos.main([*argv, "--port-offset", str(offset)]) == 1  # 2 wrong
     entry = json.loads((tmp_path / "summary.json").read_text())["scenarios"]["soak"]
@@ -526,3 +528,131 @@ def test_in_stream_error_event_is_an_error_not_a_wrong_answer() -> None:
             assert plan.classify(out, {""}) == "error"
     finally:
         server.shutdown()
+
+
+def test_classify_and_tally_alternates() -> None:
+    """A text among the references is right, among the measured alternates
+    "alternate", anywhere else wrong; tally counts each class and a judge
+    still fails on one wrong answer beside alternates.
+
+    Bugs caught: alternates counted as right (the second regime hidden from
+    the summary), alternates counted as wrong (the H200 soak's 346 "wrong"
+    answers that are near-tie continuations), a wrong answer passing once
+    alternates exist, or old callers (no alternates) breaking."""
+    refs, alts = [{"a b"}, {"c d"}], [{"a x"}, set()]
+    assert plan.classify(plan.Outcome(200, "a b"), refs[0], alts[0]) == "right"
+    assert plan.classify(plan.Outcome(200, "a x"), refs[0], alts[0]) == "alternate"
+    assert plan.classify(plan.Outcome(200, "a y"), refs[0], alts[0]) == "wrong"
+    assert plan.classify(plan.Outcome(200, "a x"), refs[0]) == "wrong"
+    # An error stays an error even if its (absent) text could match nothing.
+    assert plan.classify(plan.Outcome(0, None), refs[0], alts[0]) == "error"
+    outcomes = [
+        plan.Outcome(200, "a b", prompt=0),
+        plan.Outcome(200, "a x", prompt=0),
+        plan.Outcome(200, "a x", prompt=1),  # prompt 0's alternate, not 1's
+        plan.Outcome(0, None, aborted=True, prompt=1),
+    ]
+    counts = plan.tally(outcomes, refs, alts)
+    assert counts == {
+        "right": 1,
+        "alternate": 1,
+        "wrong": 1,
+        "error": 0,
+        "hang": 0,
+        "aborted": 1,
+    }
+    assert [o.cls for o in outcomes] == ["right", "alternate", "wrong", "aborted"]
+    assert plan.tally(outcomes, refs)["wrong"] == 2  # default: no alternates
+    flat = {"consumer rss_mib": plan.SlopeFit(0.1, 900.0, 5.0, 50, True)}
+    args = dict(gauges={"consumer": 0.0}, memory=flat, errors=[])
+    assert not plan.judge_soak(counts, {"i"}, {"i"}, **args).passed
+    clean = dict(counts, wrong=0)
+    ok = plan.judge_soak(clean, {"i"}, {"i"}, **args)
+    assert ok.passed and ok.counts["outcomes"]["alternate"] == 1
+    # A recomputed (reported) stale load may give the alternate; a wrong one
+    # still fails, and the alternates are counted.
+    lease = plan.judge_lease_expiry([True, True], ["right", "alternate"], 1)
+    assert lease.passed and lease.counts["alternate"] == 1
+    assert not plan.judge_lease_expiry([True, False], ["alternate", "wrong"], 1).passed
+    kill = {"recompute": _counts(right=6, alternate=2), "fail": _counts(right=8)}
+    fresh = {"recompute": True, "fail": True}
+    verified = {"recompute": 8, "fail": 8}
+    assert plan.judge_producer_kill(kill, verified, fresh, []).passed
+    kill["recompute"]["wrong"] = 1
+    assert not plan.judge_producer_kill(kill, verified, fresh, []).passed
+
+
+def test_attribute_wrong_skips_alternates() -> None:
+    """Bug caught: attribute_wrong counting an alternate as a wrong answer
+    (its cause "unexplained"), so the H200 soak's near-tie continuations read
+    as unexplained corruption; the alternate is counted apart."""
+    refs, alts = [{"A"}], [{"B"}]
+    outcomes = [
+        plan.Outcome(200, "A", prompt=0, request_id="cmpl-1"),
+        plan.Outcome(200, "B", prompt=0, request_id="cmpl-2"),
+        plan.Outcome(200, "C", prompt=0, request_id="cmpl-3"),
+    ]
+    found = plan.attribute_wrong(outcomes, refs, "", alternates=alts)
+    assert (found["wrong"], found["alternate"]) == (1, 1)
+    assert [t["text"] for t in found["texts"]] == ["C"]
+    assert plan.attribute_wrong(outcomes, refs, "")["wrong"] == 2
+
+
+def test_collect_alternates_keeps_non_reference_answers() -> None:
+    """Per prompt, each answered text that is no reference, once; errors,
+    aborts and reference texts are none (bugs: an error's None text or a
+    reference stored as an alternate, or one prompt's text under another)."""
+    refs = [{"A"}, {"B"}, {"C"}]
+    outcomes = [
+        plan.Outcome(200, "A", prompt=0),
+        plan.Outcome(200, "A2", prompt=0),
+        plan.Outcome(200, "A2", prompt=0),
+        plan.Outcome(200, "B2", prompt=1),
+        plan.Outcome(200, "B3", prompt=1),
+        plan.Outcome(500, None, prompt=2),
+        plan.Outcome(0, None, aborted=True, prompt=2),
+    ]
+    assert plan.collect_alternates(outcomes, refs) == [{"A2"}, {"B2", "B3"}, set()]
+
+
+def test_mixed_references_dry_run_injector_off_then_alternates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A soak-only run on CPU (fake servers and router, one prompt, mixed
+    references on, injector rate 0.1). The fake consumer answers loads 4 and
+    13 with one other text: in the first consumer process load 4 is the
+    second of the four mixed-reference loads (1 reference and 1 TTFT load
+    before; there is no load 13), so that text becomes prompt 0's alternate;
+    after the soak's restart loads 4 and 13 give it again and count as
+    "alternate", not wrong (loads 10 and 20 get the injector's faults).
+
+    Bugs caught: the mixed step run with the injector on (a soak-only run
+    starts the consumer with it: its faults would then shape the alternates),
+    the soak not restarting the consumer with its injector afterwards,
+    alternates not threaded into the soak's tally (2 wrong answers), or the
+    summary lacking the alternates per prompt."""
+    from tests.v1.kv_connector.unit.test_kv_checksum_tamper import _free_offset
+
+    monkeypatch.setenv("FAKE_WRONG_LOADS", "4,13")
+    fake = f"{chaos.sys.executable} {FAKE}"
+    argv = ["--out", str(tmp_path), "--scenarios", "soak", "--no-build"]
+    argv += ["--serve-cmd", fake, "--router-cmd", f"{fake} router"]
+    argv += ["--num-prompts", "1", "--soak-requests", "20", "--mixed-repeats", "4"]
+    argv += ["--soak-concurrency", "4", "--soak-abort-rate", "0"]
+    argv += ["--soak-fault-rate", "0.1", "--sample-s", "0.2"]
+    argv += ["--startup-timeout", "120", "--lease", "1"]
+    offset = _free_offset(plan.plan_topology(["soak"], 20, 2, 0.1))
+    chaos.main([*argv, "--port-offset", str(offset)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["alternates"] == {"0": 1}
+    entry = summary["scenarios"]["soak"]
+    outcomes = entry["counts"]["outcomes"]
+    assert (outcomes["wrong"], outcomes["alternate"], outcomes["right"]) == (0, 2, 18)
+    assert entry["checks"]["no wrong answer"]
+    assert entry["checks"]["faults were injected"]
+    assert entry["counts"]["attribution"]["alternate"] == 2
+    first, second = (tmp_path / "consumer.log").read_text().split("=== start 1")
+    assert "kv_checksum_fault_injection" not in first.split("\n", 2)[1]
+    assert "fault injection:" not in first
+    assert "kv_checksum_fault_injection" in second.split("\n", 1)[0]
+    assert "fault injection:" in second
