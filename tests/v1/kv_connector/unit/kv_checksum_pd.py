@@ -208,6 +208,8 @@ class SideConfig:
     fault_injection: dict[str, Any] | None = None
     # Token budget of a step (None: max_model_len); smaller ones chunk prefills.
     max_num_batched_tokens: int | None = None
+    # max_model_len (None: the harness default, 1024 tokens).
+    max_model_len: int | None = None
     # More kv_connector_extra_config (e.g. a real connector's own settings).
     connector_extra: dict[str, Any] | None = None
 
@@ -259,6 +261,11 @@ class SimEngine:
             extra_config=extra,
             kv_load_failure_policy=side.policy,  # type: ignore[arg-type]
             max_num_batched_tokens=side.max_num_batched_tokens,
+            **(
+                {}
+                if side.max_model_len is None
+                else {"max_model_len": side.max_model_len}
+            ),
         )
         self.scheduler = make_scheduler(
             self.vllm_config,

@@ -10,16 +10,19 @@ same with checksums off, on fail-open and on fail-closed, for a P/D pull load
 OffloadingConnector and SimpleCPUOffloadConnector (eager and lazy).
 """
 
+import random
 from typing import Any
 
 import pytest
 
+from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     OffloadSimEngine,
     SimpleOffloadSimEngine,
     offload_metadata,
     run_shared_prefixes,
     simple_offload_metadata,
+    verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     CARRIER_CONNECTOR_NAME,
@@ -147,3 +150,98 @@ def test_R142_simple_offload_loads_run_as_soon_as_without_checksums(
     off = waits[(False, False)]
     assert len(off) >= 6
     assert waits == {mode: off for mode in MODES}, waits
+
+
+# 8 requests at once, each loading a 128-block (2,048-token) prefix back from
+# host memory: the shape of the 8B prefix-reuse benchmark (issue: +56 ms TTFT).
+LONG_BLOCKS = 128
+LONG_REQUESTS = 8
+
+
+def _long_side(connector: str, enabled: bool) -> SideConfig:
+    host_blocks = 2 * LONG_REQUESTS * (LONG_BLOCKS + 4)
+    extra: dict[str, Any] = {"cpu_bytes_to_use": host_blocks * (32 << 10)}
+    if connector == "SimpleCPUOffloadConnector":
+        extra["num_cpu_blocks"] = host_blocks
+    return SideConfig(
+        num_blocks=LONG_REQUESTS * (LONG_BLOCKS + 4) + 16,
+        connector=connector,
+        connector_extra=extra,
+        enabled=enabled,
+        max_model_len=4096,
+        max_num_batched_tokens=LONG_REQUESTS * (LONG_BLOCKS + 2) * 16,
+    )
+
+
+def _run_together(engine: Any, prefixes: list[list[int]], tag: str) -> None:
+    """Requests over `prefixes` added at once, stepped until all finished."""
+    rng = random.Random(tag)
+    req_ids = []
+    for i, prefix in enumerate(prefixes):
+        req_id = f"{tag}-{i}"
+        tail = [rng.randrange(3, 200) for _ in range(17)]
+        engine.add(make_request(req_id, prefix + tail, max_tokens=3, block_size=16))
+        req_ids.append(req_id)
+    for _ in range(40):
+        if all(r in engine.final for r in req_ids):
+            return
+        engine.step()
+    raise AssertionError(f"{tag}: not all requests finished")
+
+
+def _schedule(engine: Any) -> list[tuple[dict[str, int], Any]]:
+    """Per step: the tokens scheduled per request and the step's offload
+    transfers (load and store block counts per request, or per event)."""
+    steps = []
+    for output in engine.history:
+        meta = offload_metadata(output.kv_connector_metadata)
+        simple = simple_offload_metadata(output.kv_connector_metadata)
+        jobs: Any = None
+        if meta is not None:
+            jobs = tuple(
+                sorted((j.req_id, len(j.src_spec.block_ids)) for j in group.values())
+                for group in (meta.load_jobs, meta.store_jobs)
+            )
+        elif simple is not None:
+            jobs = (len(simple.load_gpu_blocks), len(simple.store_gpu_blocks))
+        steps.append((dict(output.num_scheduled_tokens), jobs))
+    return steps
+
+
+@pytest.mark.parametrize(
+    "connector", ["OffloadingConnector", "SimpleCPUOffloadConnector"]
+)
+def test_R142_long_offload_loads_and_stores_keep_the_schedule(
+    model_dir: str, connector: str
+) -> None:
+    """R119, R120, R142 at the benchmark's shape: 8 requests store 128-block
+    prefixes, 8 others evict them from the GPU, then 8 requests load them
+    back at once. With checksums on, every engine step schedules the same
+    tokens per request and the same loads and stores as with checksums off
+    (no load finishes, no request is scheduled, no store is queued a step
+    later), and every load verifies. Bugs caught: a long load's verdict or
+    entries awaited in a later step, a store (or its entries) holding back
+    the request that wrote the blocks."""
+    rng = random.Random(0)
+    prefixes = [
+        [rng.randrange(3, 200) for _ in range(LONG_BLOCKS * 16)]
+        for _ in range(2 * LONG_REQUESTS)
+    ]
+    kind = (
+        OffloadSimEngine
+        if connector == "OffloadingConnector"
+        else (SimpleOffloadSimEngine)
+    )
+    schedules = {}
+    for enabled in (False, True):
+        engine = kind(model_dir, _long_side(connector, enabled), f"long-{enabled}")
+        _run_together(engine, prefixes[:LONG_REQUESTS], "store")
+        _run_together(engine, prefixes[LONG_REQUESTS:], "evict")
+        loads = engine.num_loads
+        _run_together(engine, prefixes[:LONG_REQUESTS], "load")
+        assert engine.num_loads > loads
+        schedules[enabled] = _schedule(engine)
+        if enabled:
+            counts = verdicts(engine)
+            assert counts == {"verified": LONG_REQUESTS}, counts
+    assert schedules[True] == schedules[False]

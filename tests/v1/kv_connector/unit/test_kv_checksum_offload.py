@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -99,6 +101,44 @@ def test_tag_vector() -> None:
     hashes = fake_hashes(4)
     got = block_checksum_tags(hashes, 0x0123456789ABCDEF)
     assert hexes(got) == hexes(reference_tags(hashes, 0x0123456789ABCDEF))
+
+
+def _traced_lines(fn: Any, *args: Any) -> int:
+    """Python line events executed inside `fn`'s own frame during one call."""
+    code = fn.__code__
+    count = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code is code else None
+
+    sys.settrace(tracer)
+    try:
+        fn(*args)
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_R142_tags_have_no_python_loop_per_block() -> None:
+    """R116, R142: the tags of 2 and of 256 blocks (a 4K-token offload load,
+    verified on the scheduler; a store batch, on each worker) run the same
+    Python lines, and equal the reference formula. Fails on a `for` loop
+    over the block hashes (one iteration, about 1 us, per block)."""
+    hashes = fake_hashes(256)
+    few = _traced_lines(block_checksum_tags, hashes[:2], 0x0123456789ABCDEF)
+    many = _traced_lines(block_checksum_tags, hashes, 0x0123456789ABCDEF)
+    assert few == many, (few, many)
+    for fingerprint in (0, 0x0123456789ABCDEF, (1 << 64) - 1):
+        got = block_checksum_tags(hashes, fingerprint)
+        assert got.dtype == U64 and got.shape == (256,)
+        assert hexes(got) == hexes(reference_tags(hashes, fingerprint))
+    assert block_checksum_tags([], 5).shape == (0,)
 
 
 # --------------------------------------------------------------------------

@@ -469,6 +469,37 @@ def test_R121_manager_lookup_hides_bad_copies(model_dir: str) -> None:
     assert manager.lookup(key, ctx) == LookupResult.MISS
 
 
+def test_R142_manager_lookup_wrapper_imports_nothing_per_call(model_dir: str) -> None:
+    """R142: vLLM calls the manager's lookup once per block of every request
+    it schedules (128 calls for a 2K-token prefix): the wrapper runs no import
+    statement per call (about 1.7 us each, 8x the original lookup) and still
+    answers as vLLM's for every key. Fails on an import inside the wrapper."""
+    import builtins
+
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    engine = OffloadSimEngine(model_dir, offload_side(), "lookup-imports")
+    run_shared_prefixes(engine, 1)
+    manager = engine.offload.connector_scheduler.manager
+    ctx = ReqContext(req_id="x", kv_transfer_params=None)
+    stored = list(manager._policy.chunks)
+    keys = stored + [bytes(36 + i) for i in range(128)]
+    imports: list[str] = []
+    real_import = builtins.__import__
+
+    def counting_import(name: str, *args: Any, **kw: Any) -> Any:
+        imports.append(name)
+        return real_import(name, *args, **kw)
+
+    builtins.__import__ = counting_import
+    try:
+        answers = [manager.lookup(key, ctx) for key in keys]
+    finally:
+        builtins.__import__ = real_import
+    assert imports == []
+    assert answers == [LookupResult.HIT] * len(stored) + [LookupResult.MISS] * 128
+
+
 def test_R117_worker_registration_skips_other_backends() -> None:
     """register_kv_checksum_worker on vLLM's OffloadingConnector class: a
     backend other than the CPU one gets no entry table (its loads are not

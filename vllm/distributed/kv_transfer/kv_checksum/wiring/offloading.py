@@ -199,6 +199,7 @@ def _offload_children(connector: Any) -> list[Any]:
 def _attach_offload_schedulers(connector: Any) -> None:
     """With checksums on only (Scheduler.__init__ hook): checksum state on
     each OffloadingConnector whose manager is the CPU backend's (R119)."""
+    from vllm.v1.kv_offload.base import LookupResult
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     for child in _offload_children(connector):
@@ -212,12 +213,17 @@ def _attach_offload_schedulers(connector: Any) -> None:
         side = _offload_scheduler_side(sched)
         original_lookup = sched.manager.lookup
 
+        # vLLM calls lookup once per key (per block) of every request it
+        # schedules: no import or attribute chain per call, only the pending
+        # set's membership test (R142).
         def lookup(
-            key: Any, *args: Any, _o: Callable = original_lookup, _side: Any = side
+            key: Any,
+            *args: Any,
+            _o: Callable = original_lookup,
+            _hides: Callable[[Any], bool] = side.dropper.hides,
+            _miss: Any = LookupResult.MISS,
         ) -> Any:
-            from vllm.v1.kv_offload.base import LookupResult
-
-            return LookupResult.MISS if _side.dropper.hides(key) else _o(key, *args)
+            return _miss if _hides(key) else _o(key, *args)
 
         sched.manager.lookup = lookup  # type: ignore[method-assign, assignment]
         _filter_offload_stores(sched.manager, side)
