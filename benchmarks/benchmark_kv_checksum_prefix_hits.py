@@ -37,6 +37,12 @@ reported). Defaults: 4 rounds of `host16_c8`, about 270 s at 8B on an H200.
     python benchmarks/benchmark_kv_checksum_prefix_hits.py --out /tmp/prefix \\
         --shape 8b --rounds 8
 
+`--profile-warmup` runs each engine's first warm-up under vLLM's torch profiler
+(`--profiler-config`, `vllm bench serve --profile`) and puts a summary of the
+traces (CUDA kernels, memcpys, runtime calls and host synchronize calls by
+total time, per worker) into summary.json's `warmup_profiles`: where an on/off
+difference goes, without timing the measured rounds.
+
 Writes OUT/summary.json (per round: the bench's scalar results, every request's
 TTFT, each engine's prefix-hit, host-load and load-verdict counter deltas) and
 prints the tables; `benchmarks/plot_kv_checksum_serve.py OUT/summary.json` draws
@@ -51,6 +57,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -167,6 +174,7 @@ class Engine:
     def __init__(self, args: argparse.Namespace, mode: str, port: int, logs: Path):
         self.args, self.mode, self.port, self.logs = args, mode, port, logs
         self.proc: subprocess.Popen | None = None
+        self.trace_dir = (logs / f"trace_{mode}").resolve()
 
     def start(self) -> None:
         args = self.args
@@ -191,6 +199,8 @@ class Engine:
         cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
         config = transfer_config(self.mode, args.cpu_gib, args.tier)
         cmd += ["--kv-transfer-config", json.dumps(config), *args.serve_arg]
+        if args.profile_warmup:
+            cmd += ["--profiler-config", json.dumps(profiler_config(self.trace_dir))]
         self.logs.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             cmd,
@@ -368,6 +378,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--warmup-rounds", type=int, default=1, help="unrecorded runs per engine"
     )
+    parser.add_argument(
+        "--profile-warmup",
+        action="store_true",
+        help="torch-profile each engine's first warm-up run (vLLM's profiler); "
+        "the traces' summary goes to summary.json",
+    )
+    parser.add_argument(
+        "--keep-traces", action="store_true", help="keep the trace files in OUT"
+    )
     parser.add_argument("--gpu", default=None, help="default: the inherited one")
     parser.add_argument("--util", type=float, default=0.4)
     parser.add_argument(
@@ -388,6 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rounds = rounds if args.rounds is None else args.rounds
     args.workloads = args.workloads or workloads
     args.cpu_gib = cpu_gib if args.cpu_gib is None else args.cpu_gib
+    args.profiles = {}  # --profile-warmup's trace summaries, by launch and mode
     return args
 
 
@@ -406,6 +426,8 @@ def warm_up(
             seed = WARMUP_SEED + launch * 100 + k
             path = logs / f"warmup{k}_{mode}.json"
             cmd = bench_command(args, chosen[0], engine.port, seed, path)
+            if args.profile_warmup and k == 0:
+                cmd.append("--profile")  # vLLM's /start_profile and /stop_profile
             with open(path.with_suffix(".log"), "wb") as sink:
                 rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT)
             result = read_result(path, rc.returncode)
@@ -413,6 +435,66 @@ def warm_up(
                 f"warm-up {k} ({mode}): {result.get('request_throughput')} req/s, "
                 f"TTFT {result.get('median_ttft_ms')} ms (not recorded)"
             )
+
+
+def profiler_config(trace_dir: Path) -> dict[str, Any]:
+    """vLLM's --profiler-config for a torch trace of both CPU and CUDA
+    activity (no Python stacks: a smaller trace)."""
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(trace_dir),
+        "torch_profiler_with_stack": False,
+    }
+
+
+# Trace event categories summed by name, and the CUDA calls that block the host.
+TRACE_CATEGORIES = ("kernel", "gpu_memcpy", "cuda_runtime", "cpu_op", "user_annotation")
+HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+
+
+def summarize_trace_events(events: list[dict[str, Any]], top: int = 15) -> dict:
+    """Per category of TRACE_CATEGORIES: total microseconds, event count and the
+    `top` names by total time; and every host wait (synchronize calls)."""
+    totals: dict[str, dict[str, list[float]]] = {c: {} for c in TRACE_CATEGORIES}
+    for event in events:
+        cat = event.get("cat")
+        if cat in totals and "dur" in event:
+            entry = totals[cat].setdefault(str(event.get("name")), [0.0, 0])
+            entry[0] += float(event["dur"])
+            entry[1] += 1
+    summary: dict[str, Any] = {}
+    for cat, names in totals.items():
+        ranked = sorted(names.items(), key=lambda kv: -kv[1][0])
+        summary[cat] = {
+            "total_us": round(sum(v[0] for v in names.values()), 1),
+            "events": sum(int(v[1]) for v in names.values()),
+            "top": [[n, round(v[0], 1), int(v[1])] for n, v in ranked[:top]],
+        }
+    runtime = totals["cuda_runtime"]
+    summary["host_waits"] = {
+        name: [round(runtime[name][0], 1), int(runtime[name][1])]
+        for name in HOST_WAITS
+        if name in runtime
+    }
+    return summary
+
+
+def summarize_traces(trace_dir: Path) -> dict[str, Any]:
+    """`summarize_trace_events` of every torch trace file under `trace_dir`
+    (vLLM writes one per worker and one for the API process), by file name."""
+    import gzip
+
+    found: dict[str, Any] = {}
+    for path in sorted(trace_dir.rglob("*.json*")):
+        opener = gzip.open if path.suffix == ".gz" else open
+        try:
+            with opener(path, "rt") as f:
+                events = json.load(f).get("traceEvents", [])
+        except (OSError, ValueError) as err:
+            found[path.name] = {"error": repr(err)[:200]}
+            continue
+        found[path.name] = summarize_trace_events(events)
+    return found
 
 
 def run_launch(
@@ -429,6 +511,15 @@ def run_launch(
         startup = start_pair(engines, args.startup_timeout)
         log(f"launch {launch}: both engines ready in {startup:.0f} s")
         warm_up(args, engines, chosen, logs, launch)
+        if args.profile_warmup:
+            args.profiles[f"launch{launch}"] = {
+                mode: summarize_traces(engine.trace_dir)
+                for mode, engine in engines.items()
+            }
+            if not args.keep_traces:  # 10-100 MB each: the summary comes back
+                for engine in engines.values():
+                    shutil.rmtree(engine.trace_dir, ignore_errors=True)
+            log(f"launch {launch}: warm-up profiles summarized")
         for k, mode in enumerate(round_modes(args.rounds)):
             index = launch * args.rounds + k
             seed = args.seed + index // 2
@@ -482,6 +573,7 @@ def write_summary(
         "tp": 1,
         "rounds": args.rounds,
         "warmup_rounds": args.warmup_rounds,
+        "profile_warmup": args.profile_warmup,
         "launches": args.launches,
         "workloads": [asdict(w) for w in chosen],
         "scale": args.scale,
@@ -494,6 +586,8 @@ def write_summary(
         "title": f"vllm bench serve, {args.tier}: checksums off vs on",
     }
     record = {"config": config, "rounds": rounds, "summary": verdict}
+    if args.profiles:
+        record["warmup_profiles"] = args.profiles
     (args.out / "summary.json").write_text(json.dumps(record, indent=1))
     return verdict
 

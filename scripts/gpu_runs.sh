@@ -242,6 +242,8 @@ bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py "
 # too small for its 16 prefixes (reuses load from host): OffloadingConnector
 # alone, and MultiConnector(NixlConnector, OffloadingConnector) (install-wheels
 # first: NIXL). Defaults: 4 ABBA rounds, one workload, about 270 s at 8B.
+# `bench-offload+--profile-warmup` adds a torch profile of each engine's warm-up
+# run, summarized into the summary (kernels, runtime calls, host waits).
 bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py \
     --tier offloading "$@" ;;
 bench-offload-multi) run bench-offload-multi \

@@ -355,3 +355,39 @@ def test_offload_tier_run_against_fake_servers(tmp_path: Path, tier: str) -> Non
         assert flag in bench_log
     assert record["config"]["tier"] == tier
     assert record["summary"]["pass"] is True and rc == 0
+
+
+def test_trace_summary_totals_tops_and_host_waits() -> None:
+    """Trace events sum by category and name, rank by total time, and the
+    synchronize calls show as host waits (bug caught: a sync hidden among the
+    runtime calls, or counts summed as times)."""
+    events = [
+        {"cat": "kernel", "name": "_kv_checksum_kernel", "dur": 100.0},
+        {"cat": "kernel", "name": "gemm", "dur": 300.0},
+        {"cat": "kernel", "name": "_kv_checksum_kernel", "dur": 50.0},
+        {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "dur": 4000.0},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 5.0},
+        {"cat": "python_function", "name": "ignored", "dur": 1.0},
+        {"cat": "kernel", "name": "no duration"},
+    ]
+    summary = bench.summarize_trace_events(events, top=1)
+    assert summary["kernel"] == {
+        "total_us": 450.0,
+        "events": 3,
+        "top": [["gemm", 300.0, 1]],
+    }
+    assert summary["host_waits"] == {"cudaEventSynchronize": [4000.0, 1]}
+    assert summary["cuda_runtime"]["total_us"] == 4005.0
+    assert "python_function" not in summary
+
+
+def test_profiler_config_is_one_vllm_accepts(tmp_path: Path) -> None:
+    """--profile-warmup's --profiler-config parses as vLLM 0.33.0's
+    ProfilerConfig (bug caught: a key vLLM does not know, which would stop
+    both engines at start on the GPU host)."""
+    from vllm.config.profiler import ProfilerConfig
+
+    config = ProfilerConfig(**bench.profiler_config(tmp_path / "trace_on"))
+    assert config.profiler == "torch"
+    assert config.torch_profiler_dir == str(tmp_path / "trace_on")
+    assert config.torch_profiler_with_stack is False
