@@ -208,7 +208,7 @@ class Launch:
             CHECKSUMS=self.mode,
             LOG_DIR=str(self.log_dir),
             VLLM=self.args.serve_cmd,
-            ROUTER=f"{sys.executable} -m vllm_router.launch_router",
+            ROUTER=self.args.router_cmd,
             **{key: str(port) for key, port in self.ports.items()},
             PARALLEL_START="1",  # --kv-cache-memory-bytes: no profiling race
             VLLM_USE_FLASHINFER_SAMPLER="0",
@@ -584,6 +584,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--serve-cmd", default=" ".join(CLI), help="the vLLM CLI that serves"
+    )
+    parser.add_argument(
+        "--router-cmd",
+        default=f"{sys.executable} -m vllm_router.launch_router",
+        help="the router's command (the launch script adds its P/D arguments)",
     )
     parser.add_argument(
         "--append", action="store_true", help="add to OUT/summary.json's launches"

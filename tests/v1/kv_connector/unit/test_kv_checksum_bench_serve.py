@@ -4,6 +4,7 @@
 hand-made launch records (no requirement: the benchmark reports R142's cost at
 production shape; these tests keep its verdict honest)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,46 @@ def test_round_with_bench_batch_runs_one_process(monkeypatch, tmp_path) -> None:
     bench.run_round(args, launch, chosen, entry, tmp_path)
     assert batches == [[w.name for w in chosen]]
     assert list(entry["results"]) == [w.name for w in chosen]
+
+
+def test_together_bench_batch_dry_run_on_fake_servers(tmp_path) -> None:
+    """The whole --together --bench-batch path on CPU: the launch script starts
+    two fake P/D pairs behind fake routers at once, each round runs vLLM's
+    real bench-serve `main` in one batch process through its pair's router,
+    and the on round's consumer verdicts are its own (deltas), the off pair's
+    none. Bug caught: the pairs' ports colliding, a round sent to the other
+    pair's router, or the batch runner's results not read back."""
+    import subprocess
+    import sys
+
+    fake = Path(__file__).resolve().parent / "kv_checksum_fake_server.py"
+    python = sys.executable
+    cmd = [python, str(PATH), "--out", str(tmp_path / "out"), "--shape", "tiny"]
+    cmd += ["--model", str(tmp_path / "model"), "--together", "--bench-batch"]
+    cmd += ["--rounds", "off,on", "--workloads", "1k32_c8"]
+    cmd += [
+        "--serve-cmd",
+        f"{python} {fake}",
+        "--router-cmd",
+        f"{python} {fake} router",
+    ]
+    cmd += [
+        "--startup-timeout",
+        "120",
+        "--router-port",
+        "18500",
+        "--prom-port",
+        "39500",
+    ]
+    subprocess.run(cmd, check=False, timeout=600, capture_output=True)
+    record = json.loads((tmp_path / "out/summary.json").read_text())
+    off, on = record["launches"]
+    assert (off["mode"], on["mode"]) == ("off", "on")
+    for entry in (off, on):
+        result = entry["results"]["1k32_c8"]
+        assert result["completed"] == 64 and not result.get("error")
+    assert off["verdicts"] == {}
+    assert on["verdicts"]["verified"] >= 64 and on["verdicts"]["mismatch"] == 0
+    for name in ("round0_off", "round1_on"):
+        assert (tmp_path / "out" / name / "bench_batch.log").exists()
+        assert not (tmp_path / "out" / name / "1k32_c8.log").exists()
