@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The SASS loop counter of the kernel benchmarks (R143: instructions per
+piece, offline) on a hand-made listing in nvdisasm's layout."""
+
+from pathlib import Path
+
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
+
+PATH = Path(__file__).resolve().parents[4] / "benchmarks/kernels/kernel_sass_count.py"
+sass = load_script("kernel_sass_count", PATH)
+
+LISTING = "\n".join(
+    [
+        "--:-:-:-:1\tMOV R1, c[0x0][0x28];",
+        "--:-:-:-:6\t@P0 BRA LBB1;",
+        "LBB2:",
+        "--:-:2:-:4\t@!P2 LDG.E.64 R12, desc[UR20][R18.64];",
+        "--:-:3:-:4\t@!P0 LDG.E.64 R14, desc[UR20][R26.64];",
+        "--:-:-:-:1\tIMAD R13, R13, 0x1ce4e5b9, RZ;",
+        "--:-:-:-:1\tIMAD.WIDE.U32 R12, R12, 0x1ce4e5b9, RZ;",
+        "--:-:-:-:1\tSHF.R.U64 R41, R12, 0x1e, R13;",
+        "--:-:-:-:6\t@P0 BRA LBB2;",
+        "LBB1:",
+        "--:-:-:-:1\tEXIT;",
+    ]
+)
+
+
+def test_loops_count_the_body_and_its_loads() -> None:
+    """One loop from its label to the branch back: 6 instructions (the branch
+    counted), 2 loads; IMAD and IMAD.WIDE count as one opcode; the forward
+    branch to LBB1 is no loop (bug caught: a forward branch read as a loop,
+    or predicates read as opcodes)."""
+    found = sass.loops(LISTING)
+    assert found == [
+        {
+            "label": "LBB2",
+            "instructions": 6,
+            "loads": 2,
+            "ops": {"LDG": 2, "IMAD": 2, "SHF": 1, "BRA": 1},
+        }
+    ]
+
+
+def test_instruction_drops_control_codes_and_predicates() -> None:
+    assert sass.instruction("--:-:2:-:4\t@!P2 LDG.E.64 R12, [R18.64];") == (
+        "LDG.E.64 R12, [R18.64]"
+    )
+    assert sass.instruction("LBB2:") is None
+    assert sass.instruction("") is None
