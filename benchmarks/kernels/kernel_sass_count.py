@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 # A SASS line of nvdisasm's text: optional control codes, then the instruction.
 LABEL = re.compile(r"^\s*(\.?L\w+|LBB\w+):")
 BRANCH_BACK = re.compile(r"BRA\s+(\.?L\w+|LBB\w+)")
+PIECES_PER_LOAD = {"LDG.E.64": 1, "LDG.E.128": 2, "LDG.E.64.CONSTANT": 1}
 
 
 def compile_sass(constants: dict[str, Any], num_warps: int) -> str:
@@ -69,7 +70,8 @@ def instruction(line: str) -> str | None:
 
 def loops(sass: str) -> list[dict[str, Any]]:
     """Every loop of the SASS (a label and a later branch back to it): its
-    instruction count, 64-bit global loads and opcode counts."""
+    instruction count, the 8-byte pieces its global loads bring a thread, and
+    its opcode counts."""
     lines = sass.splitlines()
     labels = {}
     for index, line in enumerate(lines):
@@ -83,7 +85,8 @@ def loops(sass: str) -> list[dict[str, Any]]:
             continue  # a forward branch, or an unknown label
         body = [instruction(x) for x in lines[labels[match[1]] + 1 : index + 1]]
         ops = Counter(i.split()[0].split(".")[0] for i in body if i)
-        loads = sum(1 for i in body if i and i.startswith("LDG.E.64"))
+        # Pieces loaded: an LDG.E.64 one, an LDG.E.128 (a vector load) two.
+        loads = sum(PIECES_PER_LOAD.get(i.split()[0], 0) for i in body if i)
         found.append(
             {
                 "label": match[1],
@@ -143,7 +146,7 @@ def main() -> None:
         ops = ", ".join(f"{op} {n / per:.1f}" for op, n in loop["ops"].items())
         print(
             f"loop {loop['label']}: {loop['instructions']} instructions, "
-            f"{loop['loads']} 64-bit loads a thread: "
+            f"{loop['loads']} pieces loaded a thread: "
             f"{loop['instructions'] / per:.1f} per piece ({ops})"
         )
 

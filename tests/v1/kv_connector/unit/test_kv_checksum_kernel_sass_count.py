@@ -16,7 +16,7 @@ LISTING = "\n".join(
         "--:-:-:-:6\t@P0 BRA LBB1;",
         "LBB2:",
         "--:-:2:-:4\t@!P2 LDG.E.64 R12, desc[UR20][R18.64];",
-        "--:-:3:-:4\t@!P0 LDG.E.64 R14, desc[UR20][R26.64];",
+        "--:-:3:-:4\t@!P0 LDG.E.128 R14, desc[UR20][R26.64];",
         "--:-:-:-:1\tIMAD R13, R13, 0x1ce4e5b9, RZ;",
         "--:-:-:-:1\tIMAD.WIDE.U32 R12, R12, 0x1ce4e5b9, RZ;",
         "--:-:-:-:1\tSHF.R.U64 R41, R12, 0x1e, R13;",
@@ -29,15 +29,16 @@ LISTING = "\n".join(
 
 def test_loops_count_the_body_and_its_loads() -> None:
     """One loop from its label to the branch back: 6 instructions (the branch
-    counted), 2 loads; IMAD and IMAD.WIDE count as one opcode; the forward
-    branch to LBB1 is no loop (bug caught: a forward branch read as a loop,
-    or predicates read as opcodes)."""
+    counted), 3 pieces loaded (a 64-bit and a 128-bit load); IMAD and
+    IMAD.WIDE count as one opcode; the forward branch to LBB1 is no loop (bug
+    caught: a forward branch read as a loop, predicates read as opcodes, or a
+    vector load counted as one piece)."""
     found = sass.loops(LISTING)
     assert found == [
         {
             "label": "LBB2",
             "instructions": 6,
-            "loads": 2,
+            "loads": 3,
             "ops": {"LDG": 2, "IMAD": 2, "SHF": 1, "BRA": 1},
         }
     ]
