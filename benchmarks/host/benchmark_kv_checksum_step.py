@@ -16,6 +16,14 @@ With `--prefix` (issue 31, R140), the carrier connector with
 `kv_checksum_verify_prefix_hits` on (off: no checksums): the N decoding
 requests share a 256-token prefix and every step a new request with that
 prefix arrives (a local prefix-cache hit, checked) and finishes two steps on.
+With `--offload-loads` (rows "+offload-loads"), OffloadingConnector and
+SimpleCPUOffloadConnector on the tests' offload simulations
+(`OffloadSimEngine`: real checksum workers, host tensors, simulated copies):
+2,048-token prefixes are stored to the host tier and dropped from the GPU's
+prefix cache first; then every step one new request whose prefix (128
+blocks) is only in the host tier arrives and loads it back, the load
+reported finished a step after the one that started it, and verified; only
+schedule() and update_from_output() are timed (not the simulated workers).
 
 Worker side: a `KVChecksumWorker` over CPU KV caches, `bind` and
 `post_forward` of a decode step (nothing to checksum), as the wiring's
@@ -31,6 +39,7 @@ import gc
 import io
 import json
 import pstats
+import random
 import statistics
 import sys
 import tempfile
@@ -43,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
+    cpu_cuda_streams,
     make_kv_cache_config,
     make_kv_caches,
     make_kv_connector_output,
@@ -52,8 +62,17 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
     make_vllm_config,
     write_model_dir,
 )
+from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (  # noqa: E402
+    OffloadSimEngine,
+    SimpleOffloadSimEngine,
+    offload_metadata,
+    run_together,
+    simple_offload_metadata,
+    verdicts,
+)
 from tests.v1.kv_connector.unit.kv_checksum_pd import (  # noqa: E402
     CARRIER_CONNECTOR_NAME,
+    SideConfig,
     register_carrier_connector,
 )
 from vllm.distributed.kv_transfer.kv_checksum import plugin  # noqa: E402
@@ -196,6 +215,142 @@ class Bench:
         )
 
 
+OFFLOAD_CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector")
+OFFLOAD_PREFIX_BLOCKS = 128  # 2,048 tokens
+OFFLOAD_TAIL = 17  # tokens after the prefix: one more full block, then 1
+# Load requests in flight or freed but still cached on the GPU, at most.
+OFFLOAD_HEADROOM = 6 * (OFFLOAD_PREFIX_BLOCKS + 3)
+HOST_BLOCK_BYTES = 32 << 10  # the tests' model: bytes of one block, all layers
+
+
+class OffloadLoadBench:
+    """`n` requests in decode on an offload simulation; every step a new
+    request loads a 128-block prefix back from the host tier, its load
+    reported finished in the next step. `step()` returns the seconds spent in
+    schedule() and update_from_output().
+
+    The GPU holds the decoding requests' blocks for `total_steps` steps plus
+    `OFFLOAD_HEADROOM`; the prefixes (more blocks than the GPU's free ones)
+    come back round-robin, so each was evicted from the GPU (least recently
+    used first) before it returns and loads from the host tier again.
+    """
+
+    def __init__(
+        self, model_dir: str, connector: str, enabled: bool, n: int, total_steps: int
+    ) -> None:
+        self.n, self.enabled = n, enabled
+        decode_blocks = -(-(PROMPT_LEN + total_steps + 8) // BLOCK_SIZE) + 1
+        num_blocks = n * decode_blocks + OFFLOAD_HEADROOM
+        num_prefixes = num_blocks // OFFLOAD_PREFIX_BLOCKS + 2
+        host_blocks = (
+            num_prefixes * (OFFLOAD_PREFIX_BLOCKS + 2)
+            + n * decode_blocks
+            + 2 * (total_steps + 8)
+            + 64
+        )
+        extra: dict[str, Any] = {"cpu_bytes_to_use": host_blocks * HOST_BLOCK_BYTES}
+        if connector == "SimpleCPUOffloadConnector":
+            extra["num_cpu_blocks"] = host_blocks
+        side = SideConfig(
+            num_blocks=num_blocks,
+            connector=connector,
+            connector_extra=extra,
+            enabled=enabled,
+            max_model_len=2 * MAX_MODEL_LEN,
+            max_num_batched_tokens=2 * MAX_MODEL_LEN + (n + 8) * PROMPT_LEN,
+            max_num_seqs=n + 8,
+        )
+        kind = (
+            OffloadSimEngine
+            if connector == "OffloadingConnector"
+            else SimpleOffloadSimEngine
+        )
+        self.engine: Any = kind(model_dir, side, f"offload-loads-{enabled}-{n}")
+        self.engine.delay_loads = True
+        rng = random.Random(0)
+        self.prefixes = [
+            [rng.randrange(3, 200) for _ in range(OFFLOAD_PREFIX_BLOCKS * BLOCK_SIZE)]
+            for _ in range(num_prefixes)
+        ]
+        for start in range(0, num_prefixes, 4):  # stored to the host tier
+            run_together(self.engine, self.prefixes[start : start + 4], f"s{start}")
+        # ... and only there: the GPU's prefix cache starts empty.
+        assert self.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+        scheduler = self.engine.scheduler
+        self._spent = 0.0
+        for name in ("schedule", "update_from_output"):
+            setattr(scheduler, name, self._timer(getattr(scheduler, name)))
+        for i in range(n):
+            prompt = [(i * 131 + 7 * t) % 991 + 3 for t in range(PROMPT_LEN)]
+            self.engine.add(
+                make_request(
+                    f"d{i}",
+                    prompt,
+                    max_tokens=MAX_MODEL_LEN - PROMPT_LEN - 8,
+                    block_size=BLOCK_SIZE,
+                )
+            )
+        self.steps = 0
+        self.loads = 0  # host-tier loads started
+        self.loaded_blocks = 0  # GPU blocks they wrote
+        for _ in range(3):  # prefill, then decode
+            self.step()
+
+    def _timer(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._spent += time.perf_counter() - start
+
+        return timed
+
+    def _host_loads(self) -> tuple[int, int]:
+        """Loads the last step started and the GPU blocks they write."""
+        meta = self.engine.history[-1].kv_connector_metadata
+        offload = offload_metadata(meta)
+        if offload is not None:
+            jobs = offload.load_jobs.values()
+            return len(jobs), sum(len(j.dst_spec.block_ids) for j in jobs)
+        simple = simple_offload_metadata(meta)
+        if simple is not None and simple.load_cpu_blocks:
+            reqs = simple.load_event_to_reqs.get(simple.load_event, ())
+            return len(reqs), len(simple.load_gpu_blocks)
+        return 0, 0
+
+    def step(self) -> float:
+        i = self.steps
+        rng = random.Random(i)
+        tail = [rng.randrange(3, 200) for _ in range(OFFLOAD_TAIL)]
+        prompt = self.prefixes[i % len(self.prefixes)] + tail
+        self.engine.add(
+            make_request(f"o{i}", prompt, max_tokens=2, block_size=BLOCK_SIZE)
+        )
+        self._spent = 0.0
+        self.engine.step()
+        loads, blocks = self._host_loads()
+        self.loads += loads
+        self.loaded_blocks += blocks
+        self.steps += 1
+        return self._spent
+
+    def verdicts(self) -> dict[str, int]:
+        return verdicts(self.engine)
+
+
+def _timed_inner(fn: Callable[[], float], count: int) -> float:
+    """As `_timed`, of the seconds each call of `fn` returns."""
+    times = []
+    gc.collect()
+    gc.disable()
+    try:
+        times = [fn() for _ in range(count)]
+    finally:
+        gc.enable()
+    return statistics.median(times) * 1e6
+
+
 def _timed(fn: Callable[[], None], count: int) -> float:
     """Median microseconds of `count` calls of `fn` (garbage collection off,
     so a collection landing in one engine's round does not count)."""
@@ -261,6 +416,23 @@ def bench_scheduler(
     return result
 
 
+def bench_offload_loads(
+    model_dir: str, name: str, n: int, rounds: int, steps: int
+) -> tuple[Result, OffloadLoadBench]:
+    """On vs off with a host-tier load every step; returns the on engine too."""
+    import pytest  # its MonkeyPatch undoes the CPU stand-ins for CUDA streams
+
+    total = rounds * steps + 8
+    result = Result(name + " +offload-loads", n, [], [])
+    with pytest.MonkeyPatch.context() as patch, cpu_cuda_streams(patch):
+        on = OffloadLoadBench(model_dir, name, True, n, total)
+        off = OffloadLoadBench(model_dir, name, False, n, total)
+        for _ in range(rounds):
+            result.on.append(_timed_inner(on.step, steps))
+            result.off.append(_timed_inner(off.step, steps))
+    return result, on
+
+
 def bench_worker(model_dir: str, n: int, count: int) -> float:
     """Microseconds of a decode step's bind + post_forward on one worker."""
     config = make_vllm_config(model_dir, max_num_seqs=n)
@@ -295,6 +467,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--prefix", action="store_true", help="prefix hits only")
     parser.add_argument(
+        "--offload-loads",
+        action="store_true",
+        help="loads from the CPU offload tier only (offload connectors)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="also write OUT/summary.json"
     )
     args = parser.parse_args()
@@ -302,6 +479,19 @@ def main() -> None:
     register_carrier_connector()
     model_dir = write_model_dir(Path(tempfile.mkdtemp()))
     results = []
+    load_counts = []
+    if args.offload_loads:
+        args.connectors = []
+        for name in OFFLOAD_CONNECTORS:
+            for n in args.requests:
+                result, on = bench_offload_loads(
+                    model_dir, name, n, args.rounds, args.steps
+                )
+                results.append(result)
+                load_counts.append(
+                    f"| {result.name} | {n} | {on.steps} | {on.loads} | "
+                    f"{on.loaded_blocks} | {on.verdicts()} |"
+                )
     if args.prefix:
         args.connectors = []
         for n in args.requests:
@@ -350,6 +540,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for result in results:
         print(result.row())
+    if load_counts:
+        print("\nHost-tier loads of the checksums-on engines (all steps):")
+        print("| connector | running | steps | loads | blocks | verdicts |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(load_counts))
     print("\nWorker decode step (bind + post_forward, nothing to checksum):")
     worker_us = {n: bench_worker(model_dir, n, 2000) for n in args.requests}
     for n, us in worker_us.items():

@@ -83,45 +83,7 @@ def cuda_stream_stubs(monkeypatch: pytest.MonkeyPatch) -> Iterator[CpuStreamStat
     Yields the ``CpuStreamState``: ``.current``/``.default`` streams and the
     streams/events created, each logging what it waited on or recorded.
     """
-    import vllm.utils.torch_utils as torch_utils
-    from tests.v1.kv_connector.unit.kv_checksum_helpers import (
-        CpuEvent,
-        CpuStream,
-        CpuStreamState,
-    )
-    from vllm.platforms import current_platform
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import cpu_cuda_streams
 
-    tls = torch_utils._current_stream_tls
-    monkeypatch.setattr(tls, "value", None, raising=False)
-    state = CpuStreamState(tls)
-    state.set_current(state.default)
-    monkeypatch.setattr(CpuStreamState, "_active", state)
-    replacements = {
-        "Stream": CpuStream,
-        "Event": CpuEvent,
-        "current_stream": state.current_stream,
-        "default_stream": state.default_stream,
-        "set_stream": state.set_stream,
-        "stream": state.stream,
-        "synchronize": state.synchronize,
-    }
-    for name, replacement in replacements.items():
-        monkeypatch.setattr(torch.cuda, name, replacement)
-    monkeypatch.setattr(torch_utils, "current_stream", state.current_stream)
-    # Platform.__getattr__ answers every missing name (None when torch has no
-    # such device module), so monkeypatch would restore a shadowing None:
-    # set and remove instance attributes by hand instead.
-    platform_attrs = vars(current_platform)
-    saved = {
-        name: platform_attrs[name] for name in replacements if name in platform_attrs
-    }
-    try:
-        for name, replacement in replacements.items():
-            setattr(current_platform, name, replacement)
+    with cpu_cuda_streams(monkeypatch) as state:
         yield state
-    finally:
-        for name in replacements:
-            if name in saved:
-                setattr(current_platform, name, saved[name])
-            else:
-                platform_attrs.pop(name, None)

@@ -1194,3 +1194,48 @@ def make_active_connector(
     assert isinstance(active, gpu_kv_connector.ActiveKVConnector)
     assert active.kv_connector is connector
     return active
+
+
+@contextlib.contextmanager
+def cpu_cuda_streams(monkeypatch: Any) -> Iterator[CpuStreamState]:
+    """The ``cuda_stream_stubs`` fixture's stand-ins (its docstring says
+    what is patched), for code outside pytest too (the host-step benchmark's
+    offload simulations): ``monkeypatch`` is a ``pytest.MonkeyPatch``, which
+    undoes them; the platform's attributes are undone on exit."""
+    import vllm.utils.torch_utils as torch_utils
+    from vllm.platforms import current_platform
+
+    tls = torch_utils._current_stream_tls
+    monkeypatch.setattr(tls, "value", None, raising=False)
+    state = CpuStreamState(tls)
+    state.set_current(state.default)
+    monkeypatch.setattr(CpuStreamState, "_active", state)
+    replacements = {
+        "Stream": CpuStream,
+        "Event": CpuEvent,
+        "current_stream": state.current_stream,
+        "default_stream": state.default_stream,
+        "set_stream": state.set_stream,
+        "stream": state.stream,
+        "synchronize": state.synchronize,
+    }
+    for name, replacement in replacements.items():
+        monkeypatch.setattr(torch.cuda, name, replacement)
+    monkeypatch.setattr(torch_utils, "current_stream", state.current_stream)
+    # Platform.__getattr__ answers every missing name (None when torch has no
+    # such device module), so monkeypatch would restore a shadowing None:
+    # set and remove instance attributes by hand instead.
+    platform_attrs = vars(current_platform)
+    saved = {
+        name: platform_attrs[name] for name in replacements if name in platform_attrs
+    }
+    try:
+        for name, replacement in replacements.items():
+            setattr(current_platform, name, replacement)
+        yield state
+    finally:
+        for name in replacements:
+            if name in saved:
+                setattr(current_platform, name, saved[name])
+            else:
+                platform_attrs.pop(name, None)

@@ -94,6 +94,21 @@ class _OffloadSimBase(SimEngine):
     offload: Any
     # Worker sides called through the real connector hooks (`_bare_connector`).
     hooks: bool = False
+    # Loads finish one step after the step that started them (copied then,
+    # reported done, with their jobs, in the next step's output), as a P/D
+    # pull; off: done in the same step.
+    delay_loads: bool = False
+    _held_loads: tuple[set[str], list[Any]] = (set(), [])
+
+    def _finished_loads(
+        self, finished: set[str], jobs: list[Any]
+    ) -> tuple[set[str], list[Any]]:
+        """This step's finished loads and their jobs (`delay_loads`: the
+        previous step's, this step's held for the next)."""
+        if not self.delay_loads:
+            return finished, jobs
+        held, self._held_loads = self._held_loads, (finished, jobs)
+        return held
 
     def _block_bytes(self, cache: torch.Tensor) -> int:
         return cache.numel() * cache.element_size() // self.side.num_blocks
@@ -262,10 +277,13 @@ class OffloadSimEngine(_OffloadSimBase):
         for job in store_jobs.values():
             self._copy(job, to_host=True)
             self.num_stores += 1
-        finished = {job.req_id for job in load_jobs.values() if not job.sync}
+        finished, loaded = self._finished_loads(
+            {job.req_id for job in load_jobs.values() if not job.sync},
+            list(load_jobs),
+        )
         records = self._records(finished, output)
         kv_output = make_kv_connector_output(finished_recving=finished)
-        completed = {j: len(self.workers) for j in (*load_jobs, *store_jobs)}
+        completed = {j: len(self.workers) for j in (*loaded, *store_jobs)}
         kv_output.kv_connector_worker_meta = self._worker_meta(
             OffloadingWorkerMetadata(completed_jobs=completed)
         )
@@ -401,6 +419,7 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         if stored:
             self._copy(meta.store_gpu_blocks, meta.store_cpu_blocks, to_host=True)
             self.num_stored_blocks += len(meta.store_gpu_blocks)
+        finished, _ = self._finished_loads(finished, [])
         records = self._records(finished, output)
         kv_output = make_kv_connector_output(finished_recving=finished)
         if stored:
@@ -436,6 +455,23 @@ def run_shared_prefixes(
         engine.add(make_request(req_id, prompt, max_tokens=2, block_size=block_size))
         engine.run(req_id)
     return prompts
+
+
+def run_together(engine: SimEngine, prefixes: list[list[int]], tag: str) -> None:
+    """Requests over `prefixes` (17 random tokens after each) added at once,
+    stepped until all finished."""
+    rng = random.Random(tag)
+    req_ids = []
+    for i, prefix in enumerate(prefixes):
+        req_id = f"{tag}-{i}"
+        tail = [rng.randrange(3, 200) for _ in range(17)]
+        engine.add(make_request(req_id, prefix + tail, max_tokens=3, block_size=16))
+        req_ids.append(req_id)
+    for _ in range(40):
+        if all(r in engine.final for r in req_ids):
+            return
+        engine.step()
+    raise AssertionError(f"{tag}: not all requests finished")
 
 
 def verdicts(engine: SimEngine) -> dict[str, int]:

@@ -212,6 +212,8 @@ class SideConfig:
     max_model_len: int | None = None
     # More kv_connector_extra_config (e.g. a real connector's own settings).
     connector_extra: dict[str, Any] | None = None
+    # The scheduler's max_num_seqs (None: the harness default, 16).
+    max_num_seqs: int | None = None
 
     def describe(self) -> str:
         return f"TP{self.tp}/PP{self.pp}/bs{self.block_size}"
@@ -265,6 +267,9 @@ class SimEngine:
                 {}
                 if side.max_model_len is None
                 else {"max_model_len": side.max_model_len}
+            ),
+            **(
+                {} if side.max_num_seqs is None else {"max_num_seqs": side.max_num_seqs}
             ),
         )
         self.scheduler = make_scheduler(

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     OffloadSimEngine,
     SimpleOffloadSimEngine,
     offload_metadata,
     run_shared_prefixes,
+    run_together,
     simple_offload_metadata,
     verdicts,
 )
@@ -173,22 +173,6 @@ def _long_side(connector: str, enabled: bool) -> SideConfig:
     )
 
 
-def _run_together(engine: Any, prefixes: list[list[int]], tag: str) -> None:
-    """Requests over `prefixes` added at once, stepped until all finished."""
-    rng = random.Random(tag)
-    req_ids = []
-    for i, prefix in enumerate(prefixes):
-        req_id = f"{tag}-{i}"
-        tail = [rng.randrange(3, 200) for _ in range(17)]
-        engine.add(make_request(req_id, prefix + tail, max_tokens=3, block_size=16))
-        req_ids.append(req_id)
-    for _ in range(40):
-        if all(r in engine.final for r in req_ids):
-            return
-        engine.step()
-    raise AssertionError(f"{tag}: not all requests finished")
-
-
 def _schedule(engine: Any) -> list[tuple[dict[str, int], Any]]:
     """Per step: the tokens scheduled per request and the step's offload
     transfers (load and store block counts per request, or per event)."""
@@ -235,10 +219,10 @@ def test_R142_long_offload_loads_and_stores_keep_the_schedule(
     schedules = {}
     for enabled in (False, True):
         engine = kind(model_dir, _long_side(connector, enabled), f"long-{enabled}")
-        _run_together(engine, prefixes[:LONG_REQUESTS], "store")
-        _run_together(engine, prefixes[LONG_REQUESTS:], "evict")
+        run_together(engine, prefixes[:LONG_REQUESTS], "store")
+        run_together(engine, prefixes[LONG_REQUESTS:], "evict")
         loads = engine.num_loads
-        _run_together(engine, prefixes[:LONG_REQUESTS], "load")
+        run_together(engine, prefixes[:LONG_REQUESTS], "load")
         assert engine.num_loads > loads
         schedules[enabled] = _schedule(engine)
         if enabled:
