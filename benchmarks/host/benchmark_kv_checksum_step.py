@@ -122,6 +122,20 @@ def _completed_jobs(scheduler: Any, output: Any) -> Any:
 
 
 @dataclass
+def decode_request(i: int, prefix: bool = False) -> Any:
+    """Running request i of a step benchmark: a fixed PROMPT_LEN-token prompt
+    (after SHARED_PREFIX with `prefix`) that decodes to near MAX_MODEL_LEN."""
+    prompt = [(i * 131 + 7 * t) % 991 + 3 for t in range(PROMPT_LEN)]
+    if prefix:
+        prompt = SHARED_PREFIX + prompt
+    return make_request(
+        f"d{i}",
+        prompt,
+        max_tokens=MAX_MODEL_LEN - PROMPT_LEN - 8,
+        block_size=BLOCK_SIZE,
+    )
+
+
 class Bench:
     """One engine (scheduler only) with `n` running requests in decode."""
 
@@ -153,17 +167,7 @@ class Bench:
         )
         self.scheduler = make_scheduler(config, make_kv_cache_config(config))
         for i in range(self.n):
-            prompt = [(i * 131 + 7 * t) % 991 + 3 for t in range(PROMPT_LEN)]
-            if self.prefix:
-                prompt = SHARED_PREFIX + prompt
-            self.scheduler.add_request(
-                make_request(
-                    f"d{i}",
-                    prompt,
-                    max_tokens=MAX_MODEL_LEN - PROMPT_LEN - 8,
-                    block_size=BLOCK_SIZE,
-                )
-            )
+            self.scheduler.add_request(decode_request(i, self.prefix))
         for _ in range(3):  # prefill, then decode
             self.step()
 
@@ -281,15 +285,7 @@ class OffloadLoadBench:
         for name in ("schedule", "update_from_output"):
             setattr(scheduler, name, self._timer(getattr(scheduler, name)))
         for i in range(n):
-            prompt = [(i * 131 + 7 * t) % 991 + 3 for t in range(PROMPT_LEN)]
-            self.engine.add(
-                make_request(
-                    f"d{i}",
-                    prompt,
-                    max_tokens=MAX_MODEL_LEN - PROMPT_LEN - 8,
-                    block_size=BLOCK_SIZE,
-                )
-            )
+            self.engine.add(decode_request(i))
         self.steps = 0
         self.loads = 0  # host-tier loads started
         self.loaded_blocks = 0  # GPU blocks they wrote
