@@ -121,7 +121,6 @@ def _completed_jobs(scheduler: Any, output: Any) -> Any:
     return None
 
 
-@dataclass
 def decode_request(i: int, prefix: bool = False) -> Any:
     """Running request i of a step benchmark: a fixed PROMPT_LEN-token prompt
     (after SHARED_PREFIX with `prefix`) that decodes to near MAX_MODEL_LEN."""
@@ -136,6 +135,7 @@ def decode_request(i: int, prefix: bool = False) -> Any:
     )
 
 
+@dataclass
 class Bench:
     """One engine (scheduler only) with `n` running requests in decode."""
 
