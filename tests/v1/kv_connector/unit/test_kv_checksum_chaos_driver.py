@@ -5,7 +5,6 @@ client handling against the fake server (issue 27; the driver proves R141's
 bounded state and R138's containment under process faults on the GPU host,
 these tests keep its planning and verdicts honest)."""
 
-import importlib.util
 import json
 import signal
 import socket
@@ -15,22 +14,15 @@ from typing import Any
 
 import pytest
 
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[4]
 EXAMPLES = ROOT / "examples/disaggregated"
 FAKE = Path(__file__).resolve().parent / "kv_checksum_fake_server.py"
 
 
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-plan = _load("kv_checksum_chaos_plan")
-chaos = _load("kv_checksum_chaos")
+plan = load_script("kv_checksum_chaos_plan", EXAMPLES / "kv_checksum_chaos_plan.py")
+chaos = load_script("kv_checksum_chaos", EXAMPLES / "kv_checksum_chaos.py")
 ROUTER_ID = "___prefill_addr_127.0.0.1:8100___decode_addr_127.0.0.1:8200_ab12"
 
 
@@ -243,7 +235,7 @@ def test_fake_server_kill_restart_and_abort(tmp_path: Path) -> None:
 
     Bug caught: kill() leaving the group alive (the restart's port busy),
     an abort counted as an answer, or a dead server counted as a hang."""
-    fake = _load_fake()
+    fake = load_script("kv_checksum_fake_server", FAKE)
     port = _free_port()
     env = dict(__import__("os").environ, FAKE_TRACKED_GAUGE="1")
     proc = chaos.Proc(
@@ -278,14 +270,6 @@ def test_fake_server_kill_restart_and_abort(tmp_path: Path) -> None:
         assert chaos.Run.wait_answered(runner, "fake", 1, timeout=30) < 30
     finally:
         proc.kill(signal.SIGTERM)
-
-
-def _load_fake() -> Any:
-    spec = importlib.util.spec_from_file_location("kv_checksum_fake_server", FAKE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class _GaugeRun:

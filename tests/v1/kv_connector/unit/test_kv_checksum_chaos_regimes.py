@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The chaos runs' wrong-answer analysis (issue 27: whether wrong answers
-come from bad KV or from a second numerics regime beside recomputes) on
-hand-made outcomes."""
+"""The chaos runs' wrong-answer analysis (issue 27, R138 and R141: whether
+answers after a recompute under process faults are wrong because of bad KV
+or take a second numerics regime beside the recompute) on hand-made
+outcomes."""
 
 from pathlib import Path
 

@@ -7,9 +7,7 @@ the one that started it, and (checksums on) every finished load verifies.
 Counts only, no timings; two decoding requests, a few steps.
 """
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -18,6 +16,7 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     offload_metadata,
     simple_offload_metadata,
 )
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 
@@ -26,14 +25,6 @@ SCRIPT = (
     / "benchmarks/host/benchmark_kv_checksum_step.py"
 )
 STEPS = 2  # measured steps after the benchmark's own 3
-
-
-def _benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kv_checksum_step_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _load_step(engine: Any, req_id: str) -> int:
@@ -70,7 +61,7 @@ def test_offload_loads_load_128_blocks_every_step_and_verify(
     GPU (a prefix hit, no host load), loads reported done in the step that
     started them (not as the P/D `--loads`), loads not reaching the
     checksums (no verdict)."""
-    bench = _benchmark()
+    bench = load_script("kv_checksum_step_bench", SCRIPT)
     runner = bench.OffloadLoadBench(model_dir, connector, enabled, 2, 3 + STEPS)
     for _ in range(STEPS):
         assert runner.step() > 0.0  # seconds in the scheduler's calls

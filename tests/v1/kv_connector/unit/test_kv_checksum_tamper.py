@@ -12,15 +12,17 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
 from tests.v1.kv_connector.unit.test_kv_checksum_chaos_driver import (
     EXAMPLES,
     FAKE,
-    _load,
     chaos,
     plan,
 )
 
-proxy = _load("kv_checksum_tamper_proxy")
+proxy = load_script(
+    "kv_checksum_tamper_proxy", EXAMPLES / "kv_checksum_tamper_proxy.py"
+)
 A = base64.b64encode(bytes(range(24))).decode()  # 32 characters
 B = base64.b64encode(bytes(range(100, 124))).decode()
 
