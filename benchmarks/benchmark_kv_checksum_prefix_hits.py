@@ -16,13 +16,17 @@ workload, so the two runs of one off/on pair send the same prompts and each
 engine sees every prefix once: the first requests miss, the rest hit.
 
 Verdict per workload (printed, not a timed test): on/off request throughput
->= 0.98 and median TTFT on - off <= +1 ms (means over the rounds), whether each
-difference is inside the off-vs-off spread (max - min over off rounds), and
+>= 0.98 and, at concurrency 1, median TTFT on - off <= +1 ms (means over the
+rounds; above concurrency 1 queueing moves the median by tens of ms between
+rounds, so it is reported, as the reference table reads TTFT at c1 and
+throughput at c32), whether each difference is inside the off-vs-off spread
+(max - min over off rounds), and
 every hit checked: `vllm:kv_checksum_prefix_hits_total` of the on engine grew by
 verified > 0 and mismatch 0 over its rounds (unverified reported). Defaults: 8
-rounds of `shared_c32` after one unrecorded warm-up run per engine (other
-prompts: the first measured round was the slowest of both engines without it),
-about 400 s at 8B on an H200.
+rounds of `shared_c1` and `shared_c32` after one unrecorded warm-up run per
+engine (other prompts: the first measured round was the slowest of both engines
+without it). `--bench-batch` runs every bench of a launch in one process (vLLM
+imported once, 20-30 s saved a run on the H200 host).
 
 `--tier offloading` / `--tier multi` (issue 26 item 3) measure the CPU offload
 tier instead: OffloadingConnector alone or MultiConnector(NixlConnector,
@@ -103,6 +107,8 @@ NIXL_SIDE_OFFSET = 5000
 COUNTERS = ("prefix_hits", "host_loads", "load_verdicts")
 # Seeds of the unrecorded warm-up runs, far from the measured rounds' k // 2.
 WARMUP_SEED = 10_000
+BATCH = Path(__file__).resolve().parent / "kv_checksum_bench_serve_batch.py"
+BATCH_DONE = "[bench_batch] done"
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,9 @@ class Workload:
 # Prompt counts sized for about 8 s of requests a run at 8B on an H200 (a round
 # took 31-38 s there with the bench CLI's start).
 WORKLOADS = [
+    # Latency: one request at a time, so a +1 ms TTFT is not lost in queueing
+    # (the reference table reads TTFT at c1 and throughput at c32 alike).
+    Workload("shared_c1", "random", 2048, 256, 8, 1, 48),
     Workload("shared_c8", "random", 2048, 256, 32, 8, 160),
     Workload("shared_c32", "random", 2048, 256, 32, 32, 320),
     Workload("prefixes4_c32", "prefix_repetition", 2048, 256, 32, 32, 320, 4),
@@ -132,16 +141,28 @@ WORKLOADS = [
 ]
 
 
+WORKLOAD_BY_NAME = {w.name: w for w in WORKLOADS}
+
+
+def ttft_judged(name: str) -> bool:
+    """Whether a workload's median TTFT is held to MAX_TTFT_DELTA_MS: at
+    concurrency 1 (and for unknown names); above it, queueing moves the median
+    by tens of ms between rounds, so it is reported beside its spread."""
+    workload = WORKLOAD_BY_NAME.get(name)
+    return workload is None or workload.concurrency <= 1
+
+
 def round_modes(rounds: int) -> list[str]:
     """Modes of the rounds in ABBA order: off, on, on, off, off, on, ..."""
     return [ABBA[k % 4] for k in range(rounds)]
 
 
-def bench_command(
+def bench_args(
     args: argparse.Namespace, workload: Workload, port: int, seed: int, result: Path
 ) -> list[str]:
-    """`vllm bench serve` for one workload, one round, one engine."""
-    cmd = [*shlex.split(args.bench_cmd), "bench", "serve", "--backend", "vllm"]
+    """The arguments of `vllm bench serve` for one workload, one round, one
+    engine (what follows `bench serve`)."""
+    cmd = ["--backend", "vllm"]
     cmd += ["--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions"]
     cmd += ["--model", "model", "--tokenizer", str(args.model)]
     cmd += ["--dataset-name", workload.dataset]
@@ -166,6 +187,58 @@ def bench_command(
     cmd += ["--save-result", "--save-detailed"]
     cmd += ["--result-dir", str(result.parent), "--result-filename", result.name]
     return cmd
+
+
+class BenchRunner:
+    """Runs `vllm bench serve` argument lists: one CLI process each, or with
+    `--bench-batch` one batch process for the whole launch (vLLM imported
+    once, kv_checksum_bench_serve_batch.py --stdin), answering after each run
+    so that engine counters can be read between runs."""
+
+    def __init__(self, args: argparse.Namespace, logs: Path) -> None:
+        self.args = args
+        self.logs = logs
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, argv: list[str], log_path: Path) -> int:
+        """One run's exit status (0: ran); its output goes to `log_path`."""
+        if not self.args.bench_batch:
+            cmd = [*shlex.split(self.args.bench_cmd), "bench", "serve", *argv]
+            with open(log_path, "wb") as sink:
+                ran = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT)
+            return ran.returncode
+        proc = self._batch()
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(argv) + "\n")
+        proc.stdin.flush()
+        with open(log_path, "w") as sink:
+            for line in proc.stdout:
+                if line.startswith(BATCH_DONE):
+                    return int(line.split()[-1])
+                sink.write(line)
+        return 1  # the batch process ended
+
+    def _batch(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(BATCH), "--stdin"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
+        return self.proc
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc = None
 
 
 class Engine:
@@ -294,6 +367,8 @@ def judge(rounds: list[dict[str, Any]], tier: str = "simple-hits") -> dict[str, 
         timed = "off_mean" in rps and "off_mean" in ttft
         ratio_ok = timed and rps["on_over_off"] >= MIN_THROUGHPUT_RATIO
         ttft_ok = timed and ttft["on_minus_off"] <= MAX_TTFT_DELTA_MS
+        if not ttft_judged(name):
+            ttft_ok = timed
         hits_ok = hits.get("verified", 0) > 0 and hits.get("mismatch", 0) == 0
         host = host_load_totals(rounds, name)
         if tier in OFFLOAD_TIERS:
@@ -303,6 +378,7 @@ def judge(rounds: list[dict[str, Any]], tier: str = "simple-hits") -> dict[str, 
             host_loads=host,
             failed=failed,
             throughput_ok=ratio_ok,
+            ttft_judged=ttft_judged(name) and tier not in OFFLOAD_TIERS,
             ttft_ok=ttft_ok,
             hits_ok=hits_ok,
             # Informational: is the cost measurable against launch noise at all?
@@ -355,7 +431,9 @@ def print_tables(rounds: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
             f"\n{name}: throughput on/off >= {MIN_THROUGHPUT_RATIO}: "
             f"{row['throughput_ok']} (inside off spread: "
             f"{row['throughput_inside_spread']}); median TTFT delta <= "
-            f"+{MAX_TTFT_DELTA_MS} ms: {row['ttft_ok']} (inside off spread: "
+            f"+{MAX_TTFT_DELTA_MS} ms: "
+            f"{row['ttft_ok'] if row['ttft_judged'] else 'reported only'} "
+            "(inside off spread: "
             f"{row['ttft_inside_spread']}); prefix hits on {row['prefix_hits_on']}, "
             f"host loads {row['host_loads']}: "
             f"{'ok' if row['hits_ok'] else 'NO'}; failed {row['failed']}; "
@@ -402,6 +480,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--serve-cmd", default=shlex.join(CLI), help="serves")
     parser.add_argument("--bench-cmd", default=shlex.join(CLI), help="benches")
+    parser.add_argument(
+        "--bench-batch",
+        action="store_true",
+        help="every bench run of a launch in one process (vLLM imported once; "
+        "--bench-cmd unused)",
+    )
     args = parser.parse_args(argv)
     rounds, workloads, cpu_gib = TIER_DEFAULTS[args.tier]
     args.rounds = rounds if args.rounds is None else args.rounds
@@ -417,6 +501,7 @@ def warm_up(
     chosen: list[Workload],
     logs: Path,
     launch: int,
+    runner: BenchRunner,
 ) -> None:
     """--warmup-rounds unrecorded runs of the first workload on each engine,
     with seeds no measured round uses (their prefixes are not the measured
@@ -425,12 +510,11 @@ def warm_up(
         for mode, engine in engines.items():
             seed = WARMUP_SEED + launch * 100 + k
             path = logs / f"warmup{k}_{mode}.json"
-            cmd = bench_command(args, chosen[0], engine.port, seed, path)
+            argv = bench_args(args, chosen[0], engine.port, seed, path)
             if args.profile_warmup and k == 0:
-                cmd.append("--profile")  # vLLM's /start_profile and /stop_profile
-            with open(path.with_suffix(".log"), "wb") as sink:
-                rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT)
-            result = read_result(path, rc.returncode)
+                argv.append("--profile")  # vLLM's /start_profile and /stop_profile
+            rc = runner.run(argv, path.with_suffix(".log"))
+            result = read_result(path, rc)
             log(
                 f"warm-up {k} ({mode}): {result.get('request_throughput')} req/s, "
                 f"TTFT {result.get('median_ttft_ms')} ms (not recorded)"
@@ -507,10 +591,11 @@ def run_launch(
     logs = args.out / f"launch{launch}"
     ports = {"off": args.port_off, "on": args.port_on}
     engines = {mode: Engine(args, mode, port, logs) for mode, port in ports.items()}
+    runner = BenchRunner(args, logs)
     try:
         startup = start_pair(engines, args.startup_timeout)
         log(f"launch {launch}: both engines ready in {startup:.0f} s")
-        warm_up(args, engines, chosen, logs, launch)
+        warm_up(args, engines, chosen, logs, launch, runner)
         if args.profile_warmup:
             args.profiles[f"launch{launch}"] = {
                 mode: summarize_traces(engine.trace_dir)
@@ -535,10 +620,9 @@ def run_launch(
             for workload in chosen:
                 path = logs / f"round{index}_{mode}_{workload.name}.json"
                 before = engine.counters()
-                cmd = bench_command(args, workload, engine.port, seed, path)
-                with open(path.with_suffix(".log"), "wb") as sink:
-                    rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT)
-                result = read_result(path, rc.returncode)
+                argv = bench_args(args, workload, engine.port, seed, path)
+                rc = runner.run(argv, path.with_suffix(".log"))
+                result = read_result(path, rc)
                 entry["results"][workload.name] = result
                 after = engine.counters()
                 for counter in COUNTERS:
@@ -559,6 +643,7 @@ def run_launch(
     except RuntimeError as err:
         log(f"launch {launch} failed: {err}")
     finally:
+        runner.close()
         for engine in engines.values():
             engine.stop()
 

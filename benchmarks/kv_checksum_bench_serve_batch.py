@@ -9,9 +9,12 @@ requests per workload), which kept the 8B TP 2 benchmark from fitting a
 that fails prints its error and the next one still runs.
 
     python benchmarks/kv_checksum_bench_serve_batch.py RUNS.json
+    python benchmarks/kv_checksum_bench_serve_batch.py --stdin
 
 RUNS.json: a JSON list of argument lists (what follows `vllm bench serve`).
-Exits 1 if any run failed.
+Exits 1 if any run failed. `--stdin`: one argument list (JSON) per input line,
+each answered by a line `[bench_batch] done FAILED` (0 or 1) once it ran, so a
+driver can read engine counters between runs; ends at end of input.
 """
 
 import json
@@ -39,5 +42,23 @@ def run_all(runs: list[list[str]]) -> int:
     return failed
 
 
+DONE = "[bench_batch] done"
+
+
+def serve_stdin() -> int:
+    """Run each argument list read from stdin, answering DONE after each;
+    the number of runs that failed."""
+    failed = 0
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        ran = run_all([json.loads(line)])
+        failed += ran
+        print(f"{DONE} {ran}", flush=True)
+    return failed
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--stdin"]:
+        sys.exit(1 if serve_stdin() else 0)
     sys.exit(1 if run_all(json.loads(Path(sys.argv[1]).read_text())) else 0)

@@ -36,7 +36,7 @@ OFFLOAD_TIERS = TIERS[1:]
 # fit a 480 s call. Prefix hits: 8 rounds of one workload, ~400 s; an offload
 # tier: 4 rounds, ~270 s (estimated).
 TIER_DEFAULTS: dict[str, tuple[int, str, int]] = {
-    "simple-hits": (8, "shared_c32", 8),
+    "simple-hits": (8, "shared_c1,shared_c32", 8),
     "offloading": (4, "host16_c8", 16),
     "multi": (4, "host16_c8", 16),
 }

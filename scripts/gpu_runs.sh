@@ -237,17 +237,18 @@ bench-serve-tp2) run bench-serve-tp2 "${serve8b[@]}" --tp 2 --gpu-p 0,1 \
 host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile "$@" ;;
 # The cost of prefix-hit verification (issue 31 item 4): `vllm bench serve`
 # shared-prefix rounds against an off and an on engine started together on one GPU.
-bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py "$@" ;;
+bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py \
+    --bench-batch "$@" ;;
 # Issue 26 item 3: the CPU offload tier's cost, the same driver with a GPU cache
 # too small for its 16 prefixes (reuses load from host): OffloadingConnector
 # alone, and MultiConnector(NixlConnector, OffloadingConnector) (install-wheels
-# first: NIXL). Defaults: 4 ABBA rounds, one workload, about 270 s at 8B.
+# first: NIXL). Defaults: 4 ABBA rounds, one workload; --bench-batch.
 # `bench-offload+--profile-warmup` adds a torch profile of each engine's warm-up
 # run, summarized into the summary (kernels, runtime calls, host waits).
 bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py \
-    --tier offloading "$@" ;;
+    --tier offloading --bench-batch "$@" ;;
 bench-offload-multi) run bench-offload-multi \
-    benchmarks/benchmark_kv_checksum_prefix_hits.py --tier multi "$@" ;;
+    benchmarks/benchmark_kv_checksum_prefix_hits.py --tier multi --bench-batch "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 # Issue 27: faults of processes and time behind vllm-router (tiny model, fixed

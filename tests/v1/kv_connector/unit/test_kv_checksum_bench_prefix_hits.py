@@ -105,6 +105,30 @@ def test_two_ms_ttft_increase_fails() -> None:
     assert summary["pass"] is False
 
 
+def test_ttft_target_judged_at_concurrency_one_only() -> None:
+    """The same +2 ms rounds fail `shared_c1` (one request at a time) and are
+    reported, not judged, for `shared_c32`, where queueing moves the median by
+    tens of ms (bugs caught: the TTFT target dropped for every workload, or
+    held at c32 where no run can resolve it)."""
+
+    def named(rounds: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+        for r in rounds:
+            r["results"] = {name: r["results"]["w"]}
+            r["prefix_hits"] = {name: r["prefix_hits"]["w"]}
+        return rounds
+
+    ttft = [30, 32, 32, 30, 30, 32]
+    c1 = bench.judge(named(_rounds([10.0] * 6, ttft, HITS), "shared_c1"))
+    row = c1["workloads"]["shared_c1"]
+    assert row["ttft_judged"] is True and row["ttft_ok"] is False
+    assert c1["pass"] is False
+    c32 = bench.judge(named(_rounds([10.0] * 6, ttft, HITS), "shared_c32"))
+    row = c32["workloads"]["shared_c32"]
+    assert row["ttft_judged"] is False and row["ttft_ok"] is True
+    assert row["median_ttft_ms"]["on_minus_off"] == pytest.approx(2.0)
+    assert c32["pass"] is True
+
+
 def test_mismatch_or_no_verified_hit_fails() -> None:
     """Equal timings, but one mismatched hit fails; so do on rounds with no
     verified hit at all (bug caught: a run where the flag never reached the
@@ -190,6 +214,36 @@ def test_whole_run_against_fake_servers(tmp_path: Path) -> None:
         assert flag in bench_log
     assert "'--seed', '1'" in bench_log and "'--num-warmups', '0'" in bench_log
     assert record["summary"]["pass"] is True and rc == 0
+
+
+def test_bench_batch_reads_counters_between_runs(tmp_path: Path) -> None:
+    """--bench-batch against two fake engines: every bench run of the launch
+    (warm-ups and rounds) goes through vLLM's real bench-serve `main` in one
+    batch process, and each run's prefix-hit delta is its own, read after the
+    run ended (bugs caught: counters read before the batch process finished a
+    run, so deltas of 0 or of the next run; the flag ignored and the CLI run)."""
+    fake = f"{sys.executable} {FAKE}"
+    out = tmp_path / "out"
+    bench.main(
+        ["--out", str(out), "--model", str(tmp_path / "model"), "--shape", "tiny"]
+        + ["--rounds", "2", "--scale", "0.1", "--bench-batch"]
+        + ["--workloads", "shared_c1,shared_c32", "--serve-cmd", fake]
+        + ["--bench-cmd", "/nonexistent/vllm", "--startup-timeout", "120"]
+        + ["--port-off", str(_free_port()), "--port-on", str(_free_port())]
+    )
+    record = json.loads((out / "summary.json").read_text())
+    off, on = record["rounds"]
+    prompts = {"shared_c1": 5, "shared_c32": 32}
+    for name, count in prompts.items():
+        assert off["results"][name]["completed"] == count
+        assert on["results"][name]["completed"] == count
+        assert off["prefix_hits"][name] == {}
+        # vLLM's bench sends its initial test prompt first: one completion more.
+        verified = count + 1
+        assert on["prefix_hits"][name] == {"mismatch": 0.0, "verified": verified}
+    for name in ("round0_off_shared_c1", "round1_on_shared_c32", "warmup0_on"):
+        text = (out / "launch0" / f"{name}.log").read_text()
+        assert "[bench_batch] vllm bench serve" in text and "fake bench" not in text
 
 
 PACKAGE_KEYS = {"enable_kv_checksum", "kv_checksum_fail_closed"}
