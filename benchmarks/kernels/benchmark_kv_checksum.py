@@ -8,12 +8,16 @@ plain grid-stride read of the same byte count (kernel_plain_read.py, R143) and
 to torch's int64 sum, all timed the same way in the same run; every Triton
 result is compared bit for bit with the PyTorch path. `--sweep` then times the
 launch configurations of `sweep_configs` on every shape and recommends one;
-`--json` writes every result. It needs only torch, Triton and NumPy: without
-vLLM, kernels.py is loaded by file path.
+`--variants` times the default configuration and the kernel variants of
+`variant_configs` side by side on every shape (interleaved rounds, the same
+plain-read anchor, bit-checked); `--json` writes every result. It needs only
+torch, Triton and NumPy: without vLLM, kernels.py is loaded by file path.
 
     python benchmarks/kernels/benchmark_kv_checksum.py --mode kernel
     python benchmarks/kernels/benchmark_kv_checksum.py --mode kernel --sweep \\
         --iters 30 --json kernel.json
+    python benchmarks/kernels/benchmark_kv_checksum.py --mode kernel --variants \\
+        --iters 20 --json variants.json
     python benchmarks/kernels/benchmark_kv_checksum.py --mode all
 """
 
@@ -252,9 +256,10 @@ def config_label(config: Any) -> str:
         f"persistent {config.programs_per_sm}xSM" if config.programs_per_sm else "grid"
     )
     wide = ", wide" if config.wide_weights else ""
+    vector = ", vector" if getattr(config, "vector_full_tiles", False) else ""
     return (
         f"{mode}, chunk {config.chunk_pieces}, tile {config.max_tile}, "
-        f"{config.num_warps}w/{config.warp_pieces}{wide}"
+        f"{config.num_warps}w/{config.warp_pieces}{wide}{vector}"
     )
 
 
@@ -263,7 +268,13 @@ class Report:
 
     def __init__(self, path: str | None, meta: dict) -> None:
         self.path = path
-        self.data: dict = {"meta": meta, "shapes": {}, "sweep": [], "errors": []}
+        self.data: dict = {
+            "meta": meta,
+            "shapes": {},
+            "sweep": [],
+            "variants": {},
+            "errors": [],
+        }
 
     def error(self, where: str, exc: BaseException) -> None:
         line = f"{where}: {type(exc).__name__}: {exc}"
@@ -303,6 +314,8 @@ def run_kernel_benchmarks(
     sweep: bool = False,
     json_path: str | None = None,
     budget_s: float = 170.0,
+    variants: bool = False,
+    rounds: int = 3,
 ) -> bool:
     """Print the kernel table (markdown), the R133 targets and, with `sweep`,
     the tuning table; True if every R133 and R143 target was met.
@@ -413,10 +426,123 @@ def run_kernel_benchmarks(
     except Exception as exc:  # noqa: BLE001 - report and go on
         report.error("R133 targets", exc)
         met = False
+    if variants:
+        run_variants(kernels, runs, default, iters, rounds, flush, report)
     if sweep:
         run_sweep(kernels, runs, default, iters, flush, report, started + budget_s)
     report.save()
+    print(f"\nwall time {time.monotonic() - started:.0f} s")
     return met
+
+
+def variant_configs() -> dict[str, dict]:
+    """Kernel variants timed by --variants, as overrides of the default
+    LaunchConfig; the default first (the baseline of the time ratios)."""
+    return {
+        "default": {},
+        "vector": {"vector_full_tiles": True},
+        "vector 4w": {"vector_full_tiles": True, "num_warps": 4},
+        "vector persistent 4xSM/4096": {
+            "vector_full_tiles": True,
+            "programs_per_sm": 4,
+            "chunk_pieces": 4096,
+        },
+    }
+
+
+def run_variants(
+    kernels: ModuleType,
+    runs: list[ShapeRun],
+    default: Any,
+    iters: int,
+    rounds: int,
+    flush: torch.Tensor,
+    report: Report,
+) -> None:
+    """Variants table: per shape, each variant's kernel / plain read and its
+    time / the default's, timed in `rounds` interleaved rounds (the median of
+    the rounds' medians), every variant's sums checked bit for bit against
+    the PyTorch path."""
+    configs = {}
+    for name, overrides in variant_configs().items():
+        try:
+            configs[name] = dataclasses.replace(default, **overrides)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            report.error(f"variant {name} {overrides}", exc)
+    names = list(configs)
+    print()
+    print(
+        f"## Variants: kernel / plain read (time / default), {rounds} interleaved "
+        "rounds, median of medians"
+    )
+    print()
+    for name in names:
+        print(f"- {name}: {config_label(configs[name])}")
+    print()
+    print("| shape | plain TB/s | " + " | ".join(names) + " | bit-identical |")
+    print("|---|---|" + "---|" * (len(names) + 1))
+    table = report.data["variants"]
+    for run in runs:
+        shape_key = shape_name(run.shape)
+        anchor = report.data["shapes"].get(shape_key, {}).get("plain")
+        if not anchor:
+            continue
+        entry: dict = {"plain_ms": anchor["ms"], "ms": {}, "identical": {}}
+        table[shape_key] = entry
+        launches: dict[str, Any] = {}
+        for name, config in configs.items():
+            try:
+                launch = run.launch(kernels, "triton", config)
+                launch.warm_up()
+                out = run.out()
+                launch(run.rows, out)
+                entry["identical"][name] = bool(torch.equal(out, run.expected))
+                launches[name] = (launch, out)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                report.error(f"variant {name} on {shape_key}", exc)
+                entry["identical"][name] = False
+        samples: dict[str, list[float]] = {name: [] for name in launches}
+        for _ in range(rounds):
+            for name, (launch, out) in launches.items():
+                samples[name].append(
+                    time_ms(functools.partial(launch, run.rows, out), iters, flush)
+                )
+        entry["ms"] = {name: statistics.median(v) for name, v in samples.items()}
+        base = entry["ms"].get("default")
+        cells = []
+        for name in names:
+            ms = entry["ms"].get(name)
+            if ms is None:
+                cells.append("error")
+                continue
+            ratio = f" ({ms / base:.3f})" if base else ""
+            cells.append(f"{anchor['ms'] / ms:.3f}{ratio}")
+        identical = all(entry["identical"].get(name, False) for name in names)
+        for name in names:
+            if not entry["identical"].get(name, False):
+                print(f"MISMATCH or error: variant {name} on {shape_key}")
+        gb = run.shape.bytes_read / 1e9
+        print(
+            f"| {run.shape.label.split(' ')[0]} {run.shape.layout}-major "
+            f"| {gb / anchor['ms']:.2f} | "
+            + " | ".join(cells)
+            + f" | {'yes' if identical else '**NO**'} |",
+            flush=True,
+        )
+        report.save()
+    mins = {
+        name: min(
+            (e["plain_ms"] / e["ms"][name] for e in table.values() if name in e["ms"]),
+            default=float("nan"),
+        )
+        for name in names
+    }
+    report.data["variants_min_ratio"] = mins
+    print()
+    print(
+        "min kernel / plain read over shapes: "
+        + ", ".join(f"{name} {value:.3f}" for name, value in mins.items())
+    )
 
 
 def sweep_configs() -> list[dict]:
@@ -654,10 +780,21 @@ def main() -> None:
     )
     parser.add_argument("--wide", action="store_true", help="wide weights only")
     parser.add_argument(
+        "--vector", action="store_true", help="vector_full_tiles for the main table"
+    )
+    parser.add_argument(
         "--check", action="store_true", help="exit 1 if a performance target is missed"
     )
     parser.add_argument(
         "--sweep", action="store_true", help="also print the launch tuning table"
+    )
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="also time the kernel variants (variant_configs) beside the default",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds of --variants"
     )
     parser.add_argument("--json", help="write every kernel result to this file")
     parser.add_argument(
@@ -679,10 +816,18 @@ def main() -> None:
     }
     if args.wide:
         overrides["wide_weights"] = True
+    if args.vector:
+        overrides["vector_full_tiles"] = True
     met = True
     if args.mode in ("kernel", "all"):
         met &= run_kernel_benchmarks(
-            args.iters, overrides, args.sweep, args.json, args.budget_s
+            args.iters,
+            overrides,
+            args.sweep,
+            args.json,
+            args.budget_s,
+            args.variants,
+            args.rounds,
         )
     if args.mode in ("host", "all"):
         met &= run_host_benchmarks()

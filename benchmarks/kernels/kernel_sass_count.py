@@ -3,18 +3,23 @@
 """Instructions per 8-byte piece in the checksum kernel's loops, compiled for
 Hopper (sm_90) on any machine: no GPU needed (issue 30 item 1, R143).
 
-Compiles `_kv_checksum_kernel` with the launch constants the package would pick
-for a block shape (its tile, the tuned warps), disassembles it with the
-`nvdisasm` Triton ships, finds every loop (a label and the branch back to it),
-and divides each loop's instructions by the pieces one thread loads per
-iteration (its 64-bit global loads). The H200 measured the kernel at 0.84-0.92
-of a plain read (2026-12-01): a kernel change that lowers these counts is worth
-a GPU run; one that raises them is not.
+Compiles `_kv_checksum_kernel` with the launch constants the package picks
+for a block shape (a KVChecksumLaunch built on a CPU cache: its tile, warps and
+fast-path constants) under each LaunchConfig variant of VARIANTS, with the
+runtime arguments typed as Triton's JIT types them at such a launch (unless
+`--generic`), disassembles it with the `nvdisasm` Triton ships, finds every
+loop (a label and the branch back to it), and divides each loop's instructions
+by the pieces one thread loads per iteration (a 64-bit load one, a 128-bit
+load two). The H200 measured the kernel at 0.84-0.92 of a plain read
+(2026-12-01): a kernel change that lowers these counts is worth a GPU run; one
+that raises them is not.
 
-    python benchmarks/kernels/kernel_sass_count.py [--heads 8 --tokens 16 --pieces 32]
+    python benchmarks/kernels/kernel_sass_count.py [--heads 8 --tokens 16 \\
+        --pieces 32 --layout head --variant vector_full_tiles --generic]
 
-Prints per loop: instructions, loads and the opcode counts per piece. The
-SASS is that of the Triton installed here (the H200 host runs Triton 3.6).
+Prints per variant and loop: instructions, loads and the opcode counts per
+piece. The SASS is that of the Triton installed here (the H200 host runs
+Triton 3.6).
 """
 
 import argparse
@@ -32,8 +37,18 @@ BRANCH_BACK = re.compile(r"BRA\s+(\.?L\w+|LBB\w+)")
 PIECES_PER_LOAD = {"LDG.E.64": 1, "LDG.E.128": 2, "LDG.E.64.CONSTANT": 1}
 
 
-def compile_sass(constants: dict[str, Any], num_warps: int) -> str:
-    """SASS text of the checksum kernel for sm_90 with these constexprs."""
+def compile_sass(
+    constants: dict[str, Any], num_warps: int, runtime: dict[str, Any] | None = None
+) -> str:
+    """SASS text of the checksum kernel for sm_90 with these constexprs.
+
+    Without `runtime` every other argument is a generic int64 (pointer); with
+    it (argument name -> a launch's value) each is typed and specialized the
+    way Triton's JIT does at a launch with those values: an int of 1 becomes a
+    constant, ints and pointers divisible by 16 carry that hint, small ints
+    are 32-bit (arguments named in the kernel's do_not_specialize keep their
+    type only).
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -42,16 +57,37 @@ def compile_sass(constants: dict[str, Any], num_warps: int) -> str:
 
     fn = kernels._kv_checksum_kernel
     names = list(fn.arg_names)
-    signature = {
-        name: "*i64" if name.endswith("_ptr") else "i64"
-        for name in names
-        if name not in constants
-    }
+    constants = dict(constants)
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list] = {}
+    for name in names:
+        if name in constants:
+            continue
+        if runtime is None:
+            signature[name] = "*i64" if name.endswith("_ptr") else "i64"
+            continue
+        specialize = name not in fn.do_not_specialize
+        if name.endswith("_ptr"):
+            kind, hint = "*i64", "D" if specialize and runtime[name] % 16 == 0 else ""
+        else:
+            from triton._C.libtriton import native_specialize_impl
+            from triton.backends.nvidia.compiler import CUDABackend
+
+            kind, hint = native_specialize_impl(
+                CUDABackend, runtime[name], False, specialize, True
+            )
+        if kind == "constexpr":
+            constants[name] = hint
+            continue
+        signature[name] = kind
+        if hint == "D":
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
     signature.update(dict.fromkeys(constants, "constexpr"))
     source = ASTSource(
         fn=fn,
         signature=signature,
         constexprs={(names.index(k),): v for k, v in constants.items()},
+        attrs=attrs,
     )
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
@@ -99,56 +135,124 @@ def loops(sass: str) -> list[dict[str, Any]]:
 
 
 def launch_constants(
-    heads: int, tokens: int, pieces: int, kernel_blocks: int
-) -> tuple[dict[str, Any], int]:
-    """The constexprs and warps KVChecksumLaunch would pick for a 16-byte-aligned
-    head-major view of this block shape with the default LaunchConfig."""
+    heads: int,
+    tokens: int,
+    pieces: int,
+    kernel_blocks: int,
+    config: Any = None,
+    layout: str = "head",
+    blocks: int = 2048,
+) -> tuple[dict[str, Any], int, dict[str, Any]]:
+    """The constexprs, warps and runtime arguments KVChecksumLaunch picks for a
+    cache of `blocks` blocks of this shape (int64 pieces, torch's 16-byte
+    aligned allocation; `layout` "head": [B, KB, H, T, P] dense, "token":
+    [B, KB, T, H, P] seen as heads first) under `config` (default LaunchConfig).
+
+    The launch is built on a CPU tensor with the PyTorch backend and asked for
+    its Triton constants, so the count follows the package's own choices.
+    """
+    import torch
+
     from vllm.distributed.kv_transfer.kv_checksum.definition import kernels
 
-    config = kernels.default_config()
-    shape = (kernel_blocks, heads, tokens, pieces)
-    tile, head_tiles = kernels.pick_tile(shape, config.max_tile, config.chunk_pieces)
-    block_pieces = kernel_blocks * heads * tokens * pieces
-    constants = dict(
-        KERNEL_BLOCKS=kernel_blocks,
-        HEADS=heads,
-        TOKENS=tokens,
-        PIECES=pieces,
-        PIECE_BITS=64,
-        CHUNK=config.chunk_pieces,
-        NUM_CHUNKS=-(-block_pieces // config.chunk_pieces),
-        TILE=tile,
-        HEAD_TILES=head_tiles,
-        ALIGNED=True,
-        LANE32=True,
-        PERSISTENT=config.programs_per_sm > 0,
-        WIDE=config.wide_weights,
+    if layout == "head":
+        view = torch.empty(
+            (blocks, kernel_blocks, heads, tokens, pieces), dtype=torch.int64
+        )
+    else:
+        view = torch.empty(
+            (blocks, kernel_blocks, tokens, heads, pieces), dtype=torch.int64
+        ).transpose(2, 3)
+    launch = kernels.KVChecksumLaunch([view], [0], [0], "torch", config=config)
+    launch._init_triton()
+    constants: dict[str, Any] = dict(launch._constants)
+    warps = int(constants.pop("num_warps"))
+    strides = dict(
+        zip(
+            (
+                "block_stride",
+                "kernel_block_stride",
+                "head_stride",
+                "token_stride",
+                "piece_stride",
+            ),
+            launch._strides,
+        )
     )
-    warps = max(1, min(config.num_warps, tile // config.warp_pieces))
-    return constants, warps
+    # A step's rows [3, R] (R = blocks) and an output [R, 1], 16-byte aligned.
+    runtime = dict(
+        table_ptr=1 << 20,
+        rows_ptr=1 << 20,
+        out_ptr=1 << 20,
+        rows_field_stride=blocks,
+        rows_row_stride=1,
+        out_row_stride=1,
+        out_col_stride=1,
+        num_rows=blocks,
+        num_layers=1,
+        **strides,
+    )
+    return constants, warps, runtime
+
+
+def piece_loops(sass: str) -> list[dict[str, Any]]:
+    """The loops that load pieces (not the trap loop after the exit)."""
+    return [loop for loop in loops(sass) if loop["loads"]]
+
+
+# LaunchConfig overrides counted (the variants benchmark_kv_checksum.py
+# --variants times on the GPU).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "vector_full_tiles": {"vector_full_tiles": True},
+    "vector_full_tiles_4w": {"vector_full_tiles": True, "num_warps": 4},
+}
 
 
 def main() -> None:
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_checksum.definition import kernels
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--pieces", type=int, default=32, help="8-byte pieces a head")
     parser.add_argument("--kernel-blocks", type=int, default=1)
-    args = parser.parse_args()
-    constants, warps = launch_constants(
-        args.heads, args.tokens, args.pieces, args.kernel_blocks
+    parser.add_argument("--layout", choices=["head", "token"], default="head")
+    parser.add_argument(
+        "--variant",
+        choices=sorted(VARIANTS),
+        action="append",
+        help="LaunchConfig variants to count (default: all)",
     )
-    print(f"constants {constants}, num_warps {warps}")
-    for loop in loops(compile_sass(constants, warps)):
-        if not loop["loads"]:
-            continue  # the trap loop after the exit, bookkeeping loops
-        per = loop["loads"]
-        ops = ", ".join(f"{op} {n / per:.1f}" for op, n in loop["ops"].items())
-        print(
-            f"loop {loop['label']}: {loop['instructions']} instructions, "
-            f"{loop['loads']} pieces loaded a thread: "
-            f"{loop['instructions'] / per:.1f} per piece ({ops})"
+    parser.add_argument(
+        "--generic",
+        action="store_true",
+        help="every runtime argument a generic int64, as counted before 2026-12-01b "
+        "(default: specialized like the JIT at a launch)",
+    )
+    args = parser.parse_args()
+    for name in args.variant or VARIANTS:
+        config = dataclasses.replace(kernels.default_config(), **VARIANTS[name])
+        constants, warps, runtime = launch_constants(
+            args.heads,
+            args.tokens,
+            args.pieces,
+            args.kernel_blocks,
+            config,
+            args.layout,
         )
+        print(f"{name}: constants {constants}, num_warps {warps}")
+        sass = compile_sass(constants, warps, None if args.generic else runtime)
+        for loop in piece_loops(sass):
+            per = loop["loads"]
+            ops = ", ".join(f"{op} {n / per:.1f}" for op, n in loop["ops"].items())
+            print(
+                f"  loop {loop['label']}: {loop['instructions']} instructions, "
+                f"{loop['loads']} pieces loaded a thread: "
+                f"{loop['instructions'] / per:.1f} per piece ({ops})"
+            )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,15 @@ CONFIGS = {
     "small_items": kernels.LaunchConfig(
         **{**vars(BASE), "chunk_pieces": 2048, "num_warps": 4}
     ),
+    "vector": kernels.LaunchConfig(**{**vars(BASE), "vector_full_tiles": True}),
+    "persistent_wide_vector": kernels.LaunchConfig(
+        **{
+            **vars(BASE),
+            "programs_per_sm": 4,
+            "wide_weights": True,
+            "vector_full_tiles": True,
+        }
+    ),
 }
 
 

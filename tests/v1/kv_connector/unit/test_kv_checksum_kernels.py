@@ -266,6 +266,35 @@ def case_vllm_block(device: str, layout: str) -> Case:
     return single(LaunchSpec(views, [4 * H + 2], [0], rows))
 
 
+def case_vllm_block_int16(device: str) -> Case:
+    """bf16 elements as int16 pieces, 16 tokens x 256 pieces (head size 128,
+    K and V): head tiles over 2-byte pieces; full, partial and one-token rows."""
+    rng = np.random.default_rng(23)
+    views = make_views(
+        rng,
+        device,
+        blocks=4,
+        heads=2,
+        tokens=16,
+        pieces=256,
+        dtype=torch.int16,
+        offset=8,  # 16 bytes: an aligned cache
+    )
+    rows = make_rows([3, 0, 2, 1], [0, 16, 32, 48], [16, 15, 1, 16])
+    return single(LaunchSpec(views, [H + 5], [0], rows))
+
+
+def case_vllm_block_unaligned(device: str) -> Case:
+    """A dense head-major cache starting 8 bytes off 16-byte alignment, with
+    full rows and a row one token short of full (its last token unread)."""
+    rng = np.random.default_rng(24)
+    views = make_views(
+        rng, device, num_layers=2, blocks=4, heads=2, tokens=16, pieces=16, offset=1
+    )
+    rows = make_rows([2, 3, 0], [0, 16, 32], [16, 16, 15])
+    return single(LaunchSpec(views, [0, H], [0, 1], rows))
+
+
 def case_narrow_pieces(device: str, dtype: torch.dtype) -> Case:
     rng = np.random.default_rng(9)
     views = make_views(
@@ -434,6 +463,20 @@ def case_chunk_views(device: str, layout: str) -> Case:
     return single(spec)
 
 
+def case_chunk_views_vllm(device: str) -> Case:
+    """Send-pass chunk views of 32-token vLLM blocks (head size 128, K and V):
+    16-token head tiles whose pieces are contiguous but whose heads are not
+    (the vector path's lane-index offsets with strided tiles). Rows: full,
+    second chunk partial (20), second chunk empty (16 and 9)."""
+    rng = np.random.default_rng(25)
+    views = make_views(rng, device, blocks=4, heads=2, tokens=32, pieces=64)
+    chunk_views = [views[0][:, :, :, 16 * i : 16 * i + 16] for i in (0, 1)]
+    rows = make_rows([3, 1, 0, 2], [64, 96, 128, 160], [32, 20, 16, 9])
+    spec = LaunchSpec(chunk_views, [H, H], [0, 1], rows)
+    spec.token_offsets = [0, 16]
+    return single(spec)
+
+
 def case_tv5(device: str) -> Case:
     """TV5 (R26): bf16 elements 0xFFFF, 0x0001, 0x8000 of layer 2, row 5."""
     view = torch.tensor([-1, 1, -0x8000], dtype=torch.int16, device=device)
@@ -456,6 +499,7 @@ CASES: dict[str, Callable[[str], Case]] = {
     "partial_and_empty": case_partial_and_empty,
     "chunk_views_head_major": functools.partial(case_chunk_views, layout="head"),
     "chunk_views_token_major": functools.partial(case_chunk_views, layout="token"),
+    "chunk_views_vllm": case_chunk_views_vllm,
     "large_first_slice": case_large_first_slice,
     "huge_first_slice": case_huge_first_slice,
     "weight_width_head_tiles": functools.partial(
@@ -467,6 +511,8 @@ CASES: dict[str, Callable[[str], Case]] = {
     "one_head_32x36": case_one_head_32x36,
     "vllm_block_head_major": functools.partial(case_vllm_block, layout="head"),
     "vllm_block_token_major": functools.partial(case_vllm_block, layout="token"),
+    "vllm_block_int16": case_vllm_block_int16,
+    "vllm_block_unaligned": case_vllm_block_unaligned,
     "int16_pieces": functools.partial(case_narrow_pieces, dtype=torch.int16),
     "int32_pieces": functools.partial(case_narrow_pieces, dtype=torch.int32),
     "split_rows_int16": functools.partial(case_split_rows, dtype=torch.int16),
@@ -600,18 +646,23 @@ def patched(module: ModuleType, **values: int) -> Iterator[None]:
 
 
 # Interpreter configurations: (MAX_TILE_PIECES, CHUNK_PIECES, PROGRAMS_PER_SM,
-# WIDE_WEIGHTS). Tiny tiles and chunks make the small blocks of these cases
-# take the head-tile path and span several chunks. The 24K-piece row would
+# WIDE_WEIGHTS, VECTOR_FULL_TILES). Tiny tiles and chunks make the small blocks of
+# these cases take the head-tile path and span several chunks. The 24K-piece row would
 # take 1536 interpreted tiles per row there; the default configuration covers
 # it (two chunks). The persistent ones (3 programs on the CPU: fewer than the
 # work items of most cases, so each loops over several rows, chunks and layers)
 # and the wide-weight ones check the launch options of the tuning sweep (R143).
+# The vector ones run the unmasked fast path of full rows (vector_full_tiles,
+# issue 30) on every case: full and partial rows, dense and strided views.
 INTERPRETER_CONFIGS = {
-    "interpreter": (1024, 16384, 0, False),
-    "interpreter_small": (16, 64, 0, False),
-    "interpreter_persistent": (16, 64, 3, False),
-    "interpreter_persistent_wide": (1024, 16384, 3, True),
-    "interpreter_wide": (16, 64, 0, True),
+    "interpreter": (1024, 16384, 0, False, False),
+    "interpreter_small": (16, 64, 0, False, False),
+    "interpreter_persistent": (16, 64, 3, False, False),
+    "interpreter_persistent_wide": (1024, 16384, 3, True, False),
+    "interpreter_wide": (16, 64, 0, True, False),
+    "interpreter_vector": (1024, 16384, 0, False, True),
+    "interpreter_small_vector": (16, 64, 0, False, True),
+    "interpreter_persistent_wide_vector": (16, 64, 3, True, True),
 }
 INTERPRETER_SKIPS = {
     name: {"multi_chunk_row"}
@@ -626,10 +677,17 @@ def interpreter_runs() -> dict[str, subprocess.Popen]:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     runs = {}
-    for config, (max_tile, chunk, programs, wide) in INTERPRETER_CONFIGS.items():
+    for config, (
+        max_tile,
+        chunk,
+        programs,
+        wide,
+        vector,
+    ) in INTERPRETER_CONFIGS.items():
         command = [sys.executable, str(Path(__file__).resolve()), "--interpret"]
         command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
         command += ["--programs-per-sm", str(programs)] + ["--wide"] * wide
+        command += ["--vector"] * vector
         for name in INTERPRETER_SKIPS.get(config, ()):
             command += ["--skip", name]
         runs[config] = subprocess.Popen(
@@ -733,6 +791,62 @@ def test_vllm_blocks(path: str, layout: str) -> None:
     check_case(f"vllm_block_{layout}", path)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_vllm_blocks_int16_head_tiles(path: str) -> None:
+    """Head tiles over 2-byte pieces (vector path: 16-byte alignment counted in
+    pieces instead of bytes, or a one-token row read as full) (R21, R58)."""
+    check_case("vllm_block_int16", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_dense_unaligned_and_one_token_short(path: str) -> None:
+    """A row one token short of full taking the unmasked loop (its last token
+    summed), or a dense view 8 bytes off alignment read as aligned (R58, R60)."""
+    check_case("vllm_block_unaligned", path)
+
+
+VECTOR_EXPECTED = {
+    # case: (HEAD_TILES, DENSE, TILE_ALIGNED) of the vector config
+    "vllm_block_head_major": (True, 2, True),
+    "vllm_block_token_major": (True, 0, False),
+    "vllm_block_int16": (True, 2, True),
+    "vllm_block_unaligned": (True, 2, False),
+    "kernel_blocks_head_tiles_head_major": (True, 2, True),
+    "padded_unaligned": (False, 0, False),
+    "chunk_views_vllm": (True, 1, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VECTOR_EXPECTED))
+def test_vector_constants(name: str) -> None:
+    """The fast path's host constants (issue 30): without them the vector
+    interpreter runs would pass without taking the fast path, and a 16-byte
+    hint on a view 8 bytes off alignment would fault on the GPU (a misaligned
+    128-bit load). The default config keeps all of them off."""
+    spec = CASES[name]("cpu").launches[0]
+    base = kernels.default_config()
+    for vector in (False, True):
+        launch = kernels.KVChecksumLaunch(
+            spec.views,
+            spec.first_slices,
+            spec.columns,
+            backend="torch",
+            config=kernels.LaunchConfig(**{**vars(base), "vector_full_tiles": vector}),
+        )
+        launch._init_triton()
+        c = launch._constants
+        got = (c["HEAD_TILES"], c["DENSE"], c["TILE_ALIGNED"])
+        if vector:
+            assert c["VECTOR"] and got == VECTOR_EXPECTED[name]
+        else:
+            assert (c["VECTOR"], c["DENSE"], c["TILE_ALIGNED"]) == (False, 0, False)
+
+
+def test_vector_off_by_default() -> None:
+    """The fast path stays off until an H200 run shows it helps (issue 30)."""
+    assert kernels.default_config().vector_full_tiles is False
+
+
 @pytest.mark.parametrize("bits", [16, 32])
 @pytest.mark.parametrize("path", PATHS)
 def test_narrow_pieces_zero_extended(path: str, bits: int) -> None:
@@ -796,7 +910,9 @@ def test_definition_vector_tv5(path: str) -> None:
     check_case("tv5_split_row", path)
 
 
-@pytest.mark.parametrize("name", ["chunk_views_head_major", "chunk_views_token_major"])
+@pytest.mark.parametrize(
+    "name", ["chunk_views_head_major", "chunk_views_token_major", "chunk_views_vllm"]
+)
 @pytest.mark.parametrize("path", PATHS)
 def test_chunk_views(path: str, name: str) -> None:
     """Chunk views of a send pass (R135): a token offset not added to the
@@ -961,6 +1077,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=kernels.CHUNK_PIECES)
     parser.add_argument("--programs-per-sm", type=int, default=0)
     parser.add_argument("--wide", action="store_true")
+    parser.add_argument("--vector", action="store_true")
     parser.add_argument("--skip", action="append", default=[])
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -970,6 +1087,7 @@ def main() -> None:
         CHUNK_PIECES=args.chunk,
         PROGRAMS_PER_SM=args.programs_per_sm,
         WIDE_WEIGHTS=args.wide,
+        VECTOR_FULL_TILES=args.vector,
     ):
         results = {
             name: run_case(build("cpu"), "triton").tolist()

@@ -51,6 +51,10 @@ WARP_PIECES = 128
 # whether every row takes the 64-bit weight loop (one call site, R58).
 PROGRAMS_PER_SM = 0
 WIDE_WEIGHTS = False
+# Full rows load without masks, dense views by lane index with 16-byte
+# alignment hints (128-bit loads); off until an H200 run shows it helps
+# (issue 30, R143; benchmark --variants).
+VECTOR_FULL_TILES = False
 # Upper bound of the data one gather of the PyTorch path materializes, counted
 # as widened int64 pieces (R63). Read at call time so tests can shrink it.
 GATHER_CHUNK_BYTES = 64 << 20
@@ -68,7 +72,10 @@ class LaunchConfig:
 
     `chunk_pieces` is the work item (pieces of one block per item, a multiple
     of the tile), `programs_per_sm` > 0 launches that many persistent programs
-    per SM looping over the items, `wide_weights` drops the narrow loop.
+    per SM looping over the items, `wide_weights` drops the narrow loop,
+    `vector_full_tiles` gives rows whose slots are all valid a loop without
+    masks (dense views: lane-index offsets and 16-byte-aligned tiles, so
+    128-bit loads).
     """
 
     max_tile: int
@@ -77,6 +84,7 @@ class LaunchConfig:
     warp_pieces: int
     programs_per_sm: int = 0
     wide_weights: bool = False
+    vector_full_tiles: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
@@ -96,6 +104,7 @@ def default_config() -> LaunchConfig:
         warp_pieces=WARP_PIECES,
         programs_per_sm=PROGRAMS_PER_SM,
         wide_weights=WIDE_WEIGHTS,
+        vector_full_tiles=VECTOR_FULL_TILES,
     )
 
 
@@ -183,6 +192,9 @@ if HAS_TRITON:
         TILE: tl.constexpr,
         NARROW: tl.constexpr,
         LANE32: tl.constexpr,
+        FULL: tl.constexpr,
+        DENSE: tl.constexpr,
+        TILE_ALIGNED: tl.constexpr,
     ):
         """Sum of a chunk whose tiles each lie in one (kernel block, head).
 
@@ -192,13 +204,23 @@ if HAS_TRITON:
         of the tile: 2j + 1 = (c0 + 2 * first_j) + 2 * lane. With NARROW it is
         below 2^32, so the weight is one 32 x 32 -> 64-bit product; with LANE32
         the lane offsets are int32, so each address is one wide add.
+
+        Fast path (LaunchConfig.vector_full_tiles): FULL (every slot of the row
+        valid) loads without a mask; DENSE >= 1 (pieces of a tile contiguous)
+        makes the lane offsets the lane index, DENSE == 2 (the whole block
+        contiguous in [kernel block, head, token, piece] order) the tile offset
+        the tile's start; TILE_ALIGNED (checked on the host) marks each tile
+        16-byte aligned. Together they allow 128-bit loads; the pieces read and
+        their weights are the same, so is the sum.
         """
         base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
         kernel_block_stride, head_stride, token_stride, piece_stride = strides
         SLICE_PIECES: tl.constexpr = TOKENS * PIECES
         lane = tl.arange(0, TILE)
         lane_token = lane // PIECES
-        if LANE32:
+        if DENSE >= 1:
+            lane_offset = lane
+        elif LANE32:
             lane_offset = lane_token * token_stride + (lane % PIECES) * piece_stride
         else:
             lane_offset = (
@@ -214,24 +236,33 @@ if HAS_TRITON:
             kernel_block = slice_index // HEADS
             token = (start % SLICE_PIECES) // PIECES
             slot = kernel_block * TOKENS + token
-            tile_offset = (
-                block_offset
-                + kernel_block.to(tl.int64) * kernel_block_stride
-                + head.to(tl.int64) * head_stride
-                + token.to(tl.int64) * token_stride
-            )
+            if DENSE == 2:
+                tile_offset = block_offset + start
+            else:
+                tile_offset = (
+                    block_offset
+                    + kernel_block.to(tl.int64) * kernel_block_stride
+                    + head.to(tl.int64) * head_stride
+                    + token.to(tl.int64) * token_stride
+                )
             first_j = slot * PIECES
             if PIECES > TILE:
                 # Part of one token: the tile starts inside it, TILE-aligned.
                 piece = tl.multiple_of(start % PIECES, TILE)
-                tile_offset += piece.to(tl.int64) * piece_stride
+                if DENSE != 2:
+                    tile_offset += piece.to(tl.int64) * piece_stride
                 first_j += piece
             tile_ptr = base + tile_offset
-            x = tl.load(
-                tile_ptr + lane_offset,
-                mask=lane_token < valid - slot,
-                other=0,
-            )
+            if TILE_ALIGNED:
+                tile_ptr = tl.multiple_of(tile_ptr, 16)
+            if FULL:
+                x = tl.load(tile_ptr + lane_offset)
+            else:
+                x = tl.load(
+                    tile_ptr + lane_offset,
+                    mask=lane_token < valid - slot,
+                    other=0,
+                )
             m = m0 + head.to(tl.uint64) * 2
             odd = c0 + first_j.to(tl.uint64) * 2
             if NARROW:
@@ -252,8 +283,14 @@ if HAS_TRITON:
         PIECE_BITS: tl.constexpr,
         TILE: tl.constexpr,
         NARROW: tl.constexpr,
+        KERNEL_BLOCKS: tl.constexpr,
+        FULL: tl.constexpr,
     ):
-        """Sum of a chunk of any block shape: each lane decodes its own piece."""
+        """Sum of a chunk of any block shape: each lane decodes its own piece.
+
+        FULL (every slot of the row valid) drops the mask when TILE divides the
+        block, so that no lane lies past it.
+        """
         base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
         kernel_block_stride, head_stride, token_stride, piece_stride = strides
         SLICE_PIECES: tl.constexpr = TOKENS * PIECES
@@ -277,7 +314,10 @@ if HAS_TRITON:
             )
             # Lanes past the block decode to kernel_block >= KERNEL_BLOCKS, so
             # local >= limit masks them too.
-            x = tl.load(base + offset, mask=local < limit, other=0)
+            if FULL and (KERNEL_BLOCKS * HEADS * SLICE_PIECES) % TILE == 0:
+                x = tl.load(base + offset)
+            else:
+                x = tl.load(base + offset, mask=local < limit, other=0)
             m = m0 + head.to(tl.uint64) * 2
             odd = c0 + local.to(tl.uint64) * 2
             weight = _u32_to_u64(m) * _u32_to_u64(odd) if NARROW else m * odd
@@ -285,9 +325,10 @@ if HAS_TRITON:
         return tl.sum(acc, axis=0)
 
     @triton.jit
-    def _chunk_sum(
+    def _tiles_sum(
         work,
         strides,
+        KERNEL_BLOCKS: tl.constexpr,
         HEADS: tl.constexpr,
         TOKENS: tl.constexpr,
         PIECES: tl.constexpr,
@@ -296,15 +337,113 @@ if HAS_TRITON:
         HEAD_TILES: tl.constexpr,
         NARROW: tl.constexpr,
         LANE32: tl.constexpr,
+        FULL: tl.constexpr,
+        DENSE: tl.constexpr,
+        TILE_ALIGNED: tl.constexpr,
     ):
         """One program's uint64 sum, by the loop its block shape allows."""
         if HEAD_TILES:
             total = _head_tiles_sum(
-                work, strides, HEADS, TOKENS, PIECES, PIECE_BITS, TILE, NARROW, LANE32
+                work,
+                strides,
+                HEADS,
+                TOKENS,
+                PIECES,
+                PIECE_BITS,
+                TILE,
+                NARROW,
+                LANE32,
+                FULL,
+                DENSE,
+                TILE_ALIGNED,
             )
         else:
             total = _flat_tiles_sum(
-                work, strides, HEADS, TOKENS, PIECES, PIECE_BITS, TILE, NARROW
+                work,
+                strides,
+                HEADS,
+                TOKENS,
+                PIECES,
+                PIECE_BITS,
+                TILE,
+                NARROW,
+                KERNEL_BLOCKS,
+                FULL,
+            )
+        return total
+
+    @triton.jit
+    def _chunk_sum(
+        work,
+        strides,
+        KERNEL_BLOCKS: tl.constexpr,
+        HEADS: tl.constexpr,
+        TOKENS: tl.constexpr,
+        PIECES: tl.constexpr,
+        PIECE_BITS: tl.constexpr,
+        TILE: tl.constexpr,
+        HEAD_TILES: tl.constexpr,
+        NARROW: tl.constexpr,
+        LANE32: tl.constexpr,
+        VECTOR: tl.constexpr,
+        DENSE: tl.constexpr,
+        TILE_ALIGNED: tl.constexpr,
+    ):
+        """One program's uint64 sum. With VECTOR a row whose slots are all
+        valid (every row but a request's last, in practice) takes a copy of the
+        loop without masks; the others keep the masked loop."""
+        if VECTOR:
+            valid = work[2]
+            if valid == KERNEL_BLOCKS * TOKENS:
+                total = _tiles_sum(
+                    work,
+                    strides,
+                    KERNEL_BLOCKS,
+                    HEADS,
+                    TOKENS,
+                    PIECES,
+                    PIECE_BITS,
+                    TILE,
+                    HEAD_TILES,
+                    NARROW,
+                    LANE32,
+                    True,
+                    DENSE,
+                    TILE_ALIGNED,
+                )
+            else:
+                total = _tiles_sum(
+                    work,
+                    strides,
+                    KERNEL_BLOCKS,
+                    HEADS,
+                    TOKENS,
+                    PIECES,
+                    PIECE_BITS,
+                    TILE,
+                    HEAD_TILES,
+                    NARROW,
+                    LANE32,
+                    False,
+                    DENSE,
+                    TILE_ALIGNED,
+                )
+        else:
+            total = _tiles_sum(
+                work,
+                strides,
+                KERNEL_BLOCKS,
+                HEADS,
+                TOKENS,
+                PIECES,
+                PIECE_BITS,
+                TILE,
+                HEAD_TILES,
+                NARROW,
+                LANE32,
+                False,
+                DENSE,
+                TILE_ALIGNED,
             )
         return total
 
@@ -330,6 +469,9 @@ if HAS_TRITON:
         ALIGNED: tl.constexpr,
         LANE32: tl.constexpr,
         WIDE: tl.constexpr,
+        VECTOR: tl.constexpr,
+        DENSE: tl.constexpr,
+        TILE_ALIGNED: tl.constexpr,
     ):
         """Add one work item's sum (a chunk of one row's block of one layer) into
         out[row, column] with one atomic; rows with no valid slot add nothing.
@@ -365,6 +507,7 @@ if HAS_TRITON:
                 total = _chunk_sum(
                     work,
                     strides,
+                    KERNEL_BLOCKS,
                     HEADS,
                     TOKENS,
                     PIECES,
@@ -373,6 +516,9 @@ if HAS_TRITON:
                     HEAD_TILES,
                     False,
                     LANE32,
+                    VECTOR,
+                    DENSE,
+                    TILE_ALIGNED,
                 )
             else:
                 # Every factor and odd weight of the row below 2^32 (always,
@@ -384,6 +530,7 @@ if HAS_TRITON:
                     total = _chunk_sum(
                         work,
                         strides,
+                        KERNEL_BLOCKS,
                         HEADS,
                         TOKENS,
                         PIECES,
@@ -392,11 +539,15 @@ if HAS_TRITON:
                         HEAD_TILES,
                         True,
                         LANE32,
+                        VECTOR,
+                        DENSE,
+                        TILE_ALIGNED,
                     )
                 else:
                     total = _chunk_sum(
                         work,
                         strides,
+                        KERNEL_BLOCKS,
                         HEADS,
                         TOKENS,
                         PIECES,
@@ -405,6 +556,9 @@ if HAS_TRITON:
                         HEAD_TILES,
                         False,
                         LANE32,
+                        VECTOR,
+                        DENSE,
+                        TILE_ALIGNED,
                     )
             tl.atomic_add(
                 out_row_ptr + column * out_col_stride,
@@ -452,6 +606,9 @@ if HAS_TRITON:
         LANE32: tl.constexpr,
         PERSISTENT: tl.constexpr,
         WIDE: tl.constexpr,
+        VECTOR: tl.constexpr,
+        DENSE: tl.constexpr,
+        TILE_ALIGNED: tl.constexpr,
     ):
         """Add the checksums of block rows into their output columns, all layers.
 
@@ -503,6 +660,9 @@ if HAS_TRITON:
                     ALIGNED,
                     LANE32,
                     WIDE,
+                    VECTOR,
+                    DENSE,
+                    TILE_ALIGNED,
                 )
         else:
             row = tl.program_id(0).to(tl.int64)
@@ -527,6 +687,9 @@ if HAS_TRITON:
                 ALIGNED,
                 LANE32,
                 WIDE,
+                VECTOR,
+                DENSE,
+                TILE_ALIGNED,
             )
 
 
@@ -643,8 +806,47 @@ class KVChecksumLaunch:
             LANE32=lane_span < 1 << 31,
             PERSISTENT=self._programs > 0,
             WIDE=config.wide_weights,
+            **self._vector_constants(tile, head_tiles),
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
+
+    def _vector_constants(self, tile: int, head_tiles: bool) -> dict[str, object]:
+        """VECTOR, DENSE and TILE_ALIGNED of `vector_full_tiles` (all off without it).
+
+        DENSE: 1 if a head tile's pieces are contiguous (lane offset = lane
+        index), 2 if the whole block is, in [kernel block, head, token, piece]
+        order (tile offset = its start). TILE_ALIGNED: every tile of a dense
+        head-tile loop starts 16 bytes aligned (every view, every stride that
+        moves a tile and the tile itself in whole 16 bytes).
+        """
+        if not self.config.vector_full_tiles:
+            return dict(VECTOR=False, DENSE=0, TILE_ALIGNED=False)
+        strides = self._strides
+        pieces, token_stride, piece_stride = self.shape[3], strides[3], strides[4]
+        dense = 0
+        if head_tiles and (pieces == 1 or piece_stride == 1):
+            if tile <= pieces or token_stride == pieces:
+                dense = 1
+            inner = 1
+            block_dense = True
+            for size, stride in zip(self.shape[::-1], strides[:0:-1]):
+                block_dense &= size == 1 or stride == inner
+                inner *= size
+            if block_dense:
+                dense = 2
+        item = self.piece_bits // 8
+        # Strides between tiles: of blocks, kernel blocks, heads and tokens
+        # (pieces move a tile by multiples of the tile).
+        moving = [strides[0]] + [
+            stride for size, stride in zip(self.shape[:3], strides[1:4]) if size > 1
+        ]
+        aligned = (
+            dense > 0
+            and all(view.data_ptr() % 16 == 0 for view in self.views)
+            and all(stride * item % 16 == 0 for stride in moving)
+            and tile * item % 16 == 0
+        )
+        return dict(VECTOR=True, DENSE=dense, TILE_ALIGNED=aligned)
 
     def _call_triton(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         num_rows, num_layers = rows.shape[1], len(self.views)

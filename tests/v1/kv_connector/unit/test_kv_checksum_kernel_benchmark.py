@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CPU smoke run of `benchmark_kv_checksum.py --mode kernel --variants` (issue
+30): the variants table is what one H200 run must produce, so its code path
+runs here on tiny shapes under Triton's interpreter, with CPU stand-ins for the
+CUDA timer and the plain-read anchor. Bug caught: a Python error or a wrong
+bit-identity check in the variants table found only on the GPU, or a variant
+missing from it.
+
+Run as a script (`--smoke JSON`) it writes the benchmark's JSON; the test runs
+it in a subprocess with TRITON_INTERPRET=1, which must be set before Triton is
+imported.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def smoke(json_path: str) -> None:
+    """The kernel benchmark with --variants on tiny shapes, on the CPU."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
+
+    bench = load_script(
+        "benchmark_kv_checksum", ROOT / "benchmarks/kernels/benchmark_kv_checksum.py"
+    )
+    plain = bench.load_sibling("kernel_plain_read")
+    shape = bench.KernelShape
+    bench.DEVICE = "cpu"
+    bench.L2_FLUSH_BYTES = 16
+    bench.SHAPES = [
+        shape("(a) tiny", 1, 4, 6, "head", heads=2, tokens=16, head_size=64),
+        shape("(a) tiny", 1, 4, 6, "token", heads=2, tokens=16, head_size=64),
+        shape("(b) tiny", 2, 3, 5, heads=2, tokens=16, head_size=64),
+        shape("(d) tiny", 1, 3, 5, heads=2, tokens=16, head_size=64),
+        shape("(e) tiny", 1, 3, 5, heads=2, tokens=32, head_size=64, chunk=16),
+    ]
+
+    def cpu_time_ms(fn: Any, iters: int, flush: Any) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    bench.time_ms = cpu_time_ms
+    bench.environment = lambda: {
+        "device": "cpu",
+        "sms": 1,
+        "torch": torch.__version__,
+        "cuda": None,
+        "triton": "interpreter",
+        "date": "smoke",
+    }
+    plain.best_plain_read = lambda words, timer: plain.PlainResult(
+        timer(words.sum), "cpu", True, 1, []
+    )
+    bench.load_sibling = lambda name: plain
+    bench.run_kernel_benchmarks(iters=1, json_path=json_path, variants=True, rounds=2)
+
+
+def test_variants_table_smoke(tmp_path: Path) -> None:
+    """Every variant timed and bit-identical on every shape, no errors."""
+    pytest.importorskip("triton")
+    out = tmp_path / "variants.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--smoke", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "## Variants" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["errors"] == []
+    variants = data["variants"]
+    assert len(variants) == 5
+    names = set(data["variants_min_ratio"])
+    assert {"default", "vector"} <= names
+    for entry in variants.values():
+        assert set(entry["ms"]) == names
+        assert all(entry["identical"].values()), entry["identical"]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--smoke", required=True, help="JSON output path")
+    smoke(parser.parse_args().smoke)
