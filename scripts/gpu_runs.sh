@@ -23,7 +23,8 @@
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
 #                                             # chaos, chaos-push, chaos-offload,
-#                                             # soak, soak-control, soak-clean
+#                                             # soak, soak-control, soak-clean,
+#                                             # soak-fail
 #                                             # (issue 27), tamper (issue
 #                                             # 26 item 5)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
@@ -276,11 +277,18 @@ soak-clean) run soak-clean examples/disaggregated/kv_checksum_chaos.py \
     --scenarios soak --soak-fault-rate 0 \
     --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" \
     --soak-min-s "${KV_CHECKSUM_SOAK_SECONDS:-240}" "$@" ;;
+# The control of the soak's second-regime answers: the same load and injector
+# with the consumer's kv_load_failure_policy "fail" (a failed load errors, no
+# local recompute shares the batch): no answer may differ from the references.
+soak-fail) run soak-fail examples/disaggregated/kv_checksum_chaos.py \
+    --scenarios soak --soak-policy fail \
+    --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" \
+    --soak-min-s "${KV_CHECKSUM_SOAK_SECONDS:-240}" "$@" ;;
 # Issue 26 item 5: a proxy before the producer drops, truncates, swaps or
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,29p' "$0"
+    sed -n '2,30p' "$0"
     exit 2
     ;;
 esac

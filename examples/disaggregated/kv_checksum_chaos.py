@@ -774,8 +774,13 @@ def soak(run: Run) -> plan.Verdict:
     args = run.args
     consumer = run.procs["consumer"]
     spec = run.topology.server("consumer")
-    if not spec.faults and args.soak_fault_rate:  # restart with the injector
-        spec.faults = args.soak_fault_rate
+    # Restart with the injector on, and with --soak-policy as the consumer's
+    # kv_load_failure_policy when it differs (the "fail" control).
+    restart = not spec.faults and args.soak_fault_rate
+    if args.soak_policy != spec.policy and args.checksums == "on":
+        spec.policy, restart = args.soak_policy, True
+    if restart:
+        spec.faults = args.soak_fault_rate or spec.faults
         consumer.cmd = server_proc(spec, args).cmd
         run.restart("consumer", signal.SIGTERM)
     lines_before = consumer.log_text().count("\n")
@@ -828,6 +833,7 @@ def soak(run: Run) -> plan.Verdict:
         gauges,
         memory,
         run.errors("consumer", "producer"),
+        policy=args.soak_policy,
     )
     v.counts["attribution"] = run.attribute("soak", outcomes, new_lines)
     return v
@@ -958,6 +964,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--soak-concurrency", type=int, default=64)
     parser.add_argument("--soak-abort-rate", type=float, default=0.05)
     parser.add_argument("--soak-fault-rate", type=float, default=0.01)
+    parser.add_argument(
+        "--soak-policy",
+        choices=("recompute", "fail"),
+        default="recompute",
+        help="the soak consumer's kv_load_failure_policy; fail: the control "
+        "with no local recompute in the consumer's batch (no answer may differ)",
+    )
     parser.add_argument(
         "--checksums",
         choices=("on", "off"),

@@ -626,11 +626,18 @@ def judge_soak(
     gauges: dict[str, float | None],
     memory: dict[str, SlopeFit],
     errors: list[str],
+    policy: str = "recompute",
 ) -> Verdict:
     """0 false mismatches (every mismatch an injected fault); every injected
     fault reported except at most one per aborted request (an abort before
     verification ends the request unverified); no wrong answer, no hang;
-    gauges 0 at the end; memory flat after warm-up; no checksum error line."""
+    gauges 0 at the end; memory flat after warm-up; no checksum error line.
+
+    `policy` "fail" (the consumer's kv_load_failure_policy; the control of the
+    recompute soak's second-regime answers): a failed load ends its request
+    with an error instead of a local recompute, so no prefill ever shares the
+    consumer's batch. Then no answer may differ from the references at all (no
+    alternate either) and there are no more errors than reported mismatches."""
     false = mismatched - injected
     unreported = injected - mismatched
     v = Verdict(
@@ -653,6 +660,12 @@ def judge_soak(
     v.checks["faults were injected"] = bool(injected)
     v.checks["no wrong answer"] = counts["wrong"] == 0
     v.checks["no hang"] = counts["hang"] == 0
+    v.counts["policy"] = policy
+    if policy == "fail":
+        v.checks["fail: no alternate answer"] = counts.get("alternate", 0) == 0
+        v.checks["fail: errors <= reported mismatches"] = counts["error"] <= len(
+            mismatched
+        )
     for name, value in gauges.items():
         v.checks[f"{name}: tracked requests back to 0"] = gauge_back_to_zero(value)
     for name, fit in memory.items():

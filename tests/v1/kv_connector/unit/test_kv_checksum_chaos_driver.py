@@ -153,6 +153,29 @@ def test_judge_soak() -> None:
     assert not plan.judge_soak(_counts(right=1), {"a"}, {"a"}, **args).passed
 
 
+def test_judge_soak_fail_policy_control() -> None:
+    """The fail-policy control (no recompute ever shares the consumer's batch):
+    a run whose answers all equal the references and whose errors are at most
+    its reported mismatches passes; one alternate answer fails it, and so do
+    more errors than mismatches (bugs caught: the control judged like the
+    recompute soak, where alternates are allowed, so it could not refute
+    "alternates come from recomputes"; errors that no mismatch explains)."""
+    flat = {"consumer rss_mib": plan.SlopeFit(0.1, 900.0, 5.0, 50, True)}
+    args = dict(gauges={"consumer": 0.0}, memory=flat, errors=[], policy="fail")
+    ok = plan.judge_soak(
+        _counts(right=97, error=2, aborted=1), {"a", "b"}, {"a", "b"}, **args
+    )
+    assert ok.passed, ok.checks
+    assert ok.counts["policy"] == "fail"
+    alternate = _counts(right=96, alternate=1, error=2, aborted=1)
+    assert not plan.judge_soak(alternate, {"a", "b"}, {"a", "b"}, **args).passed
+    errors = _counts(right=96, error=3, aborted=1)
+    assert not plan.judge_soak(errors, {"a", "b"}, {"a", "b"}, **args).passed
+    # The recompute soak allows alternates (they are counted apart).
+    args["policy"] = "recompute"
+    assert plan.judge_soak(alternate, {"a", "b"}, {"a", "b"}, **args).passed
+
+
 def test_judge_lease_expiry_and_producer_kill() -> None:
     """Bug caught: an unreported stale load (a wrong 200) passing; a consumer
     counting more verified loads than right answers (a broken load verified)
