@@ -26,7 +26,8 @@
 #                                             # soak, soak-control, soak-clean,
 #                                             # soak-fail
 #                                             # (issue 27), tamper (issue
-#                                             # 26 item 5)
+#                                             # 26 item 5), kernel-variants,
+#                                             # cuda-tests, trial-vector (issue 30)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
 #   bash scripts/gpu_runs.sh group RUN...     # up to 8 runs at once on one GPU
@@ -233,6 +234,35 @@ bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 bench-serve-x2) run bench-serve-x2 "${serve8b[@]}" --gpu-p 0 --gpu-d 1 "$@" ;;
 bench-serve-tp2) run bench-serve-tp2 "${serve8b[@]}" --tp 2 --gpu-p 0,1 \
     --gpu-d 0,1 --util 0.22 --kv-cache-gib 16 "$@" ;;
+# Issue 30 item 1: the kernel's launch variants against the plain read, bit
+# identity checked (needs only torch and Triton), and the CUDA tests.
+kernel-variants)
+    mkdir -p "$out"
+    (cd "$repo" && PYTHONPATH= timeout "$limit" python3 \
+        benchmarks/kernels/benchmark_kv_checksum.py --mode kernel --variants \
+        --iters 20 --rounds 3 --json "$out/kernel_variants.json" "$@") \
+        >"$out/kernel_variants.log" 2>&1
+    rc=$?
+    tail -n 30 "$out/kernel_variants.log"
+    exit $rc
+    ;;
+cuda-tests)
+    mkdir -p "$out"
+    (cd "$repo" && timeout "$limit" python3 -m pytest -p no:cacheprovider \
+        --noconftest -q tests/v1/kv_connector/unit/test_kv_checksum_cuda.py "$@") \
+        >"$out/cuda_tests.log" 2>&1
+    rc=$?
+    tail -n 15 "$out/cuda_tests.log"
+    exit $rc
+    ;;
+# A trial of the kernel's vector_full_tiles default (off in the package) in the
+# engines: flips it in $SITE's copy only, for the runs of this warm machine.
+trial-vector)
+    sed -i 's/^VECTOR_FULL_TILES = False$/VECTOR_FULL_TILES = True/' \
+        "$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
+    grep -n '^VECTOR_FULL_TILES' \
+        "$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
+    ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.
 host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile "$@" ;;
@@ -288,7 +318,7 @@ soak-fail) run soak-fail examples/disaggregated/kv_checksum_chaos.py \
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,30p' "$0"
+    sed -n '2,36p' "$0"
     exit 2
     ;;
 esac
