@@ -27,7 +27,8 @@
 #                                             # soak-fail
 #                                             # (issue 27), tamper (issue
 #                                             # 26 item 5), kernel-variants,
-#                                             # cuda-tests, trial-vector (issue 30)
+#                                             # cuda-tests, trial-vector (issue 30),
+#                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
 #   bash scripts/gpu_runs.sh group RUN...     # up to 8 runs at once on one GPU
@@ -246,6 +247,17 @@ kernel-variants)
     tail -n 30 "$out/kernel_variants.log"
     exit $rc
     ;;
+# Issues 26, 30, 31: does a step record's small copy wait behind offload
+# stores on the copy engine, and does a zero-copy kernel write avoid it?
+copy-probe)
+    mkdir -p "$out"
+    (cd "$repo" && PYTHONPATH= timeout "$limit" python3 \
+        benchmarks/kernels/copy_engine_probe.py --json "$out/copy_probe.json" "$@") \
+        >"$out/copy_probe.log" 2>&1
+    rc=$?
+    tail -n 40 "$out/copy_probe.log"
+    exit $rc
+    ;;
 cuda-tests)
     mkdir -p "$out"
     (cd "$repo" && timeout "$limit" python3 -m pytest -p no:cacheprovider \
@@ -318,7 +330,7 @@ soak-fail) run soak-fail examples/disaggregated/kv_checksum_chaos.py \
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,36p' "$0"
+    sed -n '2,37p' "$0"
     exit 2
     ;;
 esac
