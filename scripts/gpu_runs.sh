@@ -27,7 +27,8 @@
 #                                             # soak-fail
 #                                             # (issue 27), tamper (issue
 #                                             # 26 item 5), kernel-variants,
-#                                             # cuda-tests, trial-vector (issue 30),
+#                                             # cuda-tests, trial-vector,
+#                                             # trial-zero-copy (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
@@ -267,12 +268,16 @@ cuda-tests)
     tail -n 15 "$out/cuda_tests.log"
     exit $rc
     ;;
-# A trial of the kernel's vector_full_tiles default (off in the package) in the
-# engines: flips it in $SITE's copy only, for the runs of this warm machine.
-trial-vector)
-    sed -i 's/^VECTOR_FULL_TILES = False$/VECTOR_FULL_TILES = True/' \
+# Trials of defaults that are off in the package, in the engines: flip one in
+# $SITE's copy only, for the runs of this warm machine (update-package undoes
+# it). trial-vector: the kernel's vector_full_tiles; trial-zero-copy: step
+# results written into pinned host memory by a kernel (ZERO_COPY_RESULTS).
+trial-vector | trial-zero-copy)
+    flag=VECTOR_FULL_TILES
+    [ "$what" = trial-zero-copy ] && flag=ZERO_COPY_RESULTS
+    sed -i "s/^$flag = False\$/$flag = True/" \
         "$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
-    grep -n '^VECTOR_FULL_TILES' \
+    grep -n "^$flag" \
         "$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
     ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
@@ -330,7 +335,7 @@ soak-fail) run soak-fail examples/disaggregated/kv_checksum_chaos.py \
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,37p' "$0"
+    sed -n '2,38p' "$0"
     exit 2
     ;;
 esac

@@ -1154,6 +1154,104 @@ def test_side_stream_copy_without_host_sync(lifecycle, cuda_stream_stubs):
     assert hexes(record.checksums[REQ][0].values[:, 0]) == hexes(want)
 
 
+def _load_step(worker: KVChecksumWorker):
+    """One step whose load of REQ (blocks [2, 5]) finishes; the pending record."""
+    worker.bind(_scheduled("load", {REQ: blocks(28, (0, 0, [2, 5]))}))
+    return worker.post_forward(finished_recving={REQ}, failed_recving=set())
+
+
+def _zero_copy_on(worker: KVChecksumWorker, monkeypatch, calls: list) -> None:
+    """The launcher's zero-copy path with `copy_words` done by torch (the
+    kernel's own words are checked under the interpreter elsewhere)."""
+
+    def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
+        calls.append((src.numel(), dst.numel()))
+        dst[: src.numel()].copy_(src)
+
+    monkeypatch.setattr(kernels, "copy_words", copy_words)
+    worker.launcher.zero_copy = True
+
+
+def test_zero_copy_results_equal_side_stream_copy(
+    lifecycle, cuda_stream_stubs, monkeypatch
+):
+    """ZERO_COPY_RESULTS (issues 26, 30, 31): a load step's checksums and stored
+    entries read back equal to the side-stream copy's; every result goes to one
+    pinned buffer in one copy, queued on the compute stream with the event after
+    it, which the step never waits on; no side stream.
+
+    Catches values and stored entries swapped or shifted in the shared buffer,
+    the event recorded on another stream than the copy (finalize reading before
+    the write), and a wait inside the step."""
+    worker, want = lifecycle
+    worker.init_block_checksums([0])
+    assert worker.block_table.tensor is not None
+    worker.block_table.tensor[2], worker.block_table.tensor[5] = 11, -22
+    expected = _load_step(worker).finalize().checksums[REQ][0]
+    state = cuda_stream_stubs
+    compute, streams = state.current, len(state.created_streams)
+    calls: list = []
+    _zero_copy_on(worker, monkeypatch, calls)
+    pending = _load_step(worker)
+    assert pending.event.recorded_on == [compute]
+    assert pending.event.num_synchronize == 0
+    assert len(state.created_streams) == streams
+    assert len(calls) == 1 and calls[0][0] == calls[0][1]
+    got = pending.finalize().checksums[REQ][0]
+    assert got.stored is not None and expected.stored is not None
+    assert hexes(got.values[:, 0]) == hexes(want) == hexes(expected.values[:, 0])
+    np.testing.assert_array_equal(got.values, expected.values)
+    np.testing.assert_array_equal(got.stored, expected.stored)
+    assert got.stored.view(np.int64).tolist() == [11, -22]
+
+
+def test_zero_copy_buffers_held_until_their_event_completes(
+    lifecycle, cuda_stream_stubs, monkeypatch
+):
+    """A zero-copy buffer stays referenced by the launcher until its event has
+    completed (query() True), so no later pinned allocation can reuse memory the
+    device may still write; then it is let go (bounded by steps in flight).
+
+    Catches a buffer released with its record (a dropped, never finalized
+    record freeing memory under a running kernel) and buffers never let go."""
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import CpuEvent
+
+    worker, _ = lifecycle
+    _zero_copy_on(worker, monkeypatch, [])
+    done = {"flag": False}
+    monkeypatch.setattr(CpuEvent, "query", lambda self: done["flag"])
+    first, second = _load_step(worker), _load_step(worker)
+    held = [buffer for _, buffer in worker.launcher._in_flight]
+    assert len(held) == 2
+    del first, second  # records dropped without finalize
+    assert len(worker.launcher._in_flight) == 2
+    done["flag"] = True
+    _load_step(worker)
+    assert len(worker.launcher._in_flight) == 1
+    assert all(b is not worker.launcher._in_flight[0][1] for b in held)
+
+
+def test_zero_copy_check_never_raises(lifecycle, monkeypatch, caplog):
+    """The start-up check of the zero-copy path: off unless ZERO_COPY_RESULTS;
+    with it, a device where the check fails (here: no CUDA at all) keeps the
+    side-stream copy, with a warning, instead of raising out of the worker's
+    start-up. Catches the flag ignored (zero-copy on everywhere) and a failing
+    check taking the engine down."""
+    import dataclasses
+
+    worker, _ = lifecycle
+    launcher = worker.launcher
+    assert kernels.ZERO_COPY_RESULTS is False
+    assert launcher.enable_zero_copy() is False and launcher.zero_copy is False
+    monkeypatch.setattr(kernels, "ZERO_COPY_RESULTS", True)
+    assert launcher.enable_zero_copy() is False  # a CPU device: not tried
+    cuda = dataclasses.replace(launcher.topology, device=torch.device("cuda"))
+    monkeypatch.setattr(launcher, "topology", cuda)
+    with caplog.at_level("WARNING"):
+        assert launcher.enable_zero_copy() is False
+    assert launcher.zero_copy is False
+
+
 # --------------------------------------------------------------------------
 # Fingerprints and records (R42, R54)
 # --------------------------------------------------------------------------

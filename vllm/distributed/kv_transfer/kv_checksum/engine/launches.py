@@ -4,14 +4,18 @@
 
 All rows of a step are built on the host, copied to the device once, and each
 group pass's plan is queued on the compute stream (R48); the results are
-copied to pinned host memory on a side stream with an event to wait on (R55).
+copied to pinned host memory on a side stream with an event to wait on (R55),
+or, with `ZERO_COPY_RESULTS` and a device that allows it, written there by a
+kernel queued on the compute stream (no copy engine).
 """
 
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from vllm.distributed.kv_transfer.kv_checksum.definition import kernels
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
@@ -32,6 +36,9 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.records import (
     KVChecksumPendingRecord,
     PassResult,
 )
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 Requests = Sequence[tuple[str, KVChecksumBlocks]]
 
@@ -50,6 +57,37 @@ class ChecksumLauncher:
         self.topology = topology
         self.table = table
         self._side_stream: torch.cuda.Stream | None = None
+        # Zero-copy results: pinned buffers the device may still be writing,
+        # held until their events completed so no allocation reuses them.
+        self.zero_copy = False
+        self._in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+
+    def enable_zero_copy(self) -> bool:
+        """At start-up, with `ZERO_COPY_RESULTS`: write a known buffer into
+        pinned host memory with the copy kernel and use that path for every
+        step if it arrived intact; otherwise (no CUDA, Triton refusing a host
+        pointer, wrong words) keep the side-stream copy. Waits on the device
+        once, here, never in a step."""
+        if not kernels.ZERO_COPY_RESULTS or self.topology.device.type != "cuda":
+            return False
+        try:
+            expected = np.arange(1, 2049, dtype=np.int64) * 0x9E3779B9
+            src = torch.from_numpy(expected).to(self.topology.device)
+            dst = torch.zeros(expected.size, dtype=torch.int64, pin_memory=True)
+            with torch.cuda.device(self.topology.device):
+                kernels.copy_words(src, dst)
+                event = torch.cuda.Event()
+                event.record()
+                event.synchronize()
+            self.zero_copy = bool(np.array_equal(dst.numpy(), expected))
+        except Exception as error:
+            logger.warning(
+                "KV checksums: zero-copy results unavailable (%r); "
+                "copying them on a side stream.",
+                error,
+            )
+            self.zero_copy = False
+        return self.zero_copy
 
     def launch(
         self,
@@ -129,6 +167,9 @@ class ChecksumLauncher:
         """Copy results to pinned host memory on a side stream; record an event."""
         if not pending.results:
             return
+        if self.zero_copy:
+            self._write_to_host(pending)
+            return
         on_device = self.topology.device.type != "cpu"
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
@@ -150,3 +191,33 @@ class ChecksumLauncher:
             event = torch.cuda.Event()
             event.record(side)
         pending.event = event
+
+    def _write_to_host(self, pending: KVChecksumPendingRecord) -> None:
+        """Every result of the step in one pinned buffer, written by one copy
+        kernel on the compute stream after the checksum kernels (no copy
+        engine, so no queueing behind offload stores); the event follows it."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()  # its buffer's last device write is done
+        parts: list[torch.Tensor] = []
+        for result in pending.results:
+            parts.append(result.device.reshape(-1))
+            if result.stored_device is not None:
+                parts.append(result.stored_device.reshape(-1))
+        flat = torch.cat(parts)
+        on_device = self.topology.device.type != "cpu"
+        host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
+        kernels.copy_words(flat, host)
+        event = torch.cuda.Event()
+        event.record()
+        offset = 0
+        for result in pending.results:
+            size = result.device.numel()
+            result.host = host[offset : offset + size].view(result.device.shape)
+            offset += size
+            if result.stored_device is not None:
+                size = result.stored_device.numel()
+                stored = host[offset : offset + size]
+                result.stored_host = stored.view(result.stored_device.shape)
+                offset += size
+        pending.event = event
+        self._in_flight.append((event, host))

@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Zero-copy writes of step results into pinned host memory (issues 26, 30, 31):
+the package's `kernels.copy_words` (used with ZERO_COPY_RESULTS) and the copy
+probe's kernel (`benchmarks/kernels/copy_engine_probe.py`), under Triton's
+interpreter on the CPU: every word of a length that is no multiple of the block
+arrives, and nothing past it is written. Bugs caught: an unmasked tail (words
+past `n` overwritten: in pinned memory shared with other buffers), a grid one
+program short (the last partial block lost). The interpreter must be on before
+Triton is imported, so the checks run in a subprocess."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parents[4]
+CHECK = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
+from vllm.distributed.kv_transfer.kv_checksum.definition import kernels
+probe = load_script("copy_probe", sys.argv[2])
+copies = {
+    "package": kernels.copy_words,
+    "probe": lambda src, dst: probe.zero_copy(src, dst, block=1024),
+}
+for name, copy in copies.items():
+    src = torch.arange(1, 2501, dtype=torch.int64) * 7
+    dst = torch.full((2600,), -1, dtype=torch.int64)
+    copy(src, dst)
+    assert torch.equal(dst[:2500], src), name + ": a word did not arrive"
+    assert bool((dst[2500:] == -1).all()), name + ": a word past n was written"
+print("ok")
+"""
+
+
+def test_zero_copy_writes_exactly_n_words() -> None:
+    script = ROOT / "benchmarks/kernels/copy_engine_probe.py"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, str(ROOT), str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")
