@@ -17,6 +17,7 @@ each answered by a line `[bench_batch] done FAILED` (0 or 1) once it ran, so a
 driver can read engine counters between runs; ends at end of input.
 """
 
+import gc
 import json
 import sys
 import traceback
@@ -39,6 +40,8 @@ def run_all(runs: list[list[str]]) -> int:
         except (Exception, SystemExit):  # one bad run must not stop the rest
             failed += 1
             print(f"[bench_batch] run failed:\n{traceback.format_exc()}", flush=True)
+        # The last run's garbage collected now, not inside the next one's timing.
+        gc.collect()
     return failed
 
 
