@@ -104,7 +104,13 @@ ABBA = ("off", "on", "on", "off")
 PORT_OFFSET = int(os.environ.get("KV_CHECKSUM_PORT_OFFSET", "0"))
 METRICS = ("request_throughput", "median_ttft_ms", "median_tpot_ms")
 NIXL_SIDE_OFFSET = 5000
-COUNTERS = ("prefix_hits", "host_loads", "load_verdicts")
+COUNTERS = ("prefix_hits", "host_loads", "load_verdicts", "server_times")
+# vLLM's own latency histograms (sum and count): the engine's side of a
+# round's TTFT, apart from the client's.
+SERVER_TIMES = re.compile(
+    r"^vllm:((?:time_to_first_token|request_prefill_time|request_queue_time)"
+    r"_seconds_(?:sum|count))\{[^}]*\} (\S+)"
+)
 # Seeds of the unrecorded warm-up runs, far from the measured rounds' k // 2.
 WARMUP_SEED = 10_000
 BATCH = Path(__file__).resolve().parent / "kv_checksum_bench_serve_batch.py"
@@ -150,6 +156,17 @@ def ttft_judged(name: str) -> bool:
     by tens of ms between rounds, so it is reported beside its spread."""
     workload = WORKLOAD_BY_NAME.get(name)
     return workload is None or workload.concurrency <= 1
+
+
+def server_means_ms(times: dict[str, float]) -> dict[str, float]:
+    """Mean server-side TTFT, prefill and queue times (ms) of a round, from the
+    deltas of vLLM's histograms (`server_times`); missing ones left out."""
+    means = {}
+    for name in ("time_to_first_token", "request_prefill_time", "request_queue_time"):
+        count = times.get(f"{name}_seconds_count", 0.0)
+        if count > 0:
+            means[name] = 1000.0 * times.get(f"{name}_seconds_sum", 0.0) / count
+    return means
 
 
 def round_modes(rounds: int) -> list[str]:
@@ -297,6 +314,7 @@ class Engine:
             "prefix_hits": verdict_counts(page, PREFIX_HITS),
             "host_loads": verdict_counts(page, HOST_LOADS),
             "load_verdicts": verdict_counts(page),
+            "server_times": verdict_counts(page, SERVER_TIMES),
         }
 
     def stop(self) -> None:
@@ -635,7 +653,9 @@ def run_launch(
                     f"{result.get('request_throughput')} req/s, TTFT "
                     f"{result.get('median_ttft_ms')} ms, TPOT "
                     f"{result.get('median_tpot_ms')} ms, hits {hits}, host "
-                    f"loads {host} {entry['load_verdicts'][workload.name]} "
+                    f"loads {host} {entry['load_verdicts'][workload.name]}, "
+                    "server means ms "
+                    f"{server_means_ms(entry['server_times'][workload.name])} "
                     f"{result.get('error', '')}"
                 )
             rounds.append(entry)

@@ -129,6 +129,38 @@ def test_ttft_target_judged_at_concurrency_one_only() -> None:
     assert c32["pass"] is True
 
 
+def test_server_times_from_vllm_histograms() -> None:
+    """The engine's side of a round's TTFT from vLLM's histogram lines (sum and
+    count of each, labels and buckets ignored): means in ms of the deltas.
+    Bugs caught: bucket lines summed into the sum, a mean taken sum/count of
+    another histogram, or seconds reported as ms."""
+    page = "\n".join(
+        [
+            'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 7.0',
+            'vllm:time_to_first_token_seconds_sum{model_name="m"} 0.3',
+            'vllm:time_to_first_token_seconds_count{model_name="m"} 10.0',
+            'vllm:request_prefill_time_seconds_sum{model_name="m"} 0.12',
+            'vllm:request_prefill_time_seconds_count{model_name="m"} 10.0',
+            'vllm:request_queue_time_seconds_sum{model_name="m"} 0.0',
+            'vllm:request_queue_time_seconds_count{model_name="m"} 10.0',
+            'vllm:e2e_request_latency_seconds_sum{model_name="m"} 9.0',
+        ]
+    )
+    after = bench.verdict_counts(page, bench.SERVER_TIMES)
+    assert set(after) == {
+        f"{n}_seconds_{k}"
+        for n in ("time_to_first_token", "request_prefill_time", "request_queue_time")
+        for k in ("sum", "count")
+    }
+    before = {"time_to_first_token_seconds_sum": 0.1}
+    before["time_to_first_token_seconds_count"] = 6.0
+    means = bench.server_means_ms(bench.counter_delta(before, after))
+    assert means["time_to_first_token"] == pytest.approx(50.0)  # 0.2 s / 4
+    assert means["request_prefill_time"] == pytest.approx(12.0)
+    assert means["request_queue_time"] == pytest.approx(0.0)
+    assert bench.server_means_ms({}) == {}
+
+
 def test_mismatch_or_no_verified_hit_fails() -> None:
     """Equal timings, but one mismatched hit fails; so do on rounds with no
     verified hit at all (bug caught: a run where the flag never reached the
