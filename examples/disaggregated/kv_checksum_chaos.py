@@ -776,11 +776,7 @@ def soak(run: Run) -> plan.Verdict:
     spec = run.topology.server("consumer")
     # Restart with the injector on, and with --soak-policy as the consumer's
     # kv_load_failure_policy when it differs (the "fail" control).
-    restart = not spec.faults and args.soak_fault_rate
-    if args.soak_policy != spec.policy and args.checksums == "on":
-        spec.policy, restart = args.soak_policy, True
-    if restart:
-        spec.faults = args.soak_fault_rate or spec.faults
+    if plan.soak_consumer(spec, args.soak_fault_rate, args.soak_policy, args.checksums):
         consumer.cmd = server_proc(spec, args).cmd
         run.restart("consumer", signal.SIGTERM)
     lines_before = consumer.log_text().count("\n")

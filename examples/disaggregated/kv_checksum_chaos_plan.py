@@ -619,6 +619,20 @@ def judge_lease_expiry(
     return v
 
 
+def soak_consumer(
+    spec: ServerSpec, fault_rate: float, policy: str, checksums: str
+) -> bool:
+    """Set the soak's consumer up (in place): the injector at `fault_rate` if
+    it has none yet, and `policy` as its kv_load_failure_policy (checksums on
+    only: the off control has no policy of ours). True if it must restart."""
+    restart = False
+    if not spec.faults and fault_rate:
+        spec.faults, restart = fault_rate, True
+    if checksums == "on" and spec.policy != policy:
+        spec.policy, restart = policy, True
+    return restart
+
+
 def judge_soak(
     counts: dict[str, int],
     injected: set[str],

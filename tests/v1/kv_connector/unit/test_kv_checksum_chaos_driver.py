@@ -176,6 +176,23 @@ def test_judge_soak_fail_policy_control() -> None:
     assert plan.judge_soak(alternate, {"a", "b"}, {"a", "b"}, **args).passed
 
 
+def test_soak_consumer_setup() -> None:
+    """The soak's consumer gets the injector and --soak-policy, and restarts
+    only when one of them changed. Bugs caught: the fail policy never applied
+    when the consumer already had its injector (a soak-only run without mixed
+    references), so the "fail" control ran with recomputes; a needless restart;
+    the checksums-off control given a policy."""
+    spec = plan.ServerSpec("consumer", 8200, 5700, "consumer", policy="recompute")
+    assert plan.soak_consumer(spec, 0.01, "recompute", "on") is True
+    assert (spec.faults, spec.policy) == (0.01, "recompute")
+    assert plan.soak_consumer(spec, 0.01, "recompute", "on") is False
+    assert plan.soak_consumer(spec, 0.01, "fail", "on") is True
+    assert spec.policy == "fail"
+    off = plan.ServerSpec("consumer", 8200, 5700, "consumer", policy="recompute")
+    assert plan.soak_consumer(off, 0.0, "fail", "off") is False
+    assert off.policy == "recompute" and off.faults == 0.0
+
+
 def test_judge_lease_expiry_and_producer_kill() -> None:
     """Bug caught: an unreported stale load (a wrong 200) passing; a consumer
     counting more verified loads than right answers (a broken load verified)
