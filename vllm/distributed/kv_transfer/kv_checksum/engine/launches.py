@@ -164,7 +164,8 @@ class ChecksumLauncher:
         return host.to(device, non_blocking=True)
 
     def copy_to_host(self, pending: KVChecksumPendingRecord) -> None:
-        """Copy results to pinned host memory on a side stream; record an event."""
+        """Copy results to pinned host memory on a side stream (or by the
+        zero-copy kernel, `enable_zero_copy`); record an event."""
         if not pending.results:
             return
         if self.zero_copy:
