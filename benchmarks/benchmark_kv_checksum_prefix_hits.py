@@ -212,9 +212,8 @@ class BenchRunner:
     once, kv_checksum_bench_serve_batch.py --stdin), answering after each run
     so that engine counters can be read between runs."""
 
-    def __init__(self, args: argparse.Namespace, logs: Path) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.logs = logs
         self.proc: subprocess.Popen | None = None
 
     def run(self, argv: list[str], log_path: Path) -> int:
@@ -609,7 +608,7 @@ def run_launch(
     logs = args.out / f"launch{launch}"
     ports = {"off": args.port_off, "on": args.port_on}
     engines = {mode: Engine(args, mode, port, logs) for mode, port in ports.items()}
-    runner = BenchRunner(args, logs)
+    runner = BenchRunner(args)
     try:
         startup = start_pair(engines, args.startup_timeout)
         log(f"launch {launch}: both engines ready in {startup:.0f} s")

@@ -14,9 +14,10 @@ to its event) in three cases:
 - `alone`: nothing else is copying;
 - `behind_store`: issued right after a large device-to-host copy on another
   stream;
-- `zero_copy_behind_store`: the same, but the small copy is a Triton kernel that
-  stores into pinned host memory from the SMs (no copy engine). If Triton
-  refuses a host pointer, the reason is reported instead.
+- `zero_copy_behind_store`: the same, but the small copy is the package's
+  `kernels.copy_words` (the ZERO_COPY_RESULTS path), which stores into pinned
+  host memory from the SMs (no copy engine). If Triton refuses a host pointer,
+  the reason is reported instead.
 
 If `behind_store` is close to the large copy's time and `zero_copy_behind_store`
 is close to `alone`, the hypothesis holds and the zero-copy write is the fix to
@@ -28,26 +29,19 @@ try. Needs only torch and Triton.
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_kv_checksum import load_kernels  # noqa: E402
 
-@triton.jit
-def _copy_words_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """dst[0:n] = src[0:n] (int64 words), one program per BLOCK words."""
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask), mask=mask)
-
-
-def zero_copy(src: torch.Tensor, dst: torch.Tensor, block: int = 1024) -> None:
-    """Copy int64 `src` into `dst` with a kernel (dst may be pinned host memory)."""
-    n = src.numel()
-    _copy_words_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block)
+# The package's copy of step results into pinned host memory.
+zero_copy = load_kernels().copy_words
 
 
 def _latency_ms(issue: Callable[[], None], stream: torch.cuda.Stream) -> float:

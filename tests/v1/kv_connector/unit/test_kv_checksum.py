@@ -1175,10 +1175,10 @@ def _zero_copy_on(worker: KVChecksumWorker, monkeypatch, calls: list) -> None:
 def test_zero_copy_results_equal_side_stream_copy(
     lifecycle, cuda_stream_stubs, monkeypatch
 ):
-    """ZERO_COPY_RESULTS (issues 26, 30, 31): a load step's checksums and stored
-    entries read back equal to the side-stream copy's; every result goes to one
-    pinned buffer in one copy, queued on the compute stream with the event after
-    it, which the step never waits on; no side stream.
+    """R55 with ZERO_COPY_RESULTS (issues 26, 30, 31): a load step's checksums and
+    stored entries read back equal to the side-stream copy's; every result goes to one
+    pinned buffer in one copy, queued on the compute stream with the event after it,
+    which the step never waits on; no side stream.
 
     Catches values and stored entries swapped or shifted in the shared buffer,
     the event recorded on another stream than the copy (finalize reading before
@@ -1208,8 +1208,8 @@ def test_zero_copy_results_equal_side_stream_copy(
 def test_zero_copy_buffers_held_until_their_event_completes(
     lifecycle, cuda_stream_stubs, monkeypatch
 ):
-    """A zero-copy buffer stays referenced by the launcher until its event has
-    completed (query() True), so no later pinned allocation can reuse memory the
+    """R55, R141: a zero-copy buffer stays referenced by the launcher until its event
+    has completed (query() True), so no later pinned allocation can reuse memory the
     device may still write; then it is let go (bounded by steps in flight).
 
     Catches a buffer released with its record (a dropped, never finalized
@@ -1232,7 +1232,7 @@ def test_zero_copy_buffers_held_until_their_event_completes(
 
 
 def test_zero_copy_check_never_raises(lifecycle, monkeypatch, caplog):
-    """The start-up check of the zero-copy path: off unless ZERO_COPY_RESULTS;
+    """R55, R62: the start-up check of the zero-copy path: off unless ZERO_COPY_RESULTS;
     with it, a device where the check fails (here: no CUDA at all) keeps the
     side-stream copy, with a warning, instead of raising out of the worker's
     start-up. Catches the flag ignored (zero-copy on everywhere) and a failing

@@ -106,9 +106,9 @@ def test_two_ms_ttft_increase_fails() -> None:
 
 
 def test_ttft_target_judged_at_concurrency_one_only() -> None:
-    """The same +2 ms rounds fail `shared_c1` (one request at a time) and are
-    reported, not judged, for `shared_c32`, where queueing moves the median by
-    tens of ms (bugs caught: the TTFT target dropped for every workload, or
+    """R140 cost (issue 31 item 4): the same +2 ms rounds fail `shared_c1` (one request
+    at a time) and are reported, not judged, for `shared_c32`, where queueing moves the
+    median by tens of ms (bugs caught: the TTFT target dropped for every workload, or
     held at c32 where no run can resolve it)."""
 
     def named(rounds: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -130,10 +130,10 @@ def test_ttft_target_judged_at_concurrency_one_only() -> None:
 
 
 def test_server_times_from_vllm_histograms() -> None:
-    """The engine's side of a round's TTFT from vLLM's histogram lines (sum and
-    count of each, labels and buckets ignored): means in ms of the deltas.
-    Bugs caught: bucket lines summed into the sum, a mean taken sum/count of
-    another histogram, or seconds reported as ms."""
+    """R140 cost runs: the engine's side of a round's TTFT from vLLM's histogram lines
+    (sum and count of each, labels and buckets ignored): means in ms of the deltas. Bugs
+    caught: bucket lines summed into the sum, a mean taken sum/count of another
+    histogram, or seconds reported as ms."""
     page = "\n".join(
         [
             'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 7.0',
@@ -249,11 +249,11 @@ def test_whole_run_against_fake_servers(tmp_path: Path) -> None:
 
 
 def test_bench_batch_reads_counters_between_runs(tmp_path: Path) -> None:
-    """--bench-batch against two fake engines: every bench run of the launch
-    (warm-ups and rounds) goes through vLLM's real bench-serve `main` in one
-    batch process, and each run's prefix-hit delta is its own, read after the
-    run ended (bugs caught: counters read before the batch process finished a
-    run, so deltas of 0 or of the next run; the flag ignored and the CLI run)."""
+    """R140 cost runs: --bench-batch against two fake engines: every bench run of the
+    launch (warm-ups and rounds) goes through vLLM's real bench-serve `main` in one
+    batch process, and each run's prefix-hit delta is its own, read after the run ended
+    (bugs caught: counters read before the batch process finished a run, so deltas of 0
+    or of the next run; the flag ignored and the CLI run)."""
     fake = f"{sys.executable} {FAKE}"
     out = tmp_path / "out"
     bench.main(

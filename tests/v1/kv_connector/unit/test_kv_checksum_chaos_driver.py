@@ -154,12 +154,12 @@ def test_judge_soak() -> None:
 
 
 def test_judge_soak_fail_policy_control() -> None:
-    """The fail-policy control (no recompute ever shares the consumer's batch):
-    a run whose answers all equal the references and whose errors are at most
-    its reported mismatches passes; one alternate answer fails it, and so do
-    more errors than mismatches (bugs caught: the control judged like the
-    recompute soak, where alternates are allowed, so it could not refute
-    "alternates come from recomputes"; errors that no mismatch explains)."""
+    """R131, R141 soak: the fail-policy control (no recompute ever shares the consumer's
+    batch): a run whose answers all equal the references and whose errors are at most
+    its reported mismatches passes; one alternate answer fails it, and so do more errors
+    than mismatches (bugs caught: the control judged like the recompute soak, where
+    alternates are allowed, so it could not refute "alternates come from recomputes";
+    errors that no mismatch explains)."""
     flat = {"consumer rss_mib": plan.SlopeFit(0.1, 900.0, 5.0, 50, True)}
     args = dict(gauges={"consumer": 0.0}, memory=flat, errors=[], policy="fail")
     ok = plan.judge_soak(
@@ -177,7 +177,7 @@ def test_judge_soak_fail_policy_control() -> None:
 
 
 def test_soak_consumer_setup() -> None:
-    """The soak's consumer gets the injector and --soak-policy, and restarts
+    """R131 soak: the consumer gets the injector and --soak-policy, and restarts
     only when one of them changed. Bugs caught: the fail policy never applied
     when the consumer already had its injector (a soak-only run without mixed
     references), so the "fail" control ran with recomputes; a needless restart;

@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Zero-copy writes of step results into pinned host memory (issues 26, 30, 31):
-the package's `kernels.copy_words` (used with ZERO_COPY_RESULTS) and the copy
-probe's kernel (`benchmarks/kernels/copy_engine_probe.py`), under Triton's
-interpreter on the CPU: every word of a length that is no multiple of the block
-arrives, and nothing past it is written. Bugs caught: an unmasked tail (words
-past `n` overwritten: in pinned memory shared with other buffers), a grid one
-program short (the last partial block lost). The interpreter must be on before
-Triton is imported, so the checks run in a subprocess."""
+"""Zero-copy writes of step results into pinned host memory (R55 without a copy engine;
+issues 26, 30, 31): the package's `kernels.copy_words` (used with ZERO_COPY_RESULTS),
+also as the copy probe (`benchmarks/kernels/copy_engine_probe.py`) loads it, under
+Triton's interpreter on the CPU: every word of a length that is no multiple of the block
+arrives, and nothing past it is written. Bugs caught: an unmasked tail (words past `n`
+overwritten: in pinned memory shared with other buffers), a grid one program short (the
+last partial block lost). The interpreter must be on before Triton is imported, so the
+checks run in a subprocess."""
 
 import os
 import subprocess
@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition import kernels
 probe = load_script("copy_probe", sys.argv[2])
 copies = {
     "package": kernels.copy_words,
-    "probe": lambda src, dst: probe.zero_copy(src, dst, block=1024),
+    "probe": probe.zero_copy,
 }
 for name, copy in copies.items():
     src = torch.arange(1, 2501, dtype=torch.int64) * 7
