@@ -551,11 +551,26 @@ def profiler_config(trace_dir: Path) -> dict[str, Any]:
 # Trace event categories summed by name, and the CUDA calls that block the host.
 TRACE_CATEGORIES = ("kernel", "gpu_memcpy", "cuda_runtime", "cpu_op", "user_annotation")
 HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+# Events of any category summed apart whatever their rank: the package's own
+# kernels and the runtime calls its step work makes (pinned allocations,
+# copies, events), lower-case substrings of the name.
+WATCHED = (
+    "checksum",
+    "copy_words",
+    "cudahostalloc",
+    "cudafreehost",
+    "cudahostregister",
+    "cudamemcpyasync",
+    "cudaeventrecord",
+    "cudaeventquery",
+    "cudastreamwaitevent",
+)
 
 
 def summarize_trace_events(events: list[dict[str, Any]], top: int = 15) -> dict:
     """Per category of TRACE_CATEGORIES: total microseconds, event count and the
-    `top` names by total time; and every host wait (synchronize calls)."""
+    `top` names by total time (every user annotation: vLLM's step phases); every
+    host wait (synchronize calls); and every WATCHED event by category/name."""
     totals: dict[str, dict[str, list[float]]] = {c: {} for c in TRACE_CATEGORIES}
     for event in events:
         cat = event.get("cat")
@@ -564,13 +579,19 @@ def summarize_trace_events(events: list[dict[str, Any]], top: int = 15) -> dict:
             entry[0] += float(event["dur"])
             entry[1] += 1
     summary: dict[str, Any] = {}
+    watched: dict[str, list] = {}
     for cat, names in totals.items():
         ranked = sorted(names.items(), key=lambda kv: -kv[1][0])
+        shown = ranked if cat == "user_annotation" else ranked[:top]
         summary[cat] = {
             "total_us": round(sum(v[0] for v in names.values()), 1),
             "events": sum(int(v[1]) for v in names.values()),
-            "top": [[n, round(v[0], 1), int(v[1])] for n, v in ranked[:top]],
+            "top": [[n, round(v[0], 1), int(v[1])] for n, v in shown],
         }
+        for name, (us, count) in ranked:
+            if any(w in name.lower() for w in WATCHED):
+                watched[f"{cat}/{name[:120]}"] = [round(us, 1), int(count)]
+    summary["watched"] = watched
     runtime = totals["cuda_runtime"]
     summary["host_waits"] = {
         name: [round(runtime[name][0], 1), int(runtime[name][1])]

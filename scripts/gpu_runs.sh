@@ -262,7 +262,8 @@ copy-probe)
 cuda-tests)
     mkdir -p "$out"
     (cd "$repo" && timeout "$limit" python3 -m pytest -p no:cacheprovider \
-        --noconftest -q tests/v1/kv_connector/unit/test_kv_checksum_cuda.py "$@") \
+        --noconftest -q tests/v1/kv_connector/unit/test_kv_checksum_cuda.py \
+        tests/v1/kv_connector/unit/test_kv_checksum_injector_cuda.py "$@") \
         >"$out/cuda_tests.log" 2>&1
     rc=$?
     tail -n 15 "$out/cuda_tests.log"

@@ -822,15 +822,18 @@ def soak(run: Run) -> plan.Verdict:
         v.checks["no error"] = counts["error"] == 0
         v.counts["attribution"] = run.attribute("soak", outcomes, new_lines)
         return v
+    injected, no_effect = plan.effective_injections(new_lines)
     v = plan.judge_soak(
         plan.tally(outcomes, run.references, run.alternates),
-        plan.request_ids(plan.INJECTED, new_lines),
+        injected,
         plan.request_ids(plan.MISMATCH, new_lines),
         gauges,
         memory,
         run.errors("consumer", "producer"),
         policy=args.soak_policy,
+        answered={o.request_id for o in outcomes if o.status == 200 and not o.aborted},
     )
+    v.counts["injections_without_effect"] = len(no_effect)
     v.counts["attribution"] = run.attribute("soak", outcomes, new_lines)
     return v
 

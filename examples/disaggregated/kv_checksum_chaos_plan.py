@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -36,6 +37,10 @@ TRACKED_GAUGE = "vllm:kv_checksum_tracked_requests"
 MISMATCH = re.compile(r"KV checksum mismatch for request (\S+): ")
 INJECTED = re.compile(r"KV checksum fault injection: \w+ into request (\S+) ")
 INJECTED_KIND = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
+# The injector's later line for a copy whose source held the same bytes.
+NO_EFFECT = re.compile(
+    r"KV checksum fault injection had no effect: \w+ into request (\S+) "
+)
 QUARANTINED = re.compile(r"quarantined \d+ loaded blocks of request (\S+) ")
 # A consumer's engine request id: the completion id a client gets, then
 # "-<prompt index>" (completions only) and vLLM's random "-<8 hex>".
@@ -480,6 +485,16 @@ def request_ids(pattern: re.Pattern[str], log_text: str) -> set[str]:
     return {m for line in log_text.splitlines() for m in pattern.findall(line)}
 
 
+def effective_injections(log_text: str) -> tuple[set[str], set[str]]:
+    """Requests whose injected fault changed KV, and those whose injection the
+    injector logged as without effect (its copy source held the same bytes on
+    the first worker). A no-effect request that was reported all the same
+    stays a fault (another worker's shard may have changed)."""
+    injected = request_ids(INJECTED, log_text)
+    no_effect = request_ids(NO_EFFECT, log_text) - request_ids(MISMATCH, log_text)
+    return injected - no_effect, injected & no_effect
+
+
 @dataclass
 class SlopeFit:
     """A least-squares line through the samples after warm-up."""
@@ -641,11 +656,14 @@ def judge_soak(
     memory: dict[str, SlopeFit],
     errors: list[str],
     policy: str = "recompute",
+    answered: Collection[str] = (),
 ) -> Verdict:
     """0 false mismatches (every mismatch an injected fault); every injected
     fault reported except at most one per aborted request (an abort before
-    verification ends the request unverified); no wrong answer, no hang;
-    gauges 0 at the end; memory flat after warm-up; no checksum error line.
+    verification ends the request unverified), and none of a request the
+    client got an answer for (`answered`: completion ids of answered
+    requests); no wrong answer, no hang; gauges 0 at the end; memory flat
+    after warm-up; no checksum error line.
 
     `policy` "fail" (the consumer's kv_load_failure_policy; the control of the
     recompute soak's second-regime answers): a failed load ends its request
@@ -668,8 +686,10 @@ def judge_soak(
         },
     )
     v.checks["0 false mismatches"] = not false
+    unreported_answered = {completion_id(r) for r in unreported} & set(answered)
+    v.counts["unreported_answered"] = sorted(unreported_answered)
     v.checks["every injected fault reported (aborted ones aside)"] = (
-        len(unreported) <= counts["aborted"]
+        len(unreported) <= counts["aborted"] and not unreported_answered
     )
     v.checks["faults were injected"] = bool(injected)
     v.checks["no wrong answer"] = counts["wrong"] == 0

@@ -131,6 +131,10 @@ MLA_DIMS = dict(
     v_head_dim=128,
 )
 INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
+# The injector's later line for a copy whose source held the same bytes.
+NO_EFFECT = re.compile(
+    r"KV checksum fault injection had no effect: \w+ into request (\S+) "
+)
 INJECTED_AT = re.compile(
     r"KV checksum fault injection: (\w+) into request \S+ group (\d+) "
     r"block position (\d+)\."
@@ -632,10 +636,30 @@ def scan_log(path: str) -> dict[str, list]:
         text = f.read()
     return {
         "injected": INJECTION.findall(text),
+        "no_effect": NO_EFFECT.findall(text),
         "mismatched": MISMATCH.findall(text),
         "unverified": UNVERIFIED.findall(text),
         "sync_errors": ["x"] * text.count("GPU<->CPU sync detected"),
     }
+
+
+def judge_faults(scan: dict[str, list]) -> tuple[dict[str, Any], bool]:
+    """The faulty consumer's `scan_log`: injected, detected, undetected and
+    false alarms by request, and whether every fault was reported and nothing
+    else. A copy that changed nothing on the first worker and went unreported
+    was no fault; reported, it stays one (another shard may have changed)."""
+    mismatched = set(scan["mismatched"])
+    no_effect = set(scan["no_effect"]) - mismatched
+    injected = {req for _, req in scan["injected"]} - no_effect
+    counts = {
+        "injected": len(injected),
+        "without_effect": sorted(no_effect),
+        "detected": len(injected & mismatched),
+        "undetected": sorted(injected - mismatched),
+        "false_alarms": sorted(mismatched - injected),
+        "kinds": sorted({k for k, _ in scan["injected"]}),
+    }
+    return counts, bool(injected) and injected == mismatched
 
 
 def one_at_a_time(engine: Engine, requests: list) -> list[list[int]]:
@@ -1254,18 +1278,12 @@ def main() -> int:
         clean = logs["consumer"]
         ok &= not clean["mismatched"] and not clean["unverified"]
     if "faulty" in logs:
-        injected = {req for _, req in logs["faulty"]["injected"]}
-        mismatched = set(logs["faulty"]["mismatched"])
-        summary.setdefault("faults", {})
-        summary["faults"]["injected"] = len(injected)
-        summary["faults"]["detected"] = len(injected & mismatched)
-        summary["faults"]["undetected"] = sorted(injected - mismatched)
-        summary["faults"]["false_alarms"] = sorted(mismatched - injected)
-        summary["faults"]["kinds"] = sorted({k for k, _ in logs["faulty"]["injected"]})
-        ok &= bool(injected) and injected == mismatched
+        counts, every_fault_reported = judge_faults(logs["faulty"])
+        summary.setdefault("faults", {}).update(counts)
+        ok &= every_fault_reported
         if args.model in HYBRID_MODELS and "recomputed" in summary["faults"]:
             # Every caught state fault is recomputed (fail-closed "recompute").
-            ok &= summary["faults"]["recomputed"] == len(injected)
+            ok &= summary["faults"]["recomputed"] == counts["injected"]
     for name in ("producer", "consumer", "faulty"):
         if name in logs:
             ok &= not logs[name]["sync_errors"]

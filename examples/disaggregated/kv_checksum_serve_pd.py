@@ -59,7 +59,7 @@ from typing import Any
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kv_checksum_chaos_plan import INJECTED, ServerSpec  # noqa: E402
+from kv_checksum_chaos_plan import ServerSpec, effective_injections  # noqa: E402
 from kv_checksum_chaos_plan import (  # noqa: E402
     kv_transfer_config as chaos_kv_transfer_config,
 )
@@ -479,7 +479,7 @@ def serve_part(servers: dict[str, Server], args: argparse.Namespace) -> dict[str
     result: dict[str, Any] = {"requests_per_consumer": n, "flows": {}}
     for name in (consumer.name, faults.name):
         text = servers[name].log_text()
-        injected = set(INJECTED.findall(text))
+        injected, no_effect = effective_injections(text)
         mismatched = set(MISMATCH.findall(text))
         samples = metrics(servers[name], args.out)
         result[name] = {
@@ -496,6 +496,7 @@ def serve_part(servers: dict[str, Server], args: argparse.Namespace) -> dict[str
                 samples, "vllm:kv_checksum_loads_total", verdict="unverified"
             ),
             injected_requests=len(injected),
+            injections_without_effect=len(no_effect),
             mismatch_requests=len(mismatched),
             injected_and_reported=len(injected & mismatched),
             nixl_failed_transfers=total(

@@ -465,6 +465,26 @@ def test_trace_summary_totals_tops_and_host_waits() -> None:
     assert summary["host_waits"] == {"cudaEventSynchronize": [4000.0, 1]}
     assert summary["cuda_runtime"]["total_us"] == 4005.0
     assert "python_function" not in summary
+    # The package's kernel is watched though top=1 ranks it out.
+    assert summary["watched"] == {"kernel/_kv_checksum_kernel": [150.0, 2]}
+
+
+def test_trace_summary_lists_every_step_phase() -> None:
+    """vLLM's step phases (user annotations) are all listed, whatever `top`,
+    and watched runtime calls are summed apart (bug caught: a pinned host
+    allocation per step hidden below the top of the runtime calls)."""
+    events = [
+        {"cat": "user_annotation", "name": f"gpu_model_runner: phase {i}", "dur": i}
+        for i in range(1, 21)
+    ] + [
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 500.0},
+        {"cat": "cuda_runtime", "name": "cudaHostAlloc", "dur": 30.0},
+        {"cat": "cuda_runtime", "name": "cudaHostAlloc", "dur": 20.0},
+    ]
+    summary = bench.summarize_trace_events(events, top=1)
+    assert len(summary["user_annotation"]["top"]) == 20
+    assert summary["user_annotation"]["total_us"] == 210.0
+    assert summary["watched"] == {"cuda_runtime/cudaHostAlloc": [50.0, 2]}
 
 
 def test_profiler_config_is_one_vllm_accepts(tmp_path: Path) -> None:

@@ -149,8 +149,35 @@ def test_judge_soak() -> None:
     assert not false.passed and false.counts["false_mismatches"] == 1
     lost = plan.judge_soak(_counts(right=99, aborted=1), {"a", "b", "c"}, {"a"}, **args)
     assert not lost.passed
+    answered = plan.judge_soak(
+        _counts(right=95, aborted=5), {"a", "b"}, {"a"}, **args, answered={"b"}
+    )
+    assert not answered.passed and answered.counts["unreported_answered"] == ["b"]
     args["gauges"] = {"consumer": 3.0}
     assert not plan.judge_soak(_counts(right=1), {"a"}, {"a"}, **args).passed
+
+
+def test_injections_without_effect_leave_the_injected_set() -> None:
+    """R131: an injection the injector logged as without effect (its copy
+    source held the same bytes) is no fault to report, unless a mismatch was
+    reported for it all the same (another worker's shard changed). Bugs
+    caught: a no-op copy failing the soak as an unreported fault (2026-12-01e,
+    one of 367); a reported no-op-on-rank-0 injection dropped, which would make
+    its mismatch look false; the no-effect line counted as a second injection."""
+    a, b, c = (f"cmpl-{x}-0-0123abcd" for x in "abc")
+    log = "".join(
+        f"WARNING KV checksum fault injection: stale_block into request {r} "
+        "group 0 block position 3.\n"
+        for r in (a, b, c)
+    ) + "".join(
+        f"WARNING KV checksum fault injection had no effect: stale_block into "
+        f"request {r} group 0 block position 3 copied block 9, which held the "
+        "same bytes on this worker; no fault to report.\n"
+        for r in (a, b)
+    )
+    log += f"ERROR KV checksum mismatch for request {b}: group 0 block positions [3]\n"
+    assert plan.request_ids(plan.INJECTED, log) == {a, b, c}
+    assert plan.effective_injections(log) == ({b, c}, {a})
 
 
 def test_judge_soak_fail_policy_control() -> None:

@@ -244,6 +244,43 @@ def test_stale_block_copies_a_block_outside_the_load(layout, kernel_block_size, 
         assert torch.equal(block, block_bytes(caches[name], source))
 
 
+def _copy_block(caches, layers, src: int, dst: int) -> None:
+    """Give block `dst` the bytes of block `src` in `layers` (vLLM's rows)."""
+    for name in layers:
+        data = caches[name].view(torch.uint8)
+        k = data.shape[0] // NUM_BLOCKS
+        data[dst * k : (dst + 1) * k] = data[src * k : (src + 1) * k]
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_stale_copy_of_equal_bytes_is_logged_without_effect(caplog, same):
+    """R131: a stale_block whose source already held the block's bytes (a
+    freed copy of the same prompt's block) changes nothing; the injector says
+    so after the injecting call, once. Bugs caught: such an injection counted
+    as a fault the checksums missed (the soak's one "unreported" injection of
+    2026-12-01e), and a "no effect" line for a copy that did change the KV
+    (it would hide a missed fault from the drivers)."""
+    caches = make_caches()
+    inj = injector("stale_block", 1)
+    decision = inj.decide("req-0", LOAD, NUM_BLOCKS)
+    assert decision is not None and decision.source_block_id is not None
+    if same:
+        layers = GROUP_LAYERS[decision.group_id]
+        _copy_block(caches, layers, decision.source_block_id, decision.block_id)
+    before = snapshot(caches)
+    with caplog.at_level(logging.WARNING):
+        applied = corrupt(inj, caches)
+        assert applied is not None
+        assert applied.source_block_id == decision.source_block_id
+        assert "had no effect" not in caplog.text
+        reported = inj.report_no_effect()
+        assert inj.report_no_effect() == []
+    assert (changed_blocks(before, caches) == {}) is same
+    assert [d.req_id for d in reported] == (["req-0"] if same else [])
+    line = "fault injection had no effect: stale_block into request req-0 "
+    assert (line in caplog.text) is same
+
+
 def test_kv_sharing_alias_corrupted_once():
     """R131: two layers sharing one cache (KV sharing) are swapped once, not
     twice (which would undo the swap). Catches a per-layer-name loop."""

@@ -423,3 +423,43 @@ def test_prefix_phase_log_scan_and_workload_r140(
     head = 3 * offload_gpu.BLOCK_SIZE
     assert len({tuple(p[:head]) for p in prompts}) == 2
     assert prompts[0][:head] == prompts[2][:head] != prompts[1][:head]
+
+
+def test_pd_fault_judge_drops_injections_without_effect_r131(
+    drivers: tuple[ModuleType, ModuleType], tmp_path: Path
+) -> None:
+    """R131: the P/D driver's fault verdict reads the injector's "had no
+    effect" line: an unreported copy of equal bytes is no fault, a reported
+    one stays a fault, and a real unreported fault still fails the run. Bugs
+    caught: a no-op copy failing the run as undetected; the no-effect line
+    read as another injection; a real miss passing."""
+    pd_gpu, _ = drivers
+    inject = (
+        "WARNING KV checksum fault injection: stale_block into request {} "
+        "group 0 block position 2.\n"
+    )
+    none = (
+        "WARNING KV checksum fault injection had no effect: stale_block into "
+        "request {} group 0 block position 2 copied block 7, which held the same "
+        "bytes on this worker; no fault to report.\n"
+    )
+    mismatch = (
+        "ERROR KV checksum mismatch for request {}: group 0 block positions [2]\n"
+    )
+    log = tmp_path / "faulty.log"
+    log.write_text(
+        inject.format("1")
+        + inject.format("2")
+        + inject.format("3")
+        + none.format("2")
+        + none.format("3")
+        + mismatch.format("1")
+        + mismatch.format("3")
+    )
+    counts, ok = pd_gpu.judge_faults(pd_gpu.scan_log(str(log)))
+    assert ok, counts
+    assert counts["injected"] == 2 and counts["without_effect"] == ["2"]
+    assert counts["detected"] == 2 and counts["undetected"] == []
+    log.write_text(inject.format("1") + inject.format("2") + mismatch.format("1"))
+    counts, ok = pd_gpu.judge_faults(pd_gpu.scan_log(str(log)))
+    assert not ok and counts["undetected"] == ["2"]

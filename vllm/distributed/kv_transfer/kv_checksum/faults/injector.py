@@ -27,13 +27,18 @@ same one without communicating; each corrupts its own caches:
 
 Worker (pp_rank 0, tp_rank 0) logs each injection once per request at WARNING:
 "KV checksum fault injection: <kind> into request <id> group <G> block position
-<P>." The kind logged is the one applied (after fallbacks). Under fail-open the
+<P>." The kind logged is the one applied (after fallbacks). A copy whose
+source held the same bytes (a "stale_block" source that holds the same prompt's
+block, or two equal blocks swapped) changes nothing: the worker compares them on
+the device and, a later step, logs "KV checksum fault injection had no effect:
+<kind> into request <id> ..." so nobody counts it as a missed fault. Under fail-open the
 request itself runs on the corrupted KV (containment keeps it from other
 requests, R138); "prefix_hit" corrupts a cached block other requests may share:
 use it on test deployments only.
 """
 
 import hashlib
+from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -86,6 +91,16 @@ class Injection:
         if self.other_position is None:
             return (self.position,)
         return tuple(sorted((self.position, self.other_position)))
+
+
+@dataclass
+class _EffectProbe:
+    """Whether a copying injection changed this worker's KV: a flag the device
+    writes into host memory, read once its event completed (no host sync)."""
+
+    decision: Injection
+    changed: torch.Tensor  # host bool scalar
+    event: Any | None  # None: written synchronously (CPU caches)
 
 
 def _generator(seed: int, req_id: str) -> np.random.Generator:
@@ -147,6 +162,7 @@ class KVFaultInjector:
         self.seed = seed
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
+        self._probes: deque[_EffectProbe] = deque()
 
     @property
     def is_first_worker(self) -> bool:
@@ -288,8 +304,11 @@ class KVFaultInjector:
                     decision.group_id,
                 )
                 return decision
-        for _, cache in layers:
-            self._apply(decision, _block_view(cache, num_blocks))
+        views = [_block_view(cache, num_blocks) for _, cache in layers]
+        if self.is_first_worker and decision.source_block_id is not None and views:
+            self._probe_effect(decision, views)
+        for view in views:
+            self._apply(decision, view)
         if self.is_first_worker:
             logger.warning(
                 "KV checksum fault injection: %s into request %s group %d block "
@@ -301,6 +320,50 @@ class KVFaultInjector:
             )
             logger.debug("KV checksum fault injection details: %s", decision)
         return replace(decision, layers=tuple(name for name, _ in layers))
+
+    def _probe_effect(self, decision: Injection, views: list[torch.Tensor]) -> None:
+        """Queue the comparison of the block with its copy source in every
+        layer, before the copy; `report_no_effect` logs the outcome later."""
+        assert decision.source_block_id is not None
+        changed = torch.stack(
+            [
+                (view[decision.block_id] != view[decision.source_block_id]).any()
+                for view in views
+            ]
+        ).any()
+        event = None
+        if changed.is_cuda:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(changed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            changed = host
+        self._probes.append(_EffectProbe(decision, changed, event))
+
+    def report_no_effect(self) -> list[Injection]:
+        """Log every earlier copying injection whose source held the same bytes
+        on this worker (it corrupted nothing here); only probes whose device
+        work completed are read, so nothing waits. Returns them."""
+        unchanged = []
+        while self._probes and (
+            self._probes[0].event is None or self._probes[0].event.query()  # type: ignore[attr-defined]
+        ):
+            probe = self._probes.popleft()
+            if bool(probe.changed):
+                continue
+            d = probe.decision
+            logger.warning(
+                "KV checksum fault injection had no effect: %s into request %s "
+                "group %d block position %d copied block %d, which held the same "
+                "bytes on this worker; no fault to report.",
+                d.kind,
+                d.req_id,
+                d.group_id,
+                d.position,
+                d.source_block_id,
+            )
+            unchanged.append(d)
+        return unchanged
 
     @staticmethod
     def _apply(decision: Injection, view: torch.Tensor) -> None:
@@ -334,6 +397,7 @@ class KVFaultInjector:
         Called with the arguments of the worker's `post_forward`, right before
         it: failed loads and finished requests are left alone, like there.
         """
+        self.report_no_effect()
         skip = set(failed_recving or ()) | set(finished_req_ids)
         req_ids = [r for r in finished_recving or () if r not in skip]
         if not req_ids:
