@@ -47,6 +47,11 @@ traces (CUDA kernels, memcpys, runtime calls and host synchronize calls by
 total time, per worker) into summary.json's `warmup_profiles`: where an on/off
 difference goes, without timing the measured rounds.
 
+`--control` is the A/A run: the "on" slot starts with checksums off too, so its
+"on/off" is what the two engine slots differ by alone (start order, port,
+memory placement on the shared GPU, which engine's rounds come when). A cost is
+a checksum cost only where it exceeds that.
+
 Writes OUT/summary.json (per round: the bench's scalar results, every request's
 TTFT, each engine's prefix-hit, host-load and load-verdict counter deltas) and
 prints the tables; `benchmarks/plot_kv_checksum_serve.py OUT/summary.json` draws
@@ -286,7 +291,9 @@ class Engine:
         cmd += ["--gpu-memory-utilization", str(args.util)]
         # A fixed KV cache: the two engines start together without a profiling race.
         cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
-        config = transfer_config(self.mode, args.cpu_gib, args.tier)
+        config = transfer_config(
+            configured_mode(self.mode, args.control), args.cpu_gib, args.tier
+        )
         cmd += ["--kv-transfer-config", json.dumps(config), *args.serve_arg]
         if args.profile_warmup:
             cmd += ["--profiler-config", json.dumps(profiler_config(self.trace_dir))]
@@ -348,10 +355,19 @@ def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
 
 
-def judge(rounds: list[dict[str, Any]], tier: str = "simple-hits") -> dict[str, Any]:
+def configured_mode(slot: str, control: bool) -> str:
+    """The checksum configuration of the engine in `slot` ("off" or "on"):
+    with `--control` both run "off" (an A/A run: the slots' own difference)."""
+    return "off" if control else slot
+
+
+def judge(
+    rounds: list[dict[str, Any]], tier: str = "simple-hits", control: bool = False
+) -> dict[str, Any]:
     """Per workload: means by mode, on/off ratio and delta, off-vs-off spread,
     prefix-hit verdicts (on rounds), host loads by mode and the verdict of the
-    docstring (an offload tier's: throughput and host loads, TTFT reported)."""
+    docstring (an offload tier's: throughput and host loads, TTFT reported).
+    `control` (A/A): no slot verifies anything, so none is required."""
     workloads: dict[str, Any] = {}
     names = dict.fromkeys(name for r in rounds for name in r["results"])
     for name in names:
@@ -390,6 +406,8 @@ def judge(rounds: list[dict[str, Any]], tier: str = "simple-hits") -> dict[str, 
         host = host_load_totals(rounds, name)
         if tier in OFFLOAD_TIERS:
             ttft_ok, hits_ok = True, host_loads_ok(host)
+        if control:
+            hits_ok = True
         row.update(
             prefix_hits_on=hits,
             host_loads=host,
@@ -407,6 +425,7 @@ def judge(rounds: list[dict[str, Any]], tier: str = "simple-hits") -> dict[str, 
         workloads[name] = row
     return {
         "workloads": workloads,
+        "control": control,
         "pass": bool(workloads) and all(w["passed"] for w in workloads.values()),
     }
 
@@ -481,6 +500,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--keep-traces", action="store_true", help="keep the trace files in OUT"
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A: the 'on' slot runs checksums off too, so 'on/off' measures "
+        "the two engine slots' own difference (start order, port, placement)",
     )
     parser.add_argument("--gpu", default=None, help="default: the inherited one")
     parser.add_argument("--util", type=float, default=0.4)
@@ -691,7 +716,7 @@ def run_launch(
 def write_summary(
     args: argparse.Namespace, chosen: list[Workload], rounds: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    verdict = judge(rounds, args.tier)
+    verdict = judge(rounds, args.tier, args.control)
     config = {
         "shape": args.shape,
         "dims": SHAPES[args.shape],
@@ -705,10 +730,19 @@ def write_summary(
         "tier": args.tier,
         "kv_cache_bytes": args.kv_cache_bytes,
         "transfer_config": {
-            m: transfer_config(m, args.cpu_gib, args.tier) for m in ABBA[:2]
+            m: transfer_config(
+                configured_mode(m, args.control), args.cpu_gib, args.tier
+            )
+            for m in ABBA[:2]
         },
+        "control": args.control,
         "serve_args": args.serve_arg,
-        "title": f"vllm bench serve, {args.tier}: checksums off vs on",
+        "title": f"vllm bench serve, {args.tier}: "
+        + (
+            "A/A control, both slots checksums off"
+            if args.control
+            else "checksums off vs on"
+        ),
     }
     record = {"config": config, "rounds": rounds, "summary": verdict}
     if args.profiles:

@@ -174,6 +174,36 @@ def test_mismatch_or_no_verified_hit_fails() -> None:
     assert bench.judge(_rounds([10.0] * 6, [30.0] * 6, HITS))["pass"] is True
 
 
+def test_control_run_starts_both_slots_off(tmp_path: Path) -> None:
+    """--control (A/A): the "on" slot starts without any package key, no hit is
+    required, and the record says it was a control. Bugs caught: the control's
+    "on" slot still verifying hits (then it measures checksums, not the
+    slots), or its verdict failing for want of verified hits."""
+    assert bench.configured_mode("on", True) == "off"
+    assert bench.configured_mode("on", False) == "on"
+    assert bench.judge(_rounds([10.0] * 6, [30.0] * 6, [{}, {}, {}]), control=True)[
+        "pass"
+    ]
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    fake = f"{sys.executable} {FAKE}"
+    out = tmp_path / "out"
+    rc = bench.main(
+        ["--out", str(out), "--model", str(model), "--rounds", "2", "--scale"]
+        + ["0.02", "--workloads", "shared_c8", "--control"]
+        + ["--serve-cmd", fake, "--bench-cmd", fake, "--startup-timeout"]
+        + ["120", "--port-off", str(_free_port()), "--port-on", str(_free_port())]
+    )
+    record = json.loads((out / "summary.json").read_text())
+    assert "kv_checksum" not in (out / "launch0" / "on.log").read_text()
+    configs = record["config"]["transfer_config"]
+    assert configs["on"] == configs["off"] == bench.transfer_config("off", 8)
+    assert record["config"]["control"] is True and record["summary"]["control"]
+    assert [r["prefix_hits"]["shared_c8"] for r in record["rounds"]] == [{}, {}]
+    assert rc == 0
+
+
 def test_transfer_configs_differ_only_by_package_keys() -> None:
     """The off engine runs the same connector and vLLM policy without any of
     the package's keys; the on engine adds exactly the three (bug caught: a
