@@ -247,14 +247,15 @@ class Bench:
             self._add_consumer()
         if self.prefix:
             self._add_prefix_hit()
+        profiler = self.profiler  # the scheduler's two calls only
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         output = scheduler.schedule()
+        if profiler is not None:
+            profiler.disable()
         scheduled = time.perf_counter()
-        if self.profiler is not None:  # the scheduler's calls only
-            self.profiler.disable()
         records = self._worker_step(output)
-        if self.profiler is not None:
-            self.profiler.enable()
         worked = time.perf_counter()
         self._pending_loads = [
             r.request_id
@@ -271,7 +272,11 @@ class Bench:
             output, scheduler=scheduler, kv_connector_output=kv_output
         )
         updating = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         scheduler.update_from_output(output, model_output)
+        if profiler is not None:
+            profiler.disable()
         done = time.perf_counter()
         self.steps += 1
         self.phases.append((scheduled - start, worked - scheduled, done - updating))
@@ -703,14 +708,12 @@ def bench_prefix(
         for bench in (on, off):
             bench.profiler = cProfile.Profile()
             gc.collect()
-            bench.profiler.enable()
             for _ in range(steps):
                 bench.step()
-            bench.profiler.disable()
             stats.append(pstats.Stats(bench.profiler))
             bench.profiler = None
         print(
-            f"\ncProfile, scheduler calls only (worker paused), {n} requests, "
+            f"\ncProfile, schedule() and update_from_output() only, {n} requests, "
             f"{prefix_blocks}-block hits, {steps} steps each engine"
         )
         print(profile_diff(stats[0], stats[1], 25))
