@@ -14,8 +14,16 @@ one step earlier finishes (verified in the step; no worker records, so its
 verdict is "unverified" and the figure is the scheduler's bookkeeping only).
 With `--prefix` (issue 31, R140), the carrier connector with
 `kv_checksum_verify_prefix_hits` on (off: no checksums): the N decoding
-requests share a 256-token prefix and every step a new request with that
-prefix arrives (a local prefix-cache hit, checked) and finishes two steps on.
+requests share a prefix of `--prefix-blocks` blocks (default 16: 256
+tokens) and every step `--hits-per-step` new requests with that prefix and
+`--hit-tail` own tokens arrive (local prefix-cache hits, checked) and finish
+two steps on. The on engine's checksum worker (CPU KV caches, kernels
+stubbed unless `--cpu-kernels`) runs between `schedule()` and
+`update_from_output()`, so the hits verify against real entries; only the
+scheduler's two calls are timed, each on its own too, and the worker's
+step apart; then one hit step of the worker is replayed with and without
+the CPU kernels (its host bookkeeping) and, with `--profile`, the
+scheduler's calls of on and off are profiled and subtracted.
 With `--offload-loads` (rows "+offload-loads"), OffloadingConnector and
 SimpleCPUOffloadConnector on the tests' offload simulations
 (`OffloadSimEngine`: real checksum workers, host tensors, simulated copies):
@@ -79,6 +87,9 @@ from vllm.distributed.kv_transfer.kv_checksum import plugin  # noqa: E402
 from vllm.distributed.kv_transfer.kv_checksum.config import (  # noqa: E402
     VERIFY_PREFIX_HITS_KEY,
 )
+from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (  # noqa: E402
+    KVChecksumLaunch,
+)
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import (  # noqa: E402
     WorkerTopology,
 )
@@ -98,8 +109,17 @@ CONNECTORS: dict[str, tuple[str, dict[str, Any]]] = {
         {"cpu_bytes_to_use": 1 << 22, "num_cpu_blocks": 64},
     ),
 }
+REAL_LAUNCH = KVChecksumLaunch.__call__
 PREFIX_NAME = "prefix hits (carrier test connector, verify_prefix_hits)"
-SHARED_PREFIX = [(11 * t) % 991 + 3 for t in range(256)]
+PREFIX_BLOCKS = 16  # the shared prefix of `--prefix`, in blocks (256 tokens)
+
+
+def shared_prefix(num_blocks: int = PREFIX_BLOCKS) -> list[int]:
+    """The `--prefix` requests' shared prompt prefix of `num_blocks` blocks."""
+    return [(11 * t) % 991 + 3 for t in range(num_blocks * BLOCK_SIZE)]
+
+
+SHARED_PREFIX = shared_prefix()
 
 
 def _completed_jobs(scheduler: Any, output: Any) -> Any:
@@ -121,12 +141,15 @@ def _completed_jobs(scheduler: Any, output: Any) -> Any:
     return None
 
 
-def decode_request(i: int, prefix: bool = False) -> Any:
+def decode_request(
+    i: int, prefix: bool = False, prefix_blocks: int = PREFIX_BLOCKS
+) -> Any:
     """Running request i of a step benchmark: a fixed PROMPT_LEN-token prompt
-    (after SHARED_PREFIX with `prefix`) that decodes to near MAX_MODEL_LEN."""
+    (after the `prefix_blocks`-block shared prefix with `prefix`) that
+    decodes to near MAX_MODEL_LEN."""
     prompt = [(i * 131 + 7 * t) % 991 + 3 for t in range(PROMPT_LEN)]
     if prefix:
-        prompt = SHARED_PREFIX + prompt
+        prompt = shared_prefix(prefix_blocks) + prompt
     return make_request(
         f"d{i}",
         prompt,
@@ -135,9 +158,22 @@ def decode_request(i: int, prefix: bool = False) -> Any:
     )
 
 
+def prefix_max_model_len(prefix_blocks: int) -> int:
+    """max_model_len of a `--prefix` engine: MAX_MODEL_LEN, or room for a
+    longer shared prefix plus MAX_MODEL_LEN // 2 tokens."""
+    return max(MAX_MODEL_LEN, prefix_blocks * BLOCK_SIZE + MAX_MODEL_LEN // 2)
+
+
 @dataclass
 class Bench:
-    """One engine (scheduler only) with `n` running requests in decode."""
+    """One engine (scheduler only) with `n` running requests in decode.
+
+    With `worker` (prefix mode, checksums on): a real `KVChecksumWorker` over
+    CPU KV caches runs `bind` and `post_forward` between `schedule()` and
+    `update_from_output()`, whose output carries its record, so the hit
+    checks are verified against real entries (as in a TP 1 engine, where
+    the scheduler finalizes the worker's record).
+    """
 
     model_dir: str
     connector: str
@@ -147,7 +183,18 @@ class Bench:
     loads: bool = False
     prefix: bool = False
     steps: int = 0
+    prefix_blocks: int = PREFIX_BLOCKS
+    hit_tail: int = PROMPT_LEN  # tokens of a hit request after the prefix
+    hits_per_step: int = 1  # new requests hitting the prefix each step
+    worker: bool = False
     _pending_loads: list[str] = field(default_factory=list)
+    # per step: seconds in schedule(), the worker, update_from_output()
+    phases: list[tuple[float, float, float]] = field(default_factory=list)
+    # per step: hit blocks checked and entries saved (worker bound steps)
+    checked: list[tuple[int, int]] = field(default_factory=list)
+    # a step's metadata with hit checks, for `bench_hit_worker`
+    hit_scheduled: Any = None
+    profiler: cProfile.Profile | None = None
 
     def __post_init__(self) -> None:
         extra = dict(self.extra)
@@ -155,23 +202,44 @@ class Bench:
             extra["enable_kv_checksum"] = True
             if self.prefix:
                 extra[VERIFY_PREFIX_HITS_KEY] = True
+        max_model_len = MAX_MODEL_LEN
+        spare, hits = 64, 0
+        if self.prefix:
+            max_model_len = prefix_max_model_len(self.prefix_blocks)
+            # the prefix, and hit requests (each lives about 3 steps) or
+            # their cached blocks until evicted
+            hits = self.hits_per_step
+            spare = 240 + self.prefix_blocks + 4 * hits * (self.hit_tail // 16 + 2)
         config = make_vllm_config(
             self.model_dir,
-            num_blocks=self.n * (MAX_MODEL_LEN // BLOCK_SIZE)
-            + (256 if self.prefix else 64),
+            num_blocks=self.n * (max_model_len // BLOCK_SIZE) + spare,
             kv_connector=self.connector,
             extra_config=extra,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_seqs=self.n + 8,
-            max_num_batched_tokens=max(MAX_MODEL_LEN, (self.n + 8) * PROMPT_LEN),
+            max_model_len=max_model_len,
+            max_num_seqs=self.n + 8 + 3 * hits,
+            max_num_batched_tokens=max(
+                max_model_len, (self.n + 8) * PROMPT_LEN + hits * self.hit_tail
+            ),
         )
-        self.scheduler = make_scheduler(config, make_kv_cache_config(config))
+        kv_cache_config = make_kv_cache_config(config)
+        self.scheduler: Any = make_scheduler(config, kv_cache_config)
+        self.checksum_worker: KVChecksumWorker | None = None
+        if self.worker and self.enabled:
+            self.checksum_worker = cpu_checksum_worker(kv_cache_config)
+            self.checksum_worker.enable_prefix_entries()
         for i in range(self.n):
-            self.scheduler.add_request(decode_request(i, self.prefix))
+            self.scheduler.add_request(
+                decode_request(i, self.prefix, self.prefix_blocks)
+            )
         for _ in range(3):  # prefill, then decode
             self.step()
+        for _ in range(64):  # long shared prefixes: until every prompt is done
+            if not any(r.request_id.startswith("d") for r in self.scheduler.waiting):
+                break
+            self.step()
 
-    def step(self) -> None:
+    def step(self) -> float:
+        """One step; returns the seconds in schedule() and update_from_output()."""
         scheduler = self.scheduler
         finished: list[str] = []
         if self.loads:
@@ -179,7 +247,16 @@ class Bench:
             self._add_consumer()
         if self.prefix:
             self._add_prefix_hit()
+        profiler = self.profiler  # the scheduler's two calls only
+        start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         output = scheduler.schedule()
+        if profiler is not None:
+            profiler.disable()
+        scheduled = time.perf_counter()
+        records = self._worker_step(output)
+        worked = time.perf_counter()
         self._pending_loads = [
             r.request_id
             for r in scheduler.waiting
@@ -189,20 +266,54 @@ class Bench:
         ][:1]
         kv_output = make_kv_connector_output(finished_recving=finished)
         kv_output.kv_connector_worker_meta = _completed_jobs(scheduler, output)
+        if records:
+            kv_output.kv_checksums = records  # type: ignore[attr-defined]
         model_output = make_model_runner_output(
             output, scheduler=scheduler, kv_connector_output=kv_output
         )
+        updating = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         scheduler.update_from_output(output, model_output)
+        if profiler is not None:
+            profiler.disable()
+        done = time.perf_counter()
         self.steps += 1
+        self.phases.append((scheduled - start, worked - scheduled, done - updating))
+        return (scheduled - start) + (done - updating)
+
+    def _worker_step(self, output: Any) -> list[Any]:
+        """The checksum worker's part of the step (bind, post_forward)."""
+        worker = self.checksum_worker
+        if worker is None:
+            return []
+        meta = getattr(output, "kv_checksum_scheduled", None)
+        if meta is not None:
+            if meta.reqs_to_check:
+                self.hit_scheduled = meta
+            self.checked.append(
+                (
+                    sum(len(b.groups[0][1]) for b in meta.reqs_to_check.values()),
+                    sum(len(run[2]) for run in meta.blocks_to_save),
+                )
+            )
+        worker.bind(meta)
+        pending = worker.post_forward(set(), set(), None, output.finished_req_ids)
+        return [] if pending is None else [pending]
 
     def _add_prefix_hit(self) -> None:
         i = self.steps
-        tail = [(i * 17 + 5 * t) % 991 + 3 for t in range(PROMPT_LEN)]
-        self.scheduler.add_request(
-            make_request(
-                f"h{i}", SHARED_PREFIX + tail, max_tokens=2, block_size=BLOCK_SIZE
+        for j in range(self.hits_per_step):
+            seed = i * self.hits_per_step + j
+            tail = [(seed * 17 + 5 * t) % 991 + 3 for t in range(self.hit_tail)]
+            self.scheduler.add_request(
+                make_request(
+                    f"h{i}" if self.hits_per_step == 1 else f"h{i}.{j}",
+                    shared_prefix(self.prefix_blocks) + tail,
+                    max_tokens=2,
+                    block_size=BLOCK_SIZE,
+                )
             )
-        )
 
     def _add_consumer(self) -> None:
         i = self.steps
@@ -347,7 +458,7 @@ def _timed_inner(fn: Callable[[], float], count: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _timed(fn: Callable[[], None], count: int) -> float:
+def _timed(fn: Callable[[], object], count: int) -> float:
     """Median microseconds of `count` calls of `fn` (garbage collection off,
     so a collection landing in one engine's round does not count)."""
     times = []
@@ -388,11 +499,10 @@ def bench_scheduler(
     steps: int,
     loads: bool,
     profile: bool,
-    prefix: bool = False,
 ) -> Result:
-    connector, extra = CONNECTORS[CARRIER_NAME if prefix else name]
-    on = Bench(model_dir, connector, extra, True, n, loads, prefix)
-    off = Bench(model_dir, connector, extra, False, n, loads, prefix)
+    connector, extra = CONNECTORS[name]
+    on = Bench(model_dir, connector, extra, True, n, loads)
+    off = Bench(model_dir, connector, extra, False, n, loads)
     result = Result(name + (" +loads" if loads else ""), n, [], [])
     for _ in range(rounds):
         result.on.append(_timed(on.step, steps))
@@ -429,13 +539,11 @@ def bench_offload_loads(
     return result, on
 
 
-def bench_worker(model_dir: str, n: int, count: int) -> float:
-    """Microseconds of a decode step's bind + post_forward on one worker."""
-    config = make_vllm_config(model_dir, max_num_seqs=n)
-    kv_cache_config = make_kv_cache_config(config, pp_rank=0)
-    caches = make_kv_caches(kv_cache_config, seed=0)
+def cpu_checksum_worker(kv_cache_config: Any) -> KVChecksumWorker:
+    """A TP 1 checksum worker over the tests' model's KV caches on CPU."""
     import torch
 
+    caches = make_kv_caches(kv_cache_config, seed=0)
     topology = WorkerTopology(
         tp_rank=0,
         tp_size=1,
@@ -444,13 +552,228 @@ def bench_worker(model_dir: str, n: int, count: int) -> float:
         uniform_model_kv_heads=2,
         device=torch.device("cpu"),
     )
-    worker = KVChecksumWorker(kv_cache_config, caches, topology)
+    return KVChecksumWorker(kv_cache_config, caches, topology)
+
+
+def bench_worker(model_dir: str, n: int, count: int) -> float:
+    """Microseconds of a decode step's bind + post_forward on one worker."""
+    config = make_vllm_config(model_dir, max_num_seqs=n)
+    worker = cpu_checksum_worker(make_kv_cache_config(config, pp_rank=0))
 
     def step() -> None:
         worker.bind(None)
         worker.post_forward(None, set(), None, ())
 
     return _timed(step, count)
+
+
+@dataclass
+class PrefixResult:
+    """`--prefix` rounds: per round, the median step's phases (seconds)."""
+
+    n: int
+    prefix_blocks: int
+    on: list[tuple[float, float, float]] = field(default_factory=list)
+    off: list[tuple[float, float, float]] = field(default_factory=list)
+    checked: tuple[int, int] = (0, 0)  # median hit blocks checked, saved / step
+
+    def add_round(self, on: Bench, off: Bench, steps: int) -> None:
+        for bench, rows in ((on, self.on), (off, self.off)):
+            last = bench.phases[-steps:]
+            schedule, worker, update = (
+                statistics.median(p[i] for p in last) for i in range(3)
+            )
+            rows.append((schedule, worker, update))
+
+    def row(self) -> str:
+        """| running | blocks | schedule off/on/diff | update off/on/diff |
+        sum diff | worker (on) |, microseconds, median over rounds."""
+
+        def med(rows: list[tuple[float, float, float]], i: int) -> float:
+            return statistics.median(r[i] for r in rows) * 1e6
+
+        def diff(i: int) -> float:
+            return (
+                statistics.median(a[i] - b[i] for a, b in zip(self.on, self.off)) * 1e6
+            )
+
+        total = statistics.median(
+            (a[0] + a[2]) - (b[0] + b[2]) for a, b in zip(self.on, self.off)
+        )
+        return (
+            f"| {self.n} | {self.prefix_blocks} | "
+            f"{self.checked[0]} / {self.checked[1]} | "
+            f"{med(self.off, 0):.0f} | {med(self.on, 0):.0f} | {diff(0):+.0f} | "
+            f"{med(self.off, 2):.0f} | {med(self.on, 2):.0f} | {diff(2):+.0f} | "
+            f"{total * 1e6:+.0f} | {med(self.on, 1):.0f} |"
+        )
+
+
+PREFIX_HEADER = (
+    "| running | hit blocks | checked / saved per step | schedule off | "
+    "schedule on | on - off | update off | update on | on - off | "
+    "step on - off | worker on (CPU kernels) |\n" + "|---" * 11 + "|"
+)
+
+
+def profile_diff(on: pstats.Stats, off: pstats.Stats, top: int) -> str:
+    """Functions by own time on - off (microseconds per run, both runs of
+    the same number of steps), then the package's by cumulative time on."""
+    on_stats: dict = on.stats  # type: ignore[attr-defined]
+    off_stats: dict = off.stats  # type: ignore[attr-defined]
+    rows = []
+    for key, (_, calls, tottime, cumtime, _) in on_stats.items():
+        off_calls, off_tt = 0, 0.0
+        if key in off_stats:
+            off_calls, off_tt = off_stats[key][1], off_stats[key][2]
+        rows.append((tottime - off_tt, calls - off_calls, cumtime, key))
+    rows.sort(reverse=True)
+    lines = ["own time on - off (us) | calls on - off | cumulative on (us) | function"]
+    for dt, dcalls, cum, (path, line, name) in rows[:top]:
+        where = "/".join(Path(path).parts[-2:])
+        lines.append(
+            f"{dt * 1e6:10.0f} | {dcalls:6d} | {cum * 1e6:10.0f} | "
+            f"{where}:{line} {name}"
+        )
+    package = sorted(
+        ((v[3], v[1], k) for k, v in on_stats.items() if "/kv_checksum/" in k[0]),
+        reverse=True,
+    )
+    lines.append("package functions, cumulative on (us) | calls | function")
+    for cum, calls, (path, line, name) in package[:top]:
+        where = "/".join(Path(path).parts[-2:])
+        lines.append(f"{cum * 1e6:10.0f} | {calls:6d} | {where}:{line} {name}")
+    return "\n".join(lines)
+
+
+def bench_prefix(
+    model_dir: str,
+    n: int,
+    rounds: int,
+    steps: int,
+    prefix_blocks: int,
+    hit_tail: int,
+    profile: bool,
+    hits_per_step: int = 1,
+) -> tuple[Result, PrefixResult, Bench]:
+    """`--prefix`: on vs off, a `prefix_blocks`-block hit every step; the on
+    engine's worker runs between the scheduler's calls (not timed in them;
+    its kernels stubbed unless `--cpu-kernels`: on CPU they take
+    milliseconds and leave the host's caches cold for the scheduler, which a
+    GPU's kernels do not).
+    Returns the whole-step rows, the phase rows and the on engine."""
+    import torch
+
+    # One thread: no OpenMP worker left spinning after the CPU kernels takes
+    # the other core from the on engine's update_from_output.
+    torch.set_num_threads(1)
+    connector, extra = CONNECTORS[CARRIER_NAME]
+    on = Bench(
+        model_dir,
+        connector,
+        extra,
+        True,
+        n,
+        prefix=True,
+        prefix_blocks=prefix_blocks,
+        hit_tail=hit_tail,
+        hits_per_step=hits_per_step,
+        worker=True,
+    )
+    off = Bench(
+        model_dir,
+        connector,
+        extra,
+        False,
+        n,
+        prefix=True,
+        prefix_blocks=prefix_blocks,
+        hit_tail=hit_tail,
+        hits_per_step=hits_per_step,
+    )
+    name = f"{PREFIX_NAME}, {prefix_blocks} blocks"
+    result = Result(name, n, [], [])
+    phases = PrefixResult(n, prefix_blocks)
+    for _ in range(rounds):
+        result.on.append(_timed_inner(on.step, steps))
+        result.off.append(_timed_inner(off.step, steps))
+        phases.add_round(on, off, steps)
+    counts = on.checked[-rounds * steps :]
+    phases.checked = (
+        int(statistics.median(c[0] for c in counts)),
+        int(statistics.median(c[1] for c in counts)),
+    )
+    if profile:
+        stats = []
+        for bench in (on, off):
+            bench.profiler = cProfile.Profile()
+            gc.collect()
+            for _ in range(steps):
+                bench.step()
+            stats.append(pstats.Stats(bench.profiler))
+            bench.profiler = None
+        print(
+            f"\ncProfile, schedule() and update_from_output() only, {n} requests, "
+            f"{prefix_blocks}-block hits, {steps} steps each engine"
+        )
+        print(profile_diff(stats[0], stats[1], 25))
+    return result, phases, on
+
+
+def _no_kernel(launch: Any, rows: Any, out: Any) -> None:
+    """A stubbed checksum launch: adds nothing, so every sum is zero; saved
+    entries and checks agree (zero XOR the tag), so hits still verify."""
+
+
+def bench_hit_worker(bench: Bench, count: int, profile: bool) -> dict[str, float]:
+    """Microseconds of the worker's bind + post_forward of one step with a
+    prefix-hit check (the on engine's last such step, replayed), with the
+    CPU checksum kernels and with them stubbed out (host bookkeeping only);
+    then aten operators dispatched per step (each a host-side dispatch, and
+    on CUDA a kernel launch or copy)."""
+    import pytest
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (
+        KVChecksumLaunch,
+    )
+
+    worker, meta = bench.checksum_worker, bench.hit_scheduled
+    assert worker is not None and meta is not None
+
+    def step() -> None:
+        worker.bind(meta)
+        worker.post_forward(set(), set(), None, ())
+
+    figures = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(KVChecksumLaunch, "__call__", REAL_LAUNCH)
+        figures["with CPU kernels"] = _timed(step, max(8, count // 20))
+        patch.setattr(KVChecksumLaunch, "__call__", _no_kernel)
+        figures["kernels stubbed (bookkeeping)"] = _timed(step, count)
+
+        class Count(TorchDispatchMode):
+            ops: dict[str, int] = {}
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                Count.ops[str(func)] = Count.ops.get(str(func), 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        with Count():
+            step()
+        figures["aten ops per step (kernels stubbed)"] = float(sum(Count.ops.values()))
+        print("aten ops of one hit-check worker step:", dict(sorted(Count.ops.items())))
+        if profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(count):
+                step()
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+            print(f"\ncProfile, worker hit step, kernels stubbed, {count} steps:")
+            print(text.getvalue()[-5000:])
+    return figures
 
 
 def main() -> None:
@@ -462,6 +785,30 @@ def main() -> None:
     parser.add_argument("--no-loads", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--prefix", action="store_true", help="prefix hits only")
+    parser.add_argument(
+        "--prefix-blocks",
+        type=int,
+        default=PREFIX_BLOCKS,
+        help="--prefix: blocks of the shared prefix each new request hits",
+    )
+    parser.add_argument(
+        "--cpu-kernels",
+        action="store_true",
+        help="--prefix: the worker runs the CPU checksum kernels in the "
+        "scheduler rounds (default: stubbed, see _no_kernel)",
+    )
+    parser.add_argument(
+        "--hits-per-step",
+        type=int,
+        default=1,
+        help="--prefix: new requests with the shared prefix each step",
+    )
+    parser.add_argument(
+        "--hit-tail",
+        type=int,
+        default=PROMPT_LEN,
+        help="--prefix: a new request's own tokens after the shared prefix",
+    )
     parser.add_argument(
         "--offload-loads",
         action="store_true",
@@ -488,22 +835,33 @@ def main() -> None:
                     f"| {result.name} | {n} | {on.steps} | {on.loads} | "
                     f"{on.loaded_blocks} | {on.verdicts()} |"
                 )
+    prefix_rows: list[PrefixResult] = []
+    hit_worker: dict[str, float] = {}
     if args.prefix:
         args.connectors = []
-        for n in args.requests:
-            profile = args.profile and n == max(args.requests)
-            results.append(
-                bench_scheduler(
+        import pytest  # its MonkeyPatch undoes the CPU stand-ins for CUDA streams
+
+        with pytest.MonkeyPatch.context() as patch, cpu_cuda_streams(patch):
+            if not args.cpu_kernels:
+                patch.setattr(KVChecksumLaunch, "__call__", _no_kernel)
+            for n in args.requests:
+                profile = args.profile and n == max(args.requests)
+                result, phases, hit_bench = bench_prefix(
                     model_dir,
-                    PREFIX_NAME,
                     n,
                     args.rounds,
                     args.steps,
-                    False,
+                    args.prefix_blocks,
+                    args.hit_tail,
                     profile,
-                    True,
+                    args.hits_per_step,
                 )
-            )
+                results.append(result)
+                prefix_rows.append(phases)
+                kcs = hit_bench.scheduler.kv_checksum_scheduler
+                print(f"{n} running: prefix-hit verdicts {dict(kcs.stats.prefix_hits)}")
+                if n == max(args.requests):
+                    hit_worker = bench_hit_worker(hit_bench, 400, args.profile)
     for name in args.connectors:
         for n in args.requests:
             results.append(
@@ -536,6 +894,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for result in results:
         print(result.row())
+    if prefix_rows:
+        print("\nPrefix-hit steps by phase, microseconds (median step of a round,")
+        print("median over rounds; on - off: median of the round differences;")
+        print("worker: bind + post_forward on CPU, not in the scheduler's figures):")
+        print(PREFIX_HEADER)
+        for phases in prefix_rows:
+            print(phases.row())
+        print("\nWorker step of one hit check, replayed (bind + post_forward):")
+        for label, value in hit_worker.items():
+            print(f"| {label} | {value:.1f} |")
     if load_counts:
         print("\nHost-tier loads of the checksums-on engines (all steps):")
         print("| connector | running | steps | loads | blocks | verdicts |")
@@ -550,6 +918,8 @@ def main() -> None:
         summary = {
             "scheduler_rows": [result.row() for result in results],
             "worker_decode_step_us": worker_us,
+            "prefix_phase_rows": [phases.row() for phases in prefix_rows],
+            "prefix_hit_worker_us": hit_worker,
         }
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
 

@@ -49,7 +49,9 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import FullBlocks
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import KVChecksumWorker
+from vllm.distributed.kv_transfer.kv_checksum.offload import entries
 from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
+    BlockTagCache,
     position_hashes,
     verify_offloaded_load,
 )
@@ -139,6 +141,49 @@ def test_R142_tags_have_no_python_loop_per_block() -> None:
         assert got.dtype == U64 and got.shape == (256,)
         assert hexes(got) == hexes(reference_tags(hashes, fingerprint))
     assert block_checksum_tags([], 5).shape == (0,)
+
+
+def test_R142_tag_cache_hashes_each_block_once_and_equals_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R116, R142 (issue 31): `BlockTagCache` returns the reference tags for
+    any mix of seen and unseen hashes, duplicates and fingerprints, hashes a
+    (fingerprint, hash) once while it is kept, and stays within its limit.
+
+    Bugs caught: SHA-256 per hit block on every request (the cost the cache
+    removes: about 1 us per block, 128 per 2,048-token hit); a cache keyed by
+    hash alone, which answers one fingerprint's tags for another (PP stages);
+    stale or missing tags after the cache forgets on reaching its limit; an
+    unbounded cache."""
+    hashed: list[int] = []
+
+    def counting(hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
+        hashed.append(len(hashes))
+        return block_checksum_tags(hashes, fingerprint)
+
+    monkeypatch.setattr(entries, "block_checksum_tags", counting)
+    cache = BlockTagCache(limit=40)
+    prefix, other = fake_hashes(16, seed=1), fake_hashes(16, seed=2)
+    fp1, fp2 = 0x0123456789ABCDEF, (1 << 64) - 1
+    calls = [
+        (prefix, fp1, 16),  # all new
+        (prefix, fp1, 0),  # the shared prefix again: nothing hashed
+        (prefix[::2] + other[:4] + other[:4], fp1, 4),  # 4 new, duplicated
+        (prefix, fp2, 16),  # same hashes, another fingerprint
+        (other, fp1, 16),  # 12 new pass the limit (36 + 12 > 40): all 16 again
+        (other[:8], fp1, 0),
+        (prefix, fp1, 16),  # forgotten at the limit: hashed again
+        (fake_hashes(41, seed=3), fp1, 41),  # larger than the limit: not kept
+        (prefix, fp1, 0),
+        ([], fp1, 0),
+    ]
+    for hashes, fingerprint, new in calls:
+        hashed.clear()
+        got = cache(hashes, fingerprint)
+        assert got.dtype == U64 and got.shape == (len(hashes),)
+        assert hexes(got) == hexes(reference_tags(hashes, fingerprint))
+        assert sum(hashed) == new, (len(hashes), fingerprint, hashed)
+        assert cache.size <= cache.limit
 
 
 # --------------------------------------------------------------------------

@@ -32,6 +32,9 @@ from vllm.distributed.kv_transfer.kv_checksum.config import (
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
+from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
+    KVChecksumPrefixHits,
+)
 from vllm.distributed.kv_transfer.kv_checksum.faults.injector import KVFaultInjector
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
@@ -155,6 +158,69 @@ def test_key_pointing_at_another_block_caught(model_dir: str) -> None:
     # Restarted, c's second hit (block 0 only) is checked again, not bad.
     assert prefix_verdicts(engine).get("mismatch") == 1
     assert engine.final["c"] is not None
+
+
+def test_key_redirect_caught_with_tags_cached(model_dir: str) -> None:
+    """R140 (b), R142 (issue 31): with both prefixes' tags already cached by
+    clean hits (the tag cache holds every block's tag), a key redirected to
+    the other prefix's block is still caught, and the clean hits before it
+    verified.
+
+    Bug caught: tags cached per block id (or per block) rather than per
+    request hash and fingerprint; the redirected block's own cached tag
+    would then make its foreign entry look right."""
+    engine = engine_for(model_dir, "foreign-cached")
+    base, other = prompt(13, PREFIX + 5), prompt(14, PREFIX + 5)
+    a = run(engine, "a", base)
+    b = run(engine, "b", other)
+    run(engine, "a2", base[:PREFIX] + [5, 5, 5])  # both prefixes hit clean
+    run(engine, "b2", other[:PREFIX] + [6, 6, 6])
+    assert prefix_verdicts(engine) == {"verified": 2}
+    assert hits_state(engine).tags.size >= 2 * (PREFIX // BS)
+    mine, foreign = cached_block(engine, a, 1), cached_block(engine, b, 1)
+    table = engine.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+    table.pop(mine.block_hash, mine.block_id)
+    table.insert(mine.block_hash, foreign)
+    run(engine, "c", base[:PREFIX] + [7, 7, 7])
+    assert prefix_verdicts(engine).get("mismatch") == 1
+
+
+def test_entries_of_split_position_runs() -> None:
+    """R140, R142: `on_cached` saves one run per stretch of consecutive
+    positions, each with the request's hashes of its own positions, and one
+    run, without splitting, for consecutive ones (the usual case); compared
+    with runs cut by a plain loop.
+
+    Bug caught: the one-run shortcut taken for positions with a gap, which
+    would save every entry after the gap under another position's hash."""
+    hits = KVChecksumPrefixHits(200, 0, BS, None, 1)
+
+    class Request:
+        block_hashes = [bytes([i]) * 32 for i in range(12)]
+
+    def reference(positions: list[int]) -> list[tuple[int, list[int]]]:
+        runs: list[tuple[int, list[int]]] = []
+        for pos in positions:
+            if runs and runs[-1][0] + len(runs[-1][1]) == pos:
+                runs[-1][1].append(pos)
+            else:
+                runs.append((pos, [pos]))
+        return runs
+
+    for positions in ([3, 4, 5, 6], [0, 1, 3, 4, 9], [7], [2, 5, 6, 11]):
+        ids = [100 + p for p in positions]
+        keys = [("key", p) for p in positions]
+        hits.on_cached(Request(), np.asarray(positions), np.asarray(ids), keys)
+        saves = hits.take_step().saves
+        expected = reference(positions)
+        assert [(start, list(ids_)) for _, start, ids_, _ in saves] == [
+            (start, [100 + p for p in run]) for start, run in expected
+        ]
+        assert [hashes for *_, hashes in saves] == [
+            [Request.block_hashes[p] for p in run] for _, run in expected
+        ]
+        assert all(hits.entry_keys[100 + p] == ("key", p) for p in positions)
+        assert hits.has_entry[ids].all()
 
 
 def test_reused_block_with_surviving_hash_caught(model_dir: str) -> None:

@@ -76,3 +76,48 @@ def test_offload_loads_load_128_blocks_every_step_and_verify(
         assert _first_compute(engine, f"o{i}") == _load_step(engine, f"o{i}") + 2
     if enabled:  # the last step's load finishes in the next step, not run
         assert runner.verdicts() == {"verified": steps - 1}
+
+
+@pytest.mark.parametrize("hits_per_step", [1, 2])
+def test_prefix_mode_checks_every_hit_block_and_verifies(
+    model_dir: str, hits_per_step: int
+) -> None:
+    """The `--prefix --prefix-blocks 128` engines (issue 31) do what their
+    rows claim: every step `hits_per_step` new requests hit the whole
+    128-block shared prefix (2,048 tokens / 16-token blocks, computed here
+    independently), the on engine's worker checks all of those blocks and
+    saves entries of the hit requests' own full blocks (`hit_tail` tokens: 2
+    blocks each), and every check verifies; the off engine checks nothing.
+
+    Bugs caught: a max_model_len or block budget too small for the long
+    prefix (no hit, or a shorter one), the worker's record not reaching the
+    scheduler (no verdicts, or "unverified"), the phases not recorded.
+    """
+    bench = load_script("kv_checksum_step_bench", SCRIPT)
+    bench.plugin.register()
+    bench.register_carrier_connector()
+    prefix_blocks, steps = 2048 // 16, 3
+    connector, extra = bench.CONNECTORS[bench.CARRIER_NAME]
+    kwargs = dict(prefix=True, prefix_blocks=prefix_blocks)
+    on = bench.Bench(
+        model_dir,
+        connector,
+        extra,
+        True,
+        1,
+        worker=True,
+        hits_per_step=hits_per_step,
+        **kwargs,
+    )
+    off = bench.Bench(
+        model_dir, connector, extra, False, 1, hits_per_step=hits_per_step, **kwargs
+    )
+    for _ in range(steps):
+        assert on.step() > 0.0 and off.step() > 0.0
+    assert on.checked[-steps:] == [(hits_per_step * 128, hits_per_step * 2)] * steps
+    hit_checks = on.hit_scheduled.reqs_to_check.values()
+    assert [len(b.groups[0][1]) for b in hit_checks] == [128] * hits_per_step
+    assert off.checksum_worker is None and off.checked == []
+    verdicts = dict(on.scheduler.kv_checksum_scheduler.stats.prefix_hits)
+    assert verdicts == {"verified": hits_per_step * on.steps}
+    assert len(on.phases) == on.steps and len(off.phases) == off.steps

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
 from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
+    BlockTagCache,
     position_hashes,
     verify_offloaded_load,
 )
@@ -84,6 +85,8 @@ class KVChecksumPrefixHits:
         self.entry_keys: dict[int, Hashable] = {}
         self.pending: dict[str, PendingPrefixHit] = {}
         self._step = PrefixHitStep()
+        # Tags of hit blocks: a shared prefix is hashed once, not per hit.
+        self.tags = BlockTagCache(num_blocks)
 
     @property
     def num_entries(self) -> int:
@@ -99,8 +102,13 @@ class KVChecksumPrefixHits:
         """Record the entries of blocks vLLM just cached at `positions`."""
         if positions.size == 0:
             return
-        breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-        for pos, ids in zip(np.split(positions, breaks), np.split(block_ids, breaks)):
+        breaks = np.flatnonzero(positions[1:] - positions[:-1] != 1) + 1
+        runs = (
+            zip(np.split(positions, breaks), np.split(block_ids, breaks))
+            if breaks.size
+            else ((positions, block_ids),)  # one run, the usual case
+        )
+        for pos, ids in runs:
             hashes = position_hashes(
                 request.block_hashes,
                 int(pos[0]),
@@ -160,6 +168,7 @@ class KVChecksumPrefixHits:
             load.request.block_hashes,
             {self.group_id: self.block_size},
             self.hash_block_size,
+            self.tags,
         )
         unchecked = load.unchecked
         if verdict.status == KVChecksumStatus.VERIFIED and (

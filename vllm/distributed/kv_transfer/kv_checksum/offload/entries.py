@@ -9,7 +9,8 @@ the loaded KV again and captures the entry that came back; a position is bad
 when the two disagree on any worker (R120). Pure functions over plain inputs.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from itertools import filterfalse
 
 import numpy as np
 
@@ -26,6 +27,45 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     completeness_detail,
     other_blocks_detail,
 )
+
+# tags(block hashes, fingerprint) -> uint64 tag per hash (R116)
+TagsFn = Callable[[Sequence[bytes], int], np.ndarray]
+
+
+class BlockTagCache:
+    """`block_checksum_tags` remembered per (fingerprint, block hash) (R116, R142).
+
+    Every request hitting a shared prefix has the same blocks checked, and a
+    tag is a pure function of its fingerprint and hash, so only hashes not
+    seen before are hashed: no SHA-256 per hit block per request. Bounded:
+    at most `limit` tags are kept; a call that would pass it forgets them all
+    first. No Python loop per block: C iterators over the hashes.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._tags: dict[int, dict[bytes, int]] = {}
+
+    def __call__(self, block_hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
+        """The tags of `block_hashes`, equal to `block_checksum_tags`'."""
+        count = len(block_hashes)
+        if count > self.limit:
+            return block_checksum_tags(block_hashes, fingerprint)
+        tags = self._tags.setdefault(fingerprint, {})
+        missing = list(dict.fromkeys(filterfalse(tags.__contains__, block_hashes)))
+        if missing:
+            if self.size + len(missing) > self.limit:
+                self._tags = {fingerprint: {}}
+                tags = self._tags[fingerprint]
+                self.size = 0
+                missing = list(dict.fromkeys(block_hashes))
+            values = block_checksum_tags(missing, fingerprint).tolist()
+            tags.update(zip(missing, values))
+            self.size += len(missing)
+        return np.fromiter(
+            map(tags.__getitem__, block_hashes), dtype=np.uint64, count=count
+        )
 
 
 def position_hashes(
@@ -55,12 +95,14 @@ def verify_offloaded_load(
     block_hashes: Sequence[bytes],
     block_sizes: Mapping[int, int],
     hash_block_size: int | None,
+    tags_of: TagsFn = block_checksum_tags,
 ) -> KVChecksumVerdict:
     """Compares each worker's loaded-block checksums with the stored entries.
 
     Groups no worker stored entries for are not compared; a load with no
     compared group and no other reason is verified (R120). Bad positions are
-    the union over workers.
+    the union over workers. `tags_of` computes the tags (e.g. a
+    `BlockTagCache`).
     """
     verdict = KVChecksumVerdict(KVChecksumStatus.UNVERIFIED)
     detail = completeness_detail(len(reports), num_workers)
@@ -96,7 +138,7 @@ def verify_offloaded_load(
             fingerprint = reports[key].fingerprints.get(group_id, 0)
             tags = tags_by_fingerprint.get(fingerprint)
             if tags is None:
-                tags = block_checksum_tags(hashes, fingerprint)
+                tags = tags_of(hashes, fingerprint)
                 tags_by_fingerprint[fingerprint] = tags
             with np.errstate(over="ignore"):
                 sums = entry.values.sum(axis=1, dtype=np.uint64)
