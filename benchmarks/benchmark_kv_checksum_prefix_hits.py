@@ -45,7 +45,9 @@ reported). Defaults: 4 rounds of `host16_c8`, about 270 s at 8B on an H200.
 (`--profiler-config`, `vllm bench serve --profile`) and puts a summary of the
 traces (CUDA kernels, memcpys, runtime calls and host synchronize calls by
 total time, per worker) into summary.json's `warmup_profiles`: where an on/off
-difference goes, without timing the measured rounds.
+difference goes, without timing the measured rounds. `--profile-steps N` traces
+only the first N engine steps of it (vLLM's `max_iterations`; not yet run on a
+GPU: the whole warm-up's traces of an 8B engine pair took over 2 minutes).
 
 `--control` is the A/A run: the "on" slot starts with checksums off too, so its
 "on/off" is what the two engine slots differ by alone (start order, port,
@@ -296,7 +298,8 @@ class Engine:
         )
         cmd += ["--kv-transfer-config", json.dumps(config), *args.serve_arg]
         if args.profile_warmup:
-            cmd += ["--profiler-config", json.dumps(profiler_config(self.trace_dir))]
+            config = profiler_config(self.trace_dir, args.profile_steps)
+            cmd += ["--profiler-config", json.dumps(config)]
         self.logs.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             cmd,
@@ -502,6 +505,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--keep-traces", action="store_true", help="keep the trace files in OUT"
     )
     parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="with --profile-warmup: trace only this many engine steps (0: all)",
+    )
+    parser.add_argument(
         "--control",
         action="store_true",
         help="A/A: the 'on' slot runs checksums off too, so 'on/off' measures "
@@ -563,14 +572,19 @@ def warm_up(
             )
 
 
-def profiler_config(trace_dir: Path) -> dict[str, Any]:
+def profiler_config(trace_dir: Path, max_steps: int = 0) -> dict[str, Any]:
     """vLLM's --profiler-config for a torch trace of both CPU and CUDA
-    activity (no Python stacks: a smaller trace)."""
-    return {
+    activity (no Python stacks: a smaller trace); `max_steps` > 0 traces only
+    the first engine steps and not the API front end, so the trace is written
+    in seconds (a whole 8B warm-up's took minutes on the H200 host)."""
+    config: dict[str, Any] = {
         "profiler": "torch",
         "torch_profiler_dir": str(trace_dir),
         "torch_profiler_with_stack": False,
     }
+    if max_steps:
+        config.update(max_iterations=max_steps, ignore_frontend=True)
+    return config
 
 
 # Trace event categories summed by name, and the CUDA calls that block the host.

@@ -527,3 +527,6 @@ def test_profiler_config_is_one_vllm_accepts(tmp_path: Path) -> None:
     assert config.profiler == "torch"
     assert config.torch_profiler_dir == str(tmp_path / "trace_on")
     assert config.torch_profiler_with_stack is False
+    limited = ProfilerConfig(**bench.profiler_config(tmp_path / "t", max_steps=160))
+    assert limited.max_iterations == 160 and limited.ignore_frontend is True
+    assert ProfilerConfig(**bench.profiler_config(tmp_path / "t")).max_iterations == 0
