@@ -10,6 +10,9 @@ offload tiers load from host memory, and the host-load counters of /metrics.
   next to `cpu_bytes_to_use`, as the guide's "Connectors" section says.
 - ``multi``: MultiConnector(NixlConnector, OffloadingConnector), built as the
   chaos runs build it; the package's keys in the MultiConnector's extra config.
+- ``simple-stores``: ``simple-hits`` without the prefix-hit flag (checksums of
+  the blocks SimpleCPUOffloadConnector stores only): beside ``simple-hits`` it
+  tells the cost of hit checks from that of the connector's store checksums.
 
 `off` is the same connector config without any of the package's keys; `on`
 adds `enable_kv_checksum` and `kv_checksum_fail_closed` (plus the prefix-hit
@@ -28,8 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples/disaggregated"))
 from kv_checksum_chaos_plan import ServerSpec, kv_transfer_config  # noqa: E402
 
-TIERS = ("simple-hits", "offloading", "multi")
-OFFLOAD_TIERS = TIERS[1:]
+TIERS = ("simple-hits", "offloading", "multi", "simple-stores")
+OFFLOAD_TIERS = ("offloading", "multi")
 # Per tier: rounds and workloads by default, the CPU tier's GiB. Measured at 8B
 # on an H200 (2026-12-01): 116 s to start both engines, 31-38 s a round of one
 # workload (the bench CLI's start included); 6 rounds of two workloads did not
@@ -39,6 +42,7 @@ TIER_DEFAULTS: dict[str, tuple[int, str, int]] = {
     "simple-hits": (8, "shared_c1,shared_c32", 8),
     "offloading": (4, "host16_c8", 16),
     "multi": (4, "host16_c8", 16),
+    "simple-stores": (8, "shared_c1,shared_c32", 8),
 }
 # vLLM's OffloadingConnector transfer counters (prometheus_client names): bytes
 # loaded from host memory and one histogram sample per load transfer.

@@ -286,6 +286,9 @@ trial-vector | trial-zero-copy)
 host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile "$@" ;;
 # The cost of prefix-hit verification (issue 31 item 4): `vllm bench serve`
 # shared-prefix rounds against an off and an on engine started together on one GPU.
+# Diagnosis: `bench-prefix --control` (A/A, both slots off), `bench-prefix --tier
+# simple-stores` (store checksums without hit checks), `bench-prefix
+# --profile-warmup --profile-steps 160` (a bounded trace of each engine).
 bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py \
     --bench-batch "$@" ;;
 # Issue 26 item 3: the CPU offload tier's cost, the same driver with a GPU cache

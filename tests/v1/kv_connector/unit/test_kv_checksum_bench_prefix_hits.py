@@ -311,6 +311,27 @@ def test_bench_batch_reads_counters_between_runs(tmp_path: Path) -> None:
 PACKAGE_KEYS = {"enable_kv_checksum", "kv_checksum_fail_closed"}
 
 
+def test_simple_stores_tier_is_simple_hits_without_the_hit_flag() -> None:
+    """The bisecting tier: the same connector, CPU size, workloads and GPU cache
+    as simple-hits, checksums on without `kv_checksum_verify_prefix_hits`, and
+    no hit required by its verdict. Bugs caught: the hit flag left in (then it
+    bisects nothing), the tier counted as an offload tier (a small GPU cache,
+    so other workloads), or its verdict failing for want of verified hits."""
+    hits, stores = (
+        tiers.transfer_config("on", 8, t) for t in ("simple-hits", "simple-stores")
+    )
+    assert _without(hits, {"kv_checksum_verify_prefix_hits"}) == stores
+    assert "kv_checksum_verify_prefix_hits" in hits["kv_connector_extra_config"]
+    assert tiers.transfer_config("off", 8, "simple-stores") == tiers.transfer_config(
+        "off", 8, "simple-hits"
+    )
+    assert "simple-stores" not in tiers.OFFLOAD_TIERS
+    assert tiers.TIER_DEFAULTS["simple-stores"] == tiers.TIER_DEFAULTS["simple-hits"]
+    no_hits = _rounds([10.0] * 6, [30.0] * 6, [{}, {}, {}])
+    assert bench.judge(no_hits, "simple-stores")["pass"]
+    assert not bench.judge(no_hits, "simple-hits")["pass"]
+
+
 def _without(config: Any, keys: set[str]) -> Any:
     """``config`` with ``keys`` removed at every level."""
     if isinstance(config, dict):
