@@ -43,6 +43,7 @@ Run from the repository root:
 
 import argparse
 import cProfile
+import functools
 import gc
 import io
 import json
@@ -668,29 +669,17 @@ def bench_prefix(
     # the other core from the on engine's update_from_output.
     torch.set_num_threads(1)
     connector, extra = CONNECTORS[CARRIER_NAME]
-    on = Bench(
+    engine = functools.partial(
+        Bench,
         model_dir,
         connector,
         extra,
-        True,
-        n,
-        prefix=True,
-        prefix_blocks=prefix_blocks,
-        hit_tail=hit_tail,
-        hits_per_step=hits_per_step,
-        worker=True,
-    )
-    off = Bench(
-        model_dir,
-        connector,
-        extra,
-        False,
-        n,
         prefix=True,
         prefix_blocks=prefix_blocks,
         hit_tail=hit_tail,
         hits_per_step=hits_per_step,
     )
+    on, off = engine(True, n, worker=True), engine(False, n)
     name = f"{PREFIX_NAME}, {prefix_blocks} blocks"
     result = Result(name, n, [], [])
     phases = PrefixResult(n, prefix_blocks)

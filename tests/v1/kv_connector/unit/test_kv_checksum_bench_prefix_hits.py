@@ -184,11 +184,7 @@ def test_control_run_starts_both_slots_off(tmp_path: Path) -> None:
     assert bench.judge(_rounds([10.0] * 6, [30.0] * 6, [{}, {}, {}]), control=True)[
         "pass"
     ]
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "tokenizer.json").write_text("{}")
-    fake = f"{sys.executable} {FAKE}"
-    out = tmp_path / "out"
+    model, fake, out = _fake_setup(tmp_path)
     rc = bench.main(
         ["--out", str(out), "--model", str(model), "--rounds", "2", "--scale"]
         + ["0.02", "--workloads", "shared_c8", "--control"]
@@ -226,6 +222,15 @@ def test_transfer_configs_differ_only_by_package_keys() -> None:
     }
 
 
+def _fake_setup(tmp_path: Path) -> tuple[Path, str, Path]:
+    """A model folder the driver does not build, the fake server command and
+    the run's output folder."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")  # no model build
+    return model, f"{sys.executable} {FAKE}", tmp_path / "out"
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -238,11 +243,7 @@ def test_whole_run_against_fake_servers(tmp_path: Path) -> None:
     sends the same prompts, the on engine's prefix-hit counter grows by one per
     prompt (the fake's rule) and the off engine's not at all, each bench call
     carries the shared-prefix flags, and the fixed fake timings pass."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "tokenizer.json").write_text("{}")  # no model build
-    fake = f"{sys.executable} {FAKE}"
-    out = tmp_path / "out"
+    model, fake, out = _fake_setup(tmp_path)
     rc = bench.main(
         ["--out", str(out), "--model", str(model), "--rounds", "4", "--scale"]
         + ["0.02", "--workloads", "shared_c8,shared_c32"]
@@ -453,11 +454,7 @@ def test_offload_tier_run_against_fake_servers(tmp_path: Path, tier: str) -> Non
     host load on both engines and one verified load on the on engine, and the
     run passes (bugs caught: the workload flags or the cache size not reaching
     the commands; host loads read from the wrong counter)."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "tokenizer.json").write_text("{}")
-    fake = f"{sys.executable} {FAKE}"
-    out = tmp_path / "out"
+    model, fake, out = _fake_setup(tmp_path)
     rc = bench.main(
         ["--out", str(out), "--model", str(model), "--tier", tier, "--scale"]
         + ["0.02", "--serve-cmd", fake, "--bench-cmd", fake, "--startup-timeout"]
