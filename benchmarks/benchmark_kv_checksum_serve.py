@@ -194,9 +194,12 @@ class Launch:
         self.begin()
         return self.wait_ready()
 
-    def begin(self) -> None:
-        """Start the launch script (returns at once)."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+    def environment(self) -> dict[str, str]:
+        """The launch script's environment: ours over the caller's, both
+        engines alike. `--cuda-ipc-get` lets UCX read over CUDA IPC without
+        NVLink (`UCX_CUDA_IPC_ENABLE_GET_ZCOPY`), the path NIXL pull needs when
+        P and D share one GPU; UCX leaves it off there by default and falls
+        back to TCP (vLLM issue #52607)."""
         env = dict(os.environ)
         env.pop("VLLM_PORT", None)
         env.update(
@@ -215,6 +218,14 @@ class Launch:
             VLLM_NO_USAGE_STATS="1",
             HF_HUB_OFFLINE="1",
         )
+        if getattr(self.args, "cuda_ipc_get", False):
+            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+        return env
+
+    def begin(self) -> None:
+        """Start the launch script (returns at once)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = self.environment()
         serve_args = ["--load-format", "dummy", "--served-model-name", "model"]
         serve_args += ["--max-model-len", str(self.args.max_model_len)]
         serve_args += ["--kv-cache-memory-bytes", str(self.args.kv_cache_gib << 30)]
@@ -550,7 +561,8 @@ def run_together(
             pair.stop()
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -571,6 +583,12 @@ def main() -> int:
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
     parser.add_argument("--scale", type=int, default=1, help="prompts x SCALE")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument(
+        "--cuda-ipc-get",
+        action="store_true",
+        help="UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y for both engines (P and D on one "
+        "GPU: NIXL pull's reads over CUDA IPC instead of TCP)",
+    )
     parser.add_argument("--gpu-p", default="0")
     parser.add_argument("--gpu-d", default="0")
     parser.add_argument("--util", type=float, default=0.45)
@@ -593,7 +611,11 @@ def main() -> int:
     parser.add_argument(
         "--append", action="store_true", help="add to OUT/summary.json's launches"
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.model = args.model or Path(f"/tmp/kv-checksum-bench-{args.shape}")
     build_model(args.model, args.shape, args.max_model_len)
@@ -617,6 +639,7 @@ def main() -> int:
             "kv_cache_gib": args.kv_cache_gib,
             "util": args.util,
             "serve_args": args.serve_arg,
+            "cuda_ipc_get": args.cuda_ipc_get,
         }
         summary = summarize(records)
         payload = {"config": config, "launches": records, "summary": summary}

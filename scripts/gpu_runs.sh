@@ -225,7 +225,8 @@ offload) run offload examples/offload/kv_checksum_offload_gpu.py "$@" ;;
 prefix-hits) run prefix-hits examples/offload/kv_checksum_offload_gpu.py \
     --connector simple --phases prefix "$@" ;;
 # `vllm bench serve` through vllm-router, checksums off and on (8B-shaped, dummy
-# weights; P and D share GPU 0 unless --gpu-d 1 is passed).
+# weights; P and D share GPU 0 unless --gpu-d 1 is passed; on one GPU add
+# --cuda-ipc-get, or NIXL pull reads over TCP).
 bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 # Two-GPU host: the off and the on pair started at once, rounds off,on,on,off
 # alternating between their routers, the reference table's four workloads, a

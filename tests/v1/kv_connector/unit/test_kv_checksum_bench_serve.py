@@ -5,6 +5,7 @@ hand-made launch records (no requirement: the benchmark reports R142's cost at
 production shape; these tests keep its verdict honest)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,21 @@ def test_together_bench_batch_dry_run_on_fake_servers(tmp_path) -> None:
     for name in ("round0_off", "round1_on"):
         assert (tmp_path / "out" / name / "bench_batch.log").exists()
         assert not (tmp_path / "out" / name / "1k32_c8.log").exists()
+
+
+def test_cuda_ipc_get_reaches_both_pairs_alike(tmp_path) -> None:
+    """--cuda-ipc-get puts UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y into the launch
+    environment of the off and the on pair alike, and nothing without it (bugs
+    caught: only the on pair reading over CUDA IPC, which would credit
+    checksums with a faster transport; the setting leaking into default runs)."""
+    args = bench.parse_args(["--out", str(tmp_path), "--cuda-ipc-get"])
+    off = bench.Launch(args, "off", tmp_path).environment()
+    on = bench.Launch(args, "on", tmp_path, port_shift=10).environment()
+    assert off["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == on["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"]
+    assert off["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    assert (off["CHECKSUMS"], on["CHECKSUMS"]) == ("off", "on")
+    plain = bench.parse_args(["--out", str(tmp_path)])
+    env = bench.Launch(plain, "on", tmp_path).environment()
+    assert env.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == os.environ.get(
+        "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    )
