@@ -229,3 +229,28 @@ def test_R142_long_offload_loads_and_stores_keep_the_schedule(
             counts = verdicts(engine)
             assert counts == {"verified": LONG_REQUESTS}, counts
     assert schedules[True] == schedules[False]
+
+
+@pytest.mark.parametrize("async_scheduler", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "connector", [WHOLE_PROMPT_CONNECTOR_NAME, CARRIER_CONNECTOR_NAME]
+)
+def test_R142_producer_answers_in_as_many_steps_as_without_checksums(
+    model_dir: str, connector: str, async_scheduler: bool
+) -> None:
+    """R142 (producer side of the TTFT question of issue 30 item 3): a
+    producer request returns its kv_transfer_params, with `kv_checksums` when
+    on, after as many engine steps as with checksums off. Bug caught: the
+    producer holding its response until a later step's record brings the
+    prompt's checksums (one engine step more on every P/D request's TTFT)."""
+    steps: dict[bool, int] = {}
+    for enabled in (False, True):
+        side = SideConfig(
+            connector=connector, enabled=enabled, async_scheduler=async_scheduler
+        )
+        producer = SimEngine(model_dir, side, "P")
+        start = len(producer.history)
+        params = produce(producer, "r", PROMPT)
+        assert ("kv_checksums" in params) is enabled
+        steps[enabled] = len(producer.history) - start
+    assert steps[True] == steps[False] >= 1, steps
