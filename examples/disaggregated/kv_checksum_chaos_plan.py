@@ -485,14 +485,25 @@ def request_ids(pattern: re.Pattern[str], log_text: str) -> set[str]:
     return {m for line in log_text.splitlines() for m in pattern.findall(line)}
 
 
-def effective_injections(log_text: str) -> tuple[set[str], set[str]]:
-    """Requests whose injected fault changed KV, and those whose injection the
+def split_no_effect(
+    injected: set[str], no_effect: set[str], mismatched: set[str]
+) -> tuple[set[str], set[str]]:
+    """Injected requests whose fault changed KV, and those whose injection the
     injector logged as without effect (its copy source held the same bytes on
     the first worker). A no-effect request that was reported all the same
     stays a fault (another worker's shard may have changed)."""
-    injected = request_ids(INJECTED, log_text)
-    no_effect = request_ids(NO_EFFECT, log_text) - request_ids(MISMATCH, log_text)
-    return injected - no_effect, injected & no_effect
+    dropped = (no_effect - mismatched) & injected
+    return injected - dropped, dropped
+
+
+def effective_injections(log_text: str) -> tuple[set[str], set[str]]:
+    """`split_no_effect` of a consumer log's injection, "no effect" and
+    mismatch lines."""
+    return split_no_effect(
+        request_ids(INJECTED, log_text),
+        request_ids(NO_EFFECT, log_text),
+        request_ids(MISMATCH, log_text),
+    )
 
 
 @dataclass

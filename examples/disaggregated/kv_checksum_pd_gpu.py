@@ -75,6 +75,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kv_checksum_pd_connectors as pd_connectors  # noqa: E402
+from kv_checksum_chaos_plan import NO_EFFECT, split_no_effect  # noqa: E402
 
 BLOCK_SIZE = 16
 MODELS = {
@@ -131,10 +132,6 @@ MLA_DIMS = dict(
     v_head_dim=128,
 )
 INJECTION = re.compile(r"KV checksum fault injection: (\w+) into request (\S+) ")
-# The injector's later line for a copy whose source held the same bytes.
-NO_EFFECT = re.compile(
-    r"KV checksum fault injection had no effect: \w+ into request (\S+) "
-)
 INJECTED_AT = re.compile(
     r"KV checksum fault injection: (\w+) into request \S+ group (\d+) "
     r"block position (\d+)\."
@@ -646,11 +643,11 @@ def scan_log(path: str) -> dict[str, list]:
 def judge_faults(scan: dict[str, list]) -> tuple[dict[str, Any], bool]:
     """The faulty consumer's `scan_log`: injected, detected, undetected and
     false alarms by request, and whether every fault was reported and nothing
-    else. A copy that changed nothing on the first worker and went unreported
-    was no fault; reported, it stays one (another shard may have changed)."""
+    else, injections without effect aside (`split_no_effect`)."""
     mismatched = set(scan["mismatched"])
-    no_effect = set(scan["no_effect"]) - mismatched
-    injected = {req for _, req in scan["injected"]} - no_effect
+    injected, no_effect = split_no_effect(
+        {req for _, req in scan["injected"]}, set(scan["no_effect"]), mismatched
+    )
     counts = {
         "injected": len(injected),
         "without_effect": sorted(no_effect),
