@@ -175,10 +175,11 @@ def test_mismatch_or_no_verified_hit_fails() -> None:
 
 
 def test_control_run_starts_both_slots_off(tmp_path: Path) -> None:
-    """--control (A/A): the "on" slot starts without any package key, no hit is
-    required, and the record says it was a control. Bugs caught: the control's
-    "on" slot still verifying hits (then it measures checksums, not the
-    slots), or its verdict failing for want of verified hits."""
+    """R140, R142 (measuring their cost): --control (A/A): the "on" slot starts
+    without any package key, no hit is required, and the record says it was a
+    control. Bugs caught: the control's "on" slot still verifying hits (then it
+    measures checksums, not the slots), or its verdict failing for want of verified
+    hits."""
     assert bench.configured_mode("on", True) == "off"
     assert bench.configured_mode("on", False) == "on"
     assert bench.judge(_rounds([10.0] * 6, [30.0] * 6, [{}, {}, {}]), control=True)[
@@ -313,11 +314,12 @@ PACKAGE_KEYS = {"enable_kv_checksum", "kv_checksum_fail_closed"}
 
 
 def test_simple_stores_tier_is_simple_hits_without_the_hit_flag() -> None:
-    """The bisecting tier: the same connector, CPU size, workloads and GPU cache
-    as simple-hits, checksums on without `kv_checksum_verify_prefix_hits`, and
-    no hit required by its verdict. Bugs caught: the hit flag left in (then it
-    bisects nothing), the tier counted as an offload tier (a small GPU cache,
-    so other workloads), or its verdict failing for want of verified hits."""
+    """R140, R142 (measuring their cost): the bisecting tier: the same connector,
+    CPU size, workloads and GPU cache as simple-hits, checksums on without
+    `kv_checksum_verify_prefix_hits`, and no hit required by its verdict. Bugs
+    caught: the hit flag left in (then it bisects nothing), the tier counted as an
+    offload tier (a small GPU cache, so other workloads), or its verdict failing for
+    want of verified hits."""
     hits, stores = (
         tiers.transfer_config("on", 8, t) for t in ("simple-hits", "simple-stores")
     )
@@ -518,9 +520,9 @@ def test_trace_summary_totals_tops_and_host_waits() -> None:
 
 
 def test_trace_summary_lists_every_step_phase() -> None:
-    """vLLM's step phases (user annotations) are all listed, whatever `top`,
-    and watched runtime calls are summed apart (bug caught: a pinned host
-    allocation per step hidden below the top of the runtime calls)."""
+    """R142 (where host time goes): vLLM's step phases (user annotations) are all
+    listed, whatever `top`, and watched runtime calls are summed apart (bug caught:
+    a pinned host allocation per step hidden below the top of the runtime calls)."""
     events = [
         {"cat": "user_annotation", "name": f"gpu_model_runner: phase {i}", "dur": i}
         for i in range(1, 21)

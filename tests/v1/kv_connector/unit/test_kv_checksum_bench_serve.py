@@ -279,10 +279,11 @@ def test_together_bench_batch_dry_run_on_fake_servers(tmp_path) -> None:
 
 
 def test_cuda_ipc_get_reaches_both_pairs_alike(tmp_path) -> None:
-    """--cuda-ipc-get puts UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y into the launch
-    environment of the off and the on pair alike, and nothing without it (bugs
-    caught: only the on pair reading over CUDA IPC, which would credit
-    checksums with a faster transport; the setting leaking into default runs)."""
+    """R142 (a fair on/off cost): --cuda-ipc-get puts
+    UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y into the launch environment of the off and the
+    on pair alike, and nothing without it (bugs caught: only the on pair reading
+    over CUDA IPC, which would credit checksums with a faster transport; the setting
+    leaking into default runs)."""
     args = bench.parse_args(["--out", str(tmp_path), "--cuda-ipc-get"])
     off = bench.Launch(args, "off", tmp_path).environment()
     on = bench.Launch(args, "on", tmp_path, port_shift=10).environment()

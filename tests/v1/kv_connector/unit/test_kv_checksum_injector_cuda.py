@@ -28,7 +28,7 @@ LOAD = KVChecksumBlocks(num_tokens=48, groups={0: (0, np.array([5, 9, 2]))})
 
 @pytest.mark.parametrize("same", [True, False])
 def test_no_effect_probe_on_cuda(same: bool) -> None:
-    """A stale_block copy of equal bytes is reported without effect once its
+    """R131: a stale_block copy of equal bytes is reported without effect once its
     device comparison completed, a real copy never (bugs caught: the flag read
     before the device wrote it, or a pinned-copy path that raised on CUDA and
     would turn the injecting worker's checksums off)."""
