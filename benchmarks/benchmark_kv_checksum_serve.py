@@ -218,7 +218,7 @@ class Launch:
             VLLM_NO_USAGE_STATS="1",
             HF_HUB_OFFLINE="1",
         )
-        if getattr(self.args, "cuda_ipc_get", False):
+        if self.args.cuda_ipc_get:
             env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
         return env
 
