@@ -1154,6 +1154,29 @@ def test_side_stream_copy_without_host_sync(lifecycle, cuda_stream_stubs):
     assert hexes(record.checksums[REQ][0].values[:, 0]) == hexes(want)
 
 
+def test_R55_one_host_buffer_per_step(lifecycle, cuda_stream_stubs):
+    """R55, issue 30 (host work per step): a step's results, checksums and stored
+    entries of every pass, land in one host buffer by one copy on the side
+    stream, each at its own place. Bug caught (tried): the stored entries
+    placed over the checksums (both views at offset 0 of the buffer)."""
+    worker, want = lifecycle
+    worker.init_block_checksums([0])
+    assert worker.block_table.tensor is not None
+    worker.block_table.tensor[2], worker.block_table.tensor[5] = 11, -22
+    worker.bind(_scheduled("load", {REQ: blocks(28, (0, 0, [2, 5]))}))
+    worker.bind(_scheduled("send", {"r2": blocks(28, (0, 0, [2, 5]))}))
+    pending = worker.post_forward(finished_recving={REQ}, failed_recving=set())
+    views = [r.host for r in pending.results]
+    views += [r.stored_host for r in pending.results if r.stored_host is not None]
+    assert len(pending.results) == 2 and len(views) == 3
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    record = pending.finalize()
+    assert hexes(record.checksums[REQ][0].values[:, 0]) == hexes(want)
+    assert hexes(record.checksums["r2"][0].values[:, 0]) == hexes(want)
+    stored = record.checksums[REQ][0].stored
+    assert stored is not None and stored.view(np.int64).tolist() == [11, -22]
+
+
 def _load_step(worker: KVChecksumWorker):
     """One step whose load of REQ (blocks [2, 5]) finishes; the pending record."""
     worker.bind(_scheduled("load", {REQ: blocks(28, (0, 0, [2, 5]))}))

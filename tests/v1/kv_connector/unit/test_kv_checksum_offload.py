@@ -257,6 +257,33 @@ def test_R142_saved_entries_from_block_arrays_keep_each_position() -> None:
     assert not table[[b for b in range(NUM_BLOCKS) if b not in ids]].any()
 
 
+def test_R118_saving_entries_uploads_once_per_group(monkeypatch) -> None:
+    """R118, issue 30 (host work per step): a save of several blocks copies its
+    rows and tags to the device in one upload, and the entries still equal
+    the reference partial sums XOR the reference tags. Bug caught (tried):
+    the tags read from the rows' columns instead of their own (entries XOR a
+    block id), and one upload per array (three pinned copies per save)."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine import block_table
+
+    kv = ref.random_kv(np.random.default_rng(7), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    table = worker.init_block_checksums([0])
+    uploads: list[tuple[int, ...]] = []
+    real = block_table.host_to_device
+
+    def counting(array: np.ndarray, device: torch.device) -> torch.Tensor:
+        uploads.append(tuple(array.shape))
+        return real(array, device)
+
+    monkeypatch.setattr(block_table, "host_to_device", counting)
+    hashes = fake_hashes(3, seed=11)
+    worker.save_block_checksums([(0, 0, BLOCK_IDS, hashes)])
+    assert len(uploads) == 1
+    tags = reference_tags(hashes, worker.fingerprints[0])
+    assert hexes(table_entries(table, BLOCK_IDS) ^ tags) == hexes(whole)
+
+
 def test_saved_entries_sum_every_replica_column() -> None:
     """R118: on a worker with two replica columns (a sharded attention cache
     and a one-head indexer on every rank, TP 2), the entry untagged is the sum

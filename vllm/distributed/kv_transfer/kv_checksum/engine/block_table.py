@@ -103,7 +103,8 @@ class BlockChecksumTable:
         positions: np.ndarray,
         block_hashes: list[bytes],
     ) -> None:
-        """Entries of one group's full blocks: one launch, one table write (R118)."""
+        """Entries of one group's full blocks: one upload, one launch, one
+        table write (R118). The rows and the tags travel in one pinned array."""
         plans = self.groups[group_id]
         size = plans.block_size
         count = len(block_ids)
@@ -111,12 +112,13 @@ class BlockChecksumTable:
         rows[0] = block_ids
         rows[1] = positions * size
         rows[2] = size
-        packed, _ = pack_segments([rows])
+        tags = np.zeros((3, count), dtype=np.int64)
+        tags[0] = block_checksum_tags(block_hashes, plans.fingerprint).view(np.int64)
+        packed, (_, tag_column) = pack_segments([rows, tags])
+        uploaded = host_to_device(packed, self.topology.device)
         out = torch.zeros(
             (count, plans.load.width), dtype=torch.int64, device=self.topology.device
         )
-        device = self.topology.device
-        plans.load.run(host_to_device(packed, device)[:, :count], out)
-        tags = block_checksum_tags(block_hashes, plans.fingerprint).view(np.int64)
-        entries = out.sum(dim=1) ^ host_to_device(tags, device)
-        table[host_to_device(rows[0], device)] = entries
+        plans.load.run(uploaded[:, :count], out)
+        entries = out.sum(dim=1) ^ uploaded[0, tag_column : tag_column + count]
+        table[uploaded[0, :count]] = entries

@@ -164,52 +164,20 @@ class ChecksumLauncher:
         return host.to(device, non_blocking=True)
 
     def copy_to_host(self, pending: KVChecksumPendingRecord) -> None:
-        """Copy results to pinned host memory on a side stream (or by the
-        zero-copy kernel, `enable_zero_copy`); record an event."""
+        """Copy every result of the step to one pinned host buffer, on a side
+        stream (or by the zero-copy kernel, `enable_zero_copy`); record an
+        event. One buffer and one copy per step, whatever the passes."""
         if not pending.results:
             return
-        if self.zero_copy:
-            self._write_to_host(pending)
-            return
-        on_device = self.topology.device.type != "cpu"
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()
-        side = self._side_stream
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for result in pending.results:
-                result.host = torch.empty(
-                    result.device.shape, dtype=torch.int64, pin_memory=on_device
-                )
-                result.host.copy_(result.device, non_blocking=True)
-                if result.stored_device is not None:
-                    result.stored_host = torch.empty(
-                        result.stored_device.shape,
-                        dtype=torch.int64,
-                        pin_memory=on_device,
-                    )
-                    result.stored_host.copy_(result.stored_device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side)
-        pending.event = event
-
-    def _write_to_host(self, pending: KVChecksumPendingRecord) -> None:
-        """Every result of the step in one pinned buffer, written by one copy
-        kernel on the compute stream after the checksum kernels (no copy
-        engine, so no queueing behind offload stores); the event follows it."""
-        while self._in_flight and self._in_flight[0][0].query():
-            self._in_flight.popleft()  # its buffer's last device write is done
         parts: list[torch.Tensor] = []
         for result in pending.results:
             parts.append(result.device.reshape(-1))
             if result.stored_device is not None:
                 parts.append(result.stored_device.reshape(-1))
-        flat = torch.cat(parts)
-        on_device = self.topology.device.type != "cpu"
-        host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
-        kernels.copy_words(flat, host)
-        event = torch.cuda.Event()
-        event.record()
+        if self.zero_copy:
+            host, event = self._write_to_host(parts)
+        else:
+            host, event = self._copy_on_side_stream(parts)
         offset = 0
         for result in pending.results:
             size = result.device.numel()
@@ -221,4 +189,38 @@ class ChecksumLauncher:
                 result.stored_host = stored.view(result.stored_device.shape)
                 offset += size
         pending.event = event
+
+    def _copy_on_side_stream(
+        self, parts: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The parts joined on the side stream, after the compute stream's
+        work so far, and copied to one pinned buffer; the event follows."""
+        on_device = self.topology.device.type != "cpu"
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            flat = torch.cat(parts)
+            host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return host, event
+
+    def _write_to_host(
+        self, parts: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The parts written to one pinned buffer by one copy kernel on the
+        compute stream after the checksum kernels (no copy engine, so no
+        queueing behind offload stores); the event follows it."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()  # its buffer's last device write is done
+        flat = torch.cat(parts)
+        on_device = self.topology.device.type != "cpu"
+        host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
+        kernels.copy_words(flat, host)
+        event = torch.cuda.Event()
+        event.record()
         self._in_flight.append((event, host))
+        return host, event
