@@ -41,7 +41,9 @@
 # engine left behind cannot hold the call open), its summary to
 # $OUT/RUN.summary.json and everything else to $OUT/RUN.tar.gz, prints the
 # log's last lines, and ends every vLLM process it left. Extra ARGS go to the
-# driver. SITE (default /tmp/site) is where the bundle is installed.
+# driver. SITE (default /tmp/site) is where the bundle is installed. Two runs of
+# one RUN in a call overwrite each other's files unless KV_CHECKSUM_RUN_TAG=T
+# names the second's RUN-T.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 site=${SITE:-/tmp/site}
@@ -52,7 +54,7 @@ export PYTHONPATH=$site VLLM_USE_FLASHINFER_SAMPLER=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 run() {
-    local name=$1
+    local name=$1${KV_CHECKSUM_RUN_TAG:+-$KV_CHECKSUM_RUN_TAG}
     shift
     mkdir -p "$out/$name"
     echo "[gpu_runs] $name: $*"
@@ -264,7 +266,8 @@ cuda-tests)
     mkdir -p "$out"
     (cd "$repo" && timeout "$limit" python3 -m pytest -p no:cacheprovider \
         --noconftest -q tests/v1/kv_connector/unit/test_kv_checksum_cuda.py \
-        tests/v1/kv_connector/unit/test_kv_checksum_injector_cuda.py "$@") \
+        tests/v1/kv_connector/unit/test_kv_checksum_injector_cuda.py \
+        tests/v1/kv_connector/unit/test_kv_checksum_worker_cuda.py "$@") \
         >"$out/cuda_tests.log" 2>&1
     rc=$?
     tail -n 15 "$out/cuda_tests.log"
