@@ -22,7 +22,10 @@ rounds, so it is reported, as the reference table reads TTFT at c1 and
 throughput at c32), whether each difference is inside the off-vs-off spread
 (max - min over off rounds), and
 every hit checked: `vllm:kv_checksum_prefix_hits_total` of the on engine grew by
-verified > 0 and mismatch 0 over its rounds (unverified reported). Defaults: 8
+verified > 0 and mismatch 0 over its rounds (unverified reported). Beside the
+means, the paired on - off: the difference within each off/on pair of rounds
+that sent the same prompts, and its median over the pairs (drift between pairs
+cancels; reported, not judged). Defaults: 8
 rounds of `shared_c1` and `shared_c32` after one unrecorded warm-up run per
 engine (other prompts: the first measured round was the slowest of both engines
 without it). `--bench-batch` runs every bench of a launch in one process (vLLM
@@ -364,6 +367,31 @@ def configured_mode(slot: str, control: bool) -> str:
     return "off" if control else slot
 
 
+def paired(rounds: list[dict[str, Any]], name: str, metric: str) -> dict[str, Any]:
+    """`metric` on - off within each pair of rounds that sent the same prompts
+    (same launch and seed, next to each other in ABBA order), so drift between
+    pairs cancels: the pairs' differences (and on/off ratios), their median,
+    min and max. Empty without pairs (rounds recorded without seeds)."""
+    pairs: dict[tuple[int, int], dict[str, float]] = {}
+    for r in rounds:
+        value = r["results"].get(name, {}).get(metric)
+        if value is not None and "seed" in r:
+            pairs.setdefault((r["launch"], r["seed"]), {})[r["mode"]] = float(value)
+    both = [p for p in pairs.values() if len(p) == 2]
+    if not both:
+        return {}
+    deltas = [p["on"] - p["off"] for p in both]
+    ratios = [p["on"] / p["off"] for p in both if p["off"]]
+    return {
+        "on_minus_off": deltas,
+        "on_over_off": ratios,
+        "median_on_minus_off": statistics.median(deltas),
+        "median_on_over_off": statistics.median(ratios) if ratios else None,
+        "min_on_minus_off": min(deltas),
+        "max_on_minus_off": max(deltas),
+    }
+
+
 def judge(
     rounds: list[dict[str, Any]], tier: str = "simple-hits", control: bool = False
 ) -> dict[str, Any]:
@@ -388,6 +416,7 @@ def judge(
                 "on_minus_off": on - off,
                 "on_over_off": on / off if off else None,
                 "off_spread": max(values["off"]) - min(values["off"]),
+                "paired": paired(rounds, name, metric),
             }
         hits: dict[str, float] = {}
         for r in rounds:
@@ -452,18 +481,28 @@ def print_tables(rounds: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
                 + " | ".join(cells)
                 + f" | {hits} | {host} | {loads} |"
             )
-    print("\n| workload | metric | off mean | on mean | on-off | on/off | off spread |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| workload | metric | off mean | on mean | on-off | on/off | off spread "
+        "| paired on-off: median (min .. max), pairs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, row in verdict["workloads"].items():
         for metric in METRICS:
             m = row[metric]
             if "off_mean" not in m:
-                print(f"| {name} | {metric} | - | - | - | - | - |")
+                print(f"| {name} | {metric} | - | - | - | - | - | - |")
                 continue
+            pair = m.get("paired") or {}
+            pair_cell = (
+                f"{pair['median_on_minus_off']:+.3f} ({pair['min_on_minus_off']:+.3f}"
+                f" .. {pair['max_on_minus_off']:+.3f}), {len(pair['on_minus_off'])}"
+                if pair
+                else "-"
+            )
             print(
                 f"| {name} | {metric} | {m['off_mean']:.3f} | {m['on_mean']:.3f} | "
                 f"{m['on_minus_off']:+.3f} | {m['on_over_off']:.4f} | "
-                f"{m['off_spread']:.3f} |"
+                f"{m['off_spread']:.3f} | {pair_cell} |"
             )
     for name, row in verdict["workloads"].items():
         print(

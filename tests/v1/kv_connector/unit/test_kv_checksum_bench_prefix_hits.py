@@ -129,6 +129,62 @@ def test_ttft_target_judged_at_concurrency_one_only() -> None:
     assert c32["pass"] is True
 
 
+def test_paired_differences_beside_the_off_spread() -> None:
+    """R140 cost (issue 31 item 4): rounds off, on, on, off, off, on with seeds 0, 0,
+    1, 1, 2, 2, TTFT drifting up by 10 ms per pair, on 1, 1 and 7 ms above its
+    pair's off: the off spread is 20 ms, but the pairs differ by +1, +1, +7 (median
+    +1, min +1, max +7; the means by +3). Bugs caught: a pair formed across
+    launches (same seed, another engine pair), the ratio taken off/on, and pairs
+    made up for rounds recorded without seeds."""
+    rounds = _rounds([10.0, 9.0, 8.0, 8.5, 7.0, 6.3], [30, 31, 41, 40, 50, 57], HITS)
+    for r, seed in zip(rounds, [0, 0, 1, 1, 2, 2]):
+        r["seed"] = seed
+    row = bench.judge(rounds)["workloads"]["w"]
+    ttft = row["median_ttft_ms"]
+    assert ttft["on_minus_off"] == pytest.approx(3.0)
+    assert ttft["off_spread"] == pytest.approx(20.0)
+    assert ttft["paired"]["on_minus_off"] == pytest.approx([1.0, 1.0, 7.0])
+    assert ttft["paired"]["median_on_minus_off"] == pytest.approx(1.0)
+    assert ttft["paired"]["min_on_minus_off"] == pytest.approx(1.0)
+    assert ttft["paired"]["max_on_minus_off"] == pytest.approx(7.0)
+    rps = row["request_throughput"]["paired"]
+    assert rps["on_over_off"] == pytest.approx([0.9, 8.0 / 8.5, 0.9])
+    assert rps["median_on_over_off"] == pytest.approx(0.9)
+    rounds[1]["launch"] = 1  # its off partner is in another launch now
+    pairs = bench.judge(rounds)["workloads"]["w"]["median_ttft_ms"]["paired"]
+    assert pairs["on_minus_off"] == pytest.approx([1.0, 7.0])
+    for r in rounds:
+        del r["seed"]
+    assert bench.judge(rounds)["workloads"]["w"]["median_ttft_ms"]["paired"] == {}
+
+
+def test_rejudge_prints_pairs_of_a_recorded_summary(tmp_path: Path) -> None:
+    """`benchmarks/rejudge_kv_checksum_rounds.py` (the command of
+    `cpu_paired_rejudge_2026-12-01f.md`) reads a recorded summary and prints the
+    ratio of the means beside the median of the pairs: 0.914 against 0.900 for the
+    rounds of the paired test above. Bug caught: the script judging with another
+    tier or dropping the seeds, so it would print no pairs."""
+    import subprocess
+
+    rounds = _rounds([10.0, 9.0, 8.0, 8.5, 7.0, 6.3], [30, 31, 41, 40, 50, 57], HITS)
+    for r, seed in zip(rounds, [0, 0, 1, 1, 2, 2]):
+        r["seed"] = seed
+    summary = tmp_path / "summary.json"
+    record = {"config": {"tier": "simple-hits"}, "rounds": rounds}
+    summary.write_text(json.dumps(record))
+    script = ROOT / "benchmarks/rejudge_kv_checksum_rounds.py"
+    out = subprocess.run(
+        [sys.executable, str(script), str(summary)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    means = (9.0 + 8.0 + 6.3) / 3 / ((10.0 + 8.5 + 7.0) / 3)
+    assert f"req/s on/off of the means {means:.3f}" in out
+    assert "median of 3 pairs 0.900 (0.900 .. 0.941)" in out
+    assert "median of pairs +1.00 ms (+1.00 .. +7.00)" in out
+
+
 def test_server_times_from_vllm_histograms() -> None:
     """R140 cost runs: the engine's side of a round's TTFT from vLLM's histogram lines
     (sum and count of each, labels and buckets ignored): means in ms of the deltas. Bugs
