@@ -186,6 +186,39 @@ def test_R142_tag_cache_hashes_each_block_once_and_equals_reference(
         assert cache.size <= cache.limit
 
 
+def test_R142_tag_cache_runs_answer_equal_runs_only() -> None:
+    """R116, R142 (issue 31): a run of hashes asked for again (another
+    request hitting the same prefix, with its own equal hash objects) is
+    answered from the kept run, and every answer equals the reference tags:
+    runs differing from a kept one only in the middle, in length or in
+    fingerprint get their own tags; changing an answer changes no later one;
+    kept runs stay within the limit.
+
+    Bugs caught: runs keyed by their first or last hash or their length
+    (another run's tags for a middle block: a false mismatch, or a missed
+    one); the kept array handed out (a caller's change corrupts later
+    answers); runs kept without bound."""
+    cache = BlockTagCache(limit=40)
+    prefix = fake_hashes(16, seed=1)
+    middle = list(prefix)
+    middle[7] = fake_hashes(1, seed=9)[0]
+    fp1, fp2 = 0x0123456789ABCDEF, 5
+    calls = [
+        (prefix, fp1),
+        ([bytes(bytearray(h)) for h in prefix], fp1),  # equal, other objects
+        (middle, fp1),
+        (prefix[:15], fp1),
+        (prefix, fp2),
+        (prefix, fp1),
+    ]
+    for hashes, fingerprint in calls:
+        got = cache(hashes, fingerprint)
+        assert hexes(got) == hexes(reference_tags(hashes, fingerprint))
+        got[:] = 0  # the caller's copy
+        assert cache.run_rows <= cache.limit
+    assert hexes(cache(prefix, fp1)) == hexes(reference_tags(prefix, fp1))
+
+
 # --------------------------------------------------------------------------
 # Worker (R117, R118)
 # --------------------------------------------------------------------------

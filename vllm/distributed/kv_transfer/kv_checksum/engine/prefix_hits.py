@@ -44,6 +44,18 @@ def hit_key(req_id: str) -> str:
     return req_id + HIT_KEY_SUFFIX
 
 
+def _position_runs(
+    positions: np.ndarray, block_ids: np.ndarray
+) -> Sequence[tuple[np.ndarray, np.ndarray]]:
+    """(positions, block ids) of each stretch of consecutive positions, which
+    are strictly increasing; one run without a gap (the usual case) is found
+    without a pass over them."""
+    if int(positions[-1]) - int(positions[0]) == positions.size - 1:
+        return ((positions, block_ids),)
+    breaks = np.flatnonzero(positions[1:] - positions[:-1] != 1) + 1
+    return list(zip(np.split(positions, breaks), np.split(block_ids, breaks)))
+
+
 @dataclass
 class PrefixHitStep:
     """What the workers do for prefix hits in one step."""
@@ -99,16 +111,11 @@ class KVChecksumPrefixHits:
         block_ids: np.ndarray,
         keys: Sequence[Hashable],
     ) -> None:
-        """Record the entries of blocks vLLM just cached at `positions`."""
+        """Record the entries of blocks vLLM just cached at `positions`
+        (strictly increasing, as vLLM caches them)."""
         if positions.size == 0:
             return
-        breaks = np.flatnonzero(positions[1:] - positions[:-1] != 1) + 1
-        runs = (
-            zip(np.split(positions, breaks), np.split(block_ids, breaks))
-            if breaks.size
-            else ((positions, block_ids),)  # one run, the usual case
-        )
-        for pos, ids in runs:
+        for pos, ids in _position_runs(positions, block_ids):
             hashes = position_hashes(
                 request.block_hashes,
                 int(pos[0]),
@@ -140,16 +147,19 @@ class KVChecksumPrefixHits:
         """
         if block_ids.size == 0:
             return
-        missing = np.flatnonzero(~self.has_entry[block_ids])
-        count = int(missing[0]) if missing.size else int(block_ids.size)
+        with_entry = self.has_entry[block_ids]
+        count = int(block_ids.size)
+        if not with_entry.all():
+            count = int(with_entry.argmin())  # the first block without one
         blocks = KVChecksumBlocks(
             count * self.block_size, {self.group_id: (0, block_ids[:count])}
         )
         load = PendingPrefixHit(blocks, request, unchecked=int(block_ids.size) - count)
-        self.pending[hit_key(request.request_id)] = load
-        self._step.keys.append(hit_key(request.request_id))
+        key = hit_key(request.request_id)
+        self.pending[key] = load
+        self._step.keys.append(key)
         if count:
-            self._step.checks[hit_key(request.request_id)] = blocks
+            self._step.checks[key] = blocks
 
     def take_step(self) -> PrefixHitStep:
         """This step's saves and checks for the workers, then reset."""

@@ -37,35 +37,61 @@ class BlockTagCache:
 
     Every request hitting a shared prefix has the same blocks checked, and a
     tag is a pure function of its fingerprint and hash, so only hashes not
-    seen before are hashed: no SHA-256 per hit block per request. Bounded:
-    at most `limit` tags are kept; a call that would pass it forgets them all
-    first. No Python loop per block: C iterators over the hashes.
+    seen before are hashed: no SHA-256 per hit block per request; a run of
+    hashes asked for before is one lookup of the whole run, not one per hash.
+    Bounded: at most `limit` tags and `limit` rows of runs are kept; a call
+    that would pass a bound forgets all of it first. No Python loop per block.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.size = 0
+        self.run_rows = 0
         self._tags: dict[int, dict[bytes, int]] = {}
+        self._runs: dict[tuple[int, tuple[bytes, ...]], np.ndarray] = {}
 
     def __call__(self, block_hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
         """The tags of `block_hashes`, equal to `block_checksum_tags`'."""
-        count = len(block_hashes)
-        if count > self.limit:
+        if len(block_hashes) > self.limit:
             return block_checksum_tags(block_hashes, fingerprint)
+        run = (fingerprint, tuple(block_hashes))
+        tags = self._runs.get(run)
+        if tags is None:
+            tags = self._tags_of(block_hashes, fingerprint)
+            self._keep_run(run, tags)
+        return tags.copy()  # the caller's to change
+
+    def _tags_of(self, block_hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
+        """The tags from those kept per hash, hashing the ones not kept."""
         tags = self._tags.setdefault(fingerprint, {})
         missing = list(dict.fromkeys(filterfalse(tags.__contains__, block_hashes)))
         if missing:
             if self.size + len(missing) > self.limit:
-                self._tags = {fingerprint: {}}
-                tags = self._tags[fingerprint]
-                self.size = 0
+                self._forget()
+                tags = self._tags.setdefault(fingerprint, {})
                 missing = list(dict.fromkeys(block_hashes))
             values = block_checksum_tags(missing, fingerprint).tolist()
             tags.update(zip(missing, values))
             self.size += len(missing)
         return np.fromiter(
-            map(tags.__getitem__, block_hashes), dtype=np.uint64, count=count
+            map(tags.__getitem__, block_hashes),
+            dtype=np.uint64,
+            count=len(block_hashes),
         )
+
+    def _keep_run(self, run: tuple[int, tuple[bytes, ...]], tags: np.ndarray) -> None:
+        """Remember a run's tags, forgetting every run first at the bound."""
+        if self.run_rows + len(tags) > self.limit:
+            self._runs.clear()
+            self.run_rows = 0
+        self._runs[run] = tags
+        self.run_rows += len(tags)
+
+    def _forget(self) -> None:
+        """Forget every tag and run (a run is kept no longer than its tags)."""
+        self._tags.clear()
+        self._runs.clear()
+        self.size = self.run_rows = 0
 
 
 def position_hashes(
@@ -140,8 +166,8 @@ def verify_offloaded_load(
             if tags is None:
                 tags = tags_of(hashes, fingerprint)
                 tags_by_fingerprint[fingerprint] = tags
-            with np.errstate(over="ignore"):
-                sums = entry.values.sum(axis=1, dtype=np.uint64)
+            # integer reductions wrap modulo 2^64 without a warning
+            sums = entry.values.sum(axis=1, dtype=np.uint64)
             assert entry.stored is not None
             bad |= (sums ^ tags) != entry.stored.astype(np.uint64, copy=False)
         verdict.compared_groups.append(group_id)
