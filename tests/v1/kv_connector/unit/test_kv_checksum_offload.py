@@ -447,6 +447,43 @@ def test_entries_of_other_blocks_are_mismatches() -> None:
     assert verify(reports, other, 1).mismatches == {0: [2]}
 
 
+def test_R142_offload_loads_hash_a_prefix_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """R116, R120, R142: the scheduler's offload loads keep tags, so a prefix loaded
+    from host memory again is not hashed again, and a later load whose entries are
+    wrong still mismatches. Bugs caught: a cache answering the first load's verdict
+    rather than its tags (the swapped load would verify), and no cache (every load
+    hashing its blocks)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_checksum.offload.loads import (
+        KVChecksumOffloadLoads,
+        PendingOffloadLoad,
+    )
+
+    hashed: list[int] = []
+
+    def counting(hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
+        hashed.append(len(hashes))
+        return block_checksum_tags(hashes, fingerprint)
+
+    monkeypatch.setattr(entries, "block_checksum_tags", counting)
+    loads = KVChecksumOffloadLoads(1, {0: 16}, None)
+    clean, hashes = offload_reports(1)
+    swapped, _ = offload_reports(1, swap=True)
+    request = SimpleNamespace(request_id=REQ, block_hashes=list(hashes))
+    statuses = []
+    for reports in (clean, clean, swapped):
+        load = PendingOffloadLoad(blocks(48, (0, 0, BLOCK_IDS)), request, reports)
+        verdict = loads.verify(load)
+        statuses.append((verdict.status, dict(verdict.mismatches)))
+    assert statuses == [
+        (KVChecksumStatus.VERIFIED, {}),
+        (KVChecksumStatus.VERIFIED, {}),
+        (KVChecksumStatus.MISMATCH, {0: [0, 1]}),
+    ]
+    assert hashed == [3]
+
+
 def test_incomplete_or_other_blocks_are_unverified() -> None:
     """R82, R84 for offload loads: a missing worker, or one reporting another
     range than scheduled, leaves the load unverified; a group no worker stored

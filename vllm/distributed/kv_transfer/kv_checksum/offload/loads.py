@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
 from vllm.distributed.kv_transfer.kv_checksum.offload.entries import (
+    BlockTagCache,
     verify_offloaded_load,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
@@ -28,6 +29,10 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# Tags kept for loads of offloaded KV (R116): a request's prefix loaded again
+# from host memory is not hashed again. About 100 bytes a tag.
+TAG_CACHE_LIMIT = 1 << 16
 
 # checksum_sources(request) -> hit sources whose loads carry stored checksums
 ChecksumSourcesFn = Callable[[Any], set[str]]
@@ -69,6 +74,7 @@ class KVChecksumOffloadLoads:
         self.checksum_sources = checksum_sources
         self.on_failure = on_failure
         self.pending: dict[str, PendingOffloadLoad] = {}
+        self.tags = BlockTagCache(TAG_CACHE_LIMIT)
         # Sources no longer checked: a worker's offload side failed (R134).
         self.off_sources: set[str] = set()
 
@@ -116,6 +122,7 @@ class KVChecksumOffloadLoads:
             load.request.block_hashes,
             self.block_sizes,
             self.hash_block_size,
+            tags_of=self.tags,
         )
 
     def report_failure(
