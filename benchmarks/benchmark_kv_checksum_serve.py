@@ -14,7 +14,9 @@ word-level tokenizer (no hub needed).
 Verdict per workload (printed, not a timed test): the on-off difference of the
 launch means is inside the off-vs-off spread (max - min over the off launches),
 median TTFT +<= 1.5 ms and request throughput >= -1.5 %; and every consumer load
-with checksums on verified.
+with checksums on verified. Beside it, reported and not judged: on - off within
+each pair of neighbouring records of opposite modes (every run sends the same
+prompts), and its median over the pairs.
 
     python benchmarks/benchmark_kv_checksum_serve.py --out /tmp/bench \\
         --shape 8b --launches off,on,off,on
@@ -377,6 +379,35 @@ def mode_values(
     return values
 
 
+def adjacent_pairs(
+    records: list[dict[str, Any]], name: str, metric: str
+) -> dict[str, Any]:
+    """`metric` on - off within each pair of neighbouring records (0 and 1, 2
+    and 3, ...) of opposite modes: ABBA rounds and alternating launches send
+    the same prompts (seed 0), so drift between pairs cancels. The pairs'
+    differences and on/off ratios and their median; empty without pairs."""
+    deltas: list[float] = []
+    ratios: list[float] = []
+    for first, second in zip(records[0::2], records[1::2]):
+        pair = {
+            r["mode"]: r["results"].get(name, {}).get(metric) for r in (first, second)
+        }
+        if set(pair) != {"off", "on"} or None in pair.values():
+            continue
+        off, on = float(pair["off"]), float(pair["on"])
+        deltas.append(on - off)
+        if off:
+            ratios.append(on / off)
+    if not deltas:
+        return {}
+    return {
+        "on_minus_off": deltas,
+        "on_over_off": ratios,
+        "median_on_minus_off": statistics.median(deltas),
+        "median_on_over_off": statistics.median(ratios) if ratios else None,
+    }
+
+
 def summarize(launches: list[dict[str, Any]]) -> dict[str, Any]:
     """Per workload and metric: launch values by mode, on-off difference of the
     means, the off-vs-off spread, and the verdict of the module docstring."""
@@ -412,6 +443,7 @@ def summarize(launches: list[dict[str, Any]]) -> dict[str, Any]:
                 "off_spread": round(spread, 4) if len(values["off"]) > 1 else None,
                 "inside_spread": inside if len(values["off"]) > 1 else None,
                 "meets_target": target,
+                "paired": adjacent_pairs(launches, name, metric),
             }
             ok = ok and target and (inside or len(values["off"]) < 2)
         row["pass"] = ok
@@ -449,21 +481,30 @@ def print_tables(launches: list[dict[str, Any]], summary: dict[str, Any]) -> Non
             print(f"| {i} | {launch['mode']} | {name} | " + " | ".join(cells) + " |")
     print(
         "\n| workload | metric | off mean | on mean | on-off | rel | off spread "
-        "| verdict |"
+        "| verdict | paired on-off: median (min .. max), pairs |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, row in summary["workloads"].items():
         for metric in METRICS:
             m = row[metric]
             if "off_mean" not in m:
-                print(f"| {name} | {metric} | - | - | - | - | - | missing |")
+                print(f"| {name} | {metric} | - | - | - | - | - | missing | - |")
                 continue
             good = m["meets_target"] and m["inside_spread"] is not False
             verdict = "ok" if good else "NO"
             rel = "-" if m["relative"] is None else f"{m['relative']:+.2%}"
+            pair = m.get("paired") or {}
+            deltas = pair.get("on_minus_off", [])
+            pair_cell = (
+                f"{pair['median_on_minus_off']:+.4g} ({min(deltas):+.4g} .. "
+                f"{max(deltas):+.4g}), {len(deltas)}"
+                if deltas
+                else "-"
+            )
             print(
                 f"| {name} | {metric} | {m['off_mean']} | {m['on_mean']} | "
-                f"{m['on_minus_off']:+} | {rel} | {m['off_spread']} | {verdict} |"
+                f"{m['on_minus_off']:+} | {rel} | {m['off_spread']} | {verdict} "
+                f"| {pair_cell} |"
             )
     print(f"\nconsumer verdicts (checksums on): {summary['consumer_verdicts_on']}")
     print(f"failed requests: {summary['failed_requests']}")

@@ -54,6 +54,29 @@ def test_on_inside_off_spread_passes() -> None:
     assert summary["pass"] is True
 
 
+def test_neighbouring_records_of_opposite_modes_pair() -> None:
+    """Rounds off, on, on, off, on, off, off, on: TTFT drifts up by 10 ms per pair and
+    on sits +1, +1, +1, +5 ms above its neighbour of the same pair: paired on - off
+    [+1, +1, +1, +5], median +1; throughput ratios on/off per pair. A pair of two
+    records of one mode is skipped. Bugs caught: pairs across neighbouring pairs
+    (records 1 and 2), off - on, and pairs of one mode."""
+    ttft = [30.0, 31.0, 41.0, 40.0, 51.0, 50.0, 60.0, 65.0]
+    modes = ["off", "on", "on", "off", "on", "off", "off", "on"]
+    rps = [10.0, 9.0, 9.0, 10.0, 9.5, 10.0, 10.0, 8.0]
+    launches = [
+        _launch(mode, t, 7.0, r, verified=1) for mode, t, r in zip(modes, ttft, rps)
+    ]
+    row = bench.summarize(launches)["workloads"]["w"]
+    pairs = row["median_ttft_ms"]["paired"]
+    assert pairs["on_minus_off"] == pytest.approx([1.0, 1.0, 1.0, 5.0])
+    assert pairs["median_on_minus_off"] == pytest.approx(1.0)
+    ratios = row["request_throughput"]["paired"]["on_over_off"]
+    assert ratios == pytest.approx([0.9, 0.9, 0.95, 0.8])
+    same = [_launch("off", 30.0, 7.0, 10.0), _launch("off", 31.0, 7.0, 10.0)]
+    same += [_launch("on", 32.0, 7.0, 10.0, verified=1)]
+    assert bench.summarize(same)["workloads"]["w"]["median_ttft_ms"]["paired"] == {}
+
+
 def test_ttft_over_target_fails_even_inside_a_wide_spread() -> None:
     """A +2 ms TTFT inside a 5 ms off-vs-off spread still fails the +1.5 ms
     target (bug caught: judging by the spread alone)."""
