@@ -89,6 +89,7 @@ from benchmark_kv_checksum_serve import (  # noqa: E402
     http_get,
     log,
     mode_values,
+    pair_summary,
     read_result,
     verdict_counts,
 )
@@ -368,28 +369,15 @@ def configured_mode(slot: str, control: bool) -> str:
 
 
 def paired(rounds: list[dict[str, Any]], name: str, metric: str) -> dict[str, Any]:
-    """`metric` on - off within each pair of rounds that sent the same prompts
-    (same launch and seed, next to each other in ABBA order), so drift between
-    pairs cancels: the pairs' differences (and on/off ratios), their median,
-    min and max. Empty without pairs (rounds recorded without seeds)."""
+    """`pair_summary` of `metric` within each pair of rounds that sent the same
+    prompts (same launch and seed, next to each other in ABBA order), so drift
+    between pairs cancels. Empty without pairs (rounds recorded without seeds)."""
     pairs: dict[tuple[int, int], dict[str, float]] = {}
     for r in rounds:
         value = r["results"].get(name, {}).get(metric)
         if value is not None and "seed" in r:
             pairs.setdefault((r["launch"], r["seed"]), {})[r["mode"]] = float(value)
-    both = [p for p in pairs.values() if len(p) == 2]
-    if not both:
-        return {}
-    deltas = [p["on"] - p["off"] for p in both]
-    ratios = [p["on"] / p["off"] for p in both if p["off"]]
-    return {
-        "on_minus_off": deltas,
-        "on_over_off": ratios,
-        "median_on_minus_off": statistics.median(deltas),
-        "median_on_over_off": statistics.median(ratios) if ratios else None,
-        "min_on_minus_off": min(deltas),
-        "max_on_minus_off": max(deltas),
-    }
+    return pair_summary([p for p in pairs.values() if len(p) == 2])
 
 
 def judge(

@@ -379,33 +379,37 @@ def mode_values(
     return values
 
 
-def adjacent_pairs(
-    records: list[dict[str, Any]], name: str, metric: str
-) -> dict[str, Any]:
-    """`metric` on - off within each pair of neighbouring records (0 and 1, 2
-    and 3, ...) of opposite modes: ABBA rounds and alternating launches send
-    the same prompts (seed 0), so drift between pairs cancels. The pairs'
-    differences and on/off ratios and their median; empty without pairs."""
-    deltas: list[float] = []
-    ratios: list[float] = []
-    for first, second in zip(records[0::2], records[1::2]):
-        pair = {
-            r["mode"]: r["results"].get(name, {}).get(metric) for r in (first, second)
-        }
-        if set(pair) != {"off", "on"} or None in pair.values():
-            continue
-        off, on = float(pair["off"]), float(pair["on"])
-        deltas.append(on - off)
-        if off:
-            ratios.append(on / off)
-    if not deltas:
+def pair_summary(pairs: list[dict[str, float]]) -> dict[str, Any]:
+    """On - off and on/off of each {"off": x, "on": y} pair, their median, min
+    and max; empty without pairs."""
+    if not pairs:
         return {}
+    deltas = [p["on"] - p["off"] for p in pairs]
+    ratios = [p["on"] / p["off"] for p in pairs if p["off"]]
     return {
         "on_minus_off": deltas,
         "on_over_off": ratios,
         "median_on_minus_off": statistics.median(deltas),
         "median_on_over_off": statistics.median(ratios) if ratios else None,
+        "min_on_minus_off": min(deltas),
+        "max_on_minus_off": max(deltas),
     }
+
+
+def adjacent_pairs(
+    records: list[dict[str, Any]], name: str, metric: str
+) -> dict[str, Any]:
+    """`pair_summary` of `metric` within each pair of neighbouring records (0
+    and 1, 2 and 3, ...) of opposite modes: ABBA rounds and alternating
+    launches send the same prompts (seed 0), so drift between pairs cancels."""
+    pairs = []
+    for first, second in zip(records[0::2], records[1::2]):
+        pair = {
+            r["mode"]: r["results"].get(name, {}).get(metric) for r in (first, second)
+        }
+        if set(pair) == {"off", "on"} and None not in pair.values():
+            pairs.append({mode: float(value) for mode, value in pair.items()})
+    return pair_summary(pairs)
 
 
 def summarize(launches: list[dict[str, Any]]) -> dict[str, Any]:
@@ -494,11 +498,10 @@ def print_tables(launches: list[dict[str, Any]], summary: dict[str, Any]) -> Non
             verdict = "ok" if good else "NO"
             rel = "-" if m["relative"] is None else f"{m['relative']:+.2%}"
             pair = m.get("paired") or {}
-            deltas = pair.get("on_minus_off", [])
             pair_cell = (
-                f"{pair['median_on_minus_off']:+.4g} ({min(deltas):+.4g} .. "
-                f"{max(deltas):+.4g}), {len(deltas)}"
-                if deltas
+                f"{pair['median_on_minus_off']:+.4g} ({pair['min_on_minus_off']:+.4g}"
+                f" .. {pair['max_on_minus_off']:+.4g}), {len(pair['on_minus_off'])}"
+                if pair
                 else "-"
             )
             print(
