@@ -159,11 +159,12 @@ def test_paired_differences_beside_the_off_spread() -> None:
 
 
 def test_rejudge_prints_pairs_of_a_recorded_summary(tmp_path: Path) -> None:
-    """`benchmarks/rejudge_kv_checksum_rounds.py` (the command of
-    `cpu_paired_rejudge_2026-12-01f.md`) reads a recorded summary and prints the
-    ratio of the means beside the median of the pairs: 0.914 against 0.900 for the
-    rounds of the paired test above. Bug caught: the script judging with another
-    tier or dropping the seeds, so it would print no pairs."""
+    """R140 cost (issue 31 item 4): `benchmarks/rejudge_kv_checksum_rounds.py`
+    (the command of `cpu_paired_rejudge_2026-12-01f.md`) reads a recorded
+    summary and prints the ratio of the means beside the median of the pairs:
+    0.914 against 0.900 for the rounds of the paired test above. Bug caught: the
+    script judging with another tier or dropping the seeds, so it would print
+    no pairs."""
     import subprocess
 
     rounds = _rounds([10.0, 9.0, 8.0, 8.5, 7.0, 6.3], [30, 31, 41, 40, 50, 57], HITS)

@@ -55,11 +55,12 @@ def test_on_inside_off_spread_passes() -> None:
 
 
 def test_neighbouring_records_of_opposite_modes_pair() -> None:
-    """Rounds off, on, on, off, on, off, off, on: TTFT drifts up by 10 ms per pair and
-    on sits +1, +1, +1, +5 ms above its neighbour of the same pair: paired on - off
-    [+1, +1, +1, +5], median +1; throughput ratios on/off per pair. A pair of two
-    records of one mode is skipped. Bugs caught: pairs across neighbouring pairs
-    (records 1 and 2), off - on, and pairs of one mode."""
+    """R142 cost: rounds off, on, on, off, on, off, off, on; TTFT drifts up by
+    10 ms per pair and on sits +1, +1, +1, +5 ms above its neighbour of the same
+    pair: paired on - off [+1, +1, +1, +5], median +1; throughput ratios on/off
+    per pair. A pair of two records of one mode is skipped. Bugs caught: pairs
+    across neighbouring pairs (records 1 and 2), off - on, and pairs of one
+    mode."""
     ttft = [30.0, 31.0, 41.0, 40.0, 51.0, 50.0, 60.0, 65.0]
     modes = ["off", "on", "on", "off", "on", "off", "off", "on"]
     rps = [10.0, 9.0, 9.0, 10.0, 9.5, 10.0, 10.0, 8.0]

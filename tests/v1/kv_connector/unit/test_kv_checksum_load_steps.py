@@ -41,6 +41,19 @@ pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 
 # (checksums enabled, fail-closed)
 MODES = [(False, False), (True, False), (True, True)]
+
+
+def pd_cases(test: Any) -> Any:
+    """P/D step tests: both pull connectors, sync and async scheduler."""
+    by_scheduler = pytest.mark.parametrize(
+        "async_scheduler", [False, True], ids=["sync", "async"]
+    )
+    by_connector = pytest.mark.parametrize(
+        "connector", [WHOLE_PROMPT_CONNECTOR_NAME, CARRIER_CONNECTOR_NAME]
+    )
+    return by_scheduler(by_connector(test))
+
+
 PROMPT = [(7 * i + 11) % 997 + 3 for i in range(50)]
 
 
@@ -72,10 +85,7 @@ def _pd_wait(
     return _wait_after_finish(consumer.history, start + 1, "r"), result.finish_reason
 
 
-@pytest.mark.parametrize("async_scheduler", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize(
-    "connector", [WHOLE_PROMPT_CONNECTOR_NAME, CARRIER_CONNECTOR_NAME]
-)
+@pd_cases
 def test_R142_pd_load_runs_as_soon_as_without_checksums(
     model_dir: str, connector: str, async_scheduler: bool
 ) -> None:
@@ -231,10 +241,7 @@ def test_R142_long_offload_loads_and_stores_keep_the_schedule(
     assert schedules[True] == schedules[False]
 
 
-@pytest.mark.parametrize("async_scheduler", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize(
-    "connector", [WHOLE_PROMPT_CONNECTOR_NAME, CARRIER_CONNECTOR_NAME]
-)
+@pd_cases
 def test_R142_producer_answers_in_as_many_steps_as_without_checksums(
     model_dir: str, connector: str, async_scheduler: bool
 ) -> None:
