@@ -317,6 +317,46 @@ def test_R118_saving_entries_uploads_once_per_group(monkeypatch) -> None:
     assert hexes(table_entries(table, BLOCK_IDS) ^ tags) == hexes(whole)
 
 
+def test_R118_a_save_copies_its_entries_to_host_slots(monkeypatch) -> None:
+    """R118, issue 30 (host work per step): a save given an `EntryCopy` writes
+    the entries, then copies each block's entry to its host slot, with the
+    copy's indices in the save's one upload; with nothing to save it still
+    copies the table's current entries. Bugs caught (tried): the copy taken
+    before the table write (slots get the old zero entries), block ids and
+    slots swapped, and a second upload for the copy's indices."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.engine import block_table
+
+    kv = ref.random_kv(np.random.default_rng(9), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    worker.init_block_checksums([0])
+    uploads: list[tuple[int, ...]] = []
+    real = block_table.host_to_device
+
+    def counting(array: np.ndarray, device: torch.device) -> torch.Tensor:
+        uploads.append(tuple(array.shape))
+        return real(array, device)
+
+    monkeypatch.setattr(block_table, "host_to_device", counting)
+    hashes = fake_hashes(3, seed=13)
+    host = torch.zeros(8, dtype=torch.int64)
+    slots = [6, 0, 3]  # BLOCK_IDS[i] -> slots[i]
+    copy = EntryCopy(np.array(BLOCK_IDS), np.array(slots), host)
+    worker.save_block_checksums([(0, 0, BLOCK_IDS, hashes)], copy)
+    assert len(uploads) == 1
+    expected = whole ^ reference_tags(hashes, worker.fingerprints[0])
+    assert hexes(table_entries(host, slots)) == hexes(expected)
+    assert np.count_nonzero(host.numpy()) == 3
+
+    # Nothing to save: the current entries are copied all the same.
+    again = torch.zeros(8, dtype=torch.int64)
+    worker.save_block_checksums([], EntryCopy(np.array([2]), np.array([1]), again))
+    assert table_entries(again, [1]).tolist() == table_entries(host, [0]).tolist()
+
+
 def test_saved_entries_sum_every_replica_column() -> None:
     """R118: on a worker with two replica columns (a sharded attention cache
     and a one-head indexer on every rank, TP 2), the entry untagged is the sum

@@ -463,8 +463,12 @@ def test_R117_simple_worker_side_moves_entries_by_cpu_block() -> None:
         def init_block_checksums(self, group_ids: Any) -> torch.Tensor:
             return self.table
 
-        def save_block_checksums(self, runs: Any) -> None:
-            pass
+        def save_block_checksums(self, runs: Any, copy: Any = None) -> None:
+            # The block table's contract: entries copied to the slots after
+            # the save (test_R118_a_save_copies_its_entries_to_host_slots).
+            if copy is not None:
+                slots = torch.as_tensor(copy.slots)
+                copy.dest[slots] = self.table[torch.as_tensor(copy.block_ids)]
 
     from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
         SimpleOffloadWorkerSide,

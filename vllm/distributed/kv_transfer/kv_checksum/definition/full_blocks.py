@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Full blocks whose stored entries a worker writes (R118, R142): as runs of
-consecutive positions, or as parallel per-block arrays."""
+consecutive positions, or as parallel per-block arrays; and where a save also
+copies them (`EntryCopy`)."""
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 # (group id, first position, block ids at consecutive positions, the request's
 # block hash at each block's last token)
@@ -82,3 +84,14 @@ class FullBlocks:
         if isinstance(other, (FullBlocks, list, tuple)):
             return list(self) == list(other)
         return NotImplemented
+
+
+@dataclass
+class EntryCopy:
+    """Entries a save also copies elsewhere: `dest[slots[i]]` = the table's
+    entry of `block_ids[i]` once written (an offload tier's host slots, R118).
+    The indices ride in the save's own upload."""
+
+    block_ids: np.ndarray
+    slots: np.ndarray
+    dest: torch.Tensor

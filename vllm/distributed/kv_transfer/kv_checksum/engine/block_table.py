@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
     BlockRun,
+    EntryCopy,
     FullBlocks,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
@@ -65,35 +66,50 @@ class BlockChecksumTable:
             return self.stored_groups
         return self.prefix_groups if kind == "check" else set()
 
-    def save(self, runs: Iterable[BlockRun], groups: set[int] | None = None) -> None:
+    def save(
+        self,
+        runs: Iterable[BlockRun],
+        groups: set[int] | None = None,
+        copy: EntryCopy | None = None,
+    ) -> None:
         """Write the entries of full blocks (R118); `runs` may be a
         `FullBlocks`, consumed without a Python loop over runs or blocks.
 
         Runs of unregistered groups (or not in `groups`, when given) are
         ignored. Queued on the current stream, after the forward that wrote
-        the blocks and before the connector reads them.
+        the blocks and before the connector reads them. `copy`, if given,
+        then copies entries to their slots; its indices travel in the last
+        group's upload (issue 30: one pinned upload per save).
         """
         table = self.tensor
         if table is None:
             return
         blocks = runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
-        if not len(blocks.block_ids):
-            return
         allowed = self.stored_groups if groups is None else groups
         # One launch per group for every block of the call (a step's stores),
         # groups in the order they first appear.
         present, first = np.unique(blocks.groups, return_index=True)
-        for group_id in present[np.argsort(first)].tolist():
-            if group_id not in allowed:
-                continue
+        ordered = [g for g in present[np.argsort(first)].tolist() if g in allowed]
+        copied = copy if copy is not None and len(copy.slots) else None
+        for i, group_id in enumerate(ordered):
             mask = blocks.groups == group_id
-            self._save_group_entries(
+            last = i == len(ordered) - 1
+            indices = self._save_group_entries(
                 table,
                 group_id,
                 blocks.block_ids[mask],
                 blocks.positions[mask],
                 blocks.hashes[mask].tolist(),
+                copied if last else None,
             )
+            if indices is not None and copied is not None:
+                copied.dest[indices[1]] = table[indices[0]]
+                return
+        if copied is not None:
+            indices = host_to_device(
+                np.stack([copied.block_ids, copied.slots]), self.topology.device
+            )
+            copied.dest[indices[1]] = table[indices[0]]
 
     def _save_group_entries(
         self,
@@ -102,9 +118,12 @@ class BlockChecksumTable:
         block_ids: np.ndarray,
         positions: np.ndarray,
         block_hashes: list[bytes],
-    ) -> None:
+        copy: EntryCopy | None = None,
+    ) -> torch.Tensor | None:
         """Entries of one group's full blocks: one upload, one launch, one
-        table write (R118). The rows and the tags travel in one pinned array."""
+        table write (R118). The rows, the tags and `copy`'s (block id, slot)
+        indices travel in one pinned array; returns those indices on the
+        device ([2, n]), None without `copy`."""
         plans = self.groups[group_id]
         size = plans.block_size
         count = len(block_ids)
@@ -114,11 +133,22 @@ class BlockChecksumTable:
         rows[2] = size
         tags = np.zeros((3, count), dtype=np.int64)
         tags[0] = block_checksum_tags(block_hashes, plans.fingerprint).view(np.int64)
-        packed, (_, tag_column) = pack_segments([rows, tags])
+        parts = [rows, tags]
+        if copy is not None:
+            extra = np.zeros((3, len(copy.slots)), dtype=np.int64)
+            extra[0] = copy.block_ids
+            extra[1] = copy.slots
+            parts.append(extra)
+        packed, columns = pack_segments(parts)
         uploaded = host_to_device(packed, self.topology.device)
+        tag_column = columns[1]
         out = torch.zeros(
             (count, plans.load.width), dtype=torch.int64, device=self.topology.device
         )
         plans.load.run(uploaded[:, :count], out)
         entries = out.sum(dim=1) ^ uploaded[0, tag_column : tag_column + count]
         table[uploaded[0, :count]] = entries
+        if copy is None:
+            return None
+        column = columns[2]
+        return uploaded[:2, column : column + len(copy.slots)]

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumRecord,
     KVChecksumScheduled,
 )
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import EntryCopy
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
 from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
     BlockChecksumTable,
@@ -186,10 +187,13 @@ class KVChecksumWorker:
         unverified rather than mismatched against stale entries."""
         self.block_table.stored_groups.clear()
 
-    def save_block_checksums(self, runs: Iterable[BlockRun]) -> None:
+    def save_block_checksums(
+        self, runs: Iterable[BlockRun], copy: EntryCopy | None = None
+    ) -> None:
         """Write the entries of the registered groups' full blocks (R118); each
-        run is (group id, first position, block ids, their block hashes)."""
-        self.block_table.save(runs)
+        run is (group id, first position, block ids, their block hashes).
+        `copy`: then copy entries to an offload tier's slots, same upload."""
+        self.block_table.save(runs, copy=copy)
 
 
 def drafter_layer_names(vllm_config: object) -> set[str]:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import EntryCopy
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import host_to_device
 from vllm.distributed.kv_transfer.kv_checksum.offload.entries import position_hashes
 from vllm.logger import init_logger
@@ -158,11 +159,11 @@ class HostEntryTable:
             device=block_table.device,
         )
 
-    def _indices(
+    def indices(
         self, transfers: Sequence[tuple[Any, Any]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[np.ndarray, np.ndarray]:
         """GPU block ids and host slots of (GPU spec, CPU spec) transfers,
-        concatenated: one device copy each for a whole step."""
+        concatenated for a whole step (parallel: one slot per block)."""
         gpu_ids: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         for gpu_spec, cpu_spec in transfers:
@@ -170,34 +171,58 @@ class HostEntryTable:
             slots.append(host_slots(gpu_spec, cpu_ids, self.blocks_per_chunk))
             gpu_ids.extend(ids for _, _, ids in _gpu_runs(gpu_spec))
         empty = np.zeros(0, dtype=np.int64)
-        device = self.block_table.device
-        return (
-            host_to_device(np.concatenate(gpu_ids or [empty]), device),
-            host_to_device(np.concatenate(slots or [empty]), device),
+        return np.concatenate(gpu_ids or [empty]), np.concatenate(slots or [empty])
+
+    def copy_to_slots(
+        self, gpu_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray
+    ) -> EntryCopy:
+        """The copy of `gpu_ids`' entries to the host `slots` that a block
+        table save does after writing them (R118; one upload per save)."""
+        return EntryCopy(
+            np.asarray(gpu_ids, dtype=np.int64).reshape(-1),
+            np.asarray(slots, dtype=np.int64).reshape(-1),
+            self.entries,
         )
 
     def save(self, transfers: Sequence[tuple[Any, Any]]) -> None:
         """Stores (GPU spec, CPU spec): the GPU blocks' entries go to their
         host slots."""
-        self.save_ids(*self._indices(transfers))
+        self.save_ids(*self.indices(transfers))
 
     def restore(self, transfers: Sequence[tuple[Any, Any]]) -> None:
         """Loads (GPU spec, CPU spec): the host slots' entries go to the GPU
         blocks written."""
-        self.restore_ids(*self._indices(transfers))
+        self.restore_ids(*self.indices(transfers))
 
     def save_ids(self, gpu_ids: IndexLike, slots: IndexLike) -> None:
         """The entries of `gpu_ids` go to the host `slots` (parallel: one GPU
         block id and one slot per stored block)."""
-        host = self._index(slots)
+        gpu, host = self._pair(gpu_ids, slots)
         if len(host):
-            self.entries[host] = self.block_table[self._index(gpu_ids)]
+            self.entries[host] = self.block_table[gpu]
 
     def restore_ids(self, gpu_ids: IndexLike, slots: IndexLike) -> None:
         """The entries of the host `slots` go to `gpu_ids` (parallel)."""
-        host = self._index(slots)
+        gpu, host = self._pair(gpu_ids, slots)
         if len(host):
-            self.block_table[self._index(gpu_ids)] = self.entries[host]
+            self.block_table[gpu] = self.entries[host]
+
+    def _pair(
+        self, gpu_ids: IndexLike, slots: IndexLike
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both index arrays on the table's device, in one upload (R55: no
+        sync; issue 30: one pinned copy, not one per array)."""
+        if isinstance(gpu_ids, torch.Tensor) and isinstance(slots, torch.Tensor):
+            return gpu_ids, slots
+        if isinstance(gpu_ids, torch.Tensor) or isinstance(slots, torch.Tensor):
+            return self._index(gpu_ids), self._index(slots)
+        gpu = np.asarray(gpu_ids, dtype=np.int64).reshape(-1)
+        host = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if len(gpu) != len(host):
+            # Unequal lists never index in step; let torch's error say so.
+            return self._index(gpu), self._index(host)
+        both = host_to_device(np.stack([gpu, host]), self.block_table.device)
+        return both[0], both[1]
 
     def _index(self, ids: IndexLike) -> torch.Tensor:
         """`ids` as an int64 index on the table's device (R55: no sync)."""
@@ -390,10 +415,13 @@ class OffloadWorkerSide:
         jobs = {j: metadata.store_jobs[j] for j in job_ids if j in metadata.store_jobs}
         if not jobs:
             return
-        self.checksum_worker.save_block_checksums(
-            [run for job_id in jobs for run in runs.get(job_id, ())]
+        gpu_ids, slots = self.entries.indices(
+            [(job.src_spec, job.dst_spec) for job in jobs.values()]
         )
-        self.entries.save([(job.src_spec, job.dst_spec) for job in jobs.values()])
+        self.checksum_worker.save_block_checksums(
+            [run for job_id in jobs for run in runs.get(job_id, ())],
+            self.entries.copy_to_slots(gpu_ids, slots),
+        )
 
     def start_loads(self, metadata: Any) -> None:
         """Before loads are submitted: faults (if configured), then entries."""

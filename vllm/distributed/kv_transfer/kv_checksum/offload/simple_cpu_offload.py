@@ -233,8 +233,9 @@ class SimpleOffloadWorkerSide:
         if not gpu_ids:
             return
         runs = getattr(metadata, "kv_checksum_store_runs", None) or []
-        self.checksum_worker.save_block_checksums(runs)
-        self.entries.save_ids(gpu_ids, metadata.store_cpu_blocks)
+        self.checksum_worker.save_block_checksums(
+            runs, self.entries.copy_to_slots(gpu_ids, metadata.store_cpu_blocks)
+        )
 
     def start_loads(self, metadata: Any) -> None:
         """Before the load copy is submitted: faults (if configured), then the
