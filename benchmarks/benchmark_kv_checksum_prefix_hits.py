@@ -49,8 +49,13 @@ reported). Defaults: 4 rounds of `host16_c8`, about 270 s at 8B on an H200.
 traces (CUDA kernels, memcpys, runtime calls and host synchronize calls by
 total time, per worker) into summary.json's `warmup_profiles`: where an on/off
 difference goes, without timing the measured rounds. `--profile-steps N` traces
-only the first N engine steps of it (vLLM's `max_iterations`; not yet run on a
-GPU: the whole warm-up's traces of an 8B engine pair took over 2 minutes).
+only the first N engine steps of it (vLLM's `max_iterations`).
+
+Every round also records, from /proc, both engines' CPU seconds and context
+switches per thread (`processes`; `kv_checksum_proc_stats.py`) and each
+launch records its processes' CPUs (`affinity`): more CPU time in a thread
+the "off" engine lacks means added work; the same CPU time with more
+involuntary switches means the engine waited for a core (issue 30).
 
 `--control` is the A/A run: the "on" slot starts with checksums off too, so its
 "on/off" is what the two engine slots differ by alone (start order, port,
@@ -103,6 +108,7 @@ from kv_checksum_bench_tiers import (  # noqa: E402
     kv_cache_bytes,
     transfer_config,
 )
+from kv_checksum_proc_stats import affinity, sample_tree, tree_delta  # noqa: E402
 
 # Targets of issue 31 item 4.
 MIN_THROUGHPUT_RATIO = 0.98
@@ -341,6 +347,43 @@ class Engine:
                 self.proc.wait(timeout=60)
 
 
+def engine_threads(engine: Engine) -> dict[int, Any]:
+    """The engine's threads' CPU counters (issue 30); empty off Linux."""
+    try:
+        return sample_tree(engine.proc.pid) if engine.proc else {}
+    except OSError:
+        return {}
+
+
+def engine_affinity(engine: Engine) -> dict[str, list[int]]:
+    """The CPUs the engine's processes may run on; empty off Linux."""
+    try:
+        return affinity(engine.proc.pid) if engine.proc else {}
+    except OSError:
+        return {}
+
+
+def cpu_brief(usage: dict[str, dict[str, float]], top: int = 3) -> str:
+    """ "total 1.20 (30); EngineCor/python 0.90 (12); ..." for a round's log line:
+    CPU seconds and involuntary context switches, the total, then the top
+    threads."""
+    rows = [(n, r) for n, r in usage.items() if n != "total"][:top]
+    if "total" in usage:
+        rows.insert(0, ("total", usage["total"]))
+    return (
+        "; ".join(
+            f"{name} {row['cpu_s']:.2f} ({int(row['involuntary'])})"
+            for name, row in rows
+        )
+        or "-"
+    )
+
+
+def idle_mode(mode: str) -> str:
+    """The engine slot not measured in a round of `mode`."""
+    return "on" if mode == "off" else "off"
+
+
 def start_pair(engines: dict[str, Engine], timeout: float) -> float:
     """Starts both engines at once; seconds until both answer /health."""
     t0 = time.time()
@@ -570,6 +613,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.workloads = args.workloads or workloads
     args.cpu_gib = cpu_gib if args.cpu_gib is None else args.cpu_gib
     args.profiles = {}  # --profile-warmup's trace summaries, by launch and mode
+    args.affinity = {}  # each engine's processes' CPUs, by launch and mode
     return args
 
 
@@ -699,6 +743,12 @@ def run_launch(
     try:
         startup = start_pair(engines, args.startup_timeout)
         log(f"launch {launch}: both engines ready in {startup:.0f} s")
+        args.affinity[f"launch{launch}"] = cpus = {
+            mode: engine_affinity(engine) for mode, engine in engines.items()
+        }
+        for mode, processes in cpus.items():
+            counts = sorted({len(c) for c in processes.values()})
+            log(f"launch {launch}: {mode}: {len(processes)} processes on {counts} CPUs")
         warm_up(args, engines, chosen, logs, launch, runner)
         if args.profile_warmup:
             args.profiles[f"launch{launch}"] = {
@@ -719,16 +769,24 @@ def run_launch(
                 "seed": seed,
                 "results": {},
                 **{counter: {} for counter in COUNTERS},
+                "processes": {},
             }
             engine = engines[mode]
             for workload in chosen:
                 path = logs / f"round{index}_{mode}_{workload.name}.json"
                 before = engine.counters()
+                threads = {m: engine_threads(e) for m, e in engines.items()}
                 argv = bench_args(args, workload, engine.port, seed, path)
                 rc = runner.run(argv, path.with_suffix(".log"))
                 result = read_result(path, rc)
                 entry["results"][workload.name] = result
                 after = engine.counters()
+                # Both engines: the idle one may take cores from the measured one.
+                usage = {
+                    m: tree_delta(threads[m], engine_threads(e)) if threads[m] else {}
+                    for m, e in engines.items()
+                }
+                entry["processes"][workload.name] = usage
                 for counter in COUNTERS:
                     delta = counter_delta(before[counter], after[counter])
                     entry[counter][workload.name] = delta
@@ -742,6 +800,8 @@ def run_launch(
                     f"loads {host} {entry['load_verdicts'][workload.name]}, "
                     "server means ms "
                     f"{server_means_ms(entry['server_times'][workload.name])} "
+                    f"CPU s (involuntary switches) {cpu_brief(usage[mode])}, "
+                    f"idle engine {cpu_brief(usage[idle_mode(mode)], 0)} "
                     f"{result.get('error', '')}"
                 )
             rounds.append(entry)
@@ -788,6 +848,8 @@ def write_summary(
     record = {"config": config, "rounds": rounds, "summary": verdict}
     if args.profiles:
         record["warmup_profiles"] = args.profiles
+    if args.affinity:
+        record["affinity"] = args.affinity
     (args.out / "summary.json").write_text(json.dumps(record, indent=1))
     return verdict
 

@@ -131,3 +131,35 @@ def test_step_on_cuda_equals_cpu_without_host_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     check_against(pending.finalize(), want, on_cuda.fingerprints[0])
+
+
+def test_save_copies_entries_to_slots_on_cuda_without_host_sync() -> None:
+    """R118, issue 30: a save given an `EntryCopy` (an offload tier's store)
+    writes the same host-slot entries on CUDA as on CPU over the same bytes,
+    with the copy's indices in the save's one upload and no host sync. Bugs
+    caught: the copy's indices sliced from the wrong columns of the upload
+    (slots get the rows' positions or the tags), and a host sync in the copy."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+    )
+
+    slots = np.array([5, 0, 2])
+    on_cpu, caches = worker_on(torch.device("cpu"), None)
+    on_cuda, _ = worker_on(torch.device("cuda"), caches)
+    results = []
+    for worker, device in ((on_cpu, "cpu"), (on_cuda, "cuda")):
+        worker.init_block_checksums([0])
+        dest = torch.zeros(8, dtype=torch.int64, device=device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            worker.save_block_checksums(
+                [(0, 0, BLOCK_IDS, HASHES)], EntryCopy(BLOCK_IDS, slots, dest)
+            )
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        results.append(dest.cpu().numpy())
+    np.testing.assert_array_equal(results[1], results[0])
+    assert np.count_nonzero(results[1][slots]) == len(slots)
