@@ -108,7 +108,12 @@ from kv_checksum_bench_tiers import (  # noqa: E402
     kv_cache_bytes,
     transfer_config,
 )
-from kv_checksum_proc_stats import affinity, sample_tree, tree_delta  # noqa: E402
+from kv_checksum_proc_stats import (  # noqa: E402
+    affinity,
+    cpu_brief,
+    sample_tree,
+    tree_delta,
+)
 
 # Targets of issue 31 item 4.
 MIN_THROUGHPUT_RATIO = 0.98
@@ -361,22 +366,6 @@ def engine_affinity(engine: Engine) -> dict[str, list[int]]:
         return affinity(engine.proc.pid) if engine.proc else {}
     except OSError:
         return {}
-
-
-def cpu_brief(usage: dict[str, dict[str, float]], top: int = 3) -> str:
-    """ "total 1.20 (30); EngineCor/python 0.90 (12); ..." for a round's log line:
-    CPU seconds and involuntary context switches, the total, then the top
-    threads."""
-    rows = [(n, r) for n, r in usage.items() if n != "total"][:top]
-    if "total" in usage:
-        rows.insert(0, ("total", usage["total"]))
-    return (
-        "; ".join(
-            f"{name} {row['cpu_s']:.2f} ({int(row['involuntary'])})"
-            for name, row in rows
-        )
-        or "-"
-    )
 
 
 def idle_mode(mode: str) -> str:

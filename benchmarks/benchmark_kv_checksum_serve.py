@@ -47,6 +47,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_checksum_proc_stats import cpu_brief, sample_tree, tree_delta  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "examples/disaggregated/kv_checksum_router_pd.sh"
 BATCH = REPO / "benchmarks/kv_checksum_bench_serve_batch.py"
@@ -524,6 +527,7 @@ def run_round(
     """Every chosen workload through `launch`'s router, into `entry`'s results;
     the consumer's verdict counts of this round (counter deltas)."""
     before = launch.consumer_verdicts()
+    threads = launch_threads(launch)
     batch: dict[str, dict[str, Any]] = {}
     if args.bench_batch:
         batch = run_workloads_batch(args, chosen, log_dir, launch.router_url)
@@ -541,6 +545,18 @@ def run_round(
     after = launch.consumer_verdicts()
     entry["verdicts"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
     log(f"  consumer verdicts: {entry['verdicts']}")
+    if threads:
+        # Issue 30: the pair's threads (P, D and router summed by name).
+        entry["processes"] = tree_delta(threads, launch_threads(launch))
+        log(f"  CPU s (involuntary switches): {cpu_brief(entry['processes'])}")
+
+
+def launch_threads(launch: Launch) -> dict[int, Any]:
+    """The CPU counters of the pair's threads; empty off Linux."""
+    try:
+        return sample_tree(launch.proc.pid) if launch.proc else {}
+    except OSError:
+        return {}
 
 
 def run_launches(

@@ -11,6 +11,7 @@ waiting for a core: contention, not work). Standard library only:
 
     before = sample_tree(pid); ...; after = sample_tree(pid)
     usage = tree_delta(before, after)  # {"process/thread": {...}, ...}
+    print(cpu_brief(usage))
 """
 
 import os
@@ -141,3 +142,19 @@ def affinity(pid: int, proc: Path = PROC) -> dict[str, list[int]]:
         except OSError:
             continue
     return cpus
+
+
+def cpu_brief(usage: dict[str, dict[str, float]], top: int = 3) -> str:
+    """ "total 1.20 (30); EngineCor/python 0.90 (12); ..." for a round's log line:
+    CPU seconds and involuntary context switches, the total, then the top
+    threads."""
+    rows = [(n, r) for n, r in usage.items() if n != "total"][:top]
+    if "total" in usage:
+        rows.insert(0, ("total", usage["total"]))
+    return (
+        "; ".join(
+            f"{name} {row['cpu_s']:.2f} ({int(row['involuntary'])})"
+            for name, row in rows
+        )
+        or "-"
+    )

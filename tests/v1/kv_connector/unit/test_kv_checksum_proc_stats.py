@@ -79,6 +79,9 @@ def test_tree_delta_sums_threads_by_name(tmp_path: Path) -> None:
     assert usage["VLLM::EngineCor/new"]["cpu_s"] == 2.0
     assert usage["total"] == {"cpu_s": 7.0, "voluntary": 5, "involuntary": 12}
     assert list(usage)[0] == "VLLM::EngineCor/python3"  # ranked by CPU time
+    assert stats.cpu_brief(usage, 1) == (
+        "total 7.00 (12); VLLM::EngineCor/python3 3.00 (3)"
+    )
 
 
 def test_real_proc_lists_this_thread() -> None:
