@@ -11,6 +11,7 @@ needs CUDA streams, so its copies themselves run on the GPU only
 """
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -604,3 +605,54 @@ def test_R134_offload_side_error_leaves_fail_closed_loads_running(
         )
         engine.scheduler.schedule()
         assert "pd" in kcs.consumer._recvs
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_R119_load_sources_read_once_per_load_with_stats(
+    model_dir: str, enabled: bool
+) -> None:
+    """R119, issue 30 (host work per load): with vLLM's prefix-cache stats on
+    (log_stats, the `vllm serve` default), the connector answers a starting
+    host load's sources once per load, for vLLM's stats, with checksums off
+    and on alike: the checksum scheduler reuses that answer, every load still
+    verifies, and no answer is kept past its step. Bugs caught (tried): the
+    checksum scheduler asking the connector again (two answers per load), and
+    the kept answers never cleared."""
+    engine = OffloadSimEngine(
+        model_dir, offload_side(enabled=enabled, log_stats=True), f"src-{enabled}"
+    )
+    inner = engine.offload.connector_scheduler
+    answer = inner.get_external_cache_hit_sources
+    asked: list[str] = []
+
+    def counting(request: Any, num_external_tokens: int) -> Any:
+        asked.append(request.request_id)
+        return answer(request, num_external_tokens)
+
+    inner.get_external_cache_hit_sources = counting
+    # With log_stats, make_stats drains the verdict counts every step.
+    loads: Counter[str] = Counter()
+    if enabled:
+        stats = engine.checksums.stats
+        drain = stats.take
+
+        def take() -> Any:
+            taken = drain()
+            loads.update(taken.loads)
+            return taken
+
+        stats.take = take  # type: ignore[method-assign]
+    run_shared_prefixes(engine, 18)
+    assert engine.num_loads >= 10
+    assert len(asked) == engine.num_loads
+    if enabled:
+        loads.update(engine.checksums.stats.loads)
+        assert loads == {"verified": engine.num_loads}
+        # An answer no load takes (a load not checked) leaves with its step.
+        kept = engine.scheduler._kv_checksum_hit_sources.seen
+        engine.scheduler.connector.get_external_cache_hit_sources(
+            SimpleNamespace(request_id="other"), 0
+        )
+        assert list(kept) == [("other", 0)]
+        engine.step()
+        assert kept == {}

@@ -17,6 +17,10 @@ connector update_state_after_alloc (instance)
     Why: the one call that sees every load start
     How: instance wrapper noting (request, blocks, tokens)
     Upstream: the Scheduler reporting load starts
+connector get_external_cache_hit_sources (instance)
+    Why: vLLM's stats already asked for a starting load's sources this step
+    How: instance wrapper keeping the answer until the step ends
+    Upstream: the Scheduler handing the load's sources with the load
 Scheduler._update_after_schedule
     Why: token counts are final only after it
     How: after the original; `kv_checksum_scheduled` on the output
@@ -73,10 +77,7 @@ def _create_scheduler(scheduler: Any) -> KVChecksumScheduler:
         tp_size=parallel.tensor_parallel_size,
         fail_closed=flags.fail_closed,
         carrier=connector.kv_checksum_carrier,
-        hit_sources=lambda request, n: {
-            getattr(s, "value", s)
-            for s in connector.get_external_cache_hit_sources(request, n)
-        },
+        hit_sources=_hit_sources_of(scheduler),
         max_model_len=vllm_config.model_config.max_model_len,
         max_payload_bytes=flags.max_payload_bytes,
         checksum_sources=lambda request: {
@@ -85,6 +86,59 @@ def _create_scheduler(scheduler: Any) -> KVChecksumScheduler:
         on_failure=connector.on_kv_checksum_failure,
         hash_block_size=getattr(scheduler, "hash_block_size", None),
     )
+
+
+class HitSources:
+    """A starting load's hit sources (R119), reusing the answer vLLM's own
+    prefix-cache stats got from the connector for the same request and token
+    count in this schedule(): OffloadingConnector's answer walks every loaded
+    key in Python (issue 30: the largest scheduler-side cost per host load).
+    vLLM is always answered by the connector itself."""
+
+    def __init__(
+        self, ask: Callable[[Any, int], Any], keep: Callable[[], bool]
+    ) -> None:
+        self.ask = ask
+        self.keep = keep  # False once checksums are off: nothing is kept
+        self.seen: dict[tuple[str, int], Any] = {}
+
+    def remember(self, request: Any, num_external_tokens: int) -> Any:
+        """The connector's answer to vLLM, kept until this step's end."""
+        result = self.ask(request, num_external_tokens)
+        if self.keep():
+            self.seen[(request.request_id, num_external_tokens)] = result
+        return result
+
+    def __call__(self, request: Any, num_external_tokens: int) -> set[str]:
+        """The source names of a load (an answer vLLM got this step, or asked)."""
+        result = self.seen.pop((request.request_id, num_external_tokens), None)
+        if result is None:
+            result = self.ask(request, num_external_tokens)
+        return {getattr(s, "value", s) for s in result}
+
+
+def _hit_sources_of(scheduler: Any) -> HitSources:
+    """Target: the scheduler's connector instance's
+    get_external_cache_hit_sources (checksums on only).
+
+    Why: R119 needs each starting load's sources; vLLM already asks the
+    connector for them when it records prefix-cache stats (log_stats on, the
+    `vllm serve` default), in the same schedule() that starts the load.
+    How: an instance attribute that calls the bound method and keeps its
+    answer per (request id, tokens) until `_update_after_schedule` ends the
+    step (`HitSources.seen`, cleared there), nothing once checksums are off;
+    vLLM's calls always reach the connector.
+    Upstream: the Scheduler handing the load's sources to the checksum
+    scheduler with the load.
+    """
+    connector = scheduler.connector
+    sources = HitSources(
+        connector.get_external_cache_hit_sources,
+        lambda: scheduler.kv_checksum_scheduler is not None,
+    )
+    connector.get_external_cache_hit_sources = sources.remember
+    scheduler._kv_checksum_hit_sources = sources
+    return sources
 
 
 def install_scheduler_hooks() -> None:
@@ -165,6 +219,7 @@ def install_scheduler_hooks() -> None:
             )
             output.kv_checksum_scheduled = kcs.build_checksum_meta()
             prefix_cache.schedule(self, output)  # R140
+        self._kv_checksum_hit_sources.seen.clear()
 
     @_wrap(Scheduler, "update_from_output")
     def update_from_output(
