@@ -32,6 +32,8 @@ prefix cache first; then every step one new request whose prefix (128
 blocks) is only in the host tier arrives and loads it back, the load
 reported finished a step after the one that started it, and verified; only
 schedule() and update_from_output() are timed (not the simulated workers).
+These engines record vLLM's stats (log_stats, as `vllm serve` does by
+default), so vLLM asks the connector for each load's hit sources itself.
 
 Worker side: a `KVChecksumWorker` over CPU KV caches, `bind` and
 `post_forward` of a decode step (nothing to checksum), as the wiring's
