@@ -290,18 +290,10 @@ def test_R142_saved_entries_from_block_arrays_keep_each_position() -> None:
     assert not table[[b for b in range(NUM_BLOCKS) if b not in ids]].any()
 
 
-def test_R118_saving_entries_uploads_once_per_group(monkeypatch) -> None:
-    """R118, issue 30 (host work per step): a save of several blocks copies its
-    rows and tags to the device in one upload, and the entries still equal
-    the reference partial sums XOR the reference tags. Bug caught (tried):
-    the tags read from the rows' columns instead of their own (entries XOR a
-    block id), and one upload per array (three pinned copies per save)."""
+def count_uploads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of the block table's uploads to the device, as they happen."""
     from vllm.distributed.kv_transfer.kv_checksum.engine import block_table
 
-    kv = ref.random_kv(np.random.default_rng(7), 4, 48, 4, 16)
-    whole = ref.reference_block_checksums(kv, 16)
-    worker = truth_worker(kv, BLOCK_IDS)
-    table = worker.init_block_checksums([0])
     uploads: list[tuple[int, ...]] = []
     real = block_table.host_to_device
 
@@ -310,6 +302,20 @@ def test_R118_saving_entries_uploads_once_per_group(monkeypatch) -> None:
         return real(array, device)
 
     monkeypatch.setattr(block_table, "host_to_device", counting)
+    return uploads
+
+
+def test_R118_saving_entries_uploads_once_per_group(monkeypatch) -> None:
+    """R118, issue 30 (host work per step): a save of several blocks copies its
+    rows and tags to the device in one upload, and the entries still equal
+    the reference partial sums XOR the reference tags. Bug caught (tried):
+    the tags read from the rows' columns instead of their own (entries XOR a
+    block id), and one upload per array (three pinned copies per save)."""
+    kv = ref.random_kv(np.random.default_rng(7), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    table = worker.init_block_checksums([0])
+    uploads = count_uploads(monkeypatch)
     hashes = fake_hashes(3, seed=11)
     worker.save_block_checksums([(0, 0, BLOCK_IDS, hashes)])
     assert len(uploads) == 1
@@ -327,20 +333,12 @@ def test_R118_a_save_copies_its_entries_to_host_slots(monkeypatch) -> None:
     from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
         EntryCopy,
     )
-    from vllm.distributed.kv_transfer.kv_checksum.engine import block_table
 
     kv = ref.random_kv(np.random.default_rng(9), 4, 48, 4, 16)
     whole = ref.reference_block_checksums(kv, 16)
     worker = truth_worker(kv, BLOCK_IDS)
     worker.init_block_checksums([0])
-    uploads: list[tuple[int, ...]] = []
-    real = block_table.host_to_device
-
-    def counting(array: np.ndarray, device: torch.device) -> torch.Tensor:
-        uploads.append(tuple(array.shape))
-        return real(array, device)
-
-    monkeypatch.setattr(block_table, "host_to_device", counting)
+    uploads = count_uploads(monkeypatch)
     hashes = fake_hashes(3, seed=13)
     host = torch.zeros(8, dtype=torch.int64)
     slots = [6, 0, 3]  # BLOCK_IDS[i] -> slots[i]

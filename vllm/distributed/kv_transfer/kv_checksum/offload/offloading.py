@@ -42,8 +42,13 @@ logger = init_logger(__name__)
 # (group id, first position, GPU block ids, block hash at each block's last token)
 StoreRun = tuple[int, int, list[int], list[bytes]]
 
-# Block ids or host slots: a device index, an array or a list.
-IndexLike = torch.Tensor | np.ndarray | Sequence[int]
+# Block ids or host slots: an array or a list.
+IndexLike = np.ndarray | Sequence[int]
+
+
+def _int64(ids: IndexLike) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
 
 # The hit source whose loads are verified (CacheHitSource.HOST.value).
 HOST_SOURCE = "host"
@@ -173,16 +178,10 @@ class HostEntryTable:
         empty = np.zeros(0, dtype=np.int64)
         return np.concatenate(gpu_ids or [empty]), np.concatenate(slots or [empty])
 
-    def copy_to_slots(
-        self, gpu_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray
-    ) -> EntryCopy:
+    def copy_to_slots(self, gpu_ids: IndexLike, slots: IndexLike) -> EntryCopy:
         """The copy of `gpu_ids`' entries to the host `slots` that a block
         table save does after writing them (R118; one upload per save)."""
-        return EntryCopy(
-            np.asarray(gpu_ids, dtype=np.int64).reshape(-1),
-            np.asarray(slots, dtype=np.int64).reshape(-1),
-            self.entries,
-        )
+        return EntryCopy(_int64(gpu_ids), _int64(slots), self.entries)
 
     def save(self, transfers: Sequence[tuple[Any, Any]]) -> None:
         """Stores (GPU spec, CPU spec): the GPU blocks' entries go to their
@@ -211,24 +210,12 @@ class HostEntryTable:
         self, gpu_ids: IndexLike, slots: IndexLike
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Both index arrays on the table's device, in one upload (R55: no
-        sync; issue 30: one pinned copy, not one per array)."""
-        if isinstance(gpu_ids, torch.Tensor) and isinstance(slots, torch.Tensor):
-            return gpu_ids, slots
-        if isinstance(gpu_ids, torch.Tensor) or isinstance(slots, torch.Tensor):
-            return self._index(gpu_ids), self._index(slots)
-        gpu = np.asarray(gpu_ids, dtype=np.int64).reshape(-1)
-        host = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if len(gpu) != len(host):
-            # Unequal lists never index in step; let torch's error say so.
-            return self._index(gpu), self._index(host)
-        both = host_to_device(np.stack([gpu, host]), self.block_table.device)
+        sync; issue 30: one pinned copy, not one per array). Unequal lengths
+        raise (np.stack), as indexing with them would."""
+        both = host_to_device(
+            np.stack([_int64(gpu_ids), _int64(slots)]), self.block_table.device
+        )
         return both[0], both[1]
-
-    def _index(self, ids: IndexLike) -> torch.Tensor:
-        """`ids` as an int64 index on the table's device (R55: no sync)."""
-        if isinstance(ids, torch.Tensor):
-            return ids
-        return host_to_device(np.asarray(ids, dtype=np.int64), self.block_table.device)
 
 
 def failed_keys(
