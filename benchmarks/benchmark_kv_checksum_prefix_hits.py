@@ -49,7 +49,9 @@ reported). Defaults: 4 rounds of `host16_c8`, about 270 s at 8B on an H200.
 traces (CUDA kernels, memcpys, runtime calls and host synchronize calls by
 total time, per worker) into summary.json's `warmup_profiles`: where an on/off
 difference goes, without timing the measured rounds. `--profile-steps N` traces
-only the first N engine steps of it (vLLM's `max_iterations`).
+only the first N engine steps of it (vLLM's `max_iterations`);
+`--profile-with-stack` adds Python functions (inclusive and self time by name;
+a slower trace: keep `--profile-steps` small).
 
 Every round also records, from /proc, both engines' CPU seconds and context
 switches per thread (`processes`; `kv_checksum_proc_stats.py`) and each
@@ -60,7 +62,12 @@ involuntary switches means the engine waited for a core (issue 30).
 `--control` is the A/A run: the "on" slot starts with checksums off too, so its
 "on/off" is what the two engine slots differ by alone (start order, port,
 memory placement on the shared GPU, which engine's rounds come when). A cost is
-a checksum cost only where it exceeds that.
+a checksum cost only where it exceeds that. `--swap-slots` with an even
+`--launches` removes that bias from the same run instead: odd launches run
+"on" in the first slot, so the means over all rounds cancel it, and the
+verdict prints the checksum effect and the slot bias apart (`slot_bias`). On
+the H200 host the A/A of `shared_c32` at 8B put slot b 2 % and 16-20 ms of
+TTFT behind slot a (2026-12-01h).
 
 Writes OUT/summary.json (per round: the bench's scalar results, every request's
 TTFT, each engine's prefix-hit, host-load and load-verdict counter deltas) and
@@ -313,7 +320,9 @@ class Engine:
         )
         cmd += ["--kv-transfer-config", json.dumps(config), *args.serve_arg]
         if args.profile_warmup:
-            config = profiler_config(self.trace_dir, args.profile_steps)
+            config = profiler_config(
+                self.trace_dir, args.profile_steps, args.profile_with_stack
+            )
             cmd += ["--profiler-config", json.dumps(config)]
         self.logs.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
@@ -400,6 +409,40 @@ def configured_mode(slot: str, control: bool) -> str:
     return "off" if control else slot
 
 
+def launch_slots(launch: int, swap: bool) -> dict[str, str]:
+    """Which engine slot each mode runs in, in start order: "a" (--port-off,
+    started first) and "b" (--port-on). With `swap`, odd launches put "on" in
+    slot a, so that slot bias (start order, port, placement) cancels in the
+    means over an even number of launches, and is estimated apart."""
+    if swap and launch % 2:
+        return {"on": "a", "off": "b"}
+    return {"off": "a", "on": "b"}
+
+
+def slot_bias(rounds: list[dict[str, Any]], name: str, metric: str) -> dict:
+    """With both placements run (--swap-slots): the mean on - off of the
+    launches with "on" in slot b and of those with "on" in slot a; their half
+    sum is the checksum effect and their half difference the bias of slot b
+    over slot a. Empty when one placement is missing."""
+    diffs: dict[str, list[float]] = {"a": [], "b": []}
+    for launch in sorted({r["launch"] for r in rounds}):
+        mine = [r for r in rounds if r["launch"] == launch]
+        values = mode_values(mine, name, metric)
+        on_slot = next((r.get("slot") for r in mine if r["mode"] == "on"), None)
+        if values["off"] and values["on"] and on_slot in diffs:
+            delta = statistics.mean(values["on"]) - statistics.mean(values["off"])
+            diffs[on_slot].append(delta)
+    if not diffs["a"] or not diffs["b"]:
+        return {}
+    on_in_b, on_in_a = statistics.mean(diffs["b"]), statistics.mean(diffs["a"])
+    return {
+        "on_minus_off_on_in_b": on_in_b,
+        "on_minus_off_on_in_a": on_in_a,
+        "effect": (on_in_b + on_in_a) / 2,
+        "slot_b_minus_a": (on_in_b - on_in_a) / 2,
+    }
+
+
 def paired(rounds: list[dict[str, Any]], name: str, metric: str) -> dict[str, Any]:
     """`pair_summary` of `metric` within each pair of rounds that sent the same
     prompts (same launch and seed, next to each other in ABBA order), so drift
@@ -437,6 +480,7 @@ def judge(
                 "on_over_off": on / off if off else None,
                 "off_spread": max(values["off"]) - min(values["off"]),
                 "paired": paired(rounds, name, metric),
+                "slot_bias": slot_bias(rounds, name, metric),
             }
         hits: dict[str, float] = {}
         for r in rounds:
@@ -525,6 +569,16 @@ def print_tables(rounds: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
                 f"{m['off_spread']:.3f} | {pair_cell} |"
             )
     for name, row in verdict["workloads"].items():
+        for metric in METRICS:
+            bias = row[metric].get("slot_bias")
+            if bias:
+                print(
+                    f"{name} {metric}: checksum effect {bias['effect']:+.3f}, "
+                    f"slot b - a {bias['slot_b_minus_a']:+.3f} (on - off with "
+                    f"on in b {bias['on_minus_off_on_in_b']:+.3f}, in a "
+                    f"{bias['on_minus_off_on_in_a']:+.3f})"
+                )
+    for name, row in verdict["workloads"].items():
         print(
             f"\n{name}: throughput on/off >= {MIN_THROUGHPUT_RATIO}: "
             f"{row['throughput_ok']} (inside off spread: "
@@ -570,6 +624,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --profile-warmup: trace only this many engine steps (0: all)",
     )
     parser.add_argument(
+        "--profile-with-stack",
+        action="store_true",
+        help="with --profile-warmup: record Python functions too (their "
+        "inclusive time by name, and the package's, go to summary.json)",
+    )
+    parser.add_argument(
+        "--swap-slots",
+        action="store_true",
+        help="odd launches run checksums on in the first slot: with an even "
+        "--launches, slot bias cancels and is reported apart",
+    )
+    parser.add_argument(
         "--control",
         action="store_true",
         help="A/A: the 'on' slot runs checksums off too, so 'on/off' measures "
@@ -603,6 +669,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cpu_gib = cpu_gib if args.cpu_gib is None else args.cpu_gib
     args.profiles = {}  # --profile-warmup's trace summaries, by launch and mode
     args.affinity = {}  # each engine's processes' CPUs, by launch and mode
+    args.slots = {}  # each launch's engine slot of each mode
     return args
 
 
@@ -632,15 +699,18 @@ def warm_up(
             )
 
 
-def profiler_config(trace_dir: Path, max_steps: int = 0) -> dict[str, Any]:
+def profiler_config(
+    trace_dir: Path, max_steps: int = 0, with_stack: bool = False
+) -> dict[str, Any]:
     """vLLM's --profiler-config for a torch trace of both CPU and CUDA
-    activity (no Python stacks: a smaller trace); `max_steps` > 0 traces only
-    the first engine steps and not the API front end, so the trace is written
-    in seconds (a whole 8B warm-up's took minutes on the H200 host)."""
+    activity (Python functions only `with_stack`: a larger, slower trace);
+    `max_steps` > 0 traces only the first engine steps and not the API front
+    end, so the trace is written in seconds (a whole 8B warm-up's took minutes
+    on the H200 host)."""
     config: dict[str, Any] = {
         "profiler": "torch",
         "torch_profiler_dir": str(trace_dir),
-        "torch_profiler_with_stack": False,
+        "torch_profiler_with_stack": with_stack,
     }
     if max_steps:
         config.update(max_iterations=max_steps, ignore_frontend=True)
@@ -649,6 +719,10 @@ def profiler_config(trace_dir: Path, max_steps: int = 0) -> dict[str, Any]:
 
 # Trace event categories summed by name, and the CUDA calls that block the host.
 TRACE_CATEGORIES = ("kernel", "gpu_memcpy", "cuda_runtime", "cpu_op", "user_annotation")
+# Python functions (traces --profile-with-stack): inclusive time, so nested
+# calls count in each caller; ranked deeper than the other categories.
+PYTHON_CATEGORY = "python_function"
+PYTHON_TOP = 60
 HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 # Events of any category summed apart whatever their rank: the package's own
 # kernels and the runtime calls its step work makes (pinned allocations,
@@ -663,6 +737,7 @@ WATCHED = (
     "cudaeventrecord",
     "cudaeventquery",
     "cudastreamwaitevent",
+    "kv_checksum",  # the package's Python functions (with stacks)
 )
 
 
@@ -670,7 +745,8 @@ def summarize_trace_events(events: list[dict[str, Any]], top: int = 15) -> dict:
     """Per category of TRACE_CATEGORIES: total microseconds, event count and the
     `top` names by total time (every user annotation: vLLM's step phases); every
     host wait (synchronize calls); and every WATCHED event by category/name."""
-    totals: dict[str, dict[str, list[float]]] = {c: {} for c in TRACE_CATEGORIES}
+    categories = (*TRACE_CATEGORIES, PYTHON_CATEGORY)
+    totals: dict[str, dict[str, list[float]]] = {c: {} for c in categories}
     for event in events:
         cat = event.get("cat")
         if cat in totals and "dur" in event:
@@ -680,8 +756,11 @@ def summarize_trace_events(events: list[dict[str, Any]], top: int = 15) -> dict:
     summary: dict[str, Any] = {}
     watched: dict[str, list] = {}
     for cat, names in totals.items():
+        if cat == PYTHON_CATEGORY and not names:
+            continue  # a trace without stacks
         ranked = sorted(names.items(), key=lambda kv: -kv[1][0])
-        shown = ranked if cat == "user_annotation" else ranked[:top]
+        depth = PYTHON_TOP if cat == PYTHON_CATEGORY else top
+        shown = ranked if cat == "user_annotation" else ranked[:depth]
         summary[cat] = {
             "total_us": round(sum(v[0] for v in names.values()), 1),
             "events": sum(int(v[1]) for v in names.values()),
@@ -691,6 +770,8 @@ def summarize_trace_events(events: list[dict[str, Any]], top: int = 15) -> dict:
             if any(w in name.lower() for w in WATCHED):
                 watched[f"{cat}/{name[:120]}"] = [round(us, 1), int(count)]
     summary["watched"] = watched
+    if totals[PYTHON_CATEGORY]:
+        summary["python_self"] = python_self_times(events)
     runtime = totals["cuda_runtime"]
     summary["host_waits"] = {
         name: [round(runtime[name][0], 1), int(runtime[name][1])]
@@ -698,6 +779,33 @@ def summarize_trace_events(events: list[dict[str, Any]], top: int = 15) -> dict:
         if name in runtime
     }
     return summary
+
+
+def python_self_times(events: list[dict[str, Any]]) -> list[list]:
+    """The PYTHON_TOP Python functions by self time (their duration less that
+    of the Python functions they call, per thread), [name, us, calls]: where
+    the interpreter itself spends a step, which inclusive time hides."""
+    by_thread: dict[Any, list[dict[str, Any]]] = {}
+    for event in events:
+        if event.get("cat") == PYTHON_CATEGORY and "dur" in event:
+            by_thread.setdefault((event.get("pid"), event.get("tid")), []).append(event)
+    own: dict[str, list[float]] = {}
+    for calls in by_thread.values():
+        calls.sort(key=lambda e: (float(e.get("ts", 0.0)), -float(e["dur"])))
+        open_calls: list[tuple[float, list]] = []  # (end, [name, self us])
+        for event in calls:
+            start, dur = float(event.get("ts", 0.0)), float(event["dur"])
+            while open_calls and open_calls[-1][0] <= start:
+                name, us = open_calls.pop()[1]
+                own.setdefault(name, [0.0, 0])[0] += us
+            if open_calls:
+                open_calls[-1][1][1] -= dur  # the caller's self time
+            open_calls.append((start + dur, [str(event.get("name")), dur]))
+            own.setdefault(str(event.get("name")), [0.0, 0])[1] += 1
+        for _, (name, us) in open_calls:
+            own[name][0] += us
+    ranked = sorted(own.items(), key=lambda kv: -kv[1][0])[:PYTHON_TOP]
+    return [[name, round(us, 1), int(n)] for name, (us, n) in ranked]
 
 
 def summarize_traces(trace_dir: Path) -> dict[str, Any]:
@@ -726,8 +834,14 @@ def run_launch(
 ) -> None:
     """One pair of engines and its rounds, appended to ``rounds``."""
     logs = args.out / f"launch{launch}"
-    ports = {"off": args.port_off, "on": args.port_on}
-    engines = {mode: Engine(args, mode, port, logs) for mode, port in ports.items()}
+    slots = launch_slots(launch, args.swap_slots)
+    ports = {"a": args.port_off, "b": args.port_on}
+    # In slot order: slot a's engine is started first.
+    engines = {
+        mode: Engine(args, mode, ports[slot], logs) for mode, slot in slots.items()
+    }
+    args.slots[f"launch{launch}"] = slots
+    log(f"launch {launch}: slots {slots}")
     runner = BenchRunner(args)
     try:
         startup = start_pair(engines, args.startup_timeout)
@@ -756,6 +870,7 @@ def run_launch(
                 "launch": launch,
                 "mode": mode,
                 "seed": seed,
+                "slot": slots[mode],
                 "results": {},
                 **{counter: {} for counter in COUNTERS},
                 "processes": {},
@@ -826,6 +941,8 @@ def write_summary(
             for m in ABBA[:2]
         },
         "control": args.control,
+        "swap_slots": args.swap_slots,
+        "slots": args.slots,
         "serve_args": args.serve_arg,
         "title": f"vllm bench serve, {args.tier}: "
         + (

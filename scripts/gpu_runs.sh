@@ -292,7 +292,11 @@ host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile
 # shared-prefix rounds against an off and an on engine started together on one GPU.
 # Diagnosis: `bench-prefix --control` (A/A, both slots off), `bench-prefix --tier
 # simple-stores` (store checksums without hit checks), `bench-prefix
-# --profile-warmup --profile-steps 160` (a bounded trace of each engine).
+# --profile-warmup --profile-steps 160` (a bounded trace of each engine;
+# `--profile-with-stack` adds Python functions: keep the steps to ~40, the
+# stacked trace of 200 tiny steps did not finish in 270 s). `--launches 2
+# --swap-slots`: "on" in the second slot, then in the first; the slot bias
+# cancels and is printed apart (bench-offload takes the same flags).
 bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py \
     --bench-batch "$@" ;;
 # Issue 26 item 3: the CPU offload tier's cost, the same driver with a GPU cache

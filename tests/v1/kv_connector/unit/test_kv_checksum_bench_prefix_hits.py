@@ -258,6 +258,72 @@ def test_control_run_starts_both_slots_off(tmp_path: Path) -> None:
     assert rc == 0
 
 
+def test_swapped_slots_separate_effect_from_slot_bias() -> None:
+    """Launch 0 runs "on" in slot b: on - off = +3 req/s; launch 1 runs it in
+    slot a: on - off = -1. So the checksum effect is +1 and slot b is +2 over
+    slot a, while the plain means over both launches give the effect too.
+    Bugs caught: the bias's sign flipped (b - a read as a - b), the launches
+    pooled into one placement (no bias estimate), or odd launches left in
+    place (a bias then reads as a cost)."""
+    assert bench.launch_slots(0, True) == {"off": "a", "on": "b"}
+    assert list(bench.launch_slots(1, True).items()) == [("on", "a"), ("off", "b")]
+    assert bench.launch_slots(1, False) == {"off": "a", "on": "b"}
+    rounds = []
+    for launch, (off, on) in enumerate([(10.0, 13.0), (11.0, 10.0)]):
+        slots = bench.launch_slots(launch, True)
+        for k, mode in enumerate(["off", "on", "on", "off"]):
+            rounds.append(
+                {
+                    "round": launch * 4 + k,
+                    "launch": launch,
+                    "mode": mode,
+                    "seed": launch * 2 + k // 2,
+                    "slot": slots[mode],
+                    "results": {
+                        "w": {"request_throughput": on if mode == "on" else off}
+                    },
+                }
+            )
+    bias = bench.slot_bias(rounds, "w", "request_throughput")
+    assert bias == {
+        "on_minus_off_on_in_b": 3.0,
+        "on_minus_off_on_in_a": -1.0,
+        "effect": 1.0,
+        "slot_b_minus_a": 2.0,
+    }
+    values = bench.mode_values(rounds, "w", "request_throughput")
+    assert sum(values["on"]) / 4 - sum(values["off"]) / 4 == pytest.approx(1.0)
+    assert bench.slot_bias(rounds[:4], "w", "request_throughput") == {}
+
+
+def test_swap_slots_run_moves_on_to_the_first_port(tmp_path: Path) -> None:
+    """--swap-slots --launches 2 against fake servers: launch 1's "on" engine
+    serves on --port-off and starts first, every round records its slot, and
+    the verdict carries the slot bias (bug caught: the swap naming slots in the
+    record while the engines kept their ports, so nothing was swapped)."""
+    model, fake, out = _fake_setup(tmp_path)
+    port_a, port_b = _free_port(), _free_port()
+    rc = bench.main(
+        ["--out", str(out), "--model", str(model), "--rounds", "2", "--scale"]
+        + ["0.02", "--workloads", "shared_c8", "--launches", "2", "--swap-slots"]
+        + ["--serve-cmd", fake, "--bench-cmd", fake, "--startup-timeout"]
+        + ["120", "--port-off", str(port_a), "--port-on", str(port_b)]
+    )
+    record = json.loads((out / "summary.json").read_text())
+    assert [(r["launch"], r["mode"], r["slot"]) for r in record["rounds"]] == [
+        (0, "off", "a"),
+        (0, "on", "b"),
+        (1, "off", "b"),
+        (1, "on", "a"),
+    ]
+    assert record["config"]["slots"]["launch1"] == {"on": "a", "off": "b"}
+    on_log = (out / "launch1" / "round3_on_shared_c8.log").read_text()
+    assert f"'http://127.0.0.1:{port_a}'" in on_log
+    bias = record["summary"]["workloads"]["shared_c8"]["request_throughput"]
+    assert bias["slot_bias"]["effect"] == pytest.approx(0.0)
+    assert rc == 0
+
+
 def test_transfer_configs_differ_only_by_package_keys() -> None:
     """The off engine runs the same connector and vLLM policy without any of
     the package's keys; the on engine adds exactly the three (bug caught: a
@@ -560,7 +626,6 @@ def test_trace_summary_totals_tops_and_host_waits() -> None:
         {"cat": "kernel", "name": "_kv_checksum_kernel", "dur": 50.0},
         {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "dur": 4000.0},
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 5.0},
-        {"cat": "python_function", "name": "ignored", "dur": 1.0},
         {"cat": "kernel", "name": "no duration"},
     ]
     summary = bench.summarize_trace_events(events, top=1)
@@ -571,7 +636,7 @@ def test_trace_summary_totals_tops_and_host_waits() -> None:
     }
     assert summary["host_waits"] == {"cudaEventSynchronize": [4000.0, 1]}
     assert summary["cuda_runtime"]["total_us"] == 4005.0
-    assert "python_function" not in summary
+    assert "python_function" not in summary  # no stacks: no empty category
     # The package's kernel is watched though top=1 ranks it out.
     assert summary["watched"] == {"kernel/_kv_checksum_kernel": [150.0, 2]}
 
@@ -594,6 +659,69 @@ def test_trace_summary_lists_every_step_phase() -> None:
     assert summary["watched"] == {"cuda_runtime/cudaHostAlloc": [50.0, 2]}
 
 
+def test_trace_summary_ranks_python_functions_deeper() -> None:
+    """R142 (where host time goes): a trace with Python stacks lists more
+    functions than `top`, and the package's own functions are summed apart
+    (bug caught: the package's step work ranked out of a 60-deep list by
+    vLLM's own functions, or stacks dropped as an unknown category)."""
+    events = [
+        {"cat": "python_function", "name": f"vllm/v1/x.py({i}): f{i}", "dur": 100 + i}
+        for i in range(70)
+    ] + [
+        {
+            "cat": "python_function",
+            "name": "kv_checksum/engine/worker.py(9): g",
+            "dur": 3,
+        },
+        {
+            "cat": "python_function",
+            "name": "kv_checksum/engine/worker.py(9): g",
+            "dur": 4,
+        },
+    ]
+    summary = bench.summarize_trace_events(events, top=1)
+    functions = summary["python_function"]
+    assert functions["events"] == 72 and len(functions["top"]) == 60
+    assert functions["top"][0] == ["vllm/v1/x.py(69): f69", 169.0, 1]
+    assert summary["watched"] == {
+        "python_function/kv_checksum/engine/worker.py(9): g": [7.0, 2]
+    }
+
+
+def test_python_self_time_excludes_the_functions_called() -> None:
+    """R142: a function's self time is its duration less its callees' on the
+    same thread, and threads do not nest into each other (bug caught: an
+    outer step loop ranked first by time its callees spent, or a call on
+    another thread subtracted from it)."""
+
+    def call(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+        return {
+            "cat": "python_function",
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "pid": 1,
+            "tid": tid,
+        }
+
+    events = [
+        call("step", 0, 100),
+        call("schedule", 10, 30),
+        call("helper", 15, 5),
+        call("execute", 50, 40),
+        call("other_thread", 20, 60, tid=2),
+        call("step", 200, 10),
+    ]
+    own = {name: (us, n) for name, us, n in bench.python_self_times(events)}
+    assert own == {
+        "step": (40.0, 2),  # 100 - 30 - 40, and 10
+        "schedule": (25.0, 1),
+        "helper": (5.0, 1),
+        "execute": (40.0, 1),
+        "other_thread": (60.0, 1),
+    }
+
+
 def test_profiler_config_is_one_vllm_accepts(tmp_path: Path) -> None:
     """--profile-warmup's --profiler-config parses as vLLM 0.33.0's
     ProfilerConfig (bug caught: a key vLLM does not know, which would stop
@@ -607,3 +735,5 @@ def test_profiler_config_is_one_vllm_accepts(tmp_path: Path) -> None:
     limited = ProfilerConfig(**bench.profiler_config(tmp_path / "t", max_steps=160))
     assert limited.max_iterations == 160 and limited.ignore_frontend is True
     assert ProfilerConfig(**bench.profiler_config(tmp_path / "t")).max_iterations == 0
+    stacks = ProfilerConfig(**bench.profiler_config(tmp_path / "t", with_stack=True))
+    assert stacks.torch_profiler_with_stack is True
