@@ -25,7 +25,10 @@ prompts), and its median over the pairs.
 and NIXL side channels apart) and alternates rounds between their routers in
 the order of ``--rounds`` (default off,on,on,off): one engine start for both
 modes, and every on round next to an off round in time. Only one pair serves
-at a time; the idle pair holds memory but no compute.
+at a time; the idle pair holds memory but no compute. The off pair takes the
+first slot (the launch script's ports, started first) unless ``--on-first``:
+two runs, one with it, cancel what the slots differ by (an A/A run of the
+offload benchmark found its second slot 2 % slower at 8B).
 
 Writes OUT/summary.json (per launch and workload: the bench's scalar results,
 every request's TTFT, the consumer's verdict counters) and prints the tables.
@@ -584,6 +587,14 @@ def run_launches(
         save(launches)
 
 
+def together_slots(on_first: bool, shift: int) -> dict[str, int]:
+    """Each mode's port shift in start order: the first slot has the launch
+    script's own ports and starts first; "off" takes it unless `on_first`."""
+    if on_first:
+        return {"on": 0, "off": shift}
+    return {"off": 0, "on": shift}
+
+
 def run_together(
     args: argparse.Namespace,
     chosen: list[Workload],
@@ -592,10 +603,12 @@ def run_together(
 ) -> None:
     """The off and the on pair started at once, then --rounds alternating
     between their routers; each round is one record."""
+    shifts = together_slots(args.on_first, args.pair_shift)
     pairs = {
-        "off": Launch(args, "off", args.out / "pair_off"),
-        "on": Launch(args, "on", args.out / "pair_on", port_shift=args.pair_shift),
+        mode: Launch(args, mode, args.out / f"pair_{mode}", port_shift=shift)
+        for mode, shift in shifts.items()
     }
+    log(f"slots (start order: port shift): {shifts}")
     try:
         for pair in pairs.values():
             pair.begin()
@@ -638,7 +651,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a round's `vllm bench serve` runs in one process (vLLM imported once)",
     )
     parser.add_argument(
-        "--pair-shift", type=int, default=10, help="port shift of the on pair"
+        "--pair-shift", type=int, default=10, help="port shift of the second pair"
+    )
+    parser.add_argument(
+        "--on-first",
+        action="store_true",
+        help="with --together: the on pair in the first slot (base ports, "
+        "started first); a second run without it cancels slot bias",
     )
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
     parser.add_argument("--scale", type=int, default=1, help="prompts x SCALE")
@@ -693,6 +712,7 @@ def main() -> int:
             "gpu_p": args.gpu_p,
             "gpu_d": args.gpu_d,
             "together": args.together,
+            "on_first": args.on_first,
             "bench_batch": args.bench_batch,
             "workloads": [asdict(w) for w in chosen],
             "scale": args.scale,

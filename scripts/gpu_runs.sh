@@ -299,6 +299,8 @@ host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile
 # cancels and is printed apart (bench-offload takes the same flags).
 bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py \
     --bench-batch "$@" ;;
+# bench-serve --together --on-first: the on pair in the first slot (a second
+# run beside the default one cancels slot bias).
 # Issue 26 item 3: the CPU offload tier's cost, the same driver with a GPU cache
 # too small for its 16 prefixes (reuses load from host): OffloadingConnector
 # alone, and MultiConnector(NixlConnector, OffloadingConnector) (install-wheels

@@ -159,6 +159,18 @@ def test_together_pairs_use_disjoint_ports() -> None:
     assert on.router_url == "http://127.0.0.1:8010"
 
 
+def test_on_first_puts_the_on_pair_in_the_first_slot() -> None:
+    """R142 (a fair on/off cost): --on-first starts the on pair first on the
+    launch script's own ports and shifts the off pair, so a second run cancels
+    what the slots differ by (bugs caught: the flag naming the slots while the
+    ports stay put, or the start order left off-first)."""
+    assert list(bench.together_slots(False, 10).items()) == [("off", 0), ("on", 10)]
+    assert list(bench.together_slots(True, 10).items()) == [("on", 0), ("off", 10)]
+    args = bench.parse_args(["--out", "/nonexistent", "--together", "--on-first"])
+    assert args.on_first is True
+    assert bench.parse_args(["--out", "/nonexistent"]).on_first is False
+
+
 def test_round_verdicts_are_counter_deltas(monkeypatch, tmp_path) -> None:
     """A --together pair serves several rounds, and its /metrics counters add
     up over them: a round's verdicts are the counts after minus before (bug
