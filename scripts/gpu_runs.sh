@@ -229,6 +229,8 @@ prefix-hits) run prefix-hits examples/offload/kv_checksum_offload_gpu.py \
 # `vllm bench serve` through vllm-router, checksums off and on (8B-shaped, dummy
 # weights; P and D share GPU 0 unless --gpu-d 1 is passed; on one GPU add
 # --cuda-ipc-get, or NIXL pull reads over TCP).
+# bench-serve --together --on-first: the on pair in the first slot (a second
+# run beside the default one cancels slot bias).
 bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 # Two-GPU host: the off and the on pair started at once, rounds off,on,on,off
 # alternating between their routers, the reference table's four workloads, a
@@ -299,8 +301,6 @@ host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile
 # cancels and is printed apart (bench-offload takes the same flags).
 bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py \
     --bench-batch "$@" ;;
-# bench-serve --together --on-first: the on pair in the first slot (a second
-# run beside the default one cancels slot bias).
 # Issue 26 item 3: the CPU offload tier's cost, the same driver with a GPU cache
 # too small for its 16 prefixes (reuses load from host): OffloadingConnector
 # alone, and MultiConnector(NixlConnector, OffloadingConnector) (install-wheels
