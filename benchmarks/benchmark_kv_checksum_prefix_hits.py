@@ -67,7 +67,10 @@ a checksum cost only where it exceeds that. `--swap-slots` with an even
 "on" in the first slot, so the means over all rounds cancel it, and the
 verdict prints the checksum effect and the slot bias apart (`slot_bias`). On
 the H200 host the A/A of `shared_c32` at 8B put slot b 2 % and 16-20 ms of
-TTFT behind slot a (2026-12-01h).
+TTFT behind slot a (2026-12-01h). `--pin-cores N` gives each slot its own N
+physical cores and the driver with its clients the rest
+(`kv_checksum_cpu_pinning.py`), so that where the kernel runs the engines'
+threads does not differ between the slots.
 
 Writes OUT/summary.json (per round: the bench's scalar results, every request's
 TTFT, each engine's prefix-hit, host-load and load-verdict counter deltas) and
@@ -114,6 +117,11 @@ from kv_checksum_bench_tiers import (  # noqa: E402
     host_loads_ok,
     kv_cache_bytes,
     transfer_config,
+)
+from kv_checksum_cpu_pinning import (  # noqa: E402
+    physical_cores,
+    split_cores,
+    usable_cpus,
 )
 from kv_checksum_proc_stats import (  # noqa: E402
     affinity,
@@ -289,8 +297,16 @@ class BenchRunner:
 class Engine:
     """One `vllm serve` process group on the shared GPU."""
 
-    def __init__(self, args: argparse.Namespace, mode: str, port: int, logs: Path):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        mode: str,
+        port: int,
+        logs: Path,
+        cpus: set[int] | None = None,
+    ):
         self.args, self.mode, self.port, self.logs = args, mode, port, logs
+        self.cpus = cpus  # --pin-cores: the slot's CPUs, inherited by vLLM's
         self.proc: subprocess.Popen | None = None
         self.trace_dir = (logs / f"trace_{mode}").resolve()
 
@@ -332,7 +348,12 @@ class Engine:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=self._pin if self.cpus else None,
         )
+
+    def _pin(self) -> None:
+        """In the child before exec: the slot's CPUs for it and its children."""
+        os.sched_setaffinity(0, self.cpus or set())
 
     def ready(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
@@ -636,6 +657,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--launches, slot bias cancels and is reported apart",
     )
     parser.add_argument(
+        "--pin-cores",
+        type=int,
+        default=0,
+        help="each engine slot on its own N physical cores (SMT siblings "
+        "together), this driver and its clients on the rest (0: no pinning)",
+    )
+    parser.add_argument(
         "--control",
         action="store_true",
         help="A/A: the 'on' slot runs checksums off too, so 'on/off' measures "
@@ -670,6 +698,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.profiles = {}  # --profile-warmup's trace summaries, by launch and mode
     args.affinity = {}  # each engine's processes' CPUs, by launch and mode
     args.slots = {}  # each launch's engine slot of each mode
+    args.slot_cpus = {}  # --pin-cores: each slot's CPUs
     return args
 
 
@@ -838,7 +867,8 @@ def run_launch(
     ports = {"a": args.port_off, "b": args.port_on}
     # In slot order: slot a's engine is started first.
     engines = {
-        mode: Engine(args, mode, ports[slot], logs) for mode, slot in slots.items()
+        mode: Engine(args, mode, ports[slot], logs, args.slot_cpus.get(slot))
+        for mode, slot in slots.items()
     }
     args.slots[f"launch{launch}"] = slots
     log(f"launch {launch}: slots {slots}")
@@ -942,6 +972,7 @@ def write_summary(
         },
         "control": args.control,
         "swap_slots": args.swap_slots,
+        "slot_cpus": {k: sorted(v) for k, v in args.slot_cpus.items()},
         "slots": args.slots,
         "serve_args": args.serve_arg,
         "title": f"vllm bench serve, {args.tier}: "
@@ -960,6 +991,21 @@ def write_summary(
     return verdict
 
 
+def pin_slots(args: argparse.Namespace) -> None:
+    """--pin-cores: slots a and b on disjoint whole cores, and this driver
+    (with the bench clients it starts) on the rest, so neither engine's main
+    thread shares a core with the other's or with the client's."""
+    (cpus_a, cpus_b), rest = split_cores(
+        physical_cores(usable_cpus()), args.pin_cores, slots=2
+    )
+    args.slot_cpus = {"a": cpus_a, "b": cpus_b}
+    os.sched_setaffinity(0, rest)
+    log(
+        f"pinned: slot a {sorted(cpus_a)}, slot b {sorted(cpus_b)}, "
+        f"driver and clients {sorted(rest)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -970,6 +1016,8 @@ def main(argv: list[str] | None = None) -> int:
     args.kv_cache_bytes = kv_cache_bytes(
         args.tier, args.kv_cache_gib, SHAPES[args.shape], chosen, args.max_model_len
     )
+    if args.pin_cores:
+        pin_slots(args)
     rounds: list[dict[str, Any]] = []
     for launch in range(args.launches):
         run_launch(args, launch, chosen, rounds)

@@ -299,6 +299,8 @@ host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile
 # stacked trace of 200 tiny steps did not finish in 270 s). `--launches 2
 # --swap-slots`: "on" in the second slot, then in the first; the slot bias
 # cancels and is printed apart (bench-offload takes the same flags).
+# `--pin-cores N`: each slot on its own N physical cores, the driver and its
+# clients on the rest (the H200 host has 16 CPUs).
 bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py \
     --bench-batch "$@" ;;
 # Issue 26 item 3: the CPU offload tier's cost, the same driver with a GPU cache
