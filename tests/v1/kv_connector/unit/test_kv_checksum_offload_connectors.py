@@ -102,13 +102,23 @@ def test_R118_host_slots_match_per_block_reference(bpc: int) -> None:
         assert got.tolist() == reference_slots(gpu, cpu_ids, bpc)
 
 
+def _store(entries: HostEntryTable, transfers: list) -> None:
+    """A step's stores as the worker makes them: the entry copy of the
+    transfers, applied as a block table save applies one (that save is
+    tested in test_R118_a_save_copies_its_entries_to_host_slots)."""
+    copy = entries.copy_to_slots(*entries.indices(transfers))
+    copy.dest[torch.as_tensor(copy.slots)] = entries.block_table[
+        torch.as_tensor(copy.block_ids)
+    ]
+
+
 def test_R117_entries_move_with_the_host_copy() -> None:
     """A store moves block entries to the host slots, a load writes them back
     at the new GPU block ids. Bug caught: restoring from the GPU ids' own
     slots (a load into other blocks than were stored)."""
     table = torch.arange(10, dtype=torch.int64) * 7 + 1
     entries = HostEntryTable(table, num_chunks=8, blocks_per_chunk=2)
-    entries.save([(Spec([2, 3, 4], [3], [1]), Spec([5, 6]))])
+    _store(entries, [(Spec([2, 3, 4], [3], [1]), Spec([5, 6]))])
     before = table.clone()
     table.zero_()
     entries.restore([(Spec([7, 8, 9], [3], [1]), Spec([5, 6]))])
@@ -126,7 +136,7 @@ def test_R117_one_step_of_several_transfers_moves_every_entry() -> None:
         (Spec([1, 2], [2], [0]), Spec([4])),
         (Spec([5, 6, 7], [3], [1]), Spec([0, 6])),
     ]
-    entries.save(stores)
+    _store(entries, stores)
     before = table.clone()
     table.zero_()
     entries.restore([(Spec([9, 10, 11], [3], [1]), Spec([0, 6]))])

@@ -183,22 +183,10 @@ class HostEntryTable:
         table save does after writing them (R118; one upload per save)."""
         return EntryCopy(_int64(gpu_ids), _int64(slots), self.entries)
 
-    def save(self, transfers: Sequence[tuple[Any, Any]]) -> None:
-        """Stores (GPU spec, CPU spec): the GPU blocks' entries go to their
-        host slots."""
-        self.save_ids(*self.indices(transfers))
-
     def restore(self, transfers: Sequence[tuple[Any, Any]]) -> None:
         """Loads (GPU spec, CPU spec): the host slots' entries go to the GPU
         blocks written."""
         self.restore_ids(*self.indices(transfers))
-
-    def save_ids(self, gpu_ids: IndexLike, slots: IndexLike) -> None:
-        """The entries of `gpu_ids` go to the host `slots` (parallel: one GPU
-        block id and one slot per stored block)."""
-        gpu, host = self._pair(gpu_ids, slots)
-        if len(host):
-            self.entries[host] = self.block_table[gpu]
 
     def restore_ids(self, gpu_ids: IndexLike, slots: IndexLike) -> None:
         """The entries of the host `slots` go to `gpu_ids` (parallel)."""
