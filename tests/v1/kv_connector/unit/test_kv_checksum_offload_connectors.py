@@ -464,20 +464,35 @@ def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None
 
 
 def test_R121_manager_lookup_hides_bad_copies(model_dir: str) -> None:
-    """The instance wrapper on vLLM's CPUOffloadingManager.lookup answers MISS
-    for a bad copy still pending removal, and the original otherwise. Bug
-    caught: a bad copy its load still holds hit by the next request."""
+    """While a bad copy waits for removal, an instance wrapper on vLLM's
+    CPUOffloadingManager.lookup answers MISS for it and the original for
+    other keys; before and after, lookups are vLLM's own method. Bugs caught:
+    a bad copy its load still holds hit by the next request; the wrapper left
+    on for good (issue 30: one more Python call per block of every lookup)."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     engine = OffloadSimEngine(model_dir, offload_side(), "lookup")
     run_shared_prefixes(engine, 1)
     offload = engine.offload.__dict__["_kv_checksum_offload"]
     manager = engine.offload.connector_scheduler.manager
     ctx = ReqContext(req_id="x", kv_transfer_params=None)
-    key = next(iter(manager._policy.chunks))
+    key, other = list(manager._policy.chunks)[:2]
+    assert "lookup" not in manager.__dict__
+    assert manager.lookup.__func__ is CPUOffloadingManager.lookup
     assert manager.lookup(key, ctx) == LookupResult.HIT
-    offload.dropper.pending.add(key)
+    offload.dropper.add([key])
     assert manager.lookup(key, ctx) == LookupResult.MISS
+    assert manager.lookup(other, ctx) == LookupResult.HIT
+    offload.dropper.add([other])
+    # A stand-in removal: `other` still held by a load, `key` no longer
+    # pending (the stand-in leaves the chunk, so vLLM's lookup still hits it).
+    offload.dropper.drop_ready(lambda k: False if k == other else None)
+    assert manager.lookup(other, ctx) == LookupResult.MISS
+    assert manager.lookup(key, ctx) == LookupResult.HIT
+    offload.dropper.drop_ready(lambda k: None)
+    assert "lookup" not in manager.__dict__
+    assert manager.lookup(other, ctx) == LookupResult.HIT
 
 
 def test_R142_manager_lookup_wrapper_imports_nothing_per_call(model_dir: str) -> None:
@@ -494,6 +509,9 @@ def test_R142_manager_lookup_wrapper_imports_nothing_per_call(model_dir: str) ->
     manager = engine.offload.connector_scheduler.manager
     ctx = ReqContext(req_id="x", kv_transfer_params=None)
     stored = list(manager._policy.chunks)
+    # A bad copy of another key waits for removal: the wrapper is on.
+    engine.offload.__dict__["_kv_checksum_offload"].dropper.add([b"bad" * 12])
+    assert "lookup" in manager.__dict__
     keys = stored + [bytes(36 + i) for i in range(128)]
     imports: list[str] = []
     real_import = builtins.__import__

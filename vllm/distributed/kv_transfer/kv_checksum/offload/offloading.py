@@ -244,15 +244,21 @@ class HostCopyDropper:
 
     pending: set[Any] = field(default_factory=set)
     dropped: int = 0
+    # Told whether copies are pending whenever that changes: lookups need
+    # `hides` only then (issue 30: no per-block call while nothing is bad).
+    on_pending: Callable[[bool], None] | None = None
 
     def hides(self, key: Any) -> bool:
         return key in self.pending
 
     def add(self, keys: Iterable[Any]) -> None:
+        had = bool(self.pending)
         self.pending.update(keys)
+        self._tell(had)
 
     def drop_ready(self, try_remove: TryRemoveFn) -> None:
         """Free every pending copy no load holds any more."""
+        had = bool(self.pending)
         for key in list(self.pending):
             removed = try_remove(key)
             if removed is False:
@@ -263,6 +269,11 @@ class HostCopyDropper:
                 logger.warning(
                     "KV checksums: dropped a host copy that failed verification."
                 )
+        self._tell(had)
+
+    def _tell(self, had: bool) -> None:
+        if self.on_pending is not None and bool(self.pending) != had:
+            self.on_pending(bool(self.pending))
 
 
 def quarantined_keys(

@@ -199,7 +199,6 @@ def _offload_children(connector: Any) -> list[Any]:
 def _attach_offload_schedulers(connector: Any) -> None:
     """With checksums on only (Scheduler.__init__ hook): checksum state on
     each OffloadingConnector whose manager is the CPU backend's (R119)."""
-    from vllm.v1.kv_offload.base import LookupResult
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     for child in _offload_children(connector):
@@ -211,23 +210,46 @@ def _attach_offload_schedulers(connector: Any) -> None:
             )
             continue
         side = _offload_scheduler_side(sched)
-        original_lookup = sched.manager.lookup
-
-        # vLLM calls lookup once per key (per block) of every request it
-        # schedules: no import or attribute chain per call, only the pending
-        # set's membership test (R142).
-        def lookup(
-            key: Any,
-            *args: Any,
-            _o: Callable = original_lookup,
-            _hides: Callable[[Any], bool] = side.dropper.hides,
-            _miss: Any = LookupResult.MISS,
-        ) -> Any:
-            return _miss if _hides(key) else _o(key, *args)
-
-        sched.manager.lookup = lookup  # type: ignore[method-assign, assignment]
+        side.dropper.on_pending = _lookup_hider(sched.manager, side.dropper.hides)
         _filter_offload_stores(sched.manager, side)
         child._kv_checksum_offload = side
+
+
+def _lookup_hider(manager: Any, hides: Callable[[Any], bool]) -> Callable[[bool], None]:
+    """R121: while bad host copies wait for removal, an instance wrapper of
+    the CPU manager's `lookup` answers MISS for them, so no request loads a
+    copy that failed verification; once none waits, vLLM's own `lookup` is
+    back. Target: CPUOffloadingManager.lookup (vLLM 0.33.0), which
+    OffloadingConnectorScheduler looks up on the manager at every call.
+    Why only then: vLLM calls it once per block of every request it schedules
+    (issue 30: an extra Python frame per block otherwise). Upstream: a "remove
+    key" call on the manager that takes effect while a load holds the key.
+    """
+    from vllm.v1.kv_offload.base import LookupResult
+
+    own = "lookup" in manager.__dict__  # another instance wrapper to keep
+    original = manager.lookup
+
+    # No import or attribute chain per call, only the pending set's
+    # membership test (R142).
+    def lookup(
+        key: Any,
+        *args: Any,
+        _o: Callable = original,
+        _hides: Callable[[Any], bool] = hides,
+        _miss: Any = LookupResult.MISS,
+    ) -> Any:
+        return _miss if _hides(key) else _o(key, *args)
+
+    def on_pending(active: bool) -> None:
+        if active:
+            manager.lookup = lookup
+        elif own:
+            manager.lookup = original
+        else:
+            manager.__dict__.pop("lookup", None)
+
+    return on_pending
 
 
 def _filter_offload_stores(manager: Any, side: Any) -> None:
