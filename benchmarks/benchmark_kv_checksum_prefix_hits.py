@@ -1009,6 +1009,12 @@ def pin_slots(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.pin_cores:
+        try:
+            pin_slots(args)
+        except ValueError as err:  # too few cores on this host
+            log(f"--pin-cores {args.pin_cores}: {err}")
+            return 2
     # Not the serve benchmark's folder: that one is built for 34K tokens.
     args.model = args.model or Path(f"/tmp/kv-checksum-prefix-bench-{args.shape}")
     build_model(args.model, args.shape, args.max_model_len)
@@ -1016,8 +1022,6 @@ def main(argv: list[str] | None = None) -> int:
     args.kv_cache_bytes = kv_cache_bytes(
         args.tier, args.kv_cache_gib, SHAPES[args.shape], chosen, args.max_model_len
     )
-    if args.pin_cores:
-        pin_slots(args)
     rounds: list[dict[str, Any]] = []
     for launch in range(args.launches):
         run_launch(args, launch, chosen, rounds)

@@ -86,3 +86,21 @@ def test_pinned_run_puts_each_slot_on_its_cpus(tmp_path: Path, monkeypatch) -> N
     assert set(map(tuple, placed["off"].values())) == {(first,)}
     assert set(map(tuple, placed["on"].values())) == {(second,)}
     assert rc == 0
+
+
+def test_too_few_cores_stops_before_any_engine(tmp_path: Path, monkeypatch) -> None:
+    """--pin-cores asking for more cores than the host has: exit status 2 and
+    one log line, before the model folder or any engine (bug caught: the
+    slots silently sharing cores, or a traceback after engines started)."""
+    monkeypatch.setattr(bench, "physical_cores", lambda cpus: [[0], [1]])
+    saved = os.sched_getaffinity(0)
+    try:
+        rc = bench.main(
+            ["--out", str(tmp_path / "out"), "--model", str(tmp_path / "model")]
+            + ["--pin-cores", "1"]
+        )
+    finally:
+        os.sched_setaffinity(0, saved)
+    assert rc == 2
+    assert not (tmp_path / "model").exists()
+    assert os.sched_getaffinity(0) == saved
