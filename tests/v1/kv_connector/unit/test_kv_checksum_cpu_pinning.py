@@ -99,8 +99,8 @@ def test_too_few_cores_stops_before_any_engine(tmp_path: Path, monkeypatch) -> N
             ["--out", str(tmp_path / "out"), "--model", str(tmp_path / "model")]
             + ["--pin-cores", "1"]
         )
+        assert os.sched_getaffinity(0) == saved  # the driver not pinned either
     finally:
         os.sched_setaffinity(0, saved)
     assert rc == 2
     assert not (tmp_path / "model").exists()
-    assert os.sched_getaffinity(0) == saved
