@@ -85,12 +85,14 @@ class BlockChecksumTable:
         if table is None:
             return
         blocks = runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
+        copied = copy if copy is not None and len(copy.slots) else None
+        if not len(blocks.block_ids) and copied is None:
+            return  # most steps (R142: no per-step work when nothing is saved)
         allowed = self.stored_groups if groups is None else groups
         # One launch per group for every block of the call (a step's stores),
         # groups in the order they first appear.
         present, first = np.unique(blocks.groups, return_index=True)
         ordered = [g for g in present[np.argsort(first)].tolist() if g in allowed]
-        copied = copy if copy is not None and len(copy.slots) else None
         for i, group_id in enumerate(ordered):
             mask = blocks.groups == group_id
             last = i == len(ordered) - 1
