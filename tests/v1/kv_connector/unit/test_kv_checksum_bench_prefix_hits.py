@@ -259,8 +259,8 @@ def test_control_run_starts_both_slots_off(tmp_path: Path) -> None:
 
 
 def test_swapped_slots_separate_effect_from_slot_bias() -> None:
-    """Launch 0 runs "on" in slot b: on - off = +3 req/s; launch 1 runs it in
-    slot a: on - off = -1. So the checksum effect is +1 and slot b is +2 over
+    """R142 (a fair on/off cost): launch 0 runs "on" in slot b: on - off =
+    +3 req/s; launch 1 runs it in slot a: on - off = -1. So the checksum effect is +1 and slot b is +2 over
     slot a, while the plain means over both launches give the effect too.
     Bugs caught: the bias's sign flipped (b - a read as a - b), the launches
     pooled into one placement (no bias estimate), or odd launches left in
@@ -297,7 +297,7 @@ def test_swapped_slots_separate_effect_from_slot_bias() -> None:
 
 
 def test_swap_slots_run_moves_on_to_the_first_port(tmp_path: Path) -> None:
-    """--swap-slots --launches 2 against fake servers: launch 1's "on" engine
+    """R142: --swap-slots --launches 2 against fake servers: launch 1's "on" engine
     serves on --port-off and starts first, every round records its slot, and
     the verdict carries the slot bias (bug caught: the swap naming slots in the
     record while the engines kept their ports, so nothing was swapped)."""

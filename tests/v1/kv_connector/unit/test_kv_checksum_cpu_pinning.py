@@ -31,7 +31,8 @@ def _sys_tree(root: Path, siblings: dict[int, str]) -> Path:
 
 
 def test_smt_siblings_stay_in_one_slot(tmp_path: Path) -> None:
-    """8 CPUs, 4 cores with siblings n and n+4 (the usual Linux numbering):
+    """R142 (measuring host cost fairly): 8 CPUs, 4 cores with siblings n
+    and n+4 (the usual Linux numbering):
     slot a gets core 0 (CPUs 0, 4), slot b core 1 (1, 5), the client the rest.
     Bugs caught: cores taken as consecutive CPU numbers (slot a on 0 and 1,
     two cores, while slot b shares core 0's sibling 4), or the client left
@@ -48,7 +49,7 @@ def test_smt_siblings_stay_in_one_slot(tmp_path: Path) -> None:
 
 
 def test_unreadable_or_ranged_topology(tmp_path: Path) -> None:
-    """Ranges ("0-1") parse, siblings outside the usable set are dropped, and
+    """R142: ranges ("0-1") parse, siblings outside the usable set are dropped, and
     a CPU without topology is a core of its own (bug caught: a CPU missing
     from /sys dropped, so a slot silently loses it)."""
     sys_cpu = _sys_tree(tmp_path, {0: "0-1", 1: "0-1", 2: "2-3"})
@@ -57,7 +58,7 @@ def test_unreadable_or_ranged_topology(tmp_path: Path) -> None:
 
 
 def test_pinned_run_puts_each_slot_on_its_cpus(tmp_path: Path, monkeypatch) -> None:
-    """--pin-cores 1 against fake servers: each slot's engine runs on its own
+    """R142: --pin-cores 1 against fake servers: each slot's engine runs on its own
     CPU (read back from /proc by the driver's `affinity` record), and the
     record names the sets (bug caught: the pin set in the driver but not
     passed to the engines, which then inherit the driver's CPUs)."""
@@ -89,7 +90,7 @@ def test_pinned_run_puts_each_slot_on_its_cpus(tmp_path: Path, monkeypatch) -> N
 
 
 def test_too_few_cores_stops_before_any_engine(tmp_path: Path, monkeypatch) -> None:
-    """--pin-cores asking for more cores than the host has: exit status 2 and
+    """R142: --pin-cores asking for more cores than the host has: exit status 2 and
     one log line, before the model folder or any engine (bug caught: the
     slots silently sharing cores, or a traceback after engines started)."""
     monkeypatch.setattr(bench, "physical_cores", lambda cpus: [[0], [1]])

@@ -39,8 +39,8 @@ def _process(root: Path, pid: int, ppid: int, comm: str) -> None:
 
 
 def test_children_follow_parent_pids_past_odd_comms(tmp_path: Path) -> None:
-    """The tree of a server: its engine core and that one's child, not a
-    stranger. Bug caught (tried): the parent pid read by splitting the whole
+    """R142 (where host time goes): the tree of a server: its engine core
+    and that one's child, not a stranger. Bug caught (tried): the parent pid read by splitting the whole
     stat line, which a comm with spaces and parentheses shifts."""
     _process(tmp_path, 10, 1, "vllm")
     _process(tmp_path, 12, 10, "VLLM::EngineCor")
@@ -51,7 +51,7 @@ def test_children_follow_parent_pids_past_odd_comms(tmp_path: Path) -> None:
 
 
 def test_tree_delta_sums_threads_by_name(tmp_path: Path) -> None:
-    """CPU seconds are utime + stime in clock ticks; two threads of one name
+    """R142: CPU seconds are utime + stime in clock ticks; two threads of one name
     add up, a thread started between the samples counts from zero, and the
     total covers every thread. Bugs caught (tried): stime left out, the
     involuntary count read from the voluntary line, a new thread dropped."""
@@ -85,7 +85,7 @@ def test_tree_delta_sums_threads_by_name(tmp_path: Path) -> None:
 
 
 def test_real_proc_lists_this_thread() -> None:
-    """On Linux's own /proc: this process's tree holds the calling thread."""
+    """R142: on Linux's own /proc: this process's tree holds the calling thread."""
     samples = stats.sample_tree(os.getpid())
     assert threading.get_native_id() in samples
     assert all(s.cpu_s >= 0 for s in samples.values())
