@@ -260,8 +260,9 @@ def test_control_run_starts_both_slots_off(tmp_path: Path) -> None:
 
 def test_swapped_slots_separate_effect_from_slot_bias() -> None:
     """R142 (a fair on/off cost): launch 0 runs "on" in slot b: on - off =
-    +3 req/s; launch 1 runs it in slot a: on - off = -1. So the checksum effect is +1 and slot b is +2 over
-    slot a, while the plain means over both launches give the effect too.
+    +3 req/s; launch 1 runs it in slot a: on - off = -1. So the checksum
+    effect is +1 and slot b is +2 over slot a, while the plain means over
+    both launches give the effect too.
     Bugs caught: the bias's sign flipped (b - a read as a - b), the launches
     pooled into one placement (no bias estimate), or odd launches left in
     place (a bias then reads as a cost)."""

@@ -40,8 +40,9 @@ def _process(root: Path, pid: int, ppid: int, comm: str) -> None:
 
 def test_children_follow_parent_pids_past_odd_comms(tmp_path: Path) -> None:
     """R142 (where host time goes): the tree of a server: its engine core
-    and that one's child, not a stranger. Bug caught (tried): the parent pid read by splitting the whole
-    stat line, which a comm with spaces and parentheses shifts."""
+    and that one's child, not a stranger. Bug caught (tried): the parent
+    pid read by splitting the whole stat line, which a comm with spaces and
+    parentheses shifts."""
     _process(tmp_path, 10, 1, "vllm")
     _process(tmp_path, 12, 10, "VLLM::EngineCor")
     _process(tmp_path, 15, 12, "python3")
