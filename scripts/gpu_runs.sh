@@ -18,7 +18,7 @@
 #                                             # bench-prefix, bench-offload,
 #                                             # bench-offload-multi (issue 26
 #                                             # item 3; -multi needs gpu_nixl),
-#                                             # host-step (issue 30), mla,
+#                                             # host-step, hook-timer (issue 30), mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
@@ -311,6 +311,23 @@ bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py \
 # run, summarized into the summary (kernels, runtime calls, host waits).
 bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py \
     --tier offloading --bench-batch "$@" ;;
+# Issue 30: which hook's own time makes a step slower. The prefix/offload
+# benchmark with benchmarks/host/kv_checksum_hook_timer.py as the engines'
+# sitecustomize (every hook's time minus the vLLM method it wraps, and the
+# engine steps); pass --tier. The summary lands in $OUT/hook_timer.json.
+hook-timer)
+    export KV_CHECKSUM_HOOK_TIMER_DIR=/tmp/kv_checksum_hook_timer
+    rm -rf "$KV_CHECKSUM_HOOK_TIMER_DIR"
+    cp "$repo/benchmarks/host/kv_checksum_hook_timer.py" "$site/sitecustomize.py"
+    run hook-timer benchmarks/benchmark_kv_checksum_prefix_hits.py --bench-batch "$@"
+    rc=$?
+    rm -f "$site/sitecustomize.py"
+    mkdir -p "$out"
+    python3 "$repo/benchmarks/host/kv_checksum_hook_timer.py" summarize \
+        "$KV_CHECKSUM_HOOK_TIMER_DIR" >"$out/hook_timer.json"
+    head -c 3000 "$out/hook_timer.json"
+    exit $rc
+    ;;
 bench-offload-multi) run bench-offload-multi \
     benchmarks/benchmark_kv_checksum_prefix_hits.py --tier multi --bench-batch "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \

@@ -1,0 +1,281 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Wall time of every KV checksum hook inside a running engine (issue 30).
+
+A diagnosis tool for the GPU host, not part of the package. Installed as
+`sitecustomize.py` on the engines' PYTHONPATH with KV_CHECKSUM_HOOK_TIMER_DIR
+set, it replaces the wiring's `_wrap` before `install()` runs, so each hook
+counts its calls, its whole time and the time of the vLLM method it wraps;
+`whole - wrapped` is the package's own time in that hook. It also counts
+engine steps (`EngineCore.step*`). With KV_CHECKSUM_HOOK_TIMER_DEEP=1 it
+also times every method of the core classes in `DEEP` (inclusive: nested
+calls count in their callers too), to tell which part of a hook costs;
+with KV_CHECKSUM_HOOK_TIMER_HOOKS=0 it leaves the hooks alone and counts
+only steps and garbage collections (a nearly untouched engine). Garbage
+collections are always counted, with their time, per generation.
+Each process writes its totals to
+DIR/PID.json every two seconds. `python kv_checksum_hook_timer.py summarize
+DIR` prints per process the package's time per step and per hook, with
+checksums on and off told apart by whether any hook did work of its own.
+"""
+
+import functools
+import gc
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+PACKAGE = "vllm.distributed.kv_transfer.kv_checksum"
+WIRING = f"{PACKAGE}.wiring"
+# (module under the package, class): methods timed in deep mode.
+DEEP = (
+    ("engine.worker", "KVChecksumWorker"),
+    ("engine.launches", "ChecksumLauncher"),
+    ("engine.block_table", "BlockChecksumTable"),
+    ("engine.records", "KVChecksumPendingRecord"),
+    ("engine.scheduler", "KVChecksumScheduler"),
+    ("engine.consumer", "KVChecksumConsumer"),
+    ("engine.producer", "KVChecksumProducer"),
+    ("engine.metrics", "KVChecksumStats"),
+    ("offload.offloading", "OffloadWorkerSide"),
+    ("offload.offloading", "OffloadSchedulerSide"),
+    ("offload.offloading", "HostEntryTable"),
+    ("offload.loads", "KVChecksumOffloadLoads"),
+    ("definition.kernels", "KVChecksumLaunch"),
+)
+_DUMP_EVERY_S = 2.0
+
+_whole: dict[str, float] = defaultdict(float)
+_wrapped: dict[str, float] = defaultdict(float)
+_calls: dict[str, int] = defaultdict(int)
+_last_dump = [0.0]
+# Garbage collections per generation: count and seconds.
+_gc_counts = [0, 0, 0]
+_gc_seconds = [0.0, 0.0, 0.0]
+_gc_start = [0.0]
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+        return
+    generation = min(int(info.get("generation", 0)), 2)
+    _gc_counts[generation] += 1
+    _gc_seconds[generation] += time.perf_counter() - _gc_start[0]
+
+
+def _dump(out_dir: str) -> None:
+    now = time.perf_counter()
+    if now - _last_dump[0] < _DUMP_EVERY_S:
+        return
+    _last_dump[0] = now
+    path = os.path.join(out_dir, f"{os.getpid()}.json")
+    record = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "whole": dict(_whole),
+        "wrapped": dict(_wrapped),
+        "calls": dict(_calls),
+        "gc_counts": list(_gc_counts),
+        "gc_seconds": list(_gc_seconds),
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def _timed_wrap(out_dir: str) -> Any:
+    """A `_wrap` that times the hook and the original it calls."""
+
+    def timed_wrap(cls: type, name: str) -> Any:
+        key = f"{cls.__name__}.{name}"
+
+        def decorator(hook: Any) -> Any:
+            original = getattr(cls, name)
+
+            def timed_original(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    _wrapped[key] += time.perf_counter() - start
+
+            @functools.wraps(original)
+            def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return hook(timed_original, self, *args, **kwargs)
+                finally:
+                    _whole[key] += time.perf_counter() - start
+                    _calls[key] += 1
+                    _dump(out_dir)
+
+            wrapper.__kv_checksum_original__ = original  # type: ignore[attr-defined]
+            setattr(cls, name, wrapper)
+            return hook
+
+        return decorator
+
+    return timed_wrap
+
+
+def _time_steps(out_dir: str) -> None:
+    """Count engine steps and their time (both step functions of EngineCore)."""
+    from vllm.v1.engine.core import EngineCore
+
+    for name in ("step", "step_with_batch_queue"):
+        original = getattr(EngineCore, name, None)
+        if original is None:
+            continue
+        key = f"EngineCore.{name}"
+
+        def wrapper(self: Any, *a: Any, _o: Any = original, _k: str = key, **k: Any):
+            start = time.perf_counter()
+            try:
+                return _o(self, *a, **k)
+            finally:
+                _whole[_k] += time.perf_counter() - start
+                _calls[_k] += 1
+                _dump(out_dir)
+
+        setattr(EngineCore, name, wrapper)
+
+
+def _time_function(owner: Any, name: str, key: str, out_dir: str) -> None:
+    original = owner.__dict__[name]
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _whole[key] += time.perf_counter() - start
+            _calls[key] += 1
+            _dump(out_dir)
+
+    setattr(owner, name, wrapper)
+
+
+def _time_core(out_dir: str) -> None:
+    """Deep mode: every plain method of the `DEEP` classes."""
+    import importlib
+
+    for module_name, class_name in DEEP:
+        try:
+            module = importlib.import_module(f"{PACKAGE}.{module_name}")
+        except Exception as e:
+            print(f"[hook-timer] {module_name} not timed: {e!r}", file=sys.stderr)
+            continue
+        cls = getattr(module, class_name, None)
+        if cls is None:
+            continue
+        for name, value in list(vars(cls).items()):
+            if name.startswith("__") or not callable(value) or isinstance(value, type):
+                continue
+            _time_function(cls, name, f"core:{class_name}.{name}", out_dir)
+
+
+class _WiringFinder(importlib.abc.MetaPathFinder):
+    """Patches the wiring module right after it runs, before `install()`."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != WIRING:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        out_dir = self.out_dir
+        exec_module = loader.exec_module  # type: ignore[attr-defined]
+
+        def patched_exec(module: Any) -> None:
+            exec_module(module)
+            if os.environ.get("KV_CHECKSUM_HOOK_TIMER_HOOKS", "1") != "0":
+                module._wrap = _timed_wrap(out_dir)
+            if os.environ.get("KV_CHECKSUM_HOOK_TIMER_DEEP"):
+                install = module.install
+
+                def deep_install() -> None:
+                    install()
+                    _time_core(out_dir)
+
+                module.install = deep_install
+            try:
+                _time_steps(out_dir)
+            except Exception as e:  # the hooks' timing still works
+                print(f"[hook-timer] steps not timed: {e!r}", file=sys.stderr)
+
+        loader.exec_module = patched_exec  # type: ignore[method-assign]
+        return spec
+
+
+def activate() -> None:
+    out_dir = os.environ.get("KV_CHECKSUM_HOOK_TIMER_DIR")
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    sys.meta_path.insert(0, _WiringFinder(out_dir))
+    gc.callbacks.append(_on_gc)
+
+
+def summarize(out_dir: str) -> dict:
+    """Per process with engine steps: steps, ms in steps, and the package's
+    own µs per step in each hook (whole - wrapped)."""
+    result = {}
+    for name in sorted(os.listdir(out_dir)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(out_dir, name)) as f:
+            record = json.load(f)
+        calls = record["calls"]
+        steps = sum(v for k, v in calls.items() if k.startswith("EngineCore."))
+        if not steps:
+            continue
+        own = {
+            k: record["whole"][k] - record["wrapped"].get(k, 0.0)
+            for k in record["whole"]
+            if not k.startswith(("EngineCore.", "core:"))
+        }
+        core = {
+            k[len("core:") :]: v
+            for k, v in record["whole"].items()
+            if k.startswith("core:")
+        }
+        step_s = sum(v for k, v in record["whole"].items() if k.startswith("Engine"))
+        result[str(record["pid"])] = {
+            "ppid": record["ppid"],
+            "steps": steps,
+            "step_ms_mean": 1e3 * step_s / steps,
+            "own_us_per_step": 1e6 * sum(own.values()) / steps,
+            "hooks_us_per_step": {
+                k: round(1e6 * v / steps, 2)
+                for k, v in sorted(own.items(), key=lambda kv: -kv[1])
+            },
+            "gc_us_per_step": round(1e6 * sum(record.get("gc_seconds", [])) / steps, 2),
+            "gc_counts": record.get("gc_counts"),
+            "core_us_per_step": {
+                k: round(1e6 * v / steps, 2)
+                for k, v in sorted(core.items(), key=lambda kv: -kv[1])
+            },
+            "calls": calls,
+        }
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "summarize":
+        print(json.dumps(summarize(sys.argv[2]), indent=1))
+    else:
+        print(__doc__)
+else:
+    activate()

@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The hook timer (issue 30, R142): what it attributes to a hook is the hook's
+own time, and its summary divides by the engine's steps."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
+
+SCRIPT = (
+    Path(__file__).resolve().parents[4]
+    / "benchmarks"
+    / "host"
+    / "kv_checksum_hook_timer.py"
+)
+
+
+def test_timed_wrap_counts_the_hook_and_the_method_it_wraps(tmp_path) -> None:
+    """R142 (diagnosis): a hook installed through the timer's `_wrap` still
+    calls vLLM's method and returns its result; each call counts once, and
+    the wrapped method's time is inside the hook's (own time = whole -
+    wrapped >= 0). Bugs caught (tried): the original timed outside the hook
+    (wrapped > whole), and the hook not counted per call."""
+    timer = load_script("kv_checksum_hook_timer_test", SCRIPT)
+
+    class Target:
+        def step(self, x: int) -> int:
+            return x + 1
+
+    def hook(original: Any, self: Any, x: int) -> int:
+        return original(self, x) * 10
+
+    timer._timed_wrap(str(tmp_path))(Target, "step")(hook)
+    assert Target().step(1) == 20
+    assert Target().step(2) == 30
+    assert Target.step.__kv_checksum_original__(Target(), 5) == 6
+    key = "Target.step"
+    assert timer._calls[key] == 2
+    assert 0.0 <= timer._wrapped[key] <= timer._whole[key]
+
+
+def test_summary_gives_each_engines_own_time_per_step(tmp_path) -> None:
+    """R142 (diagnosis): the summary keeps processes that ran engine steps
+    (not the API server), divides each hook's whole - wrapped by the steps,
+    and keeps deep-mode core methods out of the hooks' total. Bugs caught
+    (tried): the wrapped vLLM time counted as the package's, and core
+    methods (nested in hooks) counted twice."""
+    timer = load_script("kv_checksum_hook_timer_test", SCRIPT)
+    engine = {
+        "pid": 11,
+        "ppid": 1,
+        "whole": {
+            "EngineCore.step": 2.0,
+            "Scheduler.update_from_output": 0.004,
+            "core:KVChecksumWorker.bind": 0.001,
+        },
+        "wrapped": {"Scheduler.update_from_output": 0.003},
+        "calls": {"EngineCore.step": 100, "Scheduler.update_from_output": 100},
+        "gc_counts": [5, 0, 0],
+        "gc_seconds": [0.0005, 0.0, 0.0],
+    }
+    api_server = {"pid": 12, "ppid": 1, "whole": {}, "wrapped": {}, "calls": {}}
+    (tmp_path / "11.json").write_text(json.dumps(engine))
+    (tmp_path / "12.json").write_text(json.dumps(api_server))
+    summary = timer.summarize(str(tmp_path))
+    assert list(summary) == ["11"]
+    row = summary["11"]
+    assert row["steps"] == 100
+    assert abs(row["step_ms_mean"] - 20.0) < 1e-9
+    assert abs(row["own_us_per_step"] - 10.0) < 1e-6
+    assert row["hooks_us_per_step"] == {"Scheduler.update_from_output": 10.0}
+    assert row["core_us_per_step"] == {"KVChecksumWorker.bind": 10.0}
+    assert row["gc_us_per_step"] == 5.0
