@@ -1978,3 +1978,31 @@ def test_fresh_process_plugin_lifecycle(fresh_process: subprocess.Popen) -> None
     out, _ = fresh_process.communicate(timeout=900)
     assert fresh_process.returncode == 0, out[-4000:]
     assert "FRESH-PROCESS-OK" in out
+
+
+def test_R134_guard_turns_off_on_errors_and_lets_interrupts_through() -> None:
+    """R134: the hooks' last-resort guard swallows an Exception and calls its
+    `disable` once with the owner, attribute and place; a BaseException
+    (KeyboardInterrupt, SystemExit) and a clean exit never disable. Bugs
+    caught (tried): the guard swallowing BaseExceptions (an interrupt that
+    cannot stop the engine), and disabling on a clean exit."""
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import _guard
+
+    calls: list[tuple] = []
+    owner = object()
+
+    def disable(*args: object) -> None:
+        calls.append(args)
+
+    with _guard(owner, "kv_checksum_worker", "step", disable):
+        pass
+    assert calls == []
+    with _guard(owner, "kv_checksum_worker", "step", disable):
+        raise ValueError("checksum bug")
+    assert calls == [(owner, "kv_checksum_worker", "step")]
+    with (
+        pytest.raises(KeyboardInterrupt),
+        _guard(owner, "kv_checksum_worker", "step", disable),
+    ):
+        raise KeyboardInterrupt
+    assert len(calls) == 1
