@@ -355,6 +355,31 @@ def test_R118_a_save_copies_its_entries_to_host_slots(monkeypatch) -> None:
     assert table_entries(again, [1]).tolist() == table_entries(host, [0]).tolist()
 
 
+def test_R118_a_copy_of_other_blocks_takes_their_table_entries() -> None:
+    """R118, R142: when a save's copy lists other blocks than it saves (or
+    the same in another order), each slot gets its own block's table entry:
+    the new one for a block saved now, the earlier one for a block saved
+    before. Bug caught (tried): the shortcut that copies the new entries in
+    save order taken for any copy (slots get another block's entry)."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+    )
+
+    kv = ref.random_kv(np.random.default_rng(23), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    worker.init_block_checksums([0])
+    hashes = fake_hashes(3, seed=29)
+    expected = whole ^ reference_tags(hashes, worker.fingerprints[0])
+    # Block 7 (position 2) saved earlier; now blocks 5 and 2 (positions 0-1).
+    worker.save_block_checksums([(0, 2, BLOCK_IDS[2:], hashes[2:])])
+    host = torch.zeros(8, dtype=torch.int64)
+    copy = EntryCopy(np.array([7, 5, 2]), np.array([4, 1, 6]), host)
+    worker.save_block_checksums([(0, 0, BLOCK_IDS[:2], hashes[:2])], copy)
+    got = table_entries(host, [4, 1, 6])
+    assert hexes(got) == hexes(expected[[2, 0, 1]])
+
+
 def test_saved_entries_sum_every_replica_column() -> None:
     """R118: on a worker with two replica columns (a sharded attention cache
     and a one-head indexer on every rank, TP 2), the entry untagged is the sum
