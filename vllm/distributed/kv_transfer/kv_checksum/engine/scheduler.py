@@ -204,12 +204,12 @@ class KVChecksumScheduler:
     def build_checksum_meta(self) -> KVChecksumScheduled | None:
         """This step's blocks for the workers, then reset (R71)."""
         recvs, loads = self.consumer.take_step()
-        step = KVChecksumScheduled(
-            reqs_to_send=self.producer.take_step(),
-            reqs_to_recv=recvs,
-            reqs_to_load=loads,
+        sends = self.producer.take_step()
+        if not (sends or recvs or loads):
+            return None  # most steps: no record object (R142)
+        return KVChecksumScheduled(
+            reqs_to_send=sends, reqs_to_recv=recvs, reqs_to_load=loads
         )
-        return None if step.is_empty() else step
 
     # ------------------------------------------------------------------
     # Reports and verification

@@ -78,22 +78,27 @@ class KVChecksumWorker:
         self._to_save: list = []
 
     def warm_up(self) -> None:
-        """Compile every launch at start-up so no compilation lands in a step
-        (R62); with `ZERO_COPY_RESULTS`, check the zero-copy result path once."""
+        """Compile every launch and load the entry writes' device code at
+        start-up, so neither lands in a step (R62); with `ZERO_COPY_RESULTS`,
+        check the zero-copy result path once."""
         for plans in self.groups.values():
             for plan in dict.fromkeys((plans.recv, plans.send, plans.load)):
                 for launch in plan.launches:
                     launch.warm_up()
+        self.block_table.warm_up()
         self.launcher.enable_zero_copy()
 
     def bind(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take this step's requests: sends replace, receives and loads accumulate."""
-        self._to_send = dict(scheduled.reqs_to_send) if scheduled else {}
-        self._to_check = dict(scheduled.reqs_to_check) if scheduled else {}
-        self._to_save = list(scheduled.blocks_to_save) if scheduled else []
-        if scheduled:
-            self._to_recv.update(scheduled.reqs_to_recv)
-            self._to_load.update(scheduled.reqs_to_load)
+        if scheduled is None:  # most steps: nothing new, nothing allocated (R142)
+            if self._to_send or self._to_check or self._to_save:
+                self._to_send, self._to_check, self._to_save = {}, {}, []
+            return
+        self._to_send = dict(scheduled.reqs_to_send)
+        self._to_check = dict(scheduled.reqs_to_check)
+        self._to_save = list(scheduled.blocks_to_save)
+        self._to_recv.update(scheduled.reqs_to_recv)
+        self._to_load.update(scheduled.reqs_to_load)
 
     def pending_load_blocks(
         self, req_ids: Iterable[str]
@@ -123,6 +128,19 @@ class KVChecksumWorker:
         finished_req_ids: Iterable[str] = (),
     ) -> KVChecksumPendingRecord | None:
         """Queue the checksums of finished loads and this step's sends (R48)."""
+        if not (
+            finished_recving
+            or failed_recving
+            or received
+            or self._to_send
+            or self._to_check
+            or self._to_save
+        ):  # most steps (R142): only drop the state of finished requests
+            if self._to_recv or self._to_load:
+                for req_id in finished_req_ids:
+                    self._to_recv.pop(req_id, None)
+                    self._to_load.pop(req_id, None)
+            return None
         for req_id in finished_req_ids:
             self._to_recv.pop(req_id, None)
             self._to_load.pop(req_id, None)
@@ -144,7 +162,8 @@ class KVChecksumWorker:
         sends = list(self._to_send.items())
         self._to_send = {}
         # Entries first: a hit on a block cached this step reads its entry.
-        self.block_table.save(self._to_save, self.block_table.prefix_groups)
+        if self._to_save:  # R142: most steps cache nothing
+            self.block_table.save(self._to_save, self.block_table.prefix_groups)
         checks = list(self._to_check.items())
         self._to_save, self._to_check = [], {}
         keep_received = self.topology.pp_rank == 0 and self.topology.tp_rank == 0

@@ -243,7 +243,11 @@ def install_scheduler_hooks() -> None:
             return original(self, scheduler_output, model_output)
         with _guard(self, "kv_checksum_scheduler", "Scheduler.update_from_output"):
             kv_output = model_output.kv_connector_output
-            if kv_output is not None:
+            # Most steps report no finished load and no record: nothing to
+            # store or verify (R142).
+            if kv_output is not None and (
+                kv_output.finished_recving or getattr(kv_output, "kv_checksums", None)
+            ):
                 failed = set(kv_output.failed_recving or ())
                 failing = kcs.update_from_output(
                     finalize_records(getattr(kv_output, "kv_checksums", None)),
