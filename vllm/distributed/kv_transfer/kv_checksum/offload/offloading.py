@@ -133,9 +133,18 @@ def host_slots(gpu_spec: Any, cpu_ids: np.ndarray, blocks_per_chunk: int) -> np.
     first chunk (vLLM's CPU worker skips the same sub-blocks); the chunks of
     consecutive groups follow each other in `cpu_ids`.
     """
+    return _slots_of_runs(_gpu_runs(gpu_spec), cpu_ids, blocks_per_chunk)
+
+
+def _slots_of_runs(
+    runs: Sequence[tuple[int, int, np.ndarray]],
+    cpu_ids: np.ndarray,
+    blocks_per_chunk: int,
+) -> np.ndarray:
+    """`host_slots` of a transfer whose `_gpu_runs` are known."""
     slots = []
     chunk_offset = 0
-    for _, start, ids in _gpu_runs(gpu_spec):
+    for _, start, ids in runs:
         skip = start % blocks_per_chunk
         logical = skip + np.arange(len(ids), dtype=np.int64)
         chunks = cpu_ids[chunk_offset + logical // blocks_per_chunk]
@@ -172,9 +181,10 @@ class HostEntryTable:
         gpu_ids: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         for gpu_spec, cpu_spec in transfers:
+            runs = _gpu_runs(gpu_spec)  # once per transfer (R142)
             cpu_ids = np.asarray(cpu_spec.block_ids, dtype=np.int64)
-            slots.append(host_slots(gpu_spec, cpu_ids, self.blocks_per_chunk))
-            gpu_ids.extend(ids for _, _, ids in _gpu_runs(gpu_spec))
+            slots.append(_slots_of_runs(runs, cpu_ids, self.blocks_per_chunk))
+            gpu_ids.extend(ids for _, _, ids in runs)
         empty = np.zeros(0, dtype=np.int64)
         return np.concatenate(gpu_ids or [empty]), np.concatenate(slots or [empty])
 
