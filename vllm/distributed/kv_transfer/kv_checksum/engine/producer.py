@@ -65,6 +65,8 @@ class KVChecksumProducer:
     ) -> None:
         """`add_send` for this step's scheduled producer requests only, so a
         step of other requests loops over none of them (R68, R142)."""
+        if not self._producers:
+            return  # no producer request on this engine (R142)
         for req_id in [r for r in self._producers if r in scheduled]:
             self.add_send(requests[req_id], scheduled[req_id], manager)
 
@@ -88,7 +90,9 @@ class KVChecksumProducer:
 
     def take_step(self) -> dict[str, KVChecksumBlocks]:
         """This step's sends for the workers, then reset (R71)."""
-        step, self._step = self._step, {}
+        step = self._step
+        if step:  # most steps send nothing: nothing to reset
+            self._step = {}
         return step
 
     def pending(self, req_id: str) -> PendingTransfer | None:

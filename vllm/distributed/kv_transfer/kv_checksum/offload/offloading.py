@@ -268,7 +268,9 @@ class HostCopyDropper:
 
     def drop_ready(self, try_remove: TryRemoveFn) -> None:
         """Free every pending copy no load holds any more."""
-        had = bool(self.pending)
+        if not self.pending:
+            return  # every step without a bad copy (R142)
+        had = True
         for key in list(self.pending):
             removed = try_remove(key)
             if removed is False:
@@ -359,6 +361,8 @@ class OffloadSchedulerSide:
 
     def attach_runs(self, metadata: Any, requests: Mapping[str, Any]) -> None:
         """Put each store job's runs on the metadata for the workers (R118)."""
+        if not metadata.store_jobs:
+            return  # most steps store nothing (R142)
         runs = store_runs(metadata.store_jobs, requests, self.groups)
         if runs:
             metadata.kv_checksum_store_runs = runs
@@ -407,6 +411,8 @@ class OffloadWorkerSide:
         Queued on the current stream after the forward that wrote the blocks
         and before the store's copy stream waits on it.
         """
+        if not job_ids:
+            return  # most steps store nothing (R142)
         runs = getattr(metadata, "kv_checksum_store_runs", None) or {}
         jobs = {j: metadata.store_jobs[j] for j in job_ids if j in metadata.store_jobs}
         if not jobs:
@@ -421,6 +427,8 @@ class OffloadWorkerSide:
 
     def start_loads(self, metadata: Any) -> None:
         """Before loads are submitted: faults (if configured), then entries."""
+        if not metadata.load_jobs:
+            return  # most steps start no load (R142)
         jobs = list(metadata.load_jobs.values())
         if self.injector is not None:
             for job in jobs:

@@ -148,7 +148,7 @@ def install_offload_connector() -> None:
                 self, "_kv_checksum_offload_worker", "store", _disable_offload_worker
             ):
                 meta = self._connector_metadata
-                side.save_stores(meta, list(meta.store_jobs))
+                side.save_stores(meta, meta.store_jobs)
         return original(self)
 
 
@@ -182,6 +182,8 @@ def _disable_offload_worker(connector: Any, attr: str, where: str) -> None:
 def take_offload_off_records(worker: Any) -> list[KVChecksumRecord]:
     """The pending "offload tier off" record of a checksum worker, sent once
     on its next output (ActiveKVConnector.post_forward)."""
+    if not _offload_off:
+        return []  # every step but the one after an offload-side error
     record = _offload_off.pop(worker, None)
     return [] if record is None else [record]
 
