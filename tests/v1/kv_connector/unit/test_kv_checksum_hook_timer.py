@@ -73,3 +73,39 @@ def test_summary_gives_each_engines_own_time_per_step(tmp_path) -> None:
     assert row["hooks_us_per_step"] == {"Scheduler.update_from_output": 10.0}
     assert row["core_us_per_step"] == {"KVChecksumWorker.bind": 10.0}
     assert row["gc_us_per_step"] == 5.0
+
+
+def test_hook_time_benchmark_times_the_real_hooks(tmp_path) -> None:
+    """R142 (diagnosis): the decode-step benchmark puts the timer in place
+    before the plugin installs its hooks, so both engines' hooks report own
+    time (a timer installed too late reports none). Bug caught (tried): the
+    step benchmark imported before the timer (every row 0.0)."""
+    import subprocess
+    import sys
+
+    script = SCRIPT.parent / "benchmark_kv_checksum_hook_time.py"
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--connectors",
+            "OffloadingConnector",
+            "--requests",
+            "4",
+            "--rounds",
+            "1",
+            "--steps",
+            "8",
+            "--json",
+            str(out),
+        ],
+        cwd=SCRIPT.parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["connector"] == "OffloadingConnector" and row["running"] == 4
+    assert row["on_us"] > 0 and row["off_us"] > 0

@@ -54,23 +54,26 @@ def test_R117_block_places_from_cache_keys() -> None:
     """Position = covered tokens / block size - 1 of the block's group; a
     block not cached, or cached under a hash ending inside it, has no place.
     Bug caught (tried): position = tokens // size (one past the block), so
-    every entry is tagged and weighted for the next position."""
+    every entry is tagged and weighted for the next position. A group id this
+    worker does not know has no place either (never an IndexError)."""
     keys = [
         (key(1, 0), 16),
         (key(2, 1), 96),
         (None, None),
         (key(3, 0), 40),
         (key(4, 0), 48),
+        (key(5, 7), 32),
     ]
     places = block_places(keys, [16, 32])
-    assert places.groups.tolist() == [0, 1, -1, 0, 0]
-    assert places.positions.tolist() == [0, 2, -1, -1, 2]
+    assert places.groups.tolist() == [0, 1, -1, 0, 0, 7]
+    assert places.positions.tolist() == [0, 2, -1, -1, 2, -1]
     assert places.hashes == [
         bytes([1]) * 32,
         bytes([2]) * 32,
         b"",
         b"",
         bytes([4]) * 32,
+        b"",
     ]
 
 

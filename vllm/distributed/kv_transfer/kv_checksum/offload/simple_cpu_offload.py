@@ -88,23 +88,28 @@ def block_places(keys: Sequence[BlockKey], block_sizes: Sequence[int]) -> BlockP
     tokens, and its hash is the request's hash at its last token (vLLM's
     `cache_full_blocks`), which is what its entry is tagged with (R117).
     """
-    count = len(keys)
-    groups = np.full(count, -1, dtype=np.int64)
-    tokens = np.zeros(count, dtype=np.int64)
-    for i, (key, num_tokens) in enumerate(keys):
+    sizes = list(block_sizes)
+    groups: list[int] = []
+    positions: list[int] = []
+    hashes: list[bytes] = []
+    # One pass in plain Python: the keys are Python objects read one by one
+    # anyway, and a step stores a few blocks, where a dozen NumPy calls cost
+    # more than the pass (R142).
+    for key, num_tokens in keys:
+        group, position, digest = -1, -1, b""
         if key is not None and num_tokens:
-            groups[i] = int.from_bytes(key[-_GROUP_BYTES:], "big")
-            tokens[i] = num_tokens
-    sizes = np.asarray(block_sizes, dtype=np.int64)
-    valid = (groups >= 0) & (groups < len(sizes))
-    size = np.where(valid, sizes[np.where(valid, groups, 0)], 1)
-    full = valid & (tokens > 0) & (tokens % size == 0)
-    positions = np.where(full, tokens // size - 1, -1)
-    hashes = [
-        key[:-_GROUP_BYTES] if ok and key is not None else b""
-        for (key, _), ok in zip(keys, full.tolist())
-    ]
-    return BlockPlaces(groups, positions, hashes)
+            group = int.from_bytes(key[-_GROUP_BYTES:], "big")
+            if group < len(sizes) and num_tokens % sizes[group] == 0:
+                position = num_tokens // sizes[group] - 1
+                digest = key[:-_GROUP_BYTES]
+        groups.append(group)
+        positions.append(position)
+        hashes.append(digest)
+    return BlockPlaces(
+        np.asarray(groups, dtype=np.int64),
+        np.asarray(positions, dtype=np.int64),
+        hashes,
+    )
 
 
 def store_runs(block_ids: Sequence[int], places: BlockPlaces) -> FullBlocks:

@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The package's own time per scheduler step in decode, on CPU (issue 30, R142).
+
+The host-step benchmark's decode engines (`Bench`: a real vLLM Scheduler with
+the plugin's hooks, N running requests, stand-in model output), checksums on
+and off, with the hook timer (`kv_checksum_hook_timer.py`) in place of the
+wiring's `_wrap`: each hook's whole time minus the vLLM method it wraps,
+summed per step. On and off alternate in rounds. The off engine's figure is
+the pass-through hooks plus the timer's own cost; on - off is what the
+checksums add to a decode step's scheduler hooks. The figure is a mean over
+many steps, far steadier on a loaded machine than whole-step timings.
+
+Run from the repository root, as a script (the timer must be in place before
+the plugin's hooks are installed):
+    python benchmarks/host/benchmark_kv_checksum_hook_time.py
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+os.environ.setdefault("KV_CHECKSUM_HOOK_TIMER_DIR", tempfile.mkdtemp())
+
+# The timer first: it must be in place before any wiring module is imported.
+import kv_checksum_hook_timer as timer  # noqa: E402, I001
+
+import benchmark_kv_checksum_step as step_bench  # noqa: E402
+
+
+def own_seconds() -> float:
+    """The hooks' own time so far (whole - wrapped), steps and core excluded."""
+    return sum(
+        timer._whole[key] - timer._wrapped.get(key, 0.0)
+        for key in list(timer._whole)
+        if not key.startswith(("EngineCore.", "core:"))
+    )
+
+
+def measure(model_dir: str, name: str, n: int, rounds: int, steps: int) -> dict:
+    """Own us per step of the on and the off engine, per round (alternating)."""
+    connector, extra = step_bench.CONNECTORS[name]
+    benches = {
+        mode: step_bench.Bench(model_dir, connector, extra, mode == "on", n)
+        for mode in ("on", "off")
+    }
+    for bench in benches.values():
+        for _ in range(steps // 4 + 1):  # warm
+            bench.step()
+    per_round: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(rounds):
+        for mode, bench in benches.items():
+            gc.collect()
+            gc.disable()
+            try:
+                start = own_seconds()
+                for _ in range(steps):
+                    bench.step()
+                per_round[mode].append(1e6 * (own_seconds() - start) / steps)
+            finally:
+                gc.enable()
+    diffs = [a - b for a, b in zip(per_round["on"], per_round["off"])]
+    return {
+        "connector": name,
+        "running": n,
+        "on_us": statistics.median(per_round["on"]),
+        "off_us": statistics.median(per_round["off"]),
+        "on_minus_off_us": statistics.median(diffs),
+        "spread": [min(diffs), max(diffs)],
+        "rounds": per_round,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connectors", nargs="+", default=list(step_bench.CONNECTORS))
+    parser.add_argument("--requests", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--json", type=Path, default=None, help="also write rows")
+    args = parser.parse_args()
+    step_bench.plugin.register()
+    step_bench.register_carrier_connector()
+    model_dir = step_bench.write_model_dir(Path(tempfile.mkdtemp()))
+    rows = [
+        measure(model_dir, name, n, args.rounds, args.steps)
+        for name in args.connectors
+        for n in args.requests
+    ]
+    print(
+        f"\nOwn time of the scheduler hooks per decode step, microseconds "
+        f"(median of {args.rounds} alternating rounds of {args.steps} steps):"
+    )
+    print("| connector | running | on | off | on - off | spread |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        low, high = row["spread"]
+        print(
+            f"| {row['connector']} | {row['running']} | {row['on_us']:.1f} | "
+            f"{row['off_us']:.1f} | {row['on_minus_off_us']:+.1f} | "
+            f"{low:+.1f} .. {high:+.1f} |"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
