@@ -315,6 +315,8 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # benchmark with benchmarks/host/kv_checksum_hook_timer.py as the engines'
 # sitecustomize (every hook's time minus the vLLM method it wraps, and the
 # engine steps); pass --tier. The summary lands in $OUT/hook_timer.json.
+# KV_CHECKSUM_HOOK_TIMER_DEEP=1: core methods too; KV_CHECKSUM_HOOK_TIMER_CPU=1:
+# the hooks' thread CPU time beside their wall time (waiting or working?).
 hook-timer)
     export KV_CHECKSUM_HOOK_TIMER_DIR=/tmp/kv_checksum_hook_timer
     rm -rf "$KV_CHECKSUM_HOOK_TIMER_DIR"

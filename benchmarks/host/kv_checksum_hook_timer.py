@@ -12,7 +12,11 @@ also times every method of the core classes in `DEEP` (inclusive: nested
 calls count in their callers too), to tell which part of a hook costs;
 with KV_CHECKSUM_HOOK_TIMER_HOOKS=0 it leaves the hooks alone and counts
 only steps and garbage collections (a nearly untouched engine). Garbage
-collections are always counted, with their time, per generation.
+collections are always counted, with their time, per generation. With
+KV_CHECKSUM_HOOK_TIMER_CPU=1 each hook also counts its thread's CPU time
+(`time.thread_time`): own wall time well above own CPU time means the engine
+thread waited inside the hook (for the GIL, or off its core) rather than
+worked.
 Each process writes its totals to
 DIR/PID.json every two seconds. `python kv_checksum_hook_timer.py summarize
 DIR` prints per process the package's time per step and per hook, with
@@ -50,14 +54,23 @@ DEEP = (
 )
 _DUMP_EVERY_S = 2.0
 
+_CPU = os.environ.get("KV_CHECKSUM_HOOK_TIMER_CPU") == "1"
+
 _whole: dict[str, float] = defaultdict(float)
 _wrapped: dict[str, float] = defaultdict(float)
+# With _CPU: the same, in the engine thread's CPU seconds.
+_whole_cpu: dict[str, float] = defaultdict(float)
+_wrapped_cpu: dict[str, float] = defaultdict(float)
 _calls: dict[str, int] = defaultdict(int)
 _last_dump = [0.0]
 # Garbage collections per generation: count and seconds.
 _gc_counts = [0, 0, 0]
 _gc_seconds = [0.0, 0.0, 0.0]
 _gc_start = [0.0]
+
+
+def _cpu_now() -> float:
+    return time.thread_time() if _CPU else 0.0
 
 
 def _on_gc(phase: str, info: dict) -> None:
@@ -81,6 +94,8 @@ def _dump(out_dir: str) -> None:
         "whole": dict(_whole),
         "wrapped": dict(_wrapped),
         "calls": dict(_calls),
+        "whole_cpu": dict(_whole_cpu),
+        "wrapped_cpu": dict(_wrapped_cpu),
         "gc_counts": list(_gc_counts),
         "gc_seconds": list(_gc_seconds),
     }
@@ -100,19 +115,21 @@ def _timed_wrap(out_dir: str) -> Any:
             original = getattr(cls, name)
 
             def timed_original(*args: Any, **kwargs: Any) -> Any:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), _cpu_now()
                 try:
                     return original(*args, **kwargs)
                 finally:
                     _wrapped[key] += time.perf_counter() - start
+                    _wrapped_cpu[key] += _cpu_now() - cpu
 
             @functools.wraps(original)
             def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), _cpu_now()
                 try:
                     return hook(timed_original, self, *args, **kwargs)
                 finally:
                     _whole[key] += time.perf_counter() - start
+                    _whole_cpu[key] += _cpu_now() - cpu
                     _calls[key] += 1
                     _dump(out_dir)
 
@@ -261,6 +278,16 @@ def summarize(out_dir: str) -> dict:
                 k: round(1e6 * v / steps, 2)
                 for k, v in sorted(own.items(), key=lambda kv: -kv[1])
             },
+            "own_cpu_us_per_step": round(
+                1e6
+                * sum(
+                    v - record.get("wrapped_cpu", {}).get(k, 0.0)
+                    for k, v in record.get("whole_cpu", {}).items()
+                    if not k.startswith(("EngineCore.", "core:"))
+                )
+                / steps,
+                2,
+            ),
             "gc_us_per_step": round(1e6 * sum(record.get("gc_seconds", [])) / steps, 2),
             "gc_counts": record.get("gc_counts"),
             "core_us_per_step": {

@@ -22,8 +22,10 @@ def test_timed_wrap_counts_the_hook_and_the_method_it_wraps(tmp_path) -> None:
     calls vLLM's method and returns its result; each call counts once, and
     the wrapped method's time is inside the hook's (own time = whole -
     wrapped >= 0). Bugs caught (tried): the original timed outside the hook
-    (wrapped > whole), and the hook not counted per call."""
+    (wrapped > whole), and the hook not counted per call. With CPU time on,
+    the thread's CPU time nests the same way."""
     timer = load_script("kv_checksum_hook_timer_test", SCRIPT)
+    timer._CPU = True
 
     class Target:
         def step(self, x: int) -> int:
@@ -39,6 +41,7 @@ def test_timed_wrap_counts_the_hook_and_the_method_it_wraps(tmp_path) -> None:
     key = "Target.step"
     assert timer._calls[key] == 2
     assert 0.0 <= timer._wrapped[key] <= timer._whole[key]
+    assert 0.0 <= timer._wrapped_cpu[key] <= timer._whole_cpu[key]
 
 
 def test_summary_gives_each_engines_own_time_per_step(tmp_path) -> None:
@@ -57,6 +60,8 @@ def test_summary_gives_each_engines_own_time_per_step(tmp_path) -> None:
             "core:KVChecksumWorker.bind": 0.001,
         },
         "wrapped": {"Scheduler.update_from_output": 0.003},
+        "whole_cpu": {"Scheduler.update_from_output": 0.002},
+        "wrapped_cpu": {"Scheduler.update_from_output": 0.0015},
         "calls": {"EngineCore.step": 100, "Scheduler.update_from_output": 100},
         "gc_counts": [5, 0, 0],
         "gc_seconds": [0.0005, 0.0, 0.0],
@@ -73,6 +78,7 @@ def test_summary_gives_each_engines_own_time_per_step(tmp_path) -> None:
     assert row["hooks_us_per_step"] == {"Scheduler.update_from_output": 10.0}
     assert row["core_us_per_step"] == {"KVChecksumWorker.bind": 10.0}
     assert row["gc_us_per_step"] == 5.0
+    assert abs(row["own_cpu_us_per_step"] - 5.0) < 1e-6
 
 
 def test_hook_time_benchmark_times_the_real_hooks(tmp_path) -> None:
