@@ -861,3 +861,45 @@ def test_connector_declares_carrier() -> None:
     assert declares("NixlPushConnector")
     assert not declares(TEST_CONNECTOR_NAME)
     assert not declares("MultiConnector", connectors=[plain_child])
+
+
+def test_R71_a_steps_record_keeps_its_own_empty_parts() -> None:
+    """R71, R142: the producer and consumer reset their step dicts only when
+    they held something, so an empty part of a step's record must not be
+    their live dict: a load registered in the next step (while a worker may
+    still read this step's record, with async scheduling) must not appear
+    in it. Bug caught (tried): the record built from the live empty dicts."""
+    import numpy as np
+
+    from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+        KVChecksumBlocks,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.engine.consumer import (
+        KVChecksumConsumer,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.engine.producer import (
+        KVChecksumProducer,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
+        KVChecksumScheduler,
+    )
+
+    kcs = object.__new__(KVChecksumScheduler)
+    kcs.consumer = object.__new__(KVChecksumConsumer)
+    kcs.consumer._step_recvs, kcs.consumer._step_loads = {}, {}
+    kcs.producer = object.__new__(KVChecksumProducer)
+    kcs.producer._step = {}
+    assert kcs.build_checksum_meta() is None
+
+    blocks = KVChecksumBlocks(16, {0: (0, np.array([3]))})
+    kcs.producer._step["producer"] = blocks  # as add_send does
+    first = kcs.build_checksum_meta()
+    assert first is not None and list(first.reqs_to_send) == ["producer"]
+    kcs.consumer._step_recvs["consumer"] = blocks  # next step, as add_recv does
+    kcs.consumer._step_loads["offload"] = blocks
+    assert first.reqs_to_recv == {} and first.reqs_to_load == {}
+    second = kcs.build_checksum_meta()
+    assert second is not None and second.reqs_to_send == {}
+    assert list(second.reqs_to_recv) == ["consumer"]
+    assert list(second.reqs_to_load) == ["offload"]
+    assert kcs.build_checksum_meta() is None

@@ -207,8 +207,11 @@ class KVChecksumScheduler:
         sends = self.producer.take_step()
         if not (sends or recvs or loads):
             return None  # most steps: no record object (R142)
+        # An empty part is the producer's or consumer's live dict (not reset
+        # when empty): the record gets its own, so a later step's additions
+        # never reach a record the workers may still read.
         return KVChecksumScheduled(
-            reqs_to_send=sends, reqs_to_recv=recvs, reqs_to_load=loads
+            reqs_to_send=sends or {}, reqs_to_recv=recvs or {}, reqs_to_load=loads or {}
         )
 
     # ------------------------------------------------------------------
