@@ -864,11 +864,12 @@ def test_connector_declares_carrier() -> None:
 
 
 def test_R71_a_steps_record_keeps_its_own_empty_parts() -> None:
-    """R71, R142: the producer and consumer reset their step dicts only when
-    they held something, so an empty part of a step's record must not be
-    their live dict: a load registered in the next step (while a worker may
-    still read this step's record, with async scheduling) must not appear
-    in it. Bug caught (tried): the record built from the live empty dicts."""
+    """R71, R142: no part of a step's record, empty parts included, is a dict
+    the producer or consumer writes to later: a load registered in the next
+    step (while a worker may still read this step's record, with async
+    scheduling) must not appear in it. Bug caught (tried): step dicts reset
+    only when they held something, and the record built from the live empty
+    ones (bb2a874)."""
     import numpy as np
 
     from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (

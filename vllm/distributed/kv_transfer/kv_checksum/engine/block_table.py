@@ -104,9 +104,9 @@ class BlockChecksumTable:
         allowed = self.stored_groups if groups is None else groups
         # One launch per group for every block of the call (a step's stores),
         # groups in the order they first appear.
-        ordered = _groups_in_order(blocks.groups, allowed)
+        ordered, single = _groups_in_order(blocks.groups, allowed)
         for i, group_id in enumerate(ordered):
-            if len(ordered) == 1 and (blocks.groups == group_id).all():
+            if single:
                 # One group, the usual case: the arrays as they are (R142).
                 ids, positions, hashes = (
                     blocks.block_ids,
@@ -182,12 +182,13 @@ class BlockChecksumTable:
             copy.dest[slots] = table[uploaded[0, column : column + len(copy.slots)]]
 
 
-def _groups_in_order(groups: np.ndarray, allowed: set[int]) -> list[int]:
-    """The allowed group ids of `groups`, in the order they first appear."""
+def _groups_in_order(groups: np.ndarray, allowed: set[int]) -> tuple[list[int], bool]:
+    """The allowed group ids of `groups`, in the order they first appear, and
+    whether every block is of one group (its arrays then need no mask)."""
     if not len(groups):
-        return []
+        return [], True
     first = int(groups[0])
     if (groups == first).all():
-        return [first] if first in allowed else []
+        return ([first] if first in allowed else []), True
     present, index = np.unique(groups, return_index=True)
-    return [g for g in present[np.argsort(index)].tolist() if g in allowed]
+    return [g for g in present[np.argsort(index)].tolist() if g in allowed], False

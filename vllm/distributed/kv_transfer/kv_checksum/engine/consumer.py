@@ -142,9 +142,12 @@ class KVChecksumConsumer:
     ) -> tuple[dict[str, KVChecksumBlocks], dict[str, KVChecksumBlocks]]:
         """This step's receives and offload loads for the workers, then reset."""
         step = (self._step_recvs, self._step_loads)
-        if step[0] or step[1]:  # most steps start no load: nothing to reset
-            self._step_recvs, self._step_loads = {}, {}
+        self._step_recvs, self._step_loads = {}, {}
         return step
+
+    def has_step(self) -> bool:
+        """Whether this step registered a receive or an offload load."""
+        return bool(self._step_recvs or self._step_loads)
 
     def pending(self, req_id: str) -> PendingReceive | PendingOffloadLoad | None:
         return self._recvs.get(req_id) or self.offload.pending.get(req_id)

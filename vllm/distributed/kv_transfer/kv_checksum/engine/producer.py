@@ -90,10 +90,12 @@ class KVChecksumProducer:
 
     def take_step(self) -> dict[str, KVChecksumBlocks]:
         """This step's sends for the workers, then reset (R71)."""
-        step = self._step
-        if step:  # most steps send nothing: nothing to reset
-            self._step = {}
+        step, self._step = self._step, {}
         return step
+
+    def has_step(self) -> bool:
+        """Whether this step registered a send."""
+        return bool(self._step)
 
     def pending(self, req_id: str) -> PendingTransfer | None:
         return self._sends.get(req_id)

@@ -203,15 +203,13 @@ class KVChecksumScheduler:
 
     def build_checksum_meta(self) -> KVChecksumScheduled | None:
         """This step's blocks for the workers, then reset (R71)."""
+        if not (self.producer.has_step() or self.consumer.has_step()):
+            return None  # most steps: nothing taken, no record object (R142)
         recvs, loads = self.consumer.take_step()
-        sends = self.producer.take_step()
-        if not (sends or recvs or loads):
-            return None  # most steps: no record object (R142)
-        # An empty part is the producer's or consumer's live dict (not reset
-        # when empty): the record gets its own, so a later step's additions
-        # never reach a record the workers may still read.
         return KVChecksumScheduled(
-            reqs_to_send=sends or {}, reqs_to_recv=recvs or {}, reqs_to_load=loads or {}
+            reqs_to_send=self.producer.take_step(),
+            reqs_to_recv=recvs,
+            reqs_to_load=loads,
         )
 
     # ------------------------------------------------------------------

@@ -128,6 +128,9 @@ class KVChecksumWorker:
         finished_req_ids: Iterable[str] = (),
     ) -> KVChecksumPendingRecord | None:
         """Queue the checksums of finished loads and this step's sends (R48)."""
+        for req_id in finished_req_ids:
+            self._to_recv.pop(req_id, None)
+            self._to_load.pop(req_id, None)
         if not (
             finished_recving
             or failed_recving
@@ -135,15 +138,8 @@ class KVChecksumWorker:
             or self._to_send
             or self._to_check
             or self._to_save
-        ):  # most steps (R142): only drop the state of finished requests
-            if self._to_recv or self._to_load:
-                for req_id in finished_req_ids:
-                    self._to_recv.pop(req_id, None)
-                    self._to_load.pop(req_id, None)
-            return None
-        for req_id in finished_req_ids:
-            self._to_recv.pop(req_id, None)
-            self._to_load.pop(req_id, None)
+        ):
+            return None  # most steps: nothing to checksum (R142)
         failed = set(failed_recving or ())
         recvs: list[tuple[str, KVChecksumBlocks]] = []
         loads: list[tuple[str, KVChecksumBlocks]] = []

@@ -205,9 +205,10 @@ def install_scheduler_hooks() -> None:
         kcs = getattr(self, "kv_checksum_scheduler", None)
         if kcs is None:
             return
-        starting = self._kv_checksum_starting_loads
-        if starting:  # most steps start no load: nothing to reset
-            self._kv_checksum_starting_loads = []
+        starting, self._kv_checksum_starting_loads = (
+            self._kv_checksum_starting_loads,
+            [],
+        )
         with _guard(self, "kv_checksum_scheduler", "Scheduler._update_after_schedule"):
             for request, blocks, num_external in starting:
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
