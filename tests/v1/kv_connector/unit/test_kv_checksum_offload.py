@@ -424,6 +424,43 @@ def test_load_reports_checksums_and_stored_entries() -> None:
     assert pending is not None and pending.finalize().checksums[REQ][0].stored is None
 
 
+def test_R55_a_steps_results_come_back_as_one_run(monkeypatch) -> None:
+    """R55, R117, issue 30 (host work per step): a step with a receive and an
+    offload load writes both passes' outputs and the load's stored entries
+    into segments of its one upload and copies them back as one run, no
+    concatenation, and each request still reads its own values. Bugs caught
+    (tried): a pass's host view taken at the offset of the previous pass's
+    segment (the receive reads the load's values), and the stored entries
+    gathered into the output segment."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine import launches
+
+    def no_cat(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise AssertionError("the step's results were concatenated")
+
+    kv = ref.random_kv(np.random.default_rng(5), 2, 48, 2, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    table = worker.init_block_checksums([0])
+    loaded, received = BLOCK_IDS, BLOCK_IDS[1:]
+    worker.save_block_checksums([(0, 0, loaded, fake_hashes(3, seed=3))])
+    monkeypatch.setattr(launches.torch, "cat", no_cat)
+    other = "recv-req"
+    worker.bind(
+        KVChecksumScheduled(
+            reqs_to_load={REQ: blocks(48, (0, 0, loaded))},
+            reqs_to_recv={other: blocks(48, (0, 1, received))},
+        )
+    )
+    pending = worker.post_forward(finished_recving={REQ, other}, failed_recving=set())
+    assert pending is not None
+    record = pending.finalize().checksums
+    load, recv_group = record[REQ][0], record[other][0]
+    assert load.stored is not None and recv_group.stored is None
+    assert hexes(load.stored) == hexes(table_entries(table, loaded))
+    assert hexes(load.values.sum(axis=1, dtype=U64)) == hexes(whole)
+    assert hexes(recv_group.values.sum(axis=1, dtype=U64)) == hexes(whole[1:])
+
+
 # --------------------------------------------------------------------------
 # Comparison (R120)
 # --------------------------------------------------------------------------

@@ -72,17 +72,21 @@ def pack_segments(
     zeros: Callable[[tuple[int, int]], np.ndarray] = lambda shape: np.zeros(
         shape, dtype=np.int64
     ),
+    reserve: Sequence[int] = (),
 ) -> tuple[np.ndarray, list[int]]:
     """Lay row arrays side by side, each at an even column; return the columns.
 
     `zeros(shape)` allocates the zeroed int64 result (padding columns are
     all-masked rows), e.g. a view of pinned memory for the device copy.
+    `reserve` adds zeroed segments of those widths after the parts (their
+    columns follow the parts'): device scratch that travels in the same
+    upload, each segment's row 0 one contiguous, 16-byte aligned run.
     """
     columns: list[int] = []
     width = 0
-    for part in parts:
+    for size in [part.shape[1] for part in parts] + list(reserve):
         columns.append(width)
-        width += part.shape[1] + (part.shape[1] & 1)
+        width += size + (size & 1)
     packed = zeros((3, max(width, 2)))
     for column, part in zip(columns, parts):
         packed[:, column : column + part.shape[1]] = part

@@ -62,16 +62,17 @@ class BlockChecksumTable:
 
     def warm_up(self) -> None:
         """Run the device operations of an entry write once on scratch
-        tensors (sum over columns, XOR, gather, scatter), so a lazily loaded
+        tensors (sum over columns, XOR, index select and copy), so a lazily loaded
         CUDA module is loaded at start-up, not in the first step that stores
         blocks (R62: an H200 trace showed 37 ms in these operations over the
         first six stores)."""
         device = self.topology.device
         scratch = torch.zeros((2, 2), dtype=torch.int64, device=device)
         index = torch.zeros(1, dtype=torch.int64, device=device)
-        entries = scratch.sum(dim=1)[:1] ^ scratch[0, :1]
-        scratch[0][index] = entries
-        scratch[1][index] = scratch[0][index]
+        entries = scratch.sum(dim=1)[:1]
+        entries.bitwise_xor_(scratch[0, :1])
+        scratch[0].index_copy_(0, index, entries)
+        scratch[1].index_copy_(0, index, scratch[0].index_select(0, index))
 
     def read_groups(self, kind: str) -> set[int]:
         """The groups whose entries a pass of `kind` reads with its checksums."""
@@ -131,7 +132,7 @@ class BlockChecksumTable:
             indices = host_to_device(
                 np.stack([copied.block_ids, copied.slots]), self.topology.device
             )
-            copied.dest[indices[1]] = table[indices[0]]
+            copied.dest.index_copy_(0, indices[1], table.index_select(0, indices[0]))
 
     def _save_group_entries(
         self,
@@ -144,11 +145,13 @@ class BlockChecksumTable:
     ) -> None:
         """Entries of one group's full blocks: one upload, one launch, one
         table write (R118); then `copy`'s slots get their blocks' entries.
-        The rows, the tags and `copy`'s (block id, slot) indices travel in
-        one pinned array."""
+        The rows, the tags, `copy`'s (block id, slot) indices and the zeroed
+        launch output travel in one pinned array (issue 30: no device
+        allocation or fill of its own per save)."""
         plans = self.groups[group_id]
         size = plans.block_size
         count = len(block_ids)
+        width = plans.load.width
         rows = np.empty((3, count), dtype=np.int64)
         rows[0] = block_ids
         rows[1] = positions * size
@@ -161,25 +164,24 @@ class BlockChecksumTable:
             extra[0] = copy.block_ids
             extra[1] = copy.slots
             parts.append(extra)
-        packed, columns = pack_segments(parts)
+        packed, columns = pack_segments(parts, reserve=(count * width,))
         uploaded = host_to_device(packed, self.topology.device)
-        tag_column = columns[1]
-        out = torch.zeros(
-            (count, plans.load.width), dtype=torch.int64, device=self.topology.device
-        )
+        out_column = columns[-1]
+        out = uploaded[0, out_column : out_column + count * width].view(count, width)
         plans.load.run(uploaded[:, :count], out)
         # One column (one replica key): the sum over columns is that column.
-        sums = out[:, 0] if plans.load.width == 1 else out.sum(dim=1)
-        entries = sums ^ uploaded[0, tag_column : tag_column + count]
-        table[uploaded[0, :count]] = entries
+        entries = out[:, 0] if width == 1 else out.sum(dim=1)
+        entries.bitwise_xor_(uploaded[0, columns[1] : columns[1] + count])
+        table.index_copy_(0, uploaded[0, :count], entries)
         if copy is None:
             return
         column = columns[2]
         slots = uploaded[1, column : column + len(copy.slots)]
         if np.array_equal(copy.block_ids, block_ids):
-            copy.dest[slots] = entries  # the blocks just saved, in order
+            copy.dest.index_copy_(0, slots, entries)  # the blocks just saved
         else:
-            copy.dest[slots] = table[uploaded[0, column : column + len(copy.slots)]]
+            ids = uploaded[0, column : column + len(copy.slots)]
+            copy.dest.index_copy_(0, slots, table.index_select(0, ids))
 
 
 def _groups_in_order(groups: np.ndarray, allowed: set[int]) -> tuple[list[int], bool]:

@@ -121,6 +121,17 @@ class ChecksumLauncher:
                     parts.append(rows)
         if not passes:
             return []
+        # Each pass's output and, where its group keeps entries, the stored
+        # entries it reads: zeroed segments of the one upload (issue 30: no
+        # device allocation per pass, one contiguous run to copy back).
+        plan_of: list[ChecksumPlan] = []
+        reserve: list[int] = []
+        for (plans, kind, *_), part in zip(passes, parts):
+            plan: ChecksumPlan = getattr(plans, "load" if kind == "check" else kind)
+            plan_of.append(plan)
+            n = part.shape[1]
+            reserve.append(n * plan.width)
+            reserve.append(n if plans.group_id in self.table.read_groups(kind) else 0)
         on_device = self.topology.device.type != "cpu"
         host_rows: list[torch.Tensor] = []
 
@@ -130,17 +141,17 @@ class ChecksumLauncher:
             )
             return host_rows[0].numpy()
 
-        _, columns = pack_segments(parts, pinned_zeros)
+        _, columns = pack_segments(parts, pinned_zeros, reserve)
         rows_dev = self._to_device(host_rows[0])
+        scratch = rows_dev[0]
         results = []
-        for (plans, kind, req_ids, starts, counts), part, column in zip(
-            passes, parts, columns
+        for i, ((plans, _, req_ids, starts, counts), part) in enumerate(
+            zip(passes, parts)
         ):
-            plan: ChecksumPlan = getattr(plans, "load" if kind == "check" else kind)
-            n = part.shape[1]
-            out = torch.zeros(
-                (n, plan.width), dtype=torch.int64, device=rows_dev.device
-            )
+            plan = plan_of[i]
+            column, n = columns[i], part.shape[1]
+            at = columns[len(passes) + 2 * i]
+            out = scratch[at : at + n * plan.width].view(n, plan.width)
             plan.run(rows_dev[:, column : column + n], out)
             if plan.chunks > 1:
                 # One row per chunk, in position order (R135).
@@ -148,11 +159,15 @@ class ChecksumLauncher:
                 starts, counts = starts * plan.chunks, counts * plan.chunks
             segment = RowSegment(plans.group_id, column, req_ids, starts, counts)
             result = PassResult(segment, plan.replica_keys, out)
-            if plans.group_id in self.table.read_groups(kind):
+            if reserve[2 * i + 1]:
                 assert self.table.tensor is not None
-                result.stored_device = self.table.tensor[
-                    rows_dev[0, column : column + n]
-                ]
+                at = columns[len(passes) + 2 * i + 1]
+                result.stored_device = torch.index_select(
+                    self.table.tensor,
+                    0,
+                    rows_dev[0, column : column + n],
+                    out=scratch[at : at + n],
+                )
             results.append(result)
         return results
 
@@ -166,42 +181,41 @@ class ChecksumLauncher:
     def copy_to_host(self, pending: KVChecksumPendingRecord) -> None:
         """Copy every result of the step to one pinned host buffer, on a side
         stream (or by the zero-copy kernel, `enable_zero_copy`); record an
-        event. One buffer and one copy per step, whatever the passes."""
+        event. One buffer and one copy per step, whatever the passes: the
+        run of the upload that holds them all, or their concatenation."""
         if not pending.results:
             return
         parts: list[torch.Tensor] = []
         for result in pending.results:
-            parts.append(result.device.reshape(-1))
+            parts.append(result.device)
             if result.stored_device is not None:
-                parts.append(result.stored_device.reshape(-1))
+                parts.append(result.stored_device)
+        flat, offsets = _one_run(parts)
         if self.zero_copy:
-            host, event = self._write_to_host(parts)
+            host, event = self._write_to_host(flat)
         else:
-            host, event = self._copy_on_side_stream(parts)
-        offset = 0
+            host, event = self._copy_on_side_stream(flat)
+        views = iter(
+            host[at : at + part.numel()].view(part.shape)
+            for at, part in zip(offsets, parts)
+        )
         for result in pending.results:
-            size = result.device.numel()
-            result.host = host[offset : offset + size].view(result.device.shape)
-            offset += size
+            result.host = next(views)
             if result.stored_device is not None:
-                size = result.stored_device.numel()
-                stored = host[offset : offset + size]
-                result.stored_host = stored.view(result.stored_device.shape)
-                offset += size
+                result.stored_host = next(views)
         pending.event = event
 
     def _copy_on_side_stream(
-        self, parts: list[torch.Tensor]
+        self, flat: torch.Tensor
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """The parts joined on the side stream, after the compute stream's
-        work so far, and copied to one pinned buffer; the event follows."""
+        """`flat` copied to one pinned buffer on the side stream, after the
+        compute stream's work so far; the event follows."""
         on_device = self.topology.device.type != "cpu"
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            flat = torch.cat(parts)
             host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
             host.copy_(flat, non_blocking=True)
             event = torch.cuda.Event()
@@ -209,14 +223,13 @@ class ChecksumLauncher:
         return host, event
 
     def _write_to_host(
-        self, parts: list[torch.Tensor]
+        self, flat: torch.Tensor
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """The parts written to one pinned buffer by one copy kernel on the
+        """`flat` written to one pinned buffer by one copy kernel on the
         compute stream after the checksum kernels (no copy engine, so no
         queueing behind offload stores); the event follows it."""
         while self._in_flight and self._in_flight[0][0].query():
             self._in_flight.popleft()  # its buffer's last device write is done
-        flat = torch.cat(parts)
         on_device = self.topology.device.type != "cpu"
         host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
         kernels.copy_words(flat, host)
@@ -224,3 +237,29 @@ class ChecksumLauncher:
         event.record()
         self._in_flight.append((event, host))
         return host, event
+
+
+def _one_run(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """A 1-D tensor holding every part and each part's offset in it: the run
+    of their common buffer from the first to the last when they are
+    contiguous int64 pieces of one storage in order (a launch's segments),
+    else their concatenation."""
+    first = parts[0]
+    base = first.untyped_storage().data_ptr()
+    offsets: list[int] = []
+    end = first.data_ptr()
+    for part in parts:
+        if (
+            part.dtype != torch.int64
+            or not part.is_contiguous()
+            or part.untyped_storage().data_ptr() != base
+            or part.data_ptr() < end
+        ):
+            cat = torch.cat([p.reshape(-1) for p in parts])
+            sizes = [p.numel() for p in parts]
+            return cat, [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets.append((part.data_ptr() - first.data_ptr()) // 8)
+        end = part.data_ptr() + 8 * part.numel()
+    total = (end - first.data_ptr()) // 8
+    run = first.as_strided((total,), (1,), first.storage_offset())
+    return run, offsets

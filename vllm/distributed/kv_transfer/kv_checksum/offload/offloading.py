@@ -202,7 +202,7 @@ class HostEntryTable:
         """The entries of the host `slots` go to `gpu_ids` (parallel)."""
         gpu, host = self._pair(gpu_ids, slots)
         if len(host):
-            self.block_table[gpu] = self.entries[host]
+            self.block_table.index_copy_(0, gpu, self.entries.index_select(0, host))
 
     def _pair(
         self, gpu_ids: IndexLike, slots: IndexLike
