@@ -461,6 +461,80 @@ def test_R55_a_steps_results_come_back_as_one_run(monkeypatch) -> None:
     assert hexes(recv_group.values.sum(axis=1, dtype=U64)) == hexes(whole[1:])
 
 
+def memory_ops(fn: Any) -> list[str]:
+    """The aten operators `fn` dispatches that are not views (on CUDA each a
+    kernel, a copy or an allocation), the checksum kernel stubbed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (
+        KVChecksumLaunch,
+    )
+
+    seen: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view and func.__name__ not in (
+                "lift_fresh.default",
+                "detach.default",
+            ):
+                seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(KVChecksumLaunch, "__call__", lambda launch, rows, out: None)
+        with Count():
+            fn()
+    return seen
+
+
+def test_R142_offload_paths_dispatch_a_fixed_handful_of_device_ops() -> None:
+    """R142, issue 30: on the H200 every torch call of a store or load cost
+    tens of microseconds of the engine thread, so the offload paths keep
+    their device operations (not views) to a fixed few whatever the block
+    count: a save with its slot copy 3 (XOR, table write, slot copy), a
+    finished load's step 4 (the upload's host buffer, the entries' gather,
+    the host buffer and copy of the results), a restore 2. Bugs caught
+    (tried, the code before 2026-12-02): a `torch.zeros` per pass for the
+    launch output, a gather into a new tensor and a `cat` of the results
+    before their copy (load 6); a zeroed launch output of the save's own
+    (save 4)."""
+    for count in (3, 40):
+        save, load, restore = offload_paths(count)
+        assert len(memory_ops(save)) <= 3, memory_ops(save)
+        assert len(memory_ops(load)) <= 4, memory_ops(load)
+        assert len(memory_ops(restore)) <= 2, memory_ops(restore)
+
+
+def offload_paths(count: int) -> tuple[Any, Any, Any]:
+    """A save with its slot copy, a finished load's step and a restore of
+    `count` blocks, on one worker."""
+    from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
+        HostEntryTable,
+    )
+
+    kv = ref.random_kv(np.random.default_rng(count), 2, 16 * count, 2, 16)
+    ids = list(range(1, count + 1))
+    worker = truth_worker(kv, ids, num_blocks=count + 1)
+    host = HostEntryTable(worker.init_block_checksums([0]), count, 1)
+    slots = np.arange(count, dtype=np.int64)
+    copy = host.copy_to_slots(np.asarray(ids), slots)
+    hashes = fake_hashes(count)
+    load = KVChecksumScheduled(reqs_to_load={REQ: blocks(16 * count, (0, 0, ids))})
+
+    def save() -> None:
+        worker.save_block_checksums([(0, 0, ids, hashes)], copy)
+
+    def load_step() -> None:
+        worker.bind(load)
+        worker.post_forward(finished_recving={REQ}, failed_recving=set())
+
+    def restore() -> None:
+        host.restore_ids(ids, slots)
+
+    return save, load_step, restore
+
+
 # --------------------------------------------------------------------------
 # Comparison (R120)
 # --------------------------------------------------------------------------
