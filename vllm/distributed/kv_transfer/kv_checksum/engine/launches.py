@@ -215,6 +215,9 @@ class ChecksumLauncher:
             self._side_stream = torch.cuda.Stream()
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream())
+        if on_device:
+            # Allocated on the compute stream, read here: not reused before.
+            flat.record_stream(side)
         with torch.cuda.stream(side):
             host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
             host.copy_(flat, non_blocking=True)
