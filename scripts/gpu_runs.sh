@@ -27,7 +27,7 @@
 #                                             # soak-fail
 #                                             # (issue 27), tamper (issue
 #                                             # 26 item 5), kernel-variants,
-#                                             # cuda-tests, trial-vector,
+#                                             # cuda-tests, device-calls, trial-vector,
 #                                             # trial-zero-copy (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
@@ -273,6 +273,18 @@ cuda-tests)
         >"$out/cuda_tests.log" 2>&1
     rc=$?
     tail -n 15 "$out/cuda_tests.log"
+    exit $rc
+    ;;
+# Issue 30: host time of the worker's offload paths and of each kind of device
+# call they make, on the GPU host outside an engine (seconds).
+device-calls)
+    mkdir -p "$out"
+    (cd "$repo" && timeout "$limit" python3 \
+        benchmarks/host/benchmark_kv_checksum_device_calls.py --cuda "$@") \
+        >"$out/device_calls.log" 2>&1
+    rc=$?
+    grep "^|" "$out/device_calls.log"
+    tail -n 3 "$out/device_calls.log"
     exit $rc
     ;;
 # Trials of defaults that are off in the package, in the engines: flip one in

@@ -5,39 +5,44 @@
 The H200 hook timer put a store's entry save at 678 us, a finished load's
 launch at 545 us and its copy back at 246 us of host CPU a call
 (`benchmarks/results/h200_runs_2026-12-02.md`), mostly torch calls. This
-times the three offload-tier paths of a checksum worker with the checksum
-kernel stubbed (host work only), and counts the aten operators each call
-dispatches, and apart those that are not views: on CUDA each of these is a
-kernel, a copy or an allocation. Op counts are exact on any machine; times
-are this machine's.
+times the three offload-tier paths of a checksum worker, and counts the aten
+operators each call dispatches, and apart those that are not views: on CUDA
+each of these is a kernel, a copy or an allocation. Op counts are exact on
+any machine; times are this machine's.
 
 - save: `save_block_checksums` of N blocks with their copy to host slots;
 - load: a step whose offload load of N blocks finishes (`bind` +
   `post_forward`: rows, launch, stored entries, copy to host);
 - restore: `HostEntryTable.restore_ids` of N blocks (a load starting).
 
+On CPU the checksum kernel is stubbed (host work only). `--cuda` runs on a
+GPU with the Triton kernel and adds the host time of each kind of device
+call these paths make, alone (`gpu_runs.sh device-calls`):
+
     python benchmarks/host/benchmark_kv_checksum_device_calls.py --blocks 128
 """
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
+import numpy as np
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
-    cpu_cuda_streams,
-)
-from tests.v1.kv_connector.unit.test_kv_checksum_offload import (  # noqa: E402
+from tests.v1.kv_connector.unit.kv_checksum_device_paths import (  # noqa: E402
     offload_paths,
+)
+from tests.v1.kv_connector.unit.test_kv_checksum_worker_cuda import (  # noqa: E402
+    worker_on,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (  # noqa: E402
     KVChecksumLaunch,
@@ -69,12 +74,15 @@ def _no_kernel(launch: Any, rows: Any, out: Any) -> None:
 
 
 def _timed(fn: Callable[[], Any], calls: int, rounds: int) -> float:
-    """Median over rounds of the mean microseconds a call (collector off)."""
+    """Median over rounds of the mean microseconds a call (collector off); on
+    CUDA the device drains between rounds, never inside one."""
     per_round = []
     gc.collect()
     gc.disable()
     try:
         for _ in range(rounds):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -84,11 +92,52 @@ def _timed(fn: Callable[[], Any], calls: int, rounds: int) -> float:
     return statistics.median(per_round)
 
 
-def paths(num_blocks: int) -> dict[str, Callable[[], Any]]:
-    """The three worker paths over one request of `num_blocks` blocks (the
-    CPU test's, `offload_paths`)."""
-    save, load, restore = offload_paths(num_blocks)
-    return {"save": save, "load": load, "restore": restore}
+@contextlib.contextmanager
+def cpu_setting(kernel: bool) -> Iterator[None]:
+    """On CPU: the tests' stand-ins for CUDA streams and, unless `kernel`,
+    the checksum kernel stubbed."""
+    import pytest
+
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import cpu_cuda_streams
+
+    with pytest.MonkeyPatch.context() as patch, cpu_cuda_streams(patch):
+        if not kernel:
+            patch.setattr(KVChecksumLaunch, "__call__", _no_kernel)
+        yield
+
+
+def primitives(device: torch.device) -> dict[str, Callable[[], Any]]:
+    """One of each kind of device call the three paths make, alone."""
+    rows = np.arange(3 * 256, dtype=np.int64).reshape(3, 256)
+    pinned = torch.zeros((3, 256), dtype=torch.int64, pin_memory=True)
+    table = torch.zeros(4096, dtype=torch.int64, device=device)
+    index = torch.arange(128, dtype=torch.int64, device=device)
+    source = torch.ones(128, dtype=torch.int64, device=device)
+    side = torch.cuda.Stream()
+
+    def side_copy() -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            host = torch.empty(128, dtype=torch.int64, pin_memory=True)
+            host.copy_(source, non_blocking=True)
+            torch.cuda.Event().record(side)
+
+    return {
+        "torch.zeros pinned (3 x 256)": lambda: torch.zeros(
+            (3, 256), dtype=torch.int64, pin_memory=True
+        ),
+        "from_numpy(...).pin_memory()": lambda: torch.from_numpy(rows).pin_memory(),
+        "pinned.to(cuda, non_blocking=True)": lambda: pinned.to(
+            device, non_blocking=True
+        ),
+        "torch.zeros on the device": lambda: torch.zeros(
+            (128, 1), dtype=torch.int64, device=device
+        ),
+        "index_copy_": lambda: table.index_copy_(0, index, source),
+        "index_select": lambda: table.index_select(0, index),
+        "torch.cat of two": lambda: torch.cat([source, source]),
+        "side-stream copy to a pinned buffer + event": side_copy,
+    }
 
 
 def main() -> None:
@@ -96,15 +145,20 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--kernel", action="store_true", help="keep the kernel")
+    parser.add_argument("--cuda", action="store_true", help="on the GPU")
+    parser.add_argument(
+        "--kernel", action="store_true", help="on CPU, keep the PyTorch kernel"
+    )
     args = parser.parse_args()
+    device = torch.device("cuda" if args.cuda else "cpu")
     print("| path | blocks | aten ops a call | of them not views | us a call |")
     print("|---|---|---|---|---|")
-    with pytest.MonkeyPatch.context() as patch, cpu_cuda_streams(patch):
-        if not args.kernel:
-            patch.setattr(KVChecksumLaunch, "__call__", _no_kernel)
+    setting = contextlib.nullcontext() if args.cuda else cpu_setting(args.kernel)
+    with setting:
         for n in args.blocks:
-            for name, fn in paths(n).items():
+            worker, _ = worker_on(device, None, num_blocks=n + 1)
+            save, load, restore = offload_paths(worker, n)
+            for name, fn in (("save", save), ("load", load), ("restore", restore)):
                 fn()  # warm
                 with OpCount() as count:
                     fn()
@@ -113,6 +167,12 @@ def main() -> None:
                 print(f"| {name} | {n} | {ops} | {count.memory_ops} | {us:.1f} |")
                 if name != "restore" and n == max(args.blocks):
                     print(f"<!-- {name}: {dict(sorted(count.ops.items()))} -->")
+        if args.cuda:
+            print("\n| device call, alone | us a call |")
+            print("|---|---|")
+            for name, fn in primitives(device).items():
+                fn()
+                print(f"| {name} | {_timed(fn, args.calls, args.rounds):.1f} |")
 
 
 if __name__ == "__main__":

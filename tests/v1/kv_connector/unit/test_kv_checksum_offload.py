@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.v1.kv_connector.unit import kv_checksum_device_paths as device_paths
 from tests.v1.kv_connector.unit import kv_checksum_reference as ref
 from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
@@ -507,32 +508,10 @@ def test_R142_offload_paths_dispatch_a_fixed_handful_of_device_ops() -> None:
 
 
 def offload_paths(count: int) -> tuple[Any, Any, Any]:
-    """A save with its slot copy, a finished load's step and a restore of
-    `count` blocks, on one worker."""
-    from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
-        HostEntryTable,
-    )
-
+    """The save, finished load and restore of `count` blocks on a CPU worker."""
     kv = ref.random_kv(np.random.default_rng(count), 2, 16 * count, 2, 16)
-    ids = list(range(1, count + 1))
-    worker = truth_worker(kv, ids, num_blocks=count + 1)
-    host = HostEntryTable(worker.init_block_checksums([0]), count, 1)
-    slots = np.arange(count, dtype=np.int64)
-    copy = host.copy_to_slots(np.asarray(ids), slots)
-    hashes = fake_hashes(count)
-    load = KVChecksumScheduled(reqs_to_load={REQ: blocks(16 * count, (0, 0, ids))})
-
-    def save() -> None:
-        worker.save_block_checksums([(0, 0, ids, hashes)], copy)
-
-    def load_step() -> None:
-        worker.bind(load)
-        worker.post_forward(finished_recving={REQ}, failed_recving=set())
-
-    def restore() -> None:
-        host.restore_ids(ids, slots)
-
-    return save, load_step, restore
+    worker = truth_worker(kv, list(range(1, count + 1)), num_blocks=count + 1)
+    return device_paths.offload_paths(worker, count)
 
 
 # --------------------------------------------------------------------------

@@ -45,7 +45,7 @@ HASHES = [bytes([i + 1]) * 32 for i in range(len(BLOCK_IDS))]
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 
 
-def kv_config() -> KVCacheConfig:
+def kv_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     """Three float16 attention layers, two KV heads of 64, one page each."""
     spec = FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
@@ -53,24 +53,28 @@ def kv_config() -> KVCacheConfig:
     page = spec.page_size_bytes
     tensors = [
         KVCacheTensor(
-            size=page * NUM_BLOCKS * len(LAYERS),
+            size=page * num_blocks * len(LAYERS),
             layers=[layer],
-            layer_stride=page * NUM_BLOCKS,
+            layer_stride=page * num_blocks,
             block_stride=page,
-            offset=i * page * NUM_BLOCKS,
+            offset=i * page * num_blocks,
         )
         for i, layer in enumerate(LAYERS)
     ]
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks,
         kv_cache_tensors=tensors,
         kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
     )
 
 
-def worker_on(device: torch.device, source: dict[str, torch.Tensor] | None):
+def worker_on(
+    device: torch.device,
+    source: dict[str, torch.Tensor] | None,
+    num_blocks: int = NUM_BLOCKS,
+):
     """A TP 1 worker whose caches hold `source`'s bytes (random when None)."""
-    config = kv_config()
+    config = kv_config(num_blocks)
     caches = allocate_kv_cache(config, device, KVCacheLayout.LBHNC, None)
     generator = torch.Generator().manual_seed(5)
     for layer, cache in caches.items():
@@ -80,7 +84,7 @@ def worker_on(device: torch.device, source: dict[str, torch.Tensor] | None):
             words.copy_(noise)
         else:
             words.copy_(source[layer].view(torch.int16))
-    topology = WorkerTopology(0, 1, 0, NUM_BLOCKS, 2, device)
+    topology = WorkerTopology(0, 1, 0, num_blocks, 2, device)
     worker = KVChecksumWorker(config, caches, topology)
     worker.warm_up()
     return worker, caches

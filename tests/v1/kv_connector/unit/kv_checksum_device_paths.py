@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The offload tier's three worker paths over one request, as callables.
+
+Shared by the device-operation budget test (`test_kv_checksum_offload.py`)
+and `benchmarks/host/benchmark_kv_checksum_device_calls.py` (issue 30). Only
+the package and torch are imported, so the benchmark runs on a GPU host too.
+"""
+
+from collections.abc import Callable
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KVChecksumBlocks,
+    KVChecksumScheduled,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import KVChecksumWorker
+from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
+    HostEntryTable,
+)
+
+REQ = "req-0"
+Path = Callable[[], None]
+
+
+def offload_paths(worker: KVChecksumWorker, count: int) -> tuple[Path, Path, Path]:
+    """On blocks 1..count of `worker` (at least count + 1 blocks): a save of
+    their entries with the copy to host slots (a store), a step whose
+    offload load of them finishes, and a restore of their entries (a load
+    starting)."""
+    ids = list(range(1, count + 1))
+    host = HostEntryTable(worker.init_block_checksums([0]), count, 1)
+    slots = np.arange(count, dtype=np.int64)
+    copy = host.copy_to_slots(np.asarray(ids), slots)
+    hashes = [bytes([i % 251 + 1]) * 32 for i in range(count)]
+    blocks = KVChecksumBlocks(16 * count, {0: (0, np.asarray(ids, dtype=np.int64))})
+    load = KVChecksumScheduled(reqs_to_load={REQ: blocks})
+
+    def save() -> None:
+        worker.save_block_checksums([(0, 0, ids, hashes)], copy)
+
+    def load_step() -> None:
+        worker.bind(load)
+        worker.post_forward(finished_recving={REQ}, failed_recving=set())
+
+    def restore() -> None:
+        host.restore_ids(ids, slots)
+
+    return save, load_step, restore
