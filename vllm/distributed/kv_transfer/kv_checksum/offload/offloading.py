@@ -142,6 +142,9 @@ def _slots_of_runs(
     blocks_per_chunk: int,
 ) -> np.ndarray:
     """`host_slots` of a transfer whose `_gpu_runs` are known."""
+    if blocks_per_chunk == 1:
+        # vLLM's default: one GPU block a chunk, slots are the chunk ids.
+        return cpu_ids[: sum(len(ids) for _, _, ids in runs)]
     slots = []
     chunk_offset = 0
     for _, start, ids in runs:
