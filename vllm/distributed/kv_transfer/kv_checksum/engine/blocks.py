@@ -9,6 +9,7 @@ the blocks NIXL and Mooncake transfer.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -38,9 +39,13 @@ def sliding_window_transfer_blocks(sliding_window: int, block_size: int) -> int:
     return cdiv(sliding_window, block_size) + 1
 
 
+_IS_NULL = attrgetter("is_null")
+_BLOCK_ID = attrgetter("block_id")
+
+
 def _null_mask(blocks: Sequence) -> np.ndarray:
     """Which of `blocks` are vLLM's null block (freed out of a window)."""
-    return np.fromiter((b.is_null for b in blocks), dtype=bool, count=len(blocks))
+    return np.fromiter(map(_IS_NULL, blocks), dtype=bool, count=len(blocks))
 
 
 def _group_blocks(
@@ -59,9 +64,7 @@ def _group_blocks(
     first = int(real[0])
     if real.size != len(selected) - first:
         return None  # a null block after a non-null one
-    ids = np.fromiter(
-        (b.block_id for b in selected[first:]), dtype=np.int64, count=real.size
-    )
+    ids = np.fromiter(map(_BLOCK_ID, selected[first:]), dtype=np.int64, count=real.size)
     return begin + first, ids
 
 
