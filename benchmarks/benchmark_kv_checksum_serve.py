@@ -28,7 +28,9 @@ modes, and every on round next to an off round in time. Only one pair serves
 at a time; the idle pair holds memory but no compute. The off pair takes the
 first slot (the launch script's ports, started first) unless ``--on-first``:
 two runs, one with it, cancel what the slots differ by (an A/A run of the
-offload benchmark found its second slot 2 % slower at 8B).
+offload benchmark found its second slot 2 % slower at 8B). ``--control`` is
+that A/A run here: the "on" pair starts with checksums off too, so its on -
+off is the pairs' own difference.
 
 Writes OUT/summary.json (per launch and workload: the bench's scalar results,
 every request's TTFT, the consumer's verdict counters) and prints the tables.
@@ -216,7 +218,7 @@ class Launch:
             GPU_D=self.args.gpu_d,
             TP=str(self.args.tp),
             UTIL=str(self.args.util),
-            CHECKSUMS=self.mode,
+            CHECKSUMS="off" if getattr(self.args, "control", False) else self.mode,
             LOG_DIR=str(self.log_dir),
             VLLM=self.args.serve_cmd,
             ROUTER=self.args.router_cmd,
@@ -418,9 +420,11 @@ def adjacent_pairs(
     return pair_summary(pairs)
 
 
-def summarize(launches: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(launches: list[dict[str, Any]], control: bool = False) -> dict[str, Any]:
     """Per workload and metric: launch values by mode, on-off difference of the
-    means, the off-vs-off spread, and the verdict of the module docstring."""
+    means, the off-vs-off spread, and the verdict of the module docstring.
+    `control` (A/A, `--control`): no pair checks loads, so none must be
+    verified, and any verdict counted is a failure (a pair not off)."""
     workloads: dict[str, Any] = {}
     names = [w for launch in launches for w in launch["results"]]
     for name in dict.fromkeys(names):
@@ -466,6 +470,8 @@ def summarize(launches: list[dict[str, Any]]) -> dict[str, Any]:
     loads_ok = verdicts.get("verified", 0) > 0 and not (
         verdicts.get("mismatch", 0) or verdicts.get("unverified", 0)
     )
+    if control:
+        loads_ok = not any(verdicts.values())
     failed = sum(
         (r.get("failed") or 0) + (1 if "error" in r else 0)
         for launch in launches
@@ -654,6 +660,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pair-shift", type=int, default=10, help="port shift of the second pair"
     )
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help='A/A: the "on" slot starts with checksums off too, so on - off is '
+        "the slots' own difference (the bias a real on/off run carries)",
+    )
+    parser.add_argument(
         "--on-first",
         action="store_true",
         help="with --together: the on pair in the first slot (base ports, "
@@ -713,6 +725,7 @@ def main() -> int:
             "gpu_d": args.gpu_d,
             "together": args.together,
             "on_first": args.on_first,
+            "control": args.control,
             "bench_batch": args.bench_batch,
             "workloads": [asdict(w) for w in chosen],
             "scale": args.scale,
@@ -721,7 +734,7 @@ def main() -> int:
             "serve_args": args.serve_arg,
             "cuda_ipc_get": args.cuda_ipc_get,
         }
-        summary = summarize(records)
+        summary = summarize(records, args.control)
         payload = {"config": config, "launches": records, "summary": summary}
         record.write_text(json.dumps(payload, indent=1))
 
@@ -729,7 +742,9 @@ def main() -> int:
         run_together(args, chosen, launches, save)
     else:
         run_launches(args, chosen, launches, save)
-    summary = summarize(launches)
+    summary = summarize(launches, args.control)
+    if args.control:
+        print('A/A control: both pairs run checksums off; "on" names the slot.')
     print_tables(launches, summary)
     return 0 if summary["pass"] else 1
 

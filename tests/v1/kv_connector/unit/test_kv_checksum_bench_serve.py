@@ -331,3 +331,23 @@ def test_cuda_ipc_get_reaches_both_pairs_alike(tmp_path) -> None:
     assert env.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == os.environ.get(
         "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
     )
+
+
+def test_control_runs_both_pairs_off_and_needs_no_verdicts(tmp_path) -> None:
+    """R142 (a fair on/off cost): --control starts the "on" slot with
+    checksums off like the off slot, so on - off sizes the pairs' own bias,
+    and its run passes with no verdicts, while a verdict there (a pair that
+    was not off) fails it. Bugs caught: the flag naming the A/A run while the
+    on slot still checksums, and a control run failing for want of verified
+    loads."""
+    args = bench.parse_args(["--out", str(tmp_path), "--together", "--control"])
+    off = bench.Launch(args, "off", tmp_path).environment()
+    on = bench.Launch(args, "on", tmp_path, port_shift=10).environment()
+    assert (off["CHECKSUMS"], on["CHECKSUMS"]) == ("off", "off")
+    plain = bench.parse_args(["--out", str(tmp_path), "--together"])
+    assert bench.Launch(plain, "on", tmp_path).environment()["CHECKSUMS"] == "on"
+    launches = [_launch("off", 30.0, 7.0, 10.0), _launch("on", 30.0, 7.0, 10.0)]
+    assert bench.summarize(launches)["pass"] is False  # a real run needs loads
+    assert bench.summarize(launches, control=True)["pass"] is True
+    launches[1]["verdicts"] = {"verified": 3}
+    assert bench.summarize(launches, control=True)["pass"] is False
