@@ -95,14 +95,18 @@ class ChecksumLauncher:
         loads: Requests,
         sends: Requests,
         checks: Requests = (),
-    ) -> list[PassResult]:
+    ) -> tuple[list[PassResult], torch.Tensor | None]:
         """Build all rows, copy them once to the device and queue every launch.
 
         P/D receives and sends are checksummed per chunk (R135), offloaded-KV
         loads and prefix-hit checks per block with their stored entries
-        (R117, R140).
+        (R117, R140). Returns the results and the one device run holding
+        them all, for `copy_to_host` (None without a pass).
         """
-        passes: list[tuple[GroupPlans, str, tuple, np.ndarray, np.ndarray]] = []
+        # (group, plan, whether it reads stored entries, req ids, starts, counts)
+        passes: list[
+            tuple[GroupPlans, ChecksumPlan, bool, tuple, np.ndarray, np.ndarray]
+        ] = []
         parts: list[np.ndarray] = []
         for requests, kind in (
             (recvs, "recv"),
@@ -112,26 +116,26 @@ class ChecksumLauncher:
         ):
             if not requests:
                 continue
+            plan_kind = "load" if kind == "check" else kind
             for plans in self.groups.values():
                 req_ids, starts, counts, rows = segment_rows(
                     requests, plans.group_id, plans.block_size
                 )
                 if req_ids:
-                    passes.append((plans, kind, req_ids, starts, counts))
+                    reads = plans.group_id in self.table.read_groups(kind)
+                    plan = getattr(plans, plan_kind)
+                    passes.append((plans, plan, reads, req_ids, starts, counts))
                     parts.append(rows)
         if not passes:
-            return []
-        # Each pass's output and, where its group keeps entries, the stored
-        # entries it reads: zeroed segments of the one upload (issue 30: no
-        # device allocation per pass, one contiguous run to copy back).
-        plan_of: list[ChecksumPlan] = []
-        reserve: list[int] = []
-        for (plans, kind, *_), part in zip(passes, parts):
-            plan: ChecksumPlan = getattr(plans, "load" if kind == "check" else kind)
-            plan_of.append(plan)
-            n = part.shape[1]
-            reserve.append(n * plan.width)
-            reserve.append(n if plans.group_id in self.table.read_groups(kind) else 0)
+            return [], None
+        # Each pass's output and, where it reads stored entries, those
+        # entries: zeroed segments of the one upload after the rows (issue
+        # 30: no device allocation per pass, one contiguous run to copy back).
+        reserve = [
+            size
+            for (_, plan, reads, *_), part in zip(passes, parts)
+            for size in (part.shape[1] * plan.width, part.shape[1] if reads else 0)
+        ]
         on_device = self.topology.device.type != "cpu"
         host_rows: list[torch.Tensor] = []
 
@@ -144,13 +148,13 @@ class ChecksumLauncher:
         _, columns = pack_segments(parts, pinned_zeros, reserve)
         rows_dev = self._to_device(host_rows[0])
         scratch = rows_dev[0]
+        segments = iter(columns[len(parts) :])
         results = []
-        for i, ((plans, _, req_ids, starts, counts), part) in enumerate(
-            zip(passes, parts)
+        for (plans, plan, reads, req_ids, starts, counts), part, column in zip(
+            passes, parts, columns
         ):
-            plan = plan_of[i]
-            column, n = columns[i], part.shape[1]
-            at = columns[len(passes) + 2 * i]
+            n = part.shape[1]
+            at, stored_at = next(segments), next(segments)
             out = scratch[at : at + n * plan.width].view(n, plan.width)
             plan.run(rows_dev[:, column : column + n], out)
             if plan.chunks > 1:
@@ -159,17 +163,16 @@ class ChecksumLauncher:
                 starts, counts = starts * plan.chunks, counts * plan.chunks
             segment = RowSegment(plans.group_id, column, req_ids, starts, counts)
             result = PassResult(segment, plan.replica_keys, out)
-            if reserve[2 * i + 1]:
+            if reads:
                 assert self.table.tensor is not None
-                at = columns[len(passes) + 2 * i + 1]
                 result.stored_device = torch.index_select(
                     self.table.tensor,
                     0,
                     rows_dev[0, column : column + n],
-                    out=scratch[at : at + n],
+                    out=scratch[stored_at : stored_at + n],
                 )
             results.append(result)
-        return results
+        return results, scratch[columns[len(parts)] : columns[-1] + reserve[-1]]
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """One non-blocking host-to-device copy of all rows, from pinned memory."""
@@ -178,31 +181,25 @@ class ChecksumLauncher:
             return host
         return host.to(device, non_blocking=True)
 
-    def copy_to_host(self, pending: KVChecksumPendingRecord) -> None:
-        """Copy every result of the step to one pinned host buffer, on a side
-        stream (or by the zero-copy kernel, `enable_zero_copy`); record an
-        event. One buffer and one copy per step, whatever the passes: the
-        run of the upload that holds them all, or their concatenation."""
-        if not pending.results:
-            return
-        parts: list[torch.Tensor] = []
-        for result in pending.results:
-            parts.append(result.device)
-            if result.stored_device is not None:
-                parts.append(result.stored_device)
-        flat, offsets = _one_run(parts)
+    def copy_to_host(self, pending: KVChecksumPendingRecord, run: torch.Tensor) -> None:
+        """Copy the step's results, `run` from `launch`, to one pinned host
+        buffer on a side stream (or by the zero-copy kernel,
+        `enable_zero_copy`); record an event. One buffer and one copy per
+        step, whatever the passes; each result's host view sits where its
+        device segment sits in `run`."""
         if self.zero_copy:
-            host, event = self._write_to_host(flat)
+            host, event = self._write_to_host(run)
         else:
-            host, event = self._copy_on_side_stream(flat)
-        views = iter(
-            host[at : at + part.numel()].view(part.shape)
-            for at, part in zip(offsets, parts)
-        )
+            host, event = self._copy_on_side_stream(run)
+
+        def host_view(part: torch.Tensor) -> torch.Tensor:
+            at = (part.data_ptr() - run.data_ptr()) // part.element_size()
+            return host[at : at + part.numel()].view(part.shape)
+
         for result in pending.results:
-            result.host = next(views)
+            result.host = host_view(result.device)
             if result.stored_device is not None:
-                result.stored_host = next(views)
+                result.stored_host = host_view(result.stored_device)
         pending.event = event
 
     def _copy_on_side_stream(
@@ -216,7 +213,8 @@ class ChecksumLauncher:
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream())
         if on_device:
-            # Allocated on the compute stream, read here: not reused before.
+            # The upload, allocated on the compute stream, read here: not
+            # reused before this copy.
             flat.record_stream(side)
         with torch.cuda.stream(side):
             host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
@@ -240,29 +238,3 @@ class ChecksumLauncher:
         event.record()
         self._in_flight.append((event, host))
         return host, event
-
-
-def _one_run(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """A 1-D tensor holding every part and each part's offset in it: the run
-    of their common buffer from the first to the last when they are
-    contiguous int64 pieces of one storage in order (a launch's segments),
-    else their concatenation."""
-    first = parts[0]
-    base = first.untyped_storage().data_ptr()
-    offsets: list[int] = []
-    end = first.data_ptr()
-    for part in parts:
-        if (
-            part.dtype != torch.int64
-            or not part.is_contiguous()
-            or part.untyped_storage().data_ptr() != base
-            or part.data_ptr() < end
-        ):
-            cat = torch.cat([p.reshape(-1) for p in parts])
-            sizes = [p.numel() for p in parts]
-            return cat, [sum(sizes[:i]) for i in range(len(sizes))]
-        offsets.append((part.data_ptr() - first.data_ptr()) // 8)
-        end = part.data_ptr() + 8 * part.numel()
-    total = (end - first.data_ptr()) // 8
-    run = first.as_strided((total,), (1,), first.storage_offset())
-    return run, offsets

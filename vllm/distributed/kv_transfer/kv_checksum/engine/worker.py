@@ -166,7 +166,7 @@ class KVChecksumWorker:
         received = dict(received or {}) if keep_received else {}
         if not recvs and not loads and not sends and not received and not checks:
             return None
-        results = self.launcher.launch(recvs, loads, sends, checks)
+        results, run = self.launcher.launch(recvs, loads, sends, checks)
         pending = KVChecksumPendingRecord(
             pp_rank=self.topology.pp_rank,
             tp_rank=self.topology.tp_rank,
@@ -176,7 +176,8 @@ class KVChecksumWorker:
             fingerprints=self.fingerprints,
             received=received,
         )
-        self.launcher.copy_to_host(pending)
+        if run is not None:
+            self.launcher.copy_to_host(pending, run)
         return pending
 
     # ------------------------------------------------------------------
