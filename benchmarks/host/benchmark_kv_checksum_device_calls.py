@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.v1.kv_connector.unit.kv_checksum_device_paths import (  # noqa: E402
+    OpCount,
     offload_paths,
 )
 from tests.v1.kv_connector.unit.test_kv_checksum_worker_cuda import (  # noqa: E402
@@ -47,26 +47,6 @@ from tests.v1.kv_connector.unit.test_kv_checksum_worker_cuda import (  # noqa: E
 from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (  # noqa: E402
     KVChecksumLaunch,
 )
-
-# Not views by their schema, but no memory touched either.
-METADATA_OPS = {"aten.lift_fresh.default", "aten.detach.default"}
-
-
-class OpCount(TorchDispatchMode):
-    """Counts the aten operators dispatched inside the mode, and apart those
-    that touch memory (not views): on CUDA each is a kernel, a copy or an
-    allocation."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: dict[str, int] = {}
-        self.memory_ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[str(func)] = self.ops.get(str(func), 0) + 1
-        if not func.is_view and str(func) not in METADATA_OPS:
-            self.memory_ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _no_kernel(launch: Any, rows: Any, out: Any) -> None:
@@ -164,7 +144,7 @@ def main() -> None:
                     fn()
                 us = _timed(fn, args.calls, args.rounds)
                 ops = sum(count.ops.values())
-                print(f"| {name} | {n} | {ops} | {count.memory_ops} | {us:.1f} |")
+                print(f"| {name} | {n} | {ops} | {len(count.memory_ops)} | {us:.1f} |")
                 if name != "restore" and n == max(args.blocks):
                     print(f"<!-- {name}: {dict(sorted(count.ops.items()))} -->")
         if args.cuda:

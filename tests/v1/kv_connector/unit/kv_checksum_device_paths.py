@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The offload tier's three worker paths over one request, as callables.
+"""The offload tier's three worker paths over one request, as callables,
+and a counter of the device operations a call dispatches.
 
 Shared by the device-operation budget test (`test_kv_checksum_offload.py`)
 and `benchmarks/host/benchmark_kv_checksum_device_calls.py` (issue 30). Only
@@ -10,6 +11,7 @@ the package and torch are imported, so the benchmark runs on a GPU host too.
 from collections.abc import Callable
 
 import numpy as np
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
@@ -22,6 +24,26 @@ from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
 
 REQ = "req-0"
 Path = Callable[[], None]
+# Not views by their schema, but no memory touched either.
+METADATA_OPS = {"aten.lift_fresh.default", "aten.detach.default"}
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten operators dispatched inside the mode (`ops`), and
+    lists apart those that touch memory, not views (`memory_ops`): on CUDA
+    each of these is a kernel, a copy or an allocation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+        self.memory_ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func)
+        self.ops[name] = self.ops.get(name, 0) + 1
+        if not func.is_view and name not in METADATA_OPS:
+            self.memory_ops.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 def offload_paths(worker: KVChecksumWorker, count: int) -> tuple[Path, Path, Path]:

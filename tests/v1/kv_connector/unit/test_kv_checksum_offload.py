@@ -465,28 +465,15 @@ def test_R55_a_steps_results_come_back_as_one_run(monkeypatch) -> None:
 def memory_ops(fn: Any) -> list[str]:
     """The aten operators `fn` dispatches that are not views (on CUDA each a
     kernel, a copy or an allocation), the checksum kernel stubbed."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (
         KVChecksumLaunch,
     )
 
-    seen: list[str] = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not func.is_view and func.__name__ not in (
-                "lift_fresh.default",
-                "detach.default",
-            ):
-                seen.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(KVChecksumLaunch, "__call__", lambda launch, rows, out: None)
-        with Count():
+        with device_paths.OpCount() as count:
             fn()
-    return seen
+    return count.memory_ops
 
 
 def test_R142_offload_paths_dispatch_a_fixed_handful_of_device_ops() -> None:
