@@ -31,13 +31,15 @@ engine (other prompts: the first measured round was the slowest of both engines
 without it). `--bench-batch` runs every bench of a launch in one process (vLLM
 imported once, 20-30 s saved a run on the H200 host).
 
-`--tier offloading` / `--tier multi` (issue 26 item 3) measure the CPU offload
-tier instead: OffloadingConnector alone or MultiConnector(NixlConnector,
-OffloadingConnector), `on` = `enable_kv_checksum` + `kv_checksum_fail_closed`
+`--tier offloading` / `--tier multi` (issue 26 item 3) / `--tier simple-offload`
+(issue 30 item 3) measure the CPU offload tier instead: OffloadingConnector
+alone, MultiConnector(NixlConnector, OffloadingConnector) or
+SimpleCPUOffloadConnector, `on` = `enable_kv_checksum` + `kv_checksum_fail_closed`
 (configs in `kv_checksum_bench_tiers.py`), a GPU KV cache for the running
 requests and two prefixes only and `prefix_repetition` with 16 prefixes, so
 most reuses load from host memory. Their verdict: on/off throughput >= 0.98,
-host loads (`vllm:kv_offload_load_size_count`) > 0 on both engines and the on
+host loads (`vllm:kv_offload_load_size_count`, SimpleCPUOffloadConnector's
+`vllm:simple_kv_offload_load_blocks_total`) > 0 on both engines and the on
 engine's `vllm:kv_checksum_loads_total` verified > 0, mismatch 0 (TTFT is
 reported). Defaults: 4 rounds of `host16_c8`, about 270 s at 8B on an H200.
 
@@ -110,6 +112,7 @@ from benchmark_kv_checksum_serve import (  # noqa: E402
 )
 from kv_checksum_bench_tiers import (  # noqa: E402
     HOST_LOADS,
+    LOADED_KEYS,
     OFFLOAD_TIERS,
     TIER_DEFAULTS,
     TIERS,
@@ -559,7 +562,8 @@ def print_tables(rounds: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
                 f"{res[m]:.3f}" if res.get(m) is not None else "-" for m in METRICS
             ]
             hits = r["prefix_hits"].get(name, "-")
-            host = r.get("host_loads", {}).get(name, {}).get("size_count", "-")
+            loaded = r.get("host_loads", {}).get(name, {})
+            host = next((loaded[k] for k in LOADED_KEYS if k in loaded), "-")
             loads = r.get("load_verdicts", {}).get(name, "-")
             print(
                 f"| {r['round']} | {r['launch']} | {r['mode']} | {name} | "

@@ -13,6 +13,9 @@ offload tiers load from host memory, and the host-load counters of /metrics.
 - ``simple-stores``: ``simple-hits`` without the prefix-hit flag (checksums of
   the blocks SimpleCPUOffloadConnector stores only): beside ``simple-hits`` it
   tells the cost of hit checks from that of the connector's store checksums.
+- ``simple-offload``: SimpleCPUOffloadConnector with the offload tiers' small
+  GPU cache, so reuses load from host memory (issue 30 item 3); on adds the
+  load checksums only, as for ``offloading``.
 
 `off` is the same connector config without any of the package's keys; `on`
 adds `enable_kv_checksum` and `kv_checksum_fail_closed` (plus the prefix-hit
@@ -31,8 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples/disaggregated"))
 from kv_checksum_chaos_plan import ServerSpec, kv_transfer_config  # noqa: E402
 
-TIERS = ("simple-hits", "offloading", "multi", "simple-stores")
-OFFLOAD_TIERS = ("offloading", "multi")
+TIERS = ("simple-hits", "offloading", "multi", "simple-stores", "simple-offload")
+OFFLOAD_TIERS = ("offloading", "multi", "simple-offload")
 # Per tier: rounds and workloads by default, the CPU tier's GiB. Measured at 8B
 # on an H200 (2026-12-01): 116 s to start both engines, 31-38 s a round of one
 # workload (the bench CLI's start included); 6 rounds of two workloads did not
@@ -43,12 +46,17 @@ TIER_DEFAULTS: dict[str, tuple[int, str, int]] = {
     "offloading": (4, "host16_c8", 16),
     "multi": (4, "host16_c8", 16),
     "simple-stores": (8, "shared_c1,shared_c32", 8),
+    "simple-offload": (4, "host16_c8", 16),
 }
-# vLLM's OffloadingConnector transfer counters (prometheus_client names): bytes
-# loaded from host memory and one histogram sample per load transfer.
+# vLLM's host-load counters (prometheus_client names): OffloadingConnector's
+# bytes loaded from host memory and one histogram sample per load transfer;
+# SimpleCPUOffloadConnector's blocks loaded.
 HOST_LOADS = re.compile(
-    r"^vllm:kv_offload_load_(bytes_total|size_count)\{[^}]*\} (\S+)"
+    r"^vllm:(?:simple_)?kv_offload_load_(bytes_total|size_count|blocks_total)"
+    r"\{[^}]*\} (\S+)"
 )
+# The counters of HOST_LOADS that say a load happened, one per connector.
+LOADED_KEYS = ("size_count", "blocks_total")
 # GPU blocks per request beyond its tokens (a partial last block, rounding).
 SPARE_BLOCKS = 2
 BLOCK_TOKENS = 16
@@ -152,5 +160,7 @@ def host_loads_ok(totals: dict[str, dict[str, float]]) -> bool:
     """Host loads happened on both engines and the on engine's were verified
     (at least one) with no mismatch."""
     off, on = totals["off"], totals["on"]
-    loaded = off.get("size_count", 0) > 0 and on.get("size_count", 0) > 0
+    loaded = all(
+        any(mode.get(key, 0) > 0 for key in LOADED_KEYS) for mode in (off, on)
+    )
     return loaded and on.get("verified", 0) > 0 and on.get("mismatch", 0) == 0

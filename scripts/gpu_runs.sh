@@ -18,6 +18,7 @@
 #                                             # bench-prefix, bench-offload,
 #                                             # bench-offload-multi (issue 26
 #                                             # item 3; -multi needs gpu_nixl),
+#                                             # bench-simple-offload (issue 30),
 #                                             # host-step, hook-timer (issue 30), mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
@@ -344,6 +345,10 @@ hook-timer)
     ;;
 bench-offload-multi) run bench-offload-multi \
     benchmarks/benchmark_kv_checksum_prefix_hits.py --tier multi --bench-batch "$@" ;;
+# Issue 30 item 3: the same with SimpleCPUOffloadConnector (eager stores).
+bench-simple-offload) run bench-simple-offload \
+    benchmarks/benchmark_kv_checksum_prefix_hits.py --tier simple-offload \
+    --bench-batch "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
 # Issue 27: faults of processes and time behind vllm-router (tiny model, fixed

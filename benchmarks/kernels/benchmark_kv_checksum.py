@@ -447,6 +447,24 @@ def variant_configs() -> dict[str, dict]:
             "programs_per_sm": 4,
             "chunk_pieces": 4096,
         },
+        # Smaller work items (more programs, a shorter last wave) and other
+        # tile sizes, all with the 4-warp vector loop (2026-12-02).
+        "vector 4w chunk 4096": {
+            "vector_full_tiles": True,
+            "num_warps": 4,
+            "chunk_pieces": 4096,
+        },
+        "vector 4w tile 512": {
+            "vector_full_tiles": True,
+            "num_warps": 4,
+            "max_tile": 512,
+        },
+        "vector 4w tile 2048": {
+            "vector_full_tiles": True,
+            "num_warps": 4,
+            "max_tile": 2048,
+        },
+        "vector 8w tile 2048": {"vector_full_tiles": True, "max_tile": 2048},
     }
 
 

@@ -24,7 +24,9 @@ With kv_checksum_verify_prefix_hits in its config, every completion counts one
 verified vllm:kv_checksum_prefix_hits_total. With an OffloadingConnector in it
 (alone or a MultiConnector child), every completion is one host load: vLLM's
 vllm:kv_offload_load_* counters grow (1 MiB each) and, with checksums on, one
-verified vllm:kv_checksum_loads_total. ``python kv_checksum_fake_server.py
+verified vllm:kv_checksum_loads_total. A SimpleCPUOffloadConnector without the
+prefix-hit flag does the same with vllm:simple_kv_offload_load_blocks_total
+(one block a load). ``python kv_checksum_fake_server.py
 bench serve --base-url URL --num-prompts N --result-dir D --result-filename F ...``
 is a fake `vllm bench serve`: N completions one at a time, then a result file
 with fixed timings (10 req/s, TTFT 20 ms, TPOT 5 ms).
@@ -63,7 +65,7 @@ UPSTREAMS: dict[str, str] = {}
 TRACKED = os.environ.get("FAKE_TRACKED_GAUGE") == "1"
 FAULT_EVERY = 0
 VERIFY_HITS = False
-OFFLOAD = False
+OFFLOAD = ""  # the connector whose host loads are faked
 DELAY_S = float(os.environ.get("FAKE_DELAY_MS", "0")) / 1000
 WRONG_LOADS = {int(n) for n in os.environ.get("FAKE_WRONG_LOADS", "").split(",") if n}
 
@@ -88,10 +90,12 @@ def checksums(prompt: str) -> str:
 def metrics() -> bytes:
     # vLLM's finished-request counter (the chaos driver times kills by it).
     answered = f'vllm:request_success_total{{engine="0"}} {float(STATE["hits"])}\n'
-    if OFFLOAD:  # vLLM's OffloadingConnector counters, checksums or not
-        host = float(STATE["host_loads"])
+    host = float(STATE["host_loads"])
+    if OFFLOAD == "OffloadingConnector":  # vLLM's counters, checksums or not
         answered += f'vllm:kv_offload_load_bytes_total{{engine="0"}} {host * 2**20}\n'
         answered += f'vllm:kv_offload_load_size_count{{engine="0"}} {host}\n'
+    elif OFFLOAD:
+        answered += f'vllm:simple_kv_offload_load_blocks_total{{engine="0"}} {host}\n'
     if not CHECKSUMS:
         return ("vllm:other 1.0\n" + answered).encode()
     lines = [answered.strip()] + [
@@ -328,7 +332,11 @@ def main() -> None:
         FAULT_EVERY = round(1 / rate) if rate else 0
         VERIFY_HITS = extra.get("kv_checksum_verify_prefix_hits") is True
         children = [config, *extra.get("connectors", [])]
-        OFFLOAD = any(c.get("kv_connector") == "OffloadingConnector" for c in children)
+        names = {c.get("kv_connector") for c in children}
+        if "OffloadingConnector" in names:
+            OFFLOAD = "OffloadingConnector"
+        elif "SimpleCPUOffloadConnector" in names and not VERIFY_HITS:
+            OFFLOAD = "SimpleCPUOffloadConnector"
     print("fake serve", args, flush=True)
     Server(("127.0.0.1", port), Handler).serve_forever()
 
