@@ -160,7 +160,5 @@ def host_loads_ok(totals: dict[str, dict[str, float]]) -> bool:
     """Host loads happened on both engines and the on engine's were verified
     (at least one) with no mismatch."""
     off, on = totals["off"], totals["on"]
-    loaded = all(
-        any(mode.get(key, 0) > 0 for key in LOADED_KEYS) for mode in (off, on)
-    )
+    loaded = all(any(mode.get(key, 0) > 0 for key in LOADED_KEYS) for mode in (off, on))
     return loaded and on.get("verified", 0) > 0 and on.get("mismatch", 0) == 0
