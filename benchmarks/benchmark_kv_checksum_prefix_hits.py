@@ -108,6 +108,7 @@ from benchmark_kv_checksum_serve import (  # noqa: E402
     mode_values,
     pair_summary,
     read_result,
+    slot_bias,
     verdict_counts,
 )
 from kv_checksum_bench_tiers import (  # noqa: E402
@@ -441,30 +442,6 @@ def launch_slots(launch: int, swap: bool) -> dict[str, str]:
     if swap and launch % 2:
         return {"on": "a", "off": "b"}
     return {"off": "a", "on": "b"}
-
-
-def slot_bias(rounds: list[dict[str, Any]], name: str, metric: str) -> dict:
-    """With both placements run (--swap-slots): the mean on - off of the
-    launches with "on" in slot b and of those with "on" in slot a; their half
-    sum is the checksum effect and their half difference the bias of slot b
-    over slot a. Empty when one placement is missing."""
-    diffs: dict[str, list[float]] = {"a": [], "b": []}
-    for launch in sorted({r["launch"] for r in rounds}):
-        mine = [r for r in rounds if r["launch"] == launch]
-        values = mode_values(mine, name, metric)
-        on_slot = next((r.get("slot") for r in mine if r["mode"] == "on"), None)
-        if values["off"] and values["on"] and on_slot in diffs:
-            delta = statistics.mean(values["on"]) - statistics.mean(values["off"])
-            diffs[on_slot].append(delta)
-    if not diffs["a"] or not diffs["b"]:
-        return {}
-    on_in_b, on_in_a = statistics.mean(diffs["b"]), statistics.mean(diffs["a"])
-    return {
-        "on_minus_off_on_in_b": on_in_b,
-        "on_minus_off_on_in_a": on_in_a,
-        "effect": (on_in_b + on_in_a) / 2,
-        "slot_b_minus_a": (on_in_b - on_in_a) / 2,
-    }
 
 
 def paired(rounds: list[dict[str, Any]], name: str, metric: str) -> dict[str, Any]:

@@ -30,7 +30,12 @@ first slot (the launch script's ports, started first) unless ``--on-first``:
 two runs, one with it, cancel what the slots differ by (an A/A run of the
 offload benchmark found its second slot 2 % slower at 8B). ``--control`` is
 that A/A run here: the "on" pair starts with checksums off too, so its on -
-off is the pairs' own difference.
+off is the pairs' own difference. On the H200 host the tiny model's A/A put
+the second pair 10 % and 8.6 ms behind the first, and on/off runs had the on
+pair 11-17 % ahead (2026-12-02): one launch cannot resolve a few percent.
+``--pair-launches N`` starts the two pairs N times in one run, the on pair in
+the other slot each time; the verdict then prints the checksum effect and the
+slot bias apart (``slot_bias``), as the prefix driver's ``--swap-slots``.
 
 Writes OUT/summary.json (per launch and workload: the bench's scalar results,
 every request's TTFT, the consumer's verdict counters) and prints the tables.
@@ -404,6 +409,33 @@ def pair_summary(pairs: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
+def slot_bias(rounds: list[dict[str, Any]], name: str, metric: str) -> dict:
+    """With both placements run (the prefix driver's --swap-slots, this
+    driver's --pair-launches): the mean on - off of the launches with "on" in
+    slot b and of those with "on" in slot a; their half sum is the checksum
+    effect and their half difference the bias of slot b over slot a. Empty
+    when one placement is missing or records carry no launch."""
+    diffs: dict[str, list[float]] = {"a": [], "b": []}
+    if any(r.get("launch") is None for r in rounds):
+        return {}
+    for launch in sorted({r["launch"] for r in rounds}):
+        mine = [r for r in rounds if r["launch"] == launch]
+        values = mode_values(mine, name, metric)
+        on_slot = next((r.get("slot") for r in mine if r["mode"] == "on"), None)
+        if values["off"] and values["on"] and on_slot in diffs:
+            delta = statistics.mean(values["on"]) - statistics.mean(values["off"])
+            diffs[on_slot].append(delta)
+    if not diffs["a"] or not diffs["b"]:
+        return {}
+    on_in_b, on_in_a = statistics.mean(diffs["b"]), statistics.mean(diffs["a"])
+    return {
+        "on_minus_off_on_in_b": on_in_b,
+        "on_minus_off_on_in_a": on_in_a,
+        "effect": (on_in_b + on_in_a) / 2,
+        "slot_b_minus_a": (on_in_b - on_in_a) / 2,
+    }
+
+
 def adjacent_pairs(
     records: list[dict[str, Any]], name: str, metric: str
 ) -> dict[str, Any]:
@@ -458,6 +490,7 @@ def summarize(launches: list[dict[str, Any]], control: bool = False) -> dict[str
                 "inside_spread": inside if len(values["off"]) > 1 else None,
                 "meets_target": target,
                 "paired": adjacent_pairs(launches, name, metric),
+                "slot_bias": slot_bias(launches, name, metric),
             }
             ok = ok and target and (inside or len(values["off"]) < 2)
         row["pass"] = ok
@@ -521,6 +554,16 @@ def print_tables(launches: list[dict[str, Any]], summary: dict[str, Any]) -> Non
                 f"{m['on_minus_off']:+} | {rel} | {m['off_spread']} | {verdict} "
                 f"| {pair_cell} |"
             )
+    for name, row in summary["workloads"].items():
+        for metric in METRICS:
+            bias = row[metric].get("slot_bias")
+            if bias:
+                print(
+                    f"{name} {metric}: checksum effect {bias['effect']:+.4g}, "
+                    f"slot b - a {bias['slot_b_minus_a']:+.4g} (on - off with on "
+                    f"in b {bias['on_minus_off_on_in_b']:+.4g}, in a "
+                    f"{bias['on_minus_off_on_in_a']:+.4g})"
+                )
     print(f"\nconsumer verdicts (checksums on): {summary['consumer_verdicts_on']}")
     print(f"failed requests: {summary['failed_requests']}")
     print(f"PASS: {summary['pass']}")
@@ -606,32 +649,44 @@ def run_together(
     chosen: list[Workload],
     rounds: list[dict[str, Any]],
     save: Any,
+    on_first: bool,
+    launch: int = 0,
 ) -> None:
     """The off and the on pair started at once, then --rounds alternating
-    between their routers; each round is one record."""
-    shifts = together_slots(args.on_first, args.pair_shift)
+    between their routers; each round is one record, with its `launch` and
+    the `slot` ("a": first, base ports; "b": second) of its mode's pair."""
+    shifts = together_slots(on_first, args.pair_shift)
+    slots = {mode: "a" if shift == 0 else "b" for mode, shift in shifts.items()}
+    prefix = f"launch{launch}_" if launch else ""
     pairs = {
-        mode: Launch(args, mode, args.out / f"pair_{mode}", port_shift=shift)
+        mode: Launch(args, mode, args.out / f"{prefix}pair_{mode}", port_shift=shift)
         for mode, shift in shifts.items()
     }
-    log(f"slots (start order: port shift): {shifts}")
+    log(f"launch {launch} slots (start order: port shift): {shifts}")
     try:
         for pair in pairs.values():
             pair.begin()
         startup = {mode: round(pair.wait_ready(), 1) for mode, pair in pairs.items()}
         log(f"both pairs ready in {startup} s")
-        for index, mode in enumerate(args.rounds.split(",")):
+        for mode in args.rounds.split(","):
+            index = len(rounds)
             log(f"round {index} ({mode})")
             log_dir = args.out / f"round{index}_{mode}"
             log_dir.mkdir(parents=True, exist_ok=True)
             entry: dict[str, Any] = {"mode": mode, "results": {}, "verdicts": {}}
-            entry["startup_s"] = startup[mode]
+            entry.update(startup_s=startup[mode], launch=launch, slot=slots[mode])
             run_round(args, pairs[mode], chosen, entry, log_dir)
             rounds.append(entry)
             save(rounds)
     except RuntimeError as err:
         rounds.append(
-            {"mode": "error", "results": {}, "verdicts": {}, "error": str(err)}
+            {
+                "mode": "error",
+                "results": {},
+                "verdicts": {},
+                "error": str(err),
+                "launch": launch,
+            }
         )
         log(f"together run failed: {err}")
         save(rounds)
@@ -670,6 +725,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --together: the on pair in the first slot (base ports, "
         "started first); a second run without it cancels slot bias",
+    )
+    parser.add_argument(
+        "--pair-launches",
+        type=int,
+        default=1,
+        help="with --together: start both pairs this many times, the on pair "
+        "in the other slot each time (even: slot bias cancels, printed apart)",
     )
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
     parser.add_argument("--scale", type=int, default=1, help="prompts x SCALE")
@@ -725,6 +787,7 @@ def main() -> int:
             "gpu_d": args.gpu_d,
             "together": args.together,
             "on_first": args.on_first,
+            "pair_launches": args.pair_launches,
             "control": args.control,
             "bench_batch": args.bench_batch,
             "workloads": [asdict(w) for w in chosen],
@@ -739,7 +802,9 @@ def main() -> int:
         record.write_text(json.dumps(payload, indent=1))
 
     if args.together:
-        run_together(args, chosen, launches, save)
+        for launch in range(args.pair_launches):
+            on_first = args.on_first != (launch % 2 == 1)
+            run_together(args, chosen, launches, save, on_first, launch)
     else:
         run_launches(args, chosen, launches, save)
     summary = summarize(launches, args.control)

@@ -231,7 +231,9 @@ prefix-hits) run prefix-hits examples/offload/kv_checksum_offload_gpu.py \
 # weights; P and D share GPU 0 unless --gpu-d 1 is passed; on one GPU add
 # --cuda-ipc-get, or NIXL pull reads over TCP).
 # bench-serve --together --on-first: the on pair in the first slot (a second
-# run beside the default one cancels slot bias).
+# run beside the default one cancels slot bias); --together --pair-launches 2:
+# both placements in one call (tiny model: about 200 s a launch), the checksum
+# effect and the slot bias printed apart.
 bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 # Two-GPU host: the off and the on pair started at once, rounds off,on,on,off
 # alternating between their routers, the reference table's four workloads, a

@@ -6,6 +6,7 @@ production shape; these tests keep its verdict honest)."""
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -279,7 +280,6 @@ def test_together_bench_batch_dry_run_on_fake_servers(tmp_path) -> None:
     none. Bug caught: the pairs' ports colliding, a round sent to the other
     pair's router, or the batch runner's results not read back."""
     import subprocess
-    import sys
 
     fake = Path(__file__).resolve().parent / "kv_checksum_fake_server.py"
     python = sys.executable
@@ -351,3 +351,71 @@ def test_control_runs_both_pairs_off_and_needs_no_verdicts(tmp_path) -> None:
     assert bench.summarize(launches, control=True)["pass"] is True
     launches[1]["verdicts"] = {"verified": 3}
     assert bench.summarize(launches, control=True)["pass"] is False
+
+
+class _SlotLaunch:
+    """A pair that serves from its slot: the first slot (port shift 0) at 50
+    req/s, the second at 45, checksums on 1 req/s slower anywhere."""
+
+    started: list[tuple[str, int]] = []
+
+    def __init__(self, args, mode, log_dir, port_shift=0) -> None:
+        self.mode, self.shift, self.proc = mode, port_shift, None
+        self.router_url = f"http://{mode}:{8000 + port_shift}"
+
+    def begin(self) -> None:
+        _SlotLaunch.started.append((self.mode, self.shift))
+
+    def wait_ready(self) -> float:
+        return 1.0
+
+    def consumer_verdicts(self) -> dict:
+        return {"verified": 1.0} if self.mode == "on" else {}
+
+    def stop(self) -> None:
+        pass
+
+
+def test_pair_launches_swap_the_slots_and_split_the_bias(monkeypatch, tmp_path) -> None:
+    """R142 (a fair on/off cost): --pair-launches 2 starts the pairs twice,
+    the on pair in the second slot then in the first, numbers the rounds on
+    across launches, and the summary splits the checksum effect (-1 req/s)
+    from the slot bias (-5 req/s) though each launch alone shows -6 or +4.
+    Bugs caught: every launch in the same slots (no bias cancels; no split),
+    a round's `slot` naming the other pair's, round folders overwritten by
+    the second launch."""
+
+    def fake_workload(args, workload, log_dir, router_url):
+        mode, port = router_url.removeprefix("http://").split(":")
+        rate = (50.0 if port == "8000" else 45.0) - (mode == "on")
+        return {"request_throughput": rate, "median_ttft_ms": 10.0}
+
+    _SlotLaunch.started = []
+    monkeypatch.setattr(bench, "Launch", _SlotLaunch)
+    monkeypatch.setattr(bench, "run_workload", fake_workload)
+    monkeypatch.setattr(bench, "build_model", lambda *a: None)
+    out = tmp_path / "out"
+    argv = ["x", "--out", str(out), "--together", "--pair-launches", "2"]
+    monkeypatch.setattr(sys, "argv", argv + ["--workloads", "1k32_c8"])
+    bench.main()
+    assert _SlotLaunch.started == [("off", 0), ("on", 10), ("on", 0), ("off", 10)]
+    record = json.loads((out / "summary.json").read_text())
+    rounds = record["launches"]
+    assert [(r["launch"], r["mode"], r["slot"]) for r in rounds] == [
+        (0, "off", "a"),
+        (0, "on", "b"),
+        (0, "on", "b"),
+        (0, "off", "a"),
+        (1, "off", "b"),
+        (1, "on", "a"),
+        (1, "on", "a"),
+        (1, "off", "b"),
+    ]
+    assert sorted(p.name for p in out.glob("round*")) == sorted(
+        f"round{i}_{r['mode']}" for i, r in enumerate(rounds)
+    )
+    row = record["summary"]["workloads"]["1k32_c8"]["request_throughput"]
+    assert row["slot_bias"]["effect"] == pytest.approx(-1.0)
+    assert row["slot_bias"]["slot_b_minus_a"] == pytest.approx(-5.0)
+    assert row["on_minus_off"] == pytest.approx(-1.0)
+    assert record["config"]["pair_launches"] == 2
