@@ -17,7 +17,11 @@ any machine; times are this machine's.
 
 On CPU the checksum kernel is stubbed (host work only). `--cuda` runs on a
 GPU with the Triton kernel and adds the host time of each kind of device
-call these paths make, alone (`gpu_runs.sh device-calls`):
+call these paths make, alone, the Triton launch alone, and a pinned upload
+while many earlier pinned copies still wait behind queued GPU work (their
+events pending in the caching host allocator: in the H200 engine a restore's
+two-array upload took 178 us a call, outside it about 13;
+`h200_runs_2026-12-02b.md`) (`gpu_runs.sh device-calls`):
 
     python benchmarks/host/benchmark_kv_checksum_device_calls.py --blocks 128
 """
@@ -120,6 +124,42 @@ def primitives(device: torch.device) -> dict[str, Callable[[], Any]]:
     }
 
 
+def triton_launches(worker: Any) -> dict[str, Callable[[], Any]]:
+    """The checksum kernel's launch alone (the first group's offload-load
+    plan), for 1 and 128 rows of zeros (all-masked rows: host cost only)."""
+    plan = next(iter(worker.groups.values())).load
+    launch = plan.launches[0]
+    device = worker.topology.device
+    calls = {}
+    for n in (1, 128):
+        rows = torch.zeros((3, n), dtype=torch.int64, device=device)
+        out = torch.zeros((n, plan.width), dtype=torch.int64, device=device)
+        calls[f"Triton launch, {n} rows"] = lambda rows=rows, out=out: launch(rows, out)
+    return calls
+
+
+def busy_upload_us(device: torch.device, outstanding: int, calls: int) -> float:
+    """Mean us of one small pinned upload (pin_memory + non-blocking copy)
+    while `outstanding` earlier pinned copies wait behind a long GPU sleep,
+    so the caching host allocator holds that many pending events."""
+    rows = np.arange(2 * 128, dtype=np.int64).reshape(2, 128)
+    held = [
+        torch.zeros(256, dtype=torch.int64, pin_memory=True) for _ in range(outstanding)
+    ]
+    per_round = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of cycles: copies stay queued
+        for host in held:
+            host.to(device, non_blocking=True)
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.from_numpy(rows).pin_memory().to(device, non_blocking=True)
+        per_round.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(per_round)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 128])
@@ -150,9 +190,16 @@ def main() -> None:
         if args.cuda:
             print("\n| device call, alone | us a call |")
             print("|---|---|")
-            for name, fn in primitives(device).items():
+            calls = {**primitives(device), **triton_launches(worker)}
+            for name, fn in calls.items():
                 fn()
                 print(f"| {name} | {_timed(fn, args.calls, args.rounds):.1f} |")
+            for outstanding in (0, 64, 512):
+                us = busy_upload_us(device, outstanding, args.calls)
+                print(
+                    f"| pinned upload, {outstanding} earlier copies pending "
+                    f"| {us:.1f} |"
+                )
 
 
 if __name__ == "__main__":
