@@ -802,9 +802,12 @@ def main() -> int:
         record.write_text(json.dumps(payload, indent=1))
 
     if args.together:
-        for launch in range(args.pair_launches):
-            on_first = args.on_first != (launch % 2 == 1)
-            run_together(args, chosen, launches, save, on_first, launch)
+        # --append: launches go on from the recorded ones (slot_bias groups
+        # rounds by launch).
+        first = 1 + max((r.get("launch", -1) for r in launches), default=-1)
+        for k in range(args.pair_launches):
+            on_first = args.on_first != (k % 2 == 1)
+            run_together(args, chosen, launches, save, on_first, first + k)
     else:
         run_launches(args, chosen, launches, save)
     summary = summarize(launches, args.control)

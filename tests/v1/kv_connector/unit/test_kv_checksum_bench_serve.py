@@ -383,7 +383,8 @@ def test_pair_launches_swap_the_slots_and_split_the_bias(monkeypatch, tmp_path) 
     from the slot bias (-5 req/s) though each launch alone shows -6 or +4.
     Bugs caught: every launch in the same slots (no bias cancels; no split),
     a round's `slot` naming the other pair's, round folders overwritten by
-    the second launch."""
+    the second launch, an --append run numbering its launches from 0 again
+    (slot_bias would mix two launches' rounds)."""
 
     def fake_workload(args, workload, log_dir, router_url):
         mode, port = router_url.removeprefix("http://").split(":")
@@ -419,3 +420,8 @@ def test_pair_launches_swap_the_slots_and_split_the_bias(monkeypatch, tmp_path) 
     assert row["slot_bias"]["slot_b_minus_a"] == pytest.approx(-5.0)
     assert row["on_minus_off"] == pytest.approx(-1.0)
     assert record["config"]["pair_launches"] == 2
+    # A later call appends its launches after the recorded ones.
+    monkeypatch.setattr(sys, "argv", argv + ["--workloads", "1k32_c8", "--append"])
+    bench.main()
+    rounds = json.loads((out / "summary.json").read_text())["launches"]
+    assert [r["launch"] for r in rounds[8:]] == [2] * 4 + [3] * 4
