@@ -29,7 +29,7 @@
 #                                             # (issue 27), tamper (issue
 #                                             # 26 item 5), kernel-variants,
 #                                             # cuda-tests, device-calls, trial-vector,
-#                                             # trial-zero-copy (issue 30),
+#                                             # trial-zero-copy, trial-kernel (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
@@ -293,14 +293,20 @@ device-calls)
 # Trials of defaults that are off in the package, in the engines: flip one in
 # $SITE's copy only, for the runs of this warm machine (update-package undoes
 # it). trial-vector: the kernel's vector_full_tiles; trial-zero-copy: step
-# results written into pinned host memory by a kernel (ZERO_COPY_RESULTS).
-trial-vector | trial-zero-copy)
+# results written into pinned host memory by a kernel (ZERO_COPY_RESULTS);
+# trial-kernel: the launch variant "vector 4w chunk 4096", faster than the
+# default on every shape of the 2026-12-02b variants run (then cuda-tests
+# checks it on the CUDA tests' cases).
+trial-vector | trial-zero-copy | trial-kernel)
+    kernels_py="$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
     flag=VECTOR_FULL_TILES
     [ "$what" = trial-zero-copy ] && flag=ZERO_COPY_RESULTS
-    sed -i "s/^$flag = False\$/$flag = True/" \
-        "$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
-    grep -n "^$flag" \
-        "$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
+    sed -i "s/^$flag = False\$/$flag = True/" "$kernels_py"
+    if [ "$what" = trial-kernel ]; then
+        sed -i -e 's/^NUM_WARPS = 8$/NUM_WARPS = 4/' \
+            -e 's/^CHUNK_PIECES = 16384$/CHUNK_PIECES = 4096/' "$kernels_py"
+    fi
+    grep -nE "^($flag|NUM_WARPS|CHUNK_PIECES) " "$kernels_py"
     ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.
@@ -389,7 +395,7 @@ soak-fail) run soak-fail examples/disaggregated/kv_checksum_chaos.py \
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,38p' "$0"
+    sed -n '2,/^#$/p' "$0"
     exit 2
     ;;
 esac
