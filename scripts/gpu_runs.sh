@@ -395,7 +395,7 @@ soak-fail) run soak-fail examples/disaggregated/kv_checksum_chaos.py \
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)
-    sed -n '2,/^#$/p' "$0"
+    sed -n '2,/passes ARGs to RUN$/p' "$0"
     exit 2
     ;;
 esac
