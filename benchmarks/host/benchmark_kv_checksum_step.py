@@ -112,6 +112,8 @@ CONNECTORS: dict[str, tuple[str, dict[str, Any]]] = {
         "SimpleCPUOffloadConnector",
         {"cpu_bytes_to_use": 1 << 22, "num_cpu_blocks": 64},
     ),
+    # vLLM's NIXL push connector, scheduler side (no NIXL needed there).
+    "NixlPushConnector": ("NixlPushConnector", {}),
 }
 REAL_LAUNCH = KVChecksumLaunch.__call__
 PREFIX_NAME = "prefix hits (carrier test connector, verify_prefix_hits)"
