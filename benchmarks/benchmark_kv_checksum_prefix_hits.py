@@ -107,6 +107,7 @@ from benchmark_kv_checksum_serve import (  # noqa: E402
     log,
     mode_values,
     pair_summary,
+    print_slot_bias,
     read_result,
     slot_bias,
     verdict_counts,
@@ -570,16 +571,7 @@ def print_tables(rounds: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
                 f"{m['on_minus_off']:+.3f} | {m['on_over_off']:.4f} | "
                 f"{m['off_spread']:.3f} | {pair_cell} |"
             )
-    for name, row in verdict["workloads"].items():
-        for metric in METRICS:
-            bias = row[metric].get("slot_bias")
-            if bias:
-                print(
-                    f"{name} {metric}: checksum effect {bias['effect']:+.3f}, "
-                    f"slot b - a {bias['slot_b_minus_a']:+.3f} (on - off with "
-                    f"on in b {bias['on_minus_off_on_in_b']:+.3f}, in a "
-                    f"{bias['on_minus_off_on_in_a']:+.3f})"
-                )
+    print_slot_bias(verdict["workloads"], METRICS)
     for name, row in verdict["workloads"].items():
         print(
             f"\n{name}: throughput on/off >= {MIN_THROUGHPUT_RATIO}: "

@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -436,6 +437,23 @@ def slot_bias(rounds: list[dict[str, Any]], name: str, metric: str) -> dict:
     }
 
 
+def print_slot_bias(
+    workloads: dict[str, Any], metrics: Sequence[str] = METRICS
+) -> None:
+    """One line per workload and metric with both placements run: the
+    checksum effect and the slot bias apart (`slot_bias`)."""
+    for name, row in workloads.items():
+        for metric in metrics:
+            bias = row[metric].get("slot_bias")
+            if bias:
+                print(
+                    f"{name} {metric}: checksum effect {bias['effect']:+.3f}, "
+                    f"slot b - a {bias['slot_b_minus_a']:+.3f} (on - off with "
+                    f"on in b {bias['on_minus_off_on_in_b']:+.3f}, in a "
+                    f"{bias['on_minus_off_on_in_a']:+.3f})"
+                )
+
+
 def adjacent_pairs(
     records: list[dict[str, Any]], name: str, metric: str
 ) -> dict[str, Any]:
@@ -554,16 +572,7 @@ def print_tables(launches: list[dict[str, Any]], summary: dict[str, Any]) -> Non
                 f"{m['on_minus_off']:+} | {rel} | {m['off_spread']} | {verdict} "
                 f"| {pair_cell} |"
             )
-    for name, row in summary["workloads"].items():
-        for metric in METRICS:
-            bias = row[metric].get("slot_bias")
-            if bias:
-                print(
-                    f"{name} {metric}: checksum effect {bias['effect']:+.4g}, "
-                    f"slot b - a {bias['slot_b_minus_a']:+.4g} (on - off with on "
-                    f"in b {bias['on_minus_off_on_in_b']:+.4g}, in a "
-                    f"{bias['on_minus_off_on_in_a']:+.4g})"
-                )
+    print_slot_bias(summary["workloads"])
     print(f"\nconsumer verdicts (checksums on): {summary['consumer_verdicts_on']}")
     print(f"failed requests: {summary['failed_requests']}")
     print(f"PASS: {summary['pass']}")
