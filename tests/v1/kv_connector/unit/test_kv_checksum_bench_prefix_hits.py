@@ -578,9 +578,10 @@ def test_offload_verdict_throughput_and_host_loads() -> None:
 def test_simple_offload_host_loads_count_by_blocks() -> None:
     """R142 (measuring its cost), issue 30 item 3: SimpleCPUOffloadConnector
     counts host loads as blocks (`vllm:simple_kv_offload_load_blocks_total`),
-    not OffloadingConnector's histogram; a /metrics page of either is read, and the verdict needs loads on
-    both engines by either counter (bugs caught: the simple tier judged by a
-    counter it never has, so it never passes; its counter not parsed)."""
+    not OffloadingConnector's histogram; a /metrics page of either is read,
+    and the verdict needs loads on both engines by either counter (bugs
+    caught: the simple tier judged by a counter it never has, so it never
+    passes; its counter not parsed)."""
     page = (
         'vllm:simple_kv_offload_load_blocks_total{engine="0",model_name="m"} 12.0\n'
         'vllm:kv_offload_load_size_count{engine="0"} 3.0\n'
