@@ -28,7 +28,7 @@
 #                                             # soak-fail
 #                                             # (issue 27), tamper (issue
 #                                             # 26 item 5), kernel-variants,
-#                                             # cuda-tests, device-calls, trial-vector,
+#                                             # cuda-tests, device-calls,
 #                                             # trial-zero-copy, trial-kernel (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
@@ -292,21 +292,18 @@ device-calls)
     ;;
 # Trials of defaults that are off in the package, in the engines: flip one in
 # $SITE's copy only, for the runs of this warm machine (update-package undoes
-# it). trial-vector: the kernel's vector_full_tiles; trial-zero-copy: step
-# results written into pinned host memory by a kernel (ZERO_COPY_RESULTS);
-# trial-kernel: the launch variant "vector 4w chunk 4096", faster than the
-# default on every shape of the 2026-12-02b variants run (then cuda-tests
-# checks it on the CUDA tests' cases).
-trial-vector | trial-zero-copy | trial-kernel)
+# it). trial-zero-copy: step results written into pinned host memory by a
+# kernel (ZERO_COPY_RESULTS); trial-kernel: chunks of 4096 pieces, what the
+# variant "vector 4w chunk 4096" adds to the default (the vector loop on
+# 4 warps since 2026-12-02c; SPEC R57 says 16384), then cuda-tests checks it.
+trial-zero-copy | trial-kernel)
     kernels_py="$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
-    flag=VECTOR_FULL_TILES
-    [ "$what" = trial-zero-copy ] && flag=ZERO_COPY_RESULTS
-    sed -i "s/^$flag = False\$/$flag = True/" "$kernels_py"
     if [ "$what" = trial-kernel ]; then
-        sed -i -e 's/^NUM_WARPS = 8$/NUM_WARPS = 4/' \
-            -e 's/^CHUNK_PIECES = 16384$/CHUNK_PIECES = 4096/' "$kernels_py"
+        sed -i 's/^CHUNK_PIECES = 16384$/CHUNK_PIECES = 4096/' "$kernels_py"
+    else
+        sed -i 's/^ZERO_COPY_RESULTS = False$/ZERO_COPY_RESULTS = True/' "$kernels_py"
     fi
-    grep -nE "^($flag|NUM_WARPS|CHUNK_PIECES) " "$kernels_py"
+    grep -nE "^(ZERO_COPY_RESULTS|VECTOR_FULL_TILES|NUM_WARPS|CHUNK_PIECES) " "$kernels_py"
     ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.

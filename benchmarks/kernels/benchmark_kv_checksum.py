@@ -440,10 +440,13 @@ def variant_configs() -> dict[str, dict]:
     LaunchConfig; the default first (the baseline of the time ratios)."""
     return {
         "default": {},
-        "vector": {"vector_full_tiles": True},
+        # The default until 2026-12-02c: no vector loop, 8 warps.
+        "scalar 8w": {"vector_full_tiles": False, "num_warps": 8},
+        "vector 8w": {"vector_full_tiles": True, "num_warps": 8},
         "vector 4w": {"vector_full_tiles": True, "num_warps": 4},
         "vector persistent 4xSM/4096": {
             "vector_full_tiles": True,
+            "num_warps": 8,
             "programs_per_sm": 4,
             "chunk_pieces": 4096,
         },
@@ -464,7 +467,11 @@ def variant_configs() -> dict[str, dict]:
             "num_warps": 4,
             "max_tile": 2048,
         },
-        "vector 8w tile 2048": {"vector_full_tiles": True, "max_tile": 2048},
+        "vector 8w tile 2048": {
+            "vector_full_tiles": True,
+            "num_warps": 8,
+            "max_tile": 2048,
+        },
     }
 
 

@@ -15,7 +15,7 @@ load two). The H200 measured the kernel at 0.84-0.92 of a plain read
 that raises them is not.
 
     python benchmarks/kernels/kernel_sass_count.py [--heads 8 --tokens 16 \\
-        --pieces 32 --layout head --variant vector_full_tiles --generic]
+        --pieces 32 --layout head --variant scalar_8w --generic]
 
 Prints per variant and loop: instructions, loads and the opcode counts per
 piece. The SASS is that of the Triton installed here (the H200 host runs
@@ -204,8 +204,9 @@ def piece_loops(sass: str) -> list[dict[str, Any]]:
 # --variants times on the GPU).
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
-    "vector_full_tiles": {"vector_full_tiles": True},
-    "vector_full_tiles_4w": {"vector_full_tiles": True, "num_warps": 4},
+    # The default until 2026-12-02c (masked narrow loop, 8 warps).
+    "scalar_8w": {"vector_full_tiles": False, "num_warps": 8},
+    "vector_full_tiles_8w": {"vector_full_tiles": True, "num_warps": 8},
 }
 
 

@@ -235,16 +235,17 @@ def test_triton_torch_reference_agree(name: str) -> None:
     cases.assert_matches(from_triton, case, "triton")
 
 
+@pytest.mark.parametrize("vector", [False, True])
 @pytest.mark.parametrize("name", sorted(ALL_CASES))
-def test_vector_full_tiles_agree(name: str) -> None:
-    """The vector_full_tiles variant (issue 30) on CUDA: a full-row loop that
-    reads a partial row's invalid tokens, lane-index offsets on a strided view,
-    or a 16-byte alignment hint on an unaligned view (a misaligned 128-bit
-    load faults) (R58, R60)."""
+def test_vector_full_tiles_agree(name: str, vector: bool) -> None:
+    """Both settings of vector_full_tiles (issue 30; on by default since
+    2026-12-02c) on CUDA: a full-row loop that reads a partial row's invalid
+    tokens, lane-index offsets on a strided view, or a 16-byte alignment hint
+    on an unaligned view (a misaligned 128-bit load faults) (R58, R60)."""
     case = ALL_CASES[name]("cuda")
-    with cases.patched(kernels, VECTOR_FULL_TILES=True):
+    with cases.patched(kernels, VECTOR_FULL_TILES=vector):
         from_triton = cases.run_case(case, "triton")
-    cases.assert_matches(from_triton, case, "triton vector_full_tiles")
+    cases.assert_matches(from_triton, case, f"triton vector_full_tiles={vector}")
 
 
 def test_triton_is_the_cuda_default() -> None:

@@ -822,7 +822,7 @@ def test_vector_constants(name: str) -> None:
     """The fast path's host constants (issue 30): without them the vector
     interpreter runs would pass without taking the fast path, and a 16-byte
     hint on a view 8 bytes off alignment would fault on the GPU (a misaligned
-    128-bit load). The default config keeps all of them off."""
+    128-bit load). Without vector_full_tiles all of them are off."""
     spec = CASES[name]("cpu").launches[0]
     base = kernels.default_config()
     for vector in (False, True):
@@ -842,9 +842,14 @@ def test_vector_constants(name: str) -> None:
             assert (c["VECTOR"], c["DENSE"], c["TILE_ALIGNED"]) == (False, 0, False)
 
 
-def test_vector_off_by_default() -> None:
-    """The fast path stays off until an H200 run shows it helps (issue 30)."""
-    assert kernels.default_config().vector_full_tiles is False
+def test_default_launch_is_the_tuned_variant() -> None:
+    """The default launch is the variant two H200 runs agreed on (issue 30,
+    "vector 4w": the vector loop on 4 warps, chunks of 16384 pieces as R57
+    says, tiles of up to 1024 as R58 says); a stray edit of one constant
+    fails here."""
+    config = kernels.default_config()
+    assert config.vector_full_tiles is True
+    assert (config.num_warps, config.chunk_pieces, config.max_tile) == (4, 16384, 1024)
 
 
 @pytest.mark.parametrize("bits", [16, 32])

@@ -41,20 +41,20 @@ PIECE_BITS: dict[torch.dtype, int] = {torch.int64: 64, torch.int32: 32, torch.in
 CHUNK_PIECES = 16384
 # Largest tile of pieces a program loads per loop iteration (R58).
 MAX_TILE_PIECES = 1024
-# Warps per program, at most one per WARP_PIECES pieces of a tile: a
-# 1024-piece tile over 8 warps gives each thread 4 pieces. Tuned on an H200
-# with the piece mix (benchmark --sweep): 4 warps reached 0.93 of the int64
-# sum's read rate at 537 MB, 8 warps 0.95.
-NUM_WARPS = 8
+# Warps per program, at most one per WARP_PIECES pieces of a tile. With the
+# vector loop below, 4 warps took 0.94-0.98 of 8 warps' time on every
+# head-major shape of two H200 runs (token-major 1.01; benchmark --variants,
+# h200_kernel_variants_2026-12-02b/-02c); without it 8 warps were faster.
+NUM_WARPS = 4
 WARP_PIECES = 128
 # Persistent programs per SM (0: one program per work item, a 3-D grid) and
 # whether every row takes the 64-bit weight loop (one call site, R58).
 PROGRAMS_PER_SM = 0
 WIDE_WEIGHTS = False
 # Full rows load without masks, dense views by lane index with 16-byte
-# alignment hints (128-bit loads); off until an H200 run shows it helps
+# alignment hints (128-bit loads); on since two H200 variant runs agreed
 # (issue 30, R143; benchmark --variants).
-VECTOR_FULL_TILES = False
+VECTOR_FULL_TILES = True
 # A step's results reach the host through a kernel storing into pinned host
 # memory (SM writes over the bus) instead of a copy-engine copy, which can queue
 # behind the offload tier's large stores; off until an H200 run shows it helps
