@@ -103,6 +103,8 @@ from benchmark_kv_checksum_serve import (  # noqa: E402
     CLI,
     SHAPES,
     build_model,
+    counter_delta,
+    histogram_means_ms,
     http_get,
     log,
     mode_values,
@@ -198,17 +200,6 @@ def ttft_judged(name: str) -> bool:
     by tens of ms between rounds, so it is reported beside its spread."""
     workload = WORKLOAD_BY_NAME.get(name)
     return workload is None or workload.concurrency <= 1
-
-
-def server_means_ms(times: dict[str, float]) -> dict[str, float]:
-    """Mean server-side TTFT, prefill and queue times (ms) of a round, from the
-    deltas of vLLM's histograms (`server_times`); missing ones left out."""
-    means = {}
-    for name in ("time_to_first_token", "request_prefill_time", "request_queue_time"):
-        count = times.get(f"{name}_seconds_count", 0.0)
-        if count > 0:
-            means[name] = 1000.0 * times.get(f"{name}_seconds_sum", 0.0) / count
-    return means
 
 
 def round_modes(rounds: int) -> list[str]:
@@ -421,12 +412,6 @@ def start_pair(engines: dict[str, Engine], timeout: float) -> float:
         if waiting:
             time.sleep(2)
     return time.time() - t0
-
-
-def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Per-verdict growth of a counter between two /metrics reads."""
-    keys = sorted(set(before) | set(after))
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
 
 
 def configured_mode(slot: str, control: bool) -> str:
@@ -906,7 +891,7 @@ def run_launch(
                     f"{result.get('median_tpot_ms')} ms, hits {hits}, host "
                     f"loads {host} {entry['load_verdicts'][workload.name]}, "
                     "server means ms "
-                    f"{server_means_ms(entry['server_times'][workload.name])} "
+                    f"{histogram_means_ms(entry['server_times'][workload.name])} "
                     f"CPU s (involuntary switches) {cpu_brief(usage[mode])}, "
                     f"idle engine {cpu_brief(usage[idle_mode(mode)], 0)} "
                     f"{result.get('error', '')}"

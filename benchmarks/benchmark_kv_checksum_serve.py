@@ -38,7 +38,10 @@ the other slot each time; the verdict then prints the checksum effect and the
 slot bias apart (``slot_bias``), as the prefix driver's ``--swap-slots``.
 
 Writes OUT/summary.json (per launch and workload: the bench's scalar results,
-every request's TTFT, the consumer's verdict counters) and prints the tables.
+every request's TTFT, the consumer's verdict counters; per round, each engine's
+means of vLLM's latency histograms) and prints the tables. The last table puts
+an on - off difference of the client's TTFT at the producer or the consumer,
+in queueing (the consumer's includes its NIXL read) or prefill.
 """
 
 from __future__ import annotations
@@ -71,6 +74,15 @@ MAX_TTFT_DELTA_MS = 1.5
 MAX_THROUGHPUT_DROP = 0.015
 VERDICT = re.compile(
     r'^vllm:kv_checksum_loads_total\{[^}]*verdict="(\w+)"[^}]*\} (\S+)'
+)
+# vLLM's own latency histograms (sum and count) on each engine of a pair:
+# where a round's client TTFT goes, producer or consumer, queueing (on the
+# consumer: waiting for its NIXL read) or prefill, and the consumer's NIXL
+# transfer times (issue 30).
+ENGINE_TIMES = re.compile(
+    r"^vllm:((?:time_to_first_token|e2e_request_latency|request_queue_time"
+    r"|request_prefill_time|request_decode_time|nixl_xfer_time|nixl_post_time)"
+    r"_seconds_(?:sum|count))\{[^}]*\} (\S+)"
 )
 
 # Model shapes: Qwen3 configs (hidden, layers, heads, KV heads, head dim, MLP, vocab).
@@ -182,6 +194,23 @@ def verdict_counts(
     return counts
 
 
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Per-key growth of counters between two /metrics reads."""
+    keys = sorted(set(before) | set(after))
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
+
+
+def histogram_means_ms(times: dict[str, float]) -> dict[str, float]:
+    """Mean in ms of every histogram whose `NAME_seconds_count` in `times`
+    (sums and counts, e.g. a round's deltas) is positive."""
+    means = {}
+    for key, count in times.items():
+        if key.endswith("_seconds_count") and count > 0:
+            name = key[: -len("_seconds_count")]
+            means[name] = 1000.0 * times.get(f"{name}_seconds_sum", 0.0) / count
+    return means
+
+
 class Launch:
     """The launch script's producer, consumer and router, in one process group."""
 
@@ -272,6 +301,16 @@ class Launch:
     def consumer_verdicts(self) -> dict[str, float]:
         port = self.ports["D_PORT"]
         return verdict_counts(http_get(f"http://127.0.0.1:{port}/metrics"))
+
+    def engine_times(self) -> dict[str, dict[str, float]]:
+        """`ENGINE_TIMES` sums and counts of the producer and the consumer."""
+        return {
+            role: verdict_counts(
+                http_get(f"http://127.0.0.1:{self.ports[port]}/metrics"),
+                ENGINE_TIMES,
+            )
+            for role, port in (("producer", "P_PORT"), ("consumer", "D_PORT"))
+        }
 
     def stop(self) -> None:
         if self.proc is None:
@@ -530,6 +569,7 @@ def summarize(launches: list[dict[str, Any]], control: bool = False) -> dict[str
     )
     return {
         "workloads": workloads,
+        "engine_times": engine_time_effects(launches),
         "consumer_verdicts_on": verdicts,
         "loads_all_verified": loads_ok,
         "failed_requests": failed,
@@ -573,6 +613,7 @@ def print_tables(launches: list[dict[str, Any]], summary: dict[str, Any]) -> Non
                 f"| {pair_cell} |"
             )
     print_slot_bias(summary["workloads"])
+    print_engine_time_effects(summary.get("engine_times", {}))
     print(f"\nconsumer verdicts (checksums on): {summary['consumer_verdicts_on']}")
     print(f"failed requests: {summary['failed_requests']}")
     print(f"PASS: {summary['pass']}")
@@ -588,6 +629,7 @@ def run_round(
     """Every chosen workload through `launch`'s router, into `entry`'s results;
     the consumer's verdict counts of this round (counter deltas)."""
     before = launch.consumer_verdicts()
+    times_before = launch.engine_times()
     threads = launch_threads(launch)
     batch: dict[str, dict[str, Any]] = {}
     if args.bench_batch:
@@ -606,10 +648,65 @@ def run_round(
     after = launch.consumer_verdicts()
     entry["verdicts"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
     log(f"  consumer verdicts: {entry['verdicts']}")
+    entry["engine_ms"] = {
+        role: histogram_means_ms(counter_delta(times_before.get(role, {}), times))
+        for role, times in launch.engine_times().items()
+    }
+    log(f"  engine means ms: {brief_engine_ms(entry['engine_ms'])}")
     if threads:
         # Issue 30: the pair's threads (P, D and router summed by name).
         entry["processes"] = tree_delta(threads, launch_threads(launch))
         log(f"  CPU s (involuntary switches): {cpu_brief(entry['processes'])}")
+
+
+def brief_engine_ms(engine_ms: dict[str, dict[str, float]]) -> str:
+    """One log line of a round's `engine_ms`."""
+    return "; ".join(
+        f"{role} " + ", ".join(f"{k} {v:.2f}" for k, v in means.items())
+        for role, means in engine_ms.items()
+        if means
+    )
+
+
+def engine_time_effects(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per engine and histogram: the mean over off rounds, over on rounds, and
+    on - off (ms), from the rounds' `engine_ms`; histograms missing in either
+    mode are left out. Where the client's TTFT difference lands (issue 30)."""
+    effects: dict[str, Any] = {}
+    for role in ("producer", "consumer"):
+        values: dict[str, dict[str, list[float]]] = {}
+        for record in records:
+            means = record.get("engine_ms", {}).get(role, {})
+            for name, value in means.items():
+                values.setdefault(name, {"off": [], "on": []})
+                values[name][record["mode"]].append(value)
+        rows = {}
+        for name, by_mode in values.items():
+            if by_mode["off"] and by_mode["on"]:
+                off = statistics.mean(by_mode["off"])
+                on = statistics.mean(by_mode["on"])
+                rows[name] = {
+                    "off_mean": round(off, 3),
+                    "on_mean": round(on, 3),
+                    "on_minus_off": round(on - off, 3),
+                }
+        if rows:
+            effects[role] = rows
+    return effects
+
+
+def print_engine_time_effects(effects: dict[str, Any]) -> None:
+    """The table of `engine_time_effects`, if any engine reported times."""
+    if not effects:
+        return
+    print("\n| engine | vLLM histogram (mean) | off ms | on ms | on - off ms |")
+    print("|---|---|---|---|---|")
+    for role, rows in effects.items():
+        for name, row in rows.items():
+            print(
+                f"| {role} | {name} | {row['off_mean']} | {row['on_mean']} "
+                f"| {row['on_minus_off']:+} |"
+            )
 
 
 def launch_threads(launch: Launch) -> dict[int, Any]:

@@ -211,11 +211,11 @@ def test_server_times_from_vllm_histograms() -> None:
     }
     before = {"time_to_first_token_seconds_sum": 0.1}
     before["time_to_first_token_seconds_count"] = 6.0
-    means = bench.server_means_ms(bench.counter_delta(before, after))
+    means = bench.histogram_means_ms(bench.counter_delta(before, after))
     assert means["time_to_first_token"] == pytest.approx(50.0)  # 0.2 s / 4
     assert means["request_prefill_time"] == pytest.approx(12.0)
     assert means["request_queue_time"] == pytest.approx(0.0)
-    assert bench.server_means_ms({}) == {}
+    assert bench.histogram_means_ms({}) == {}
 
 
 def test_mismatch_or_no_verified_hit_fails() -> None:

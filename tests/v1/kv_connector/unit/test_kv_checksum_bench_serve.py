@@ -372,6 +372,9 @@ class _SlotLaunch:
     def consumer_verdicts(self) -> dict:
         return {"verified": 1.0} if self.mode == "on" else {}
 
+    def engine_times(self) -> dict:
+        return {"producer": {}, "consumer": {}}
+
     def stop(self) -> None:
         pass
 
@@ -425,3 +428,100 @@ def test_pair_launches_swap_the_slots_and_split_the_bias(monkeypatch, tmp_path) 
     bench.main()
     rounds = json.loads((out / "summary.json").read_text())["launches"]
     assert [r["launch"] for r in rounds[8:]] == [2] * 4 + [3] * 4
+
+
+def _histograms(**means_ms: tuple[float, float]) -> str:
+    """A /metrics page with NAME_seconds sum and count lines (and a bucket
+    line each, which must be ignored) for NAME=(total ms, count)."""
+    lines = []
+    for name, (total_ms, count) in means_ms.items():
+        labels = '{engine="0",model_name="model"}'
+        lines.append(f'vllm:{name}_seconds_bucket{{le="0.1",model_name="m"}} 99.0')
+        lines.append(f"vllm:{name}_seconds_sum{labels} {total_ms / 1000.0}")
+        lines.append(f"vllm:{name}_seconds_count{labels} {count}")
+    return "\n".join(lines)
+
+
+def test_engine_times_put_the_ttft_difference_at_an_engine(
+    monkeypatch, tmp_path
+) -> None:
+    """Issue 30: each round records the producer's and the consumer's means of
+    vLLM's latency histograms as deltas of that round, and the summary puts
+    the on - off difference at the engine and histogram where it grew (hand
+    numbers: the on rounds' consumer queue time grows from 5 to 25 ms a
+    request, nothing else moves). Bugs caught: means of the cumulative
+    counters (the on round would read (100+500)/20 = 30 ms), the roles
+    swapped, bucket lines summed into the sums, seconds left as seconds."""
+    args = bench.argparse.Namespace(
+        router_port=8000, prom_port=29000, bench_batch=False
+    )
+    launch = bench.Launch(args, "on", tmp_path, port_shift=10)
+    ports = {launch.ports["P_PORT"]: "producer", launch.ports["D_PORT"]: "consumer"}
+    # Cumulative (total ms, count) per read: before and after each round.
+    reads = iter(
+        [
+            {"producer": {}, "consumer": {}},
+            {
+                "producer": {"e2e_request_latency": (300.0, 10)},
+                "consumer": {
+                    "request_queue_time": (50.0, 10),
+                    "nixl_xfer_time": (20.0, 10),
+                },
+            },
+            {
+                "producer": {"e2e_request_latency": (300.0, 10)},
+                "consumer": {
+                    "request_queue_time": (50.0, 10),
+                    "nixl_xfer_time": (20.0, 10),
+                },
+            },
+            {
+                "producer": {"e2e_request_latency": (600.0, 20)},
+                "consumer": {
+                    "request_queue_time": (300.0, 20),
+                    "nixl_xfer_time": (40.0, 20),
+                },
+            },
+        ]
+    )
+    pages: dict[str, str] = {}
+
+    def next_read() -> None:
+        pages.update({role: _histograms(**m) for role, m in next(reads).items()})
+
+    def fake_get(url: str, timeout: float = 5.0) -> str:
+        port = int(url.split(":")[2].split("/")[0])
+        return pages[ports[port]]
+
+    monkeypatch.setattr(bench, "http_get", fake_get)
+    monkeypatch.setattr(launch, "consumer_verdicts", lambda: {})
+    monkeypatch.setattr(bench, "run_workload", lambda *a: {"median_ttft_ms": 1.0})
+    workload = bench.Workload("w", 8, 1, 1, 1)
+    real = launch.engine_times
+
+    def reading_times() -> dict:
+        next_read()
+        return real()
+
+    monkeypatch.setattr(launch, "engine_times", reading_times)
+    records = []
+    for mode in ("off", "on"):
+        entry: dict = {"mode": mode, "results": {}, "verdicts": {}}
+        bench.run_round(args, launch, [workload], entry, tmp_path)
+        records.append(entry)
+    assert records[0]["engine_ms"] == {
+        "producer": {"e2e_request_latency": pytest.approx(30.0)},
+        "consumer": {
+            "request_queue_time": pytest.approx(5.0),
+            "nixl_xfer_time": pytest.approx(2.0),
+        },
+    }
+    effects = bench.engine_time_effects(records)
+    assert effects["consumer"]["request_queue_time"]["on_minus_off"] == pytest.approx(
+        20.0
+    )
+    assert effects["consumer"]["nixl_xfer_time"]["on_minus_off"] == pytest.approx(0.0)
+    assert effects["producer"]["e2e_request_latency"]["on_minus_off"] == pytest.approx(
+        0.0
+    )
+    assert bench.summarize(records)["engine_times"] == effects
