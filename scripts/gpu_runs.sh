@@ -54,9 +54,23 @@ export PYTHONPATH=$site VLLM_USE_FLASHINFER_SAMPLER=0
 # Two-GPU hosts: no NVLink multicast (see ../shared/gpu and the device notes).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
+# Drivers that start `vllm serve` (the benchmarks, serve, chaos, soak, tamper)
+# need the serve wheels of install-wheels; without them every engine ends at
+# start with "No module named 'uvicorn'" (2026-12-02c: one call lost so).
+needs_serve() {
+    case "$1" in
+    benchmarks/benchmark_kv_checksum_*.py | *kv_checksum_serve_pd.py | *kv_checksum_chaos.py) return 0 ;;
+    esac
+    return 1
+}
+
 run() {
     local name=$1${KV_CHECKSUM_RUN_TAG:+-$KV_CHECKSUM_RUN_TAG}
     shift
+    if needs_serve "$1" && ! python3 -c "import uvicorn" 2>/dev/null; then
+        echo "[gpu_runs] $name: no uvicorn in $site: run install-wheels first (carry gpu_serve)"
+        return 2
+    fi
     mkdir -p "$out/$name"
     echo "[gpu_runs] $name: $*"
     (cd "$repo" && timeout --kill-after=20 "$limit" python3 "$@" --out "$out/$name") \
