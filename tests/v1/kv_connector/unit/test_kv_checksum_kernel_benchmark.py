@@ -90,7 +90,7 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
     variants = data["variants"]
     assert len(variants) == 5
     names = set(data["variants_min_ratio"])
-    assert {"default", "vector"} <= names
+    assert {"default", "scalar 8w", "vector 8w"} <= names
     for entry in variants.values():
         assert set(entry["ms"]) == names
         assert all(entry["identical"].values()), entry["identical"]
