@@ -2,7 +2,12 @@
 # The GPU proofs of the guide, one per call, on the offline H200 host of this
 # project's device tool (or any CUDA host with the same layout).
 #
-#   bash scripts/gpu_runs.sh install-bundle   # carry gpu_bundle (57 MiB)
+#   bash scripts/gpu_runs.sh install-bundle   # carry gpu_bundle (57 MiB); the
+#                                             #  64 MiB a call counts the tracked
+#                                             #  tree too: since 2026-12-02c move
+#                                             #  benchmarks/results/ out of the
+#                                             #  clone for this call (no run reads
+#                                             #  it) and back after
 #   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve: the
 #                                             #  `vllm serve` wheels and vllm-router,
 #                                             #  gpu_mooncake/slim; gpu_moe: the
