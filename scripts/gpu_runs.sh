@@ -24,7 +24,8 @@
 #                                             # bench-offload-multi (issue 26
 #                                             # item 3; -multi needs gpu_nixl),
 #                                             # bench-simple-offload (issue 30),
-#                                             # host-step, hook-timer (issue 30), mla,
+#                                             # host-step, hook-timer,
+#                                             # hook-timer-serve (issue 30), mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
@@ -354,11 +355,19 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # engine steps); pass --tier. The summary lands in $OUT/hook_timer.json.
 # KV_CHECKSUM_HOOK_TIMER_DEEP=1: core methods too; KV_CHECKSUM_HOOK_TIMER_CPU=1:
 # the hooks' thread CPU time beside their wall time (waiting or working?).
-hook-timer)
+# hook-timer-serve: the same around the serve benchmark's P/D pairs (each
+# engine's record names its NIXL side channel port: 5600 + 20 x shift for a
+# producer, 5700 + 20 x shift for a consumer; --together shifts the second
+# pair by 10).
+hook-timer | hook-timer-serve)
     export KV_CHECKSUM_HOOK_TIMER_DIR=/tmp/kv_checksum_hook_timer
     rm -rf "$KV_CHECKSUM_HOOK_TIMER_DIR"
     cp "$repo/benchmarks/host/kv_checksum_hook_timer.py" "$site/sitecustomize.py"
-    run hook-timer benchmarks/benchmark_kv_checksum_prefix_hits.py --bench-batch "$@"
+    if [ "$what" = hook-timer ]; then
+        run hook-timer benchmarks/benchmark_kv_checksum_prefix_hits.py --bench-batch "$@"
+    else
+        run hook-timer-serve benchmarks/benchmark_kv_checksum_serve.py "$@"
+    fi
     rc=$?
     rm -f "$site/sitecustomize.py"
     mkdir -p "$out"

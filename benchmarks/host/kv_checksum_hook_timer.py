@@ -91,6 +91,9 @@ def _dump(out_dir: str) -> None:
     record = {
         "pid": os.getpid(),
         "ppid": os.getppid(),
+        # Which engine of a P/D pair (the serve benchmark's launch script gives
+        # each engine its own side channel port).
+        "side_channel_port": os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT"),
         "whole": dict(_whole),
         "wrapped": dict(_wrapped),
         "calls": dict(_calls),
@@ -271,6 +274,7 @@ def summarize(out_dir: str) -> dict:
         step_s = sum(v for k, v in record["whole"].items() if k.startswith("Engine"))
         result[str(record["pid"])] = {
             "ppid": record["ppid"],
+            "side_channel_port": record.get("side_channel_port"),
             "steps": steps,
             "step_ms_mean": 1e3 * step_s / steps,
             "own_us_per_step": 1e6 * sum(own.values()) / steps,

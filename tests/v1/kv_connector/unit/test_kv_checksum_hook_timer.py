@@ -54,6 +54,7 @@ def test_summary_gives_each_engines_own_time_per_step(tmp_path) -> None:
     engine = {
         "pid": 11,
         "ppid": 1,
+        "side_channel_port": "5710",
         "whole": {
             "EngineCore.step": 2.0,
             "Scheduler.update_from_output": 0.004,
@@ -79,6 +80,25 @@ def test_summary_gives_each_engines_own_time_per_step(tmp_path) -> None:
     assert row["core_us_per_step"] == {"KVChecksumWorker.bind": 10.0}
     assert row["gc_us_per_step"] == 5.0
     assert abs(row["own_cpu_us_per_step"] - 5.0) < 1e-6
+    assert row["side_channel_port"] == "5710"  # a consumer of a shifted pair
+
+
+def test_each_record_names_its_engines_side_channel_port(tmp_path, monkeypatch) -> None:
+    """Issue 30 (hook-timer-serve): four engines of two P/D pairs write
+    records; each names its NIXL side channel port, so the summary tells
+    producer from consumer. Bug caught: the port read from another variable
+    (every engine unnamed), or dropped by the summary."""
+    timer = load_script("kv_checksum_hook_timer_port", SCRIPT)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
+    timer._last_dump[0] = float("-inf")
+    timer._calls["EngineCore.step"] += 1
+    timer._whole["EngineCore.step"] += 0.001
+    timer._dump(str(tmp_path))
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert record["side_channel_port"] == "5600"
+    assert timer.summarize(str(tmp_path))[str(record["pid"])]["side_channel_port"] == (
+        "5600"
+    )
 
 
 def test_hook_time_benchmark_times_the_real_hooks(tmp_path) -> None:
