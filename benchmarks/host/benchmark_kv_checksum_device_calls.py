@@ -18,10 +18,10 @@ any machine; times are this machine's.
 On CPU the checksum kernel is stubbed (host work only). `--cuda` runs on a
 GPU with the Triton kernel and adds the host time of each kind of device
 call these paths make, alone, the Triton launch alone, and a pinned upload
-while many earlier pinned copies still wait behind queued GPU work (their
-events pending in the caching host allocator: in the H200 engine a restore's
-two-array upload took 178 us a call, outside it about 13;
-`h200_runs_2026-12-02b.md`) (`gpu_runs.sh device-calls`):
+after many earlier pinned buffers were freed while their copies still wait
+behind queued GPU work (their events pending in the caching host allocator:
+in the H200 engine a restore's two-array upload took 178 us a call, outside
+it about 13; `h200_runs_2026-12-02b.md`) (`gpu_runs.sh device-calls`):
 
     python benchmarks/host/benchmark_kv_checksum_device_calls.py --blocks 128
 """
@@ -140,18 +140,19 @@ def triton_launches(worker: Any) -> dict[str, Callable[[], Any]]:
 
 def busy_upload_us(device: torch.device, outstanding: int, calls: int) -> float:
     """Mean us of one small pinned upload (pin_memory + non-blocking copy)
-    while `outstanding` earlier pinned copies wait behind a long GPU sleep,
-    so the caching host allocator holds that many pending events."""
+    after `outstanding` earlier pinned buffers were copied and freed while
+    their copies wait behind a long GPU sleep: the caching host allocator
+    holds one pending event per freed buffer (it records events at free, so
+    buffers still referenced hold none). Each timed upload adds one more."""
     rows = np.arange(2 * 128, dtype=np.int64).reshape(2, 128)
-    held = [
-        torch.zeros(256, dtype=torch.int64, pin_memory=True) for _ in range(outstanding)
-    ]
     per_round = []
     for _ in range(5):
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # about 0.1 s of cycles: copies stay queued
-        for host in held:
+        for _ in range(outstanding):
+            host = torch.zeros(256, dtype=torch.int64, pin_memory=True)
             host.to(device, non_blocking=True)
+            del host  # freed with its copy queued: an event pending
         start = time.perf_counter()
         for _ in range(calls):
             torch.from_numpy(rows).pin_memory().to(device, non_blocking=True)
@@ -197,7 +198,7 @@ def main() -> None:
             for outstanding in (0, 64, 512):
                 us = busy_upload_us(device, outstanding, args.calls)
                 print(
-                    f"| pinned upload, {outstanding} earlier copies pending "
+                    f"| pinned upload, {outstanding} earlier freed copies pending "
                     f"| {us:.1f} |"
                 )
 

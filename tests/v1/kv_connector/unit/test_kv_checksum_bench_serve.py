@@ -445,12 +445,12 @@ def _histograms(**means_ms: tuple[float, float]) -> str:
 def test_engine_times_put_the_ttft_difference_at_an_engine(
     monkeypatch, tmp_path
 ) -> None:
-    """Issue 30: each round records the producer's and the consumer's means of
-    vLLM's latency histograms as deltas of that round, and the summary puts
-    the on - off difference at the engine and histogram where it grew (hand
-    numbers: the on rounds' consumer queue time grows from 5 to 25 ms a
-    request, nothing else moves). Bugs caught: means of the cumulative
-    counters (the on round would read (100+500)/20 = 30 ms), the roles
+    """R142 (diagnosis), issue 30: each round records the producer's and the
+    consumer's means of vLLM's latency histograms as deltas of that round, and
+    the summary puts the on - off difference at the engine and histogram
+    where it grew (hand numbers: the on rounds' consumer queue time grows from
+    5 to 25 ms a request, nothing else moves). Bugs caught: means of the
+    cumulative counters (the on round would read 300/20 = 15 ms), the roles
     swapped, bucket lines summed into the sums, seconds left as seconds."""
     args = bench.argparse.Namespace(
         router_port=8000, prom_port=29000, bench_batch=False

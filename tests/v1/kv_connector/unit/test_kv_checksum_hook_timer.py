@@ -84,10 +84,10 @@ def test_summary_gives_each_engines_own_time_per_step(tmp_path) -> None:
 
 
 def test_each_record_names_its_engines_side_channel_port(tmp_path, monkeypatch) -> None:
-    """Issue 30 (hook-timer-serve): four engines of two P/D pairs write
-    records; each names its NIXL side channel port, so the summary tells
-    producer from consumer. Bug caught: the port read from another variable
-    (every engine unnamed), or dropped by the summary."""
+    """R142 (diagnosis), issue 30 (hook-timer-serve): four engines of two P/D
+    pairs write records; each names its NIXL side channel port, so the
+    summary tells producer from consumer. Bug caught: the port read from
+    another variable (every engine unnamed), or dropped by the summary."""
     timer = load_script("kv_checksum_hook_timer_port", SCRIPT)
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
     timer._last_dump[0] = float("-inf")
