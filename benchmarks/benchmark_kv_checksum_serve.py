@@ -84,6 +84,14 @@ ENGINE_TIMES = re.compile(
     r"|request_prefill_time|request_decode_time|nixl_xfer_time|nixl_post_time)"
     r"_seconds_(?:sum|count))\{[^}]*\} (\S+)"
 )
+# vLLM's own counters on each engine: whether a round's prompts hit the local
+# prefix cache (every round sends the same seeded prompts), were preempted, or
+# computed their prefill anew (issue 30: on and off must differ only in checksums).
+ENGINE_COUNTS = re.compile(
+    r"^vllm:((?:(?:external_)?prefix_cache_(?:queries|hits)|num_preemptions"
+    r"|prompt_tokens|prompt_tokens_cached|generation_tokens)_total"
+    r"|request_prefill_kv_computed_tokens_(?:sum|count))\{[^}]*\} (\S+)"
+)
 
 # Model shapes: Qwen3 configs (hidden, layers, heads, KV heads, head dim, MLP, vocab).
 SHAPES: dict[str, dict[str, int]] = {
@@ -303,14 +311,16 @@ class Launch:
         return verdict_counts(http_get(f"http://127.0.0.1:{port}/metrics"))
 
     def engine_times(self) -> dict[str, dict[str, float]]:
-        """`ENGINE_TIMES` sums and counts of the producer and the consumer."""
-        return {
-            role: verdict_counts(
-                http_get(f"http://127.0.0.1:{self.ports[port]}/metrics"),
-                ENGINE_TIMES,
-            )
-            for role, port in (("producer", "P_PORT"), ("consumer", "D_PORT"))
-        }
+        """`ENGINE_TIMES` sums and counts and `ENGINE_COUNTS` counters of the
+        producer and the consumer (one /metrics read each)."""
+        readings = {}
+        for role, port in (("producer", "P_PORT"), ("consumer", "D_PORT")):
+            page = http_get(f"http://127.0.0.1:{self.ports[port]}/metrics")
+            readings[role] = {
+                **verdict_counts(page, ENGINE_TIMES),
+                **verdict_counts(page, ENGINE_COUNTS),
+            }
+        return readings
 
     def stop(self) -> None:
         if self.proc is None:
@@ -570,6 +580,7 @@ def summarize(launches: list[dict[str, Any]], control: bool = False) -> dict[str
     return {
         "workloads": workloads,
         "engine_times": engine_time_effects(launches),
+        "engine_counts": engine_time_effects(launches, "engine_counts"),
         "consumer_verdicts_on": verdicts,
         "loads_all_verified": loads_ok,
         "failed_requests": failed,
@@ -614,6 +625,7 @@ def print_tables(launches: list[dict[str, Any]], summary: dict[str, Any]) -> Non
             )
     print_slot_bias(summary["workloads"])
     print_engine_time_effects(summary.get("engine_times", {}))
+    print_engine_time_effects(summary.get("engine_counts", {}), "counter (round)")
     print(f"\nconsumer verdicts (checksums on): {summary['consumer_verdicts_on']}")
     print(f"failed requests: {summary['failed_requests']}")
     print(f"PASS: {summary['pass']}")
@@ -648,11 +660,14 @@ def run_round(
     after = launch.consumer_verdicts()
     entry["verdicts"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
     log(f"  consumer verdicts: {entry['verdicts']}")
-    entry["engine_ms"] = {
-        role: histogram_means_ms(counter_delta(times_before.get(role, {}), times))
+    deltas = {
+        role: counter_delta(times_before.get(role, {}), times)
         for role, times in launch.engine_times().items()
     }
+    entry["engine_ms"] = {role: histogram_means_ms(d) for role, d in deltas.items()}
+    entry["engine_counts"] = {role: engine_counts(d) for role, d in deltas.items()}
     log(f"  engine means ms: {brief_engine_ms(entry['engine_ms'])}")
+    log(f"  engine counts: {brief_engine_ms(entry['engine_counts'])}")
     if threads:
         # Issue 30: the pair's threads (P, D and router summed by name).
         entry["processes"] = tree_delta(threads, launch_threads(launch))
@@ -668,15 +683,29 @@ def brief_engine_ms(engine_ms: dict[str, dict[str, float]]) -> str:
     )
 
 
-def engine_time_effects(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per engine and histogram: the mean over off rounds, over on rounds, and
-    on - off (ms), from the rounds' `engine_ms`; histograms missing in either
-    mode are left out. Where the client's TTFT difference lands (issue 30)."""
+def engine_counts(delta: dict[str, float]) -> dict[str, float]:
+    """A round's `ENGINE_COUNTS` growth: the counters, and the mean prefill
+    tokens an engine computed per request (not read from its caches)."""
+    counts = {k: v for k, v in delta.items() if k.endswith("_total")}
+    n = delta.get("request_prefill_kv_computed_tokens_count", 0.0)
+    if n > 0:
+        total = delta.get("request_prefill_kv_computed_tokens_sum", 0.0)
+        counts["prefill_computed_tokens_mean"] = total / n
+    return counts
+
+
+def engine_time_effects(
+    records: list[dict[str, Any]], key: str = "engine_ms"
+) -> dict[str, Any]:
+    """Per engine and histogram (or counter, `key` "engine_counts"): the mean
+    over off rounds, over on rounds, and on - off, from the rounds' `key`;
+    names missing in either mode are left out. Where the client's TTFT
+    difference lands (issue 30)."""
     effects: dict[str, Any] = {}
     for role in ("producer", "consumer"):
         values: dict[str, dict[str, list[float]]] = {}
         for record in records:
-            means = record.get("engine_ms", {}).get(role, {})
+            means = record.get(key, {}).get(role, {})
             for name, value in means.items():
                 values.setdefault(name, {"off": [], "on": []})
                 values[name][record["mode"]].append(value)
@@ -695,11 +724,13 @@ def engine_time_effects(records: list[dict[str, Any]]) -> dict[str, Any]:
     return effects
 
 
-def print_engine_time_effects(effects: dict[str, Any]) -> None:
-    """The table of `engine_time_effects`, if any engine reported times."""
+def print_engine_time_effects(
+    effects: dict[str, Any], what: str = "histogram (mean) ms"
+) -> None:
+    """The table of `engine_time_effects`, if any engine reported values."""
     if not effects:
         return
-    print("\n| engine | vLLM histogram (mean) | off ms | on ms | on - off ms |")
+    print(f"\n| engine | vLLM {what} | off | on | on - off |")
     print("|---|---|---|---|---|")
     for role, rows in effects.items():
         for name, row in rows.items():

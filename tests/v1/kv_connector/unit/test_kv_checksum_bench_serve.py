@@ -525,3 +525,69 @@ def test_engine_times_put_the_ttft_difference_at_an_engine(
         0.0
     )
     assert bench.summarize(records)["engine_times"] == effects
+
+
+def test_engine_counts_show_prefix_cache_reuse_per_round(monkeypatch, tmp_path) -> None:
+    """Issue 30 (diagnosis): every round sends the same seeded prompts, so an
+    engine whose later rounds stop hitting its prefix cache would look slower
+    for that alone. Each round records vLLM's own counters as deltas of the
+    round and the mean prefill tokens computed per request (hand numbers: 64
+    queries of 1024 tokens, 1008 hit, 16 computed a request). Bugs caught:
+    cumulative counters (the second round would read 128 queries), the
+    histogram's bucket lines summed in, other `prompt_tokens_*` series
+    matched as `prompt_tokens_total`."""
+    args = bench.argparse.Namespace(
+        router_port=8000, prom_port=29000, bench_batch=False
+    )
+    launch = bench.Launch(args, "on", tmp_path)
+    labels = '{engine="0",model_name="model"}'
+
+    def page(rounds: int) -> str:
+        return "\n".join(
+            [
+                f"vllm:prefix_cache_queries_total{labels} {64 * 1024 * rounds}",
+                f"vllm:prefix_cache_hits_total{labels} {64 * 1008 * rounds}",
+                f"vllm:prompt_tokens_total{labels} {64 * 1024 * rounds}",
+                f'vllm:prompt_tokens_by_source_total{{source="local"}} {7 * rounds}',
+                f"vllm:prompt_tokens_cached_total{labels} {64 * 1008 * rounds}",
+                f'vllm:request_prefill_kv_computed_tokens_bucket{{le="16"}} {99}',
+                f"vllm:request_prefill_kv_computed_tokens_sum{labels} "
+                f"{64 * 16 * rounds}",
+                f"vllm:request_prefill_kv_computed_tokens_count{labels} {64 * rounds}",
+            ]
+        )
+
+    reads = iter([0, 1, 1, 2])
+    current = {"n": 0}
+
+    def fake_get(url: str, timeout: float = 5.0) -> str:
+        return page(current["n"])
+
+    real = launch.engine_times
+
+    def reading_times() -> dict:
+        current["n"] = next(reads)
+        return real()
+
+    monkeypatch.setattr(bench, "http_get", fake_get)
+    monkeypatch.setattr(launch, "consumer_verdicts", lambda: {})
+    monkeypatch.setattr(launch, "engine_times", reading_times)
+    monkeypatch.setattr(bench, "run_workload", lambda *a: {"median_ttft_ms": 1.0})
+    records = []
+    for mode in ("off", "on"):
+        entry: dict = {"mode": mode, "results": {}, "verdicts": {}}
+        bench.run_round(
+            args, launch, [bench.Workload("w", 8, 1, 1, 1)], entry, tmp_path
+        )
+        records.append(entry)
+    want = {
+        "prefix_cache_queries_total": 64 * 1024,
+        "prefix_cache_hits_total": 64 * 1008,
+        "prompt_tokens_total": 64 * 1024,
+        "prompt_tokens_cached_total": 64 * 1008,
+        "prefill_computed_tokens_mean": 16.0,
+    }
+    for record in records:
+        assert record["engine_counts"]["consumer"] == pytest.approx(want)
+    effects = bench.summarize(records)["engine_counts"]
+    assert effects["producer"]["prefill_computed_tokens_mean"]["on_minus_off"] == 0
