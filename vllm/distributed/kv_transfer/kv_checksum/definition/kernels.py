@@ -55,6 +55,11 @@ WIDE_WEIGHTS = False
 # alignment hints (128-bit loads); on since two H200 variant runs agreed
 # (issue 30, R143; benchmark --variants).
 VECTOR_FULL_TILES = True
+# With VECTOR_FULL_TILES, blocks stored token-major ([kernel block, token,
+# head, piece], FlashAttention's NHD layout) are walked in memory order, so
+# their tiles are contiguous too (DENSE == 3; issue 30 item 1). Not yet
+# timed on a GPU: benchmark --variants compares it with "vector 4w head order".
+TOKEN_ORDER_TILES = True
 # A step's results reach the host through a kernel storing into pinned host
 # memory (SM writes over the bus) instead of a copy-engine copy, which can queue
 # behind the offload tier's large stores; off until an H200 run shows it helps
@@ -82,7 +87,8 @@ class LaunchConfig:
     per SM looping over the items, `wide_weights` drops the narrow loop,
     `vector_full_tiles` gives rows whose slots are all valid a loop without
     masks (dense views: lane-index offsets and 16-byte-aligned tiles, so
-    128-bit loads).
+    128-bit loads), and with it `token_order_tiles` walks blocks stored
+    contiguously token-major in memory order (contiguous tiles there too).
     """
 
     max_tile: int
@@ -92,6 +98,7 @@ class LaunchConfig:
     programs_per_sm: int = 0
     wide_weights: bool = False
     vector_full_tiles: bool = False
+    token_order_tiles: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
@@ -112,6 +119,7 @@ def default_config() -> LaunchConfig:
         programs_per_sm=PROGRAMS_PER_SM,
         wide_weights=WIDE_WEIGHTS,
         vector_full_tiles=VECTOR_FULL_TILES,
+        token_order_tiles=TOKEN_ORDER_TILES,
     )
 
 
@@ -281,6 +289,65 @@ if HAS_TRITON:
         return tl.sum(acc, axis=0)
 
     @triton.jit
+    def _token_tiles_sum(
+        work,
+        HEADS: tl.constexpr,
+        PIECES: tl.constexpr,
+        PIECE_BITS: tl.constexpr,
+        TILE: tl.constexpr,
+        NARROW: tl.constexpr,
+        FULL: tl.constexpr,
+        TILE_ALIGNED: tl.constexpr,
+    ):
+        """Sum of a chunk of a block stored contiguously token-major (DENSE == 3).
+
+        The chunk is memory-order pieces [chunk_start, chunk_start + num_tiles
+        * TILE) of the block, [kernel block, token, head, piece]: a tile is
+        TILE contiguous pieces (lane offset = lane index, tile offset = its
+        start, so 128-bit loads) and a lane's slot, head and piece come from
+        its memory index i: slot = i // ROW, head = (i // PIECES) % HEADS,
+        piece = i % PIECES with ROW = HEADS * PIECES. The host takes this loop
+        only when ROW and PIECES are powers of two, PIECES <= TILE and TILE
+        divides the block, so each is a loop-invariant lane vector plus a tile
+        scalar (the tile's slot; its head when TILE < ROW) and no lane lies
+        past the block. Same pieces and weights as the other loops, so the
+        same sum.
+        """
+        base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
+        ROW: tl.constexpr = HEADS * PIECES
+        lane = tl.arange(0, TILE)
+        lane_slot = lane // ROW
+        # m = m0 + 2 * head and 2j + 1 = c0 + 2 * (slot * PIECES + piece).
+        lane_m = ((lane // PIECES) % HEADS) * 2
+        lane_odd = (lane_slot * PIECES + lane % PIECES) * 2
+        acc = tl.zeros([TILE], dtype=tl.uint64)
+        for tile in range(num_tiles):
+            start = chunk_start + tile * TILE
+            tile_slot = start // ROW
+            tile_ptr = base + block_offset + start
+            if TILE_ALIGNED:
+                tile_ptr = tl.multiple_of(tile_ptr, 16)
+            if FULL:
+                x = tl.load(tile_ptr + lane)
+            else:
+                x = tl.load(
+                    tile_ptr + lane, mask=lane_slot < valid - tile_slot, other=0
+                )
+            m = m0
+            if TILE < ROW:
+                # The tile lies inside one token's row, from head tile_head on.
+                m += ((start % ROW) // PIECES).to(tl.uint64) * 2
+            odd = c0 + (tile_slot * PIECES).to(tl.uint64) * 2
+            if NARROW:
+                weight = _u32_to_u64(m.to(tl.uint32) + lane_m.to(tl.uint32)) * (
+                    _u32_to_u64(odd.to(tl.uint32) + lane_odd.to(tl.uint32))
+                )
+            else:
+                weight = (m + lane_m.to(tl.uint64)) * (odd + lane_odd.to(tl.uint64))
+            acc += _mix(_widen(x, PIECE_BITS)) * weight
+        return tl.sum(acc, axis=0)
+
+    @triton.jit
     def _flat_tiles_sum(
         work,
         strides,
@@ -348,8 +415,21 @@ if HAS_TRITON:
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
     ):
-        """One program's uint64 sum, by the loop its block shape allows."""
-        if HEAD_TILES:
+        """One program's uint64 sum, by the loop its block shape and layout
+        allow: memory order for a dense token-major block (DENSE == 3, only
+        with VECTOR), else head tiles (HEAD_TILES), else one piece per lane."""
+        if DENSE == 3:
+            total = _token_tiles_sum(
+                work,
+                HEADS,
+                PIECES,
+                PIECE_BITS,
+                TILE,
+                NARROW,
+                FULL,
+                TILE_ALIGNED,
+            )
+        elif HEAD_TILES:
             total = _head_tiles_sum(
                 work,
                 strides,
@@ -626,7 +706,11 @@ if HAS_TRITON:
         R135). It walks pieces [c * CHUNK, (c + 1) * CHUNK) of the block in the
         flat order [kernel block, head, token, piece], TILE pieces per
         iteration, addressing them through the view strides, so head-major,
-        token-major and kernel-split layouts need no copy. It computes each
+        token-major and kernel-split layouts need no copy; a block stored
+        contiguously token-major (DENSE == 3) is walked in its memory order
+        [kernel block, token, head, piece] instead, so its tiles are
+        contiguous (the items then split the block differently; they still
+        cover each piece once, so the sum is the same). It computes each
         weight m * (2j + 1) in place, mixes each piece (R137), masks slots at
         or past the valid count, accumulates in uint64 (wrap-around is the mod
         2^64) and adds its sum to out[r, column] with one atomic, so items may
@@ -794,6 +878,11 @@ class KVChecksumLaunch:
         kernel_blocks, heads, tokens, pieces = self.shape
         config = self.config
         tile, head_tiles = pick_tile(self.shape, config.max_tile, config.chunk_pieces)
+        self._strides = tuple(self.views[0].stride())
+        token_tile = self._token_order_tile()
+        if token_tile:
+            # The memory-order loop replaces both others (DENSE == 3).
+            tile, head_tiles = token_tile, False
         self._table = torch.tensor(
             [
                 [view.data_ptr(), _wrap_int64(first_slice), column, offset]
@@ -804,7 +893,6 @@ class KVChecksumLaunch:
             dtype=torch.int64,
             device=self.device,
         )
-        self._strides = tuple(self.views[0].stride())
         self._num_chunks = math.ceil(math.prod(self.shape) / config.chunk_pieces)
         # Persistent programs: a multiple of the SM count (CPU: of one).
         sms = 1
@@ -830,40 +918,67 @@ class KVChecksumLaunch:
             LANE32=lane_span < 1 << 31,
             PERSISTENT=self._programs > 0,
             WIDE=config.wide_weights,
-            **self._vector_constants(tile, head_tiles),
+            **self._vector_constants(tile, head_tiles, token_tile > 0),
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
 
-    def _vector_constants(self, tile: int, head_tiles: bool) -> dict[str, object]:
+    def _token_order_tile(self) -> int:
+        """The tile of the memory-order loop (DENSE == 3), 0 if not taken.
+
+        Taken with `vector_full_tiles` and `token_order_tiles` when the view's
+        block is contiguous in [kernel block, token, head, piece] order but
+        not in head-major order (blocks dense head-major, or with one head or
+        one token where both orders agree, keep their loops), and
+        `pick_token_tile` finds a tile for its shape. It does not depend on
+        HEAD_TILES (which is then False: no head tiles run). A send pass's
+        chunk view (R135) of a dense token-major block qualifies: its tokens
+        are one contiguous run of the block.
+        """
+        config = self.config
+        if not (config.vector_full_tiles and config.token_order_tiles):
+            return 0
+        if not _block_dense(self.shape, self._strides, (0, 2, 1, 3)) or _block_dense(
+            self.shape, self._strides, (0, 1, 2, 3)
+        ):
+            return 0
+        return pick_token_tile(self.shape, config.max_tile, config.chunk_pieces)
+
+    def _vector_constants(
+        self, tile: int, head_tiles: bool, token_order: bool
+    ) -> dict[str, object]:
         """VECTOR, DENSE and TILE_ALIGNED of `vector_full_tiles` (all off without it).
 
         DENSE: 1 if a head tile's pieces are contiguous (lane offset = lane
         index), 2 if the whole block is, in [kernel block, head, token, piece]
-        order (tile offset = its start). TILE_ALIGNED: every tile of a dense
-        head-tile loop starts 16 bytes aligned (every view, every stride that
-        moves a tile and the tile itself in whole 16 bytes).
+        order (tile offset = its start), 3 with `token_order` (the block is
+        contiguous in [kernel block, token, head, piece] order and walked in
+        it; tile offset = its start, lane offset = lane index). TILE_ALIGNED:
+        every tile of a dense loop starts 16 bytes aligned (every view, every
+        stride that moves a tile and the tile itself in whole 16 bytes; in
+        memory order only blocks and whole tiles move it).
         """
         if not self.config.vector_full_tiles:
             return dict(VECTOR=False, DENSE=0, TILE_ALIGNED=False)
         strides = self._strides
         pieces, token_stride, piece_stride = self.shape[3], strides[3], strides[4]
         dense = 0
-        if head_tiles and (pieces == 1 or piece_stride == 1):
+        if token_order:
+            dense = 3
+        elif head_tiles and (pieces == 1 or piece_stride == 1):
             if tile <= pieces or token_stride == pieces:
                 dense = 1
-            inner = 1
-            block_dense = True
-            for size, stride in zip(self.shape[::-1], strides[:0:-1]):
-                block_dense &= size == 1 or stride == inner
-                inner *= size
-            if block_dense:
+            if _block_dense(self.shape, strides, (0, 1, 2, 3)):
                 dense = 2
         item = self.piece_bits // 8
-        # Strides between tiles: of blocks, kernel blocks, heads and tokens
-        # (pieces move a tile by multiples of the tile).
-        moving = [strides[0]] + [
-            stride for size, stride in zip(self.shape[:3], strides[1:4]) if size > 1
-        ]
+        if token_order:
+            # In memory order only blocks (and whole tiles) move a tile.
+            moving = [strides[0]]
+        else:
+            # Strides between tiles: of blocks, kernel blocks, heads and tokens
+            # (pieces move a tile by multiples of the tile).
+            moving = [strides[0]] + [
+                stride for size, stride in zip(self.shape[:3], strides[1:4]) if size > 1
+            ]
         aligned = (
             dense > 0
             and all(view.data_ptr() % 16 == 0 for view in self.views)
@@ -959,7 +1074,8 @@ def pick_tile(
     or lying inside one) make offsets and weights loop-invariant vectors plus
     tile scalars and allow vector loads; used unless they would be smaller
     than min(tile, 256) pieces. Otherwise each lane decodes its own piece.
-    `max_tile` and `chunk` default to MAX_TILE_PIECES and CHUNK_PIECES.
+    `max_tile` and `chunk` default to MAX_TILE_PIECES and CHUNK_PIECES. A
+    dense token-major block may take `pick_token_tile`'s tile instead.
     """
     kernel_blocks, heads, tokens, pieces = shape
     slice_pieces = tokens * pieces
@@ -974,6 +1090,49 @@ def pick_tile(
     ):
         return head_tile, True
     return tile, False
+
+
+def pick_token_tile(
+    shape: Sequence[int], max_tile: int | None = None, chunk: int | None = None
+) -> int:
+    """The tile of the memory-order loop over a token-major block, 0 if none.
+
+    With ROW = heads * pieces, ROW and pieces powers of two, the tile is the
+    largest power of two dividing the block's pieces, at most `max_tile` and
+    `chunk` (defaults as in `pick_tile`); it must hold at least one head's
+    pieces of a token (tile >= pieces) and, like head tiles, at least
+    min(tile of `pick_tile`'s flat loop, 256) pieces, else the other loops
+    run.
+    """
+    kernel_blocks, heads, tokens, pieces = shape
+    row = heads * pieces
+    if row & (row - 1) or pieces & (pieces - 1):
+        return 0
+    block_pieces = kernel_blocks * tokens * row
+    cap = min(
+        MAX_TILE_PIECES if max_tile is None else max_tile,
+        CHUNK_PIECES if chunk is None else chunk,
+        _next_power_of_2(block_pieces),
+    )
+    tile = min(cap, block_pieces & -block_pieces)
+    if tile < pieces or tile < min(cap, 256):
+        return 0
+    return tile
+
+
+def _block_dense(
+    shape: Sequence[int], strides: Sequence[int], order: Sequence[int]
+) -> bool:
+    """Whether a view's block ([kernel block, head, token, piece] sizes
+    `shape`, view strides `strides` with the block stride first) is
+    contiguous when walked in `order` (axes of the block, outermost first)."""
+    inner = 1
+    for axis in reversed(order):
+        size, stride = shape[axis], strides[axis + 1]
+        if size != 1 and stride != inner:
+            return False
+        inner *= size
+    return True
 
 
 def _check_views(views: Sequence[torch.Tensor]) -> None:
