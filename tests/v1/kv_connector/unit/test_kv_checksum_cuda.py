@@ -69,15 +69,17 @@ def random_rows(
     )
 
 
-def case_big_layout(device: str, layout: str, kernel_blocks: int = 1):
-    """8 heads x 16 tokens x 64 pieces (bf16 K and V, head size 128)."""
-    rng = np.random.default_rng(100 + kernel_blocks)
+def case_big_layout(device: str, layout: str, kernel_blocks: int = 1, heads: int = 8):
+    """8 heads x 16 tokens x 64 pieces (bf16 K and V, head size 128); with 32
+    heads a token-major token's row (2048 pieces) is longer than a tile and a
+    block spans two chunks."""
+    rng = np.random.default_rng(100 + kernel_blocks + heads)
     views = cases.make_views(
         rng,
         device,
         blocks=600,
         kernel_blocks=kernel_blocks,
-        heads=8,
+        heads=heads,
         tokens=16,
         pieces=64,
         layout=layout,
@@ -204,6 +206,9 @@ def case_wide_matrix_big(device: str):
 BIG_CASES: dict[str, Callable[[str], Any]] = {
     "big_head_major": functools.partial(case_big_layout, layout="head"),
     "big_token_major": functools.partial(case_big_layout, layout="token"),
+    "big_token_major_32_heads": functools.partial(
+        case_big_layout, layout="token", heads=32
+    ),
     "big_kernel_split_head_major": functools.partial(
         case_big_layout, layout="head", kernel_blocks=2
     ),
@@ -235,17 +240,30 @@ def test_triton_torch_reference_agree(name: str) -> None:
     cases.assert_matches(from_triton, case, "triton")
 
 
-@pytest.mark.parametrize("vector", [False, True])
+@pytest.mark.parametrize(
+    ("vector", "token_order"),
+    [(False, True), (True, False), (True, True)],
+    ids=["scalar", "vector_head_order", "vector"],
+)
 @pytest.mark.parametrize("name", sorted(ALL_CASES))
-def test_vector_full_tiles_agree(name: str, vector: bool) -> None:
+def test_vector_full_tiles_agree(name: str, vector: bool, token_order: bool) -> None:
     """Both settings of vector_full_tiles (issue 30; on by default since
-    2026-12-02c) on CUDA: a full-row loop that reads a partial row's invalid
-    tokens, lane-index offsets on a strided view, or a 16-byte alignment hint
-    on an unaligned view (a misaligned 128-bit load faults) (R58, R60)."""
+    2026-12-02c) and, with it, of token_order_tiles (memory order for dense
+    token-major blocks; without vector_full_tiles it changes nothing) on CUDA:
+    a full-row loop that reads a partial row's invalid tokens, lane-index
+    offsets on a strided view, a memory-order tile's head, slot or piece
+    misplaced, or a 16-byte alignment hint on an unaligned view (a misaligned
+    128-bit load faults) (R58, R60)."""
     case = ALL_CASES[name]("cuda")
-    with cases.patched(kernels, VECTOR_FULL_TILES=vector):
+    with cases.patched(
+        kernels, VECTOR_FULL_TILES=vector, TOKEN_ORDER_TILES=token_order
+    ):
         from_triton = cases.run_case(case, "triton")
-    cases.assert_matches(from_triton, case, f"triton vector_full_tiles={vector}")
+    cases.assert_matches(
+        from_triton,
+        case,
+        f"triton vector_full_tiles={vector} token_order_tiles={token_order}",
+    )
 
 
 def test_triton_is_the_cuda_default() -> None:

@@ -48,6 +48,9 @@ CONFIGS = {
     ),
     # The default is the vector loop (issue 30): the masked loop compiles too.
     "scalar": kernels.LaunchConfig(**{**vars(BASE), "vector_full_tiles": False}),
+    # The default walks dense token-major blocks in memory order: the vector
+    # loops they took before compile too.
+    "head_order": kernels.LaunchConfig(**{**vars(BASE), "token_order_tiles": False}),
     "persistent_wide_vector": kernels.LaunchConfig(
         **{
             **vars(BASE),

@@ -227,7 +227,9 @@ def case_huge_first_slice(device: str) -> Case:
     return single(LaunchSpec(views, [(1 << 62) + 5], [0], rows))
 
 
-def case_weight_width_boundaries(device: str, tokens: int, pieces: int) -> Case:
+def case_weight_width_boundaries(
+    device: str, tokens: int, pieces: int, layout: str = "head"
+) -> Case:
     """Factors m and odd weights 2j + 1 just below and just above 2^32.
 
     The kernel multiplies 32-bit halves when a row's factors and weights fit
@@ -237,7 +239,14 @@ def case_weight_width_boundaries(device: str, tokens: int, pieces: int) -> Case:
     rng = np.random.default_rng(17)
     heads = 2
     views = make_views(
-        rng, device, num_layers=2, blocks=4, heads=heads, tokens=tokens, pieces=pieces
+        rng,
+        device,
+        num_layers=2,
+        blocks=4,
+        heads=heads,
+        tokens=tokens,
+        pieces=pieces,
+        layout=layout,
     )
     last_narrow = ((1 << 32) - 2 * tokens * pieces) // (2 * pieces)
     rows = make_rows(
@@ -477,6 +486,122 @@ def case_chunk_views_vllm(device: str) -> Case:
     return single(spec)
 
 
+def case_token_order_unaligned(device: str) -> Case:
+    """A dense token-major cache 8 bytes off 16-byte alignment (memory-order
+    loop without the alignment hint), two layers; rows full, one token short
+    and partial. 16 pieces a head, 2 heads: tiny tiles (16) lie inside one
+    token's row, from head 0 or 1 on."""
+    rng = np.random.default_rng(26)
+    views = make_views(
+        rng,
+        device,
+        num_layers=2,
+        blocks=4,
+        heads=2,
+        tokens=16,
+        pieces=16,
+        layout="token",
+        offset=1,
+    )
+    rows = make_rows([2, 3, 0, 1], [0, 16, 32, 48], [16, 15, 5, 16])
+    return single(LaunchSpec(views, [0, H + 2], [0, 1], rows))
+
+
+def case_token_order_many_heads(device: str) -> Case:
+    """32 heads x 64 pieces token-major: a token's row (2048 pieces) is longer
+    than the largest tile (1024), so tiles start at head 0 or 16."""
+    rng = np.random.default_rng(27)
+    views = make_views(
+        rng, device, blocks=3, heads=32, tokens=2, pieces=64, layout="token"
+    )
+    rows = make_rows([2, 0, 1], [0, 2, 4], [2, 1, 2])
+    return single(LaunchSpec(views, [3 * H + 32], [0], rows))
+
+
+def case_token_order_odd_tokens(device: str) -> Case:
+    """3-token blocks, 4 heads x 64 pieces token-major: 768 pieces a block, so
+    the memory-order tile (256) is smaller than the flat loop's (1024)."""
+    rng = np.random.default_rng(28)
+    views = make_views(
+        rng, device, blocks=4, heads=4, tokens=3, pieces=64, layout="token"
+    )
+    rows = make_rows([3, 1, 0, 2], [0, 3, 6, 9], [3, 2, 3, 1])
+    return single(LaunchSpec(views, [H + 4], [0], rows))
+
+
+def case_token_order_int16_multi_chunk(device: str) -> Case:
+    """bf16 elements as int16 pieces in vLLM's FlashAttention layout (8 heads,
+    16 tokens, 256 pieces a head: K and V of head size 128): 32768 pieces a
+    block, two default chunks of 8 tokens each; rows full, one token short,
+    ending in the second chunk (9) and in the first (3)."""
+    rng = np.random.default_rng(29)
+    views = make_views(
+        rng,
+        device,
+        blocks=4,
+        heads=8,
+        tokens=16,
+        pieces=256,
+        dtype=torch.int16,
+        layout="token",
+        offset=8,  # 16 bytes: an aligned cache
+    )
+    rows = make_rows([3, 0, 2, 1], [0, 16, 32, 48], [16, 15, 9, 3])
+    return single(LaunchSpec(views, [5 * H + 8], [0], rows))
+
+
+def case_token_order_int32(device: str) -> Case:
+    """4-byte pieces token-major (4 heads x 4 pieces): 16-piece rows, full,
+    one token short and one-token rows."""
+    rng = np.random.default_rng(30)
+    views = make_views(
+        rng,
+        device,
+        blocks=4,
+        heads=4,
+        tokens=8,
+        pieces=4,
+        dtype=torch.int32,
+        layout="token",
+        offset=4,  # 16 bytes: an aligned cache
+    )
+    rows = make_rows([1, 3, 0, 2], [0, 8, 16, 24], [8, 7, 1, 8])
+    return single(LaunchSpec(views, [7], [0], rows))
+
+
+def case_token_order_padded_heads(device: str) -> Case:
+    """K halves of a token-major cache whose heads hold K and V side by side
+    ([B, T, H, 2P] seen as [B, 1, H, T, P]): heads are 2P apart, so memory
+    order is not the block's order and the memory-order loop must not run."""
+    rng = np.random.default_rng(31)
+    views = make_views(
+        rng, device, blocks=4, heads=2, tokens=8, pieces=16, layout="token"
+    )
+    halves = [view[..., :8] for view in views]
+    rows = make_rows([3, 0, 1], [0, 8, 16], [8, 7, 8])
+    return single(LaunchSpec(halves, [H], [0], rows))
+
+
+def case_token_order_padded_kernel_blocks(device: str) -> Case:
+    """Token-major kernel blocks with 32 unused pieces after each: the
+    kernel-block stride is not tokens x heads x pieces, so memory order is not
+    the block's order and the memory-order loop must not run."""
+    rng = np.random.default_rng(32)
+    views = make_views(
+        rng,
+        device,
+        blocks=3,
+        kernel_blocks=2,
+        heads=2,
+        tokens=4,
+        pieces=8,
+        layout="token",
+        pad=32,
+    )
+    rows = make_rows([2, 0, 1], [0, 8, 16], [8, 7, 5])
+    return single(LaunchSpec(views, [2 * H], [0], rows))
+
+
 def case_tv5(device: str) -> Case:
     """TV5 (R26): bf16 elements 0xFFFF, 0x0001, 0x8000 of layer 2, row 5."""
     view = torch.tensor([-1, 1, -0x8000], dtype=torch.int16, device=device)
@@ -508,11 +633,21 @@ CASES: dict[str, Callable[[str], Case]] = {
     "weight_width_flat": functools.partial(
         case_weight_width_boundaries, tokens=3, pieces=5
     ),
+    "weight_width_token_order": functools.partial(
+        case_weight_width_boundaries, tokens=8, pieces=8, layout="token"
+    ),
     "one_head_32x36": case_one_head_32x36,
     "vllm_block_head_major": functools.partial(case_vllm_block, layout="head"),
     "vllm_block_token_major": functools.partial(case_vllm_block, layout="token"),
     "vllm_block_int16": case_vllm_block_int16,
     "vllm_block_unaligned": case_vllm_block_unaligned,
+    "token_order_unaligned": case_token_order_unaligned,
+    "token_order_many_heads": case_token_order_many_heads,
+    "token_order_odd_tokens": case_token_order_odd_tokens,
+    "token_order_int16_multi_chunk": case_token_order_int16_multi_chunk,
+    "token_order_int32": case_token_order_int32,
+    "token_order_padded_heads": case_token_order_padded_heads,
+    "token_order_padded_kernel_blocks": case_token_order_padded_kernel_blocks,
     "int16_pieces": functools.partial(case_narrow_pieces, dtype=torch.int16),
     "int32_pieces": functools.partial(case_narrow_pieces, dtype=torch.int32),
     "split_rows_int16": functools.partial(case_split_rows, dtype=torch.int16),
@@ -645,30 +780,53 @@ def patched(module: ModuleType, **values: int) -> Iterator[None]:
             setattr(module, name, value)
 
 
+# Cases whose launches walk memory order (DENSE 3: dense token-major blocks)
+# under the default launch, and the tile they take (test_token_order_choice).
+TOKEN_ORDER_CASES = {
+    "token_major": 32,
+    "kernel_blocks_token_major": 32,
+    "kernel_blocks_head_tiles_token_major": 1024,
+    "vllm_block_token_major": 1024,
+    "chunk_views_token_major": 128,
+    "weight_width_token_order": 128,
+    "token_order_unaligned": 512,
+    "token_order_many_heads": 1024,  # less than a token's 2048 pieces
+    "token_order_odd_tokens": 256,  # the largest power of two dividing 768
+    "token_order_int16_multi_chunk": 1024,
+    "token_order_int32": 128,
+}
+
 # Interpreter configurations: (MAX_TILE_PIECES, CHUNK_PIECES, PROGRAMS_PER_SM,
-# WIDE_WEIGHTS, VECTOR_FULL_TILES). Tiny tiles and chunks make the small blocks of
-# these cases take the head-tile path and span several chunks. The 24K-piece row would
-# take 1536 interpreted tiles per row there; the default configuration covers
-# it (two chunks). The persistent ones (3 programs on the CPU: fewer than the
-# work items of most cases, so each loops over several rows, chunks and layers)
-# and the wide-weight ones check the launch options of the tuning sweep (R143).
-# The vector ones run the unmasked fast path of full rows (vector_full_tiles,
-# issue 30) on every case: full and partial rows, dense and strided views.
+# WIDE_WEIGHTS, VECTOR_FULL_TILES, TOKEN_ORDER_TILES). Tiny tiles and chunks
+# make the small blocks of these cases take the head-tile path and span
+# several chunks. The 24K-piece row, the 32K-piece int16 token-major row and
+# the 32-head token-major rows would take 1536, 2048 and 256 interpreted
+# tiles per row there; the default configuration covers them. The persistent
+# ones (3 programs on the CPU: fewer than the work items of most cases, so
+# each loops over several rows, chunks and layers) and the wide-weight ones
+# check the launch options of the tuning sweep (R143). The vector ones run the
+# unmasked fast path of full rows (vector_full_tiles, issue 30) on every
+# case: full and partial rows, dense and strided views, dense token-major
+# blocks in memory order (with tiny tiles only those of at most 16 pieces a
+# head). "head order" runs the vector loops that token-major blocks took
+# before (token_order_tiles off) on the cases where the flag matters.
 INTERPRETER_CONFIGS = {
-    "interpreter": (1024, 16384, 0, False, False),
-    "interpreter_small": (16, 64, 0, False, False),
-    "interpreter_persistent": (16, 64, 3, False, False),
-    "interpreter_persistent_wide": (1024, 16384, 3, True, False),
-    "interpreter_wide": (16, 64, 0, True, False),
-    "interpreter_vector": (1024, 16384, 0, False, True),
-    "interpreter_small_vector": (16, 64, 0, False, True),
-    "interpreter_persistent_wide_vector": (16, 64, 3, True, True),
+    "interpreter": (1024, 16384, 0, False, False, True),
+    "interpreter_small": (16, 64, 0, False, False, True),
+    "interpreter_persistent": (16, 64, 3, False, False, True),
+    "interpreter_persistent_wide": (1024, 16384, 3, True, False, True),
+    "interpreter_wide": (16, 64, 0, True, False, True),
+    "interpreter_vector": (1024, 16384, 0, False, True, True),
+    "interpreter_small_vector": (16, 64, 0, False, True, True),
+    "interpreter_persistent_wide_vector": (16, 64, 3, True, True, True),
+    "interpreter_vector_head_order": (1024, 16384, 0, False, True, False),
 }
 INTERPRETER_SKIPS = {
-    name: {"multi_chunk_row"}
+    name: {"multi_chunk_row", "token_order_int16_multi_chunk", "token_order_many_heads"}
     for name, (max_tile, *_) in INTERPRETER_CONFIGS.items()
     if max_tile < 1024
 }
+INTERPRETER_SKIPS["interpreter_vector_head_order"] = set(CASES) - set(TOKEN_ORDER_CASES)
 
 
 @functools.cache
@@ -683,11 +841,12 @@ def interpreter_runs() -> dict[str, subprocess.Popen]:
         programs,
         wide,
         vector,
+        token_order,
     ) in INTERPRETER_CONFIGS.items():
         command = [sys.executable, str(Path(__file__).resolve()), "--interpret"]
         command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
         command += ["--programs-per-sm", str(programs)] + ["--wide"] * wide
-        command += ["--vector"] * vector
+        command += ["--vector"] * vector + ["--head-order"] * (not token_order)
         for name in INTERPRETER_SKIPS.get(config, ()):
             command += ["--skip", name]
         runs[config] = subprocess.Popen(
@@ -719,7 +878,7 @@ def check_case(name: str, path: str) -> None:
             actual = run_case(case, "torch")
     else:
         if name in INTERPRETER_SKIPS.get(path, ()):
-            pytest.skip(f"too slow for the interpreter with {path} tiles")
+            pytest.skip(f"not run by {path} (too slow, or the same as the default)")
         values = interpreter_results(path)[name]
         actual = np.array(values, dtype=np.uint64).reshape(case.out_shape)
     assert_matches(actual, case, path)
@@ -771,10 +930,12 @@ def test_factor_wraps_mod_2_64(path: str) -> None:
     check_case("huge_first_slice", path)
 
 
-@pytest.mark.parametrize("loop", ["head_tiles", "flat"])
+@pytest.mark.parametrize("loop", ["head_tiles", "flat", "token_order"])
 @pytest.mark.parametrize("path", PATHS)
 def test_weight_width_boundaries(path: str, loop: str) -> None:
-    """Taking the 32-bit weight shortcut one factor or token too far (R23, R58)."""
+    """Taking the 32-bit weight shortcut one factor or token too far, in each
+    loop (the memory-order one: a 32-bit tile weight wrapping, or a lane's
+    head or piece added after the 32-bit truncation of a wide row) (R23, R58)."""
     check_case(f"weight_width_{loop}", path)
 
 
@@ -805,16 +966,93 @@ def test_dense_unaligned_and_one_token_short(path: str) -> None:
     check_case("vllm_block_unaligned", path)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_token_order_unaligned_and_one_token_short(path: str) -> None:
+    """The memory-order loop (DENSE 3) on a token-major cache 8 bytes off
+    alignment: a row one token short taking the unmasked loop, a mask on the
+    tile's first slot only (tile_slot < valid: with 512-piece tiles of 16
+    tokens the short row's last token is summed), or tiles read as 16-byte
+    aligned (R58, R60)."""
+    check_case("token_order_unaligned", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_token_order_tiles_inside_a_row(path: str) -> None:
+    """Tiles shorter than a token's row (32 heads x 64 pieces, tile 1024):
+    the tile's first head (tile_head) dropped from the factor m, so heads
+    16-31 get the factors of heads 0-15, or a tile's slot taken as one per
+    tile (R18, R58)."""
+    check_case("token_order_many_heads", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_token_order_odd_tokens(path: str) -> None:
+    """A 768-piece token-major block (3 tokens): a memory-order tile that does
+    not divide the block (1024) reads the next block's pieces unmasked on a
+    full row, or a tile count rounded down drops the last ones (R58)."""
+    check_case("token_order_odd_tokens", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_token_order_int16_two_chunks(path: str) -> None:
+    """vLLM's FlashAttention layout as 2-byte pieces over two chunks: chunks
+    of memory-order tiles bounded or numbered in head order (pieces dropped
+    or summed twice), a tile's slot counted from its chunk instead of the
+    block, or 2-byte pieces sign-extended (R21, R57, R58)."""
+    check_case("token_order_int16_multi_chunk", path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_token_order_int32_rows(path: str) -> None:
+    """4-byte pieces, 4 heads x 4 pieces, 8-token tiles: a lane's head taken as
+    lane // PIECES without % HEADS (lanes past a token's row get heads 4-31),
+    a lane's piece or slot misplaced in 2j + 1, or one-token rows reading the
+    whole tile (R21, R58)."""
+    check_case("token_order_int32", path)
+
+
+@pytest.mark.parametrize(
+    "name", ["token_order_padded_heads", "token_order_padded_kernel_blocks"]
+)
+@pytest.mark.parametrize("path", PATHS)
+def test_token_order_needs_memory_order(path: str, name: str) -> None:
+    """Token-major views that are not contiguous in memory order (heads 2P
+    apart: K halves beside V; kernel blocks followed by padding) taking the
+    memory-order loop, which would read V pieces or padding as tokens (R60)."""
+    check_case(name, path)
+
+
 VECTOR_EXPECTED = {
     # case: (HEAD_TILES, DENSE, TILE_ALIGNED) of the vector config
     "vllm_block_head_major": (True, 2, True),
-    "vllm_block_token_major": (True, 0, False),
+    "vllm_block_token_major": (False, 3, True),
     "vllm_block_int16": (True, 2, True),
     "vllm_block_unaligned": (True, 2, False),
     "kernel_blocks_head_tiles_head_major": (True, 2, True),
     "padded_unaligned": (False, 0, False),
     "chunk_views_vllm": (True, 1, True),
+    "chunk_views_token_major": (False, 3, True),
+    "token_order_unaligned": (False, 3, False),
+    "token_order_int16_multi_chunk": (False, 3, True),
+    "token_order_padded_heads": (False, 0, False),
+    "token_order_padded_kernel_blocks": (False, 0, False),
 }
+
+
+def launch_constants(spec: LaunchSpec, **overrides: object) -> dict[str, object]:
+    """The Triton constants of a spec's launch under the default LaunchConfig
+    with `overrides`, built on CPU views."""
+    config = kernels.LaunchConfig(**{**vars(kernels.default_config()), **overrides})
+    launch = kernels.KVChecksumLaunch(
+        spec.views,
+        spec.first_slices,
+        spec.columns,
+        backend="torch",
+        token_offsets=spec.token_offsets,
+        config=config,
+    )
+    launch._init_triton()
+    return launch._constants
 
 
 @pytest.mark.parametrize("name", sorted(VECTOR_EXPECTED))
@@ -824,22 +1062,61 @@ def test_vector_constants(name: str) -> None:
     hint on a view 8 bytes off alignment would fault on the GPU (a misaligned
     128-bit load). Without vector_full_tiles all of them are off."""
     spec = CASES[name]("cpu").launches[0]
-    base = kernels.default_config()
     for vector in (False, True):
-        launch = kernels.KVChecksumLaunch(
-            spec.views,
-            spec.first_slices,
-            spec.columns,
-            backend="torch",
-            config=kernels.LaunchConfig(**{**vars(base), "vector_full_tiles": vector}),
-        )
-        launch._init_triton()
-        c = launch._constants
+        c = launch_constants(spec, vector_full_tiles=vector)
         got = (c["HEAD_TILES"], c["DENSE"], c["TILE_ALIGNED"])
         if vector:
             assert c["VECTOR"] and got == VECTOR_EXPECTED[name]
         else:
             assert (c["VECTOR"], c["DENSE"], c["TILE_ALIGNED"]) == (False, 0, False)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_token_order_choice(name: str) -> None:
+    """Which launches walk memory order (DENSE 3) and with which tile, and
+    that token_order_tiles changes nothing else (issue 30). Bugs caught: a
+    token-major case falling back to the old loops (the vector interpreter
+    runs would then not test the new one), a view whose heads or kernel blocks
+    are not contiguous, or a head-major one, taking it (padded_heads,
+    padded_kernel_blocks), a tile that does not divide the block (odd tokens)
+    or one no smaller than a token's row when that is longer than the largest
+    tile (many heads), or the flag changing head-major launches or launches
+    without vector_full_tiles."""
+    tiles = []
+    for spec in CASES[name]("cpu").launches:
+        on = launch_constants(spec)
+        off = launch_constants(spec, token_order_tiles=False)
+        if on["DENSE"] == 3:
+            tiles.append(on["TILE"])
+            assert on["VECTOR"] and not on["HEAD_TILES"]
+            assert off["DENSE"] != 3
+        else:
+            assert on == off
+        scalar = launch_constants(spec, vector_full_tiles=False)
+        assert scalar == launch_constants(
+            spec, vector_full_tiles=False, token_order_tiles=False
+        )
+        assert scalar["DENSE"] == 0
+    assert tiles == ([TOKEN_ORDER_CASES[name]] if name in TOKEN_ORDER_CASES else [])
+
+
+def test_pick_token_tile() -> None:
+    """The memory-order tile on its own (issue 30): heads x pieces or pieces
+    not powers of two, tiles shorter than a head's pieces or than
+    min(flat tile, 256), or tiles that do not divide the block must give 0
+    (no memory-order loop); else the largest power of two dividing the block,
+    capped by max_tile and the chunk."""
+    pick = kernels.pick_token_tile
+    assert pick((1, 8, 16, 64), 1024, 16384) == 1024
+    assert pick((1, 8, 16, 64), 2048, 16384) == 2048
+    assert pick((1, 8, 16, 64), 1024, 512) == 512
+    assert pick((1, 4, 3, 64), 1024, 16384) == 256
+    assert pick((2, 2, 2, 4), 1024, 16384) == 32
+    assert pick((1, 2, 16, 64), 16, 64) == 0  # tile shorter than a head's pieces
+    assert pick((1, 3, 16, 64), 1024, 16384) == 0  # 3 heads
+    assert pick((1, 2, 16, 12), 1024, 16384) == 0  # 12 pieces
+    assert pick((1, 2, 5, 8), 1024, 16384) == 0  # 80 pieces: 16 < min(128, 256)
+    assert pick((1, 4, 5, 64), 1024, 16384) == 256
 
 
 def test_default_launch_is_the_tuned_variant() -> None:
@@ -849,6 +1126,9 @@ def test_default_launch_is_the_tuned_variant() -> None:
     fails here."""
     config = kernels.default_config()
     assert config.vector_full_tiles is True
+    # Memory order for dense token-major blocks (issue 30 item 1): on by
+    # default, to be confirmed by the variants' "vector 4w head order".
+    assert config.token_order_tiles is True
     assert (config.num_warps, config.chunk_pieces, config.max_tile) == (4, 16384, 1024)
 
 
@@ -1083,6 +1363,7 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", type=int, default=0)
     parser.add_argument("--wide", action="store_true")
     parser.add_argument("--vector", action="store_true")
+    parser.add_argument("--head-order", action="store_true")
     parser.add_argument("--skip", action="append", default=[])
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -1093,6 +1374,7 @@ def main() -> None:
         PROGRAMS_PER_SM=args.programs_per_sm,
         WIDE_WEIGHTS=args.wide,
         VECTOR_FULL_TILES=args.vector,
+        TOKEN_ORDER_TILES=not args.head_order,
     ):
         results = {
             name: run_case(build("cpu"), "triton").tolist()
