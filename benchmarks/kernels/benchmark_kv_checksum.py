@@ -257,6 +257,8 @@ def config_label(config: Any) -> str:
     )
     wide = ", wide" if config.wide_weights else ""
     vector = ", vector" if getattr(config, "vector_full_tiles", False) else ""
+    if vector and not getattr(config, "token_order_tiles", True):
+        vector += " (head order)"
     return (
         f"{mode}, chunk {config.chunk_pieces}, tile {config.max_tile}, "
         f"{config.num_warps}w/{config.warp_pieces}{wide}{vector}"
@@ -444,6 +446,14 @@ def variant_configs() -> dict[str, dict]:
         "scalar 8w": {"vector_full_tiles": False, "num_warps": 8},
         "vector 8w": {"vector_full_tiles": True, "num_warps": 8},
         "vector 4w": {"vector_full_tiles": True, "num_warps": 4},
+        # The default until token_order_tiles (issue 30 item 1): token-major
+        # blocks in head order (strided tiles, no 128-bit loads); it differs
+        # from "default" on the token-major shape only.
+        "vector 4w head order": {
+            "vector_full_tiles": True,
+            "num_warps": 4,
+            "token_order_tiles": False,
+        },
         "vector persistent 4xSM/4096": {
             "vector_full_tiles": True,
             "num_warps": 8,

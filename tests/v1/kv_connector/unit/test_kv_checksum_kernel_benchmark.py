@@ -13,12 +13,14 @@ imported.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -28,16 +30,26 @@ pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[4]
 
 
-def smoke(json_path: str) -> None:
-    """The kernel benchmark with --variants on tiny shapes, on the CPU."""
-    import torch
-
-    sys.path.insert(0, str(ROOT))
+def load_benchmark() -> tuple[ModuleType, ModuleType]:
+    """The kernel benchmark script and the kernels it times: this checkout's
+    kernels.py (an installed package may hold another copy)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
 
     bench = load_script(
         "benchmark_kv_checksum", ROOT / "benchmarks/kernels/benchmark_kv_checksum.py"
     )
+    kernels = load_script("kv_checksum_kernels", bench.KERNELS_PATH)
+    bench.load_kernels = lambda: kernels
+    return bench, kernels
+
+
+def smoke(json_path: str) -> None:
+    """The kernel benchmark with --variants on tiny shapes, on the CPU."""
+    import torch
+
+    bench, _ = load_benchmark()
     plain = bench.load_sibling("kernel_plain_read")
     shape = bench.KernelShape
     bench.DEVICE = "cpu"
@@ -90,10 +102,39 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
     variants = data["variants"]
     assert len(variants) == 5
     names = set(data["variants_min_ratio"])
-    assert {"default", "scalar 8w", "vector 8w"} <= names
+    assert {"default", "scalar 8w", "vector 8w", "vector 4w head order"} <= names
     for entry in variants.values():
         assert set(entry["ms"]) == names
         assert all(entry["identical"].values()), entry["identical"]
+
+
+def test_token_major_shapes_take_the_memory_order_loop() -> None:
+    """The benchmark's token-major shapes walk memory order (DENSE 3) under the
+    default launch and not under the "vector 4w head order" variant (issue 30
+    item 1). Bug caught: a shape or a variant of --variants timing the same
+    loop twice, so the GPU run could not compare the two."""
+    import torch
+
+    bench, kernels = load_benchmark()
+    default = kernels.default_config()
+    configs = {
+        "default": default,
+        "head order": dataclasses.replace(
+            default, **bench.variant_configs()["vector 4w head order"]
+        ),
+    }
+    shapes = [shape for shape in bench.SHAPES if shape.layout == "token"]
+    assert shapes
+    for shape in shapes:
+        # Two blocks of one layer: the same layout and strides, less memory.
+        small = dataclasses.replace(shape, layers=1, blocks=2, cache_blocks=2)
+        views = bench.make_views(small, torch.device("cpu"))
+        dense = {}
+        for name, config in configs.items():
+            launch = kernels.KVChecksumLaunch(views, [0], [0], "torch", config=config)
+            launch._init_triton()
+            dense[name] = launch._constants["DENSE"]
+        assert dense == {"default": 3, "head order": 0}, shape
 
 
 if __name__ == "__main__":
