@@ -207,6 +207,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # The default until 2026-12-02c (masked narrow loop, 8 warps).
     "scalar_8w": {"vector_full_tiles": False, "num_warps": 8},
     "vector_full_tiles_8w": {"vector_full_tiles": True, "num_warps": 8},
+    # The default until 2026-12-02d: token-major blocks walked in head order.
+    "head_order": {"token_order_tiles": False},
 }
 
 
