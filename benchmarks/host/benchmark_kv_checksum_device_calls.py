@@ -76,6 +76,47 @@ def _timed(fn: Callable[[], Any], calls: int, rounds: int) -> float:
     return statistics.median(per_round)
 
 
+def cache_evictor(megabytes: int) -> Callable[[], None]:
+    """A stand-in for the rest of an engine step between two calls: sweeps
+    `megabytes` of memory and runs unrelated Python and torch code, so the
+    next call starts with its code and data out of the CPU caches."""
+    sweep = np.ones(megabytes << 17, dtype=np.int64)
+    small = torch.ones(64)
+
+    def evict() -> None:
+        sweep[::8] += 1  # one write per 64-byte line
+        junk = {i: str(i) for i in range(2000)}
+        for _ in range(20):
+            small.add_(1).mul_(0.5)
+        del junk
+
+    return evict
+
+
+def _timed_cold(
+    fn: Callable[[], Any], calls: int, rounds: int, evict: Callable[[], None]
+) -> float:
+    """Like `_timed`, but `evict` runs before each call, outside the timing:
+    the median over rounds of the median microseconds a call."""
+    per_round = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times = []
+            for _ in range(calls):
+                evict()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            per_round.append(statistics.median(times) * 1e6)
+    finally:
+        gc.enable()
+    return statistics.median(per_round)
+
+
 @contextlib.contextmanager
 def cpu_setting(kernel: bool) -> Iterator[None]:
     """On CPU: the tests' stand-ins for CUDA streams and, unless `kernel`,
@@ -170,10 +211,19 @@ def main() -> None:
     parser.add_argument(
         "--kernel", action="store_true", help="on CPU, keep the PyTorch kernel"
     )
+    parser.add_argument(
+        "--cold-mb",
+        type=int,
+        default=0,
+        help="also time each call after sweeping this many MB and running "
+        "unrelated code (caches cold, as inside an engine step)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if args.cuda else "cpu")
-    print("| path | blocks | aten ops a call | of them not views | us a call |")
-    print("|---|---|---|---|---|")
+    evict = cache_evictor(args.cold_mb) if args.cold_mb else None
+    cold = " | us a call, caches cold | cold / hot" if evict else ""
+    print(f"| path | blocks | aten ops a call | of them not views | us a call{cold} |")
+    print("|---|---|---|---|---|" + ("---|---|" if evict else ""))
     setting = contextlib.nullcontext() if args.cuda else cpu_setting(args.kernel)
     with setting:
         for n in args.blocks:
@@ -185,16 +235,24 @@ def main() -> None:
                     fn()
                 us = _timed(fn, args.calls, args.rounds)
                 ops = sum(count.ops.values())
-                print(f"| {name} | {n} | {ops} | {len(count.memory_ops)} | {us:.1f} |")
+                row = f"| {name} | {n} | {ops} | {len(count.memory_ops)} | {us:.1f} |"
+                if evict is not None:
+                    cold_us = _timed_cold(fn, args.calls, args.rounds, evict)
+                    row += f" {cold_us:.1f} | {cold_us / us:.2f} |"
+                print(row)
                 if name != "restore" and n == max(args.blocks):
                     print(f"<!-- {name}: {dict(sorted(count.ops.items()))} -->")
         if args.cuda:
-            print("\n| device call, alone | us a call |")
-            print("|---|---|")
+            cold_head = " us a call, caches cold |" if evict else ""
+            print(f"\n| device call, alone | us a call |{cold_head}")
+            print("|---|---|" + ("---|" if evict else ""))
             calls = {**primitives(device), **triton_launches(worker)}
             for name, fn in calls.items():
                 fn()
-                print(f"| {name} | {_timed(fn, args.calls, args.rounds):.1f} |")
+                row = f"| {name} | {_timed(fn, args.calls, args.rounds):.1f} |"
+                if evict is not None:
+                    row += f" {_timed_cold(fn, args.calls, args.rounds, evict):.1f} |"
+                print(row)
             for outstanding in (0, 64, 512):
                 us = busy_upload_us(device, outstanding, args.calls)
                 print(

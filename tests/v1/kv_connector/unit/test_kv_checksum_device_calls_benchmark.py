@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The device-calls benchmark's cold-cache timing (issue 30, R142).
+
+Inside an engine each checksum call runs after the rest of a step has pushed
+its code and data out of the CPU caches; `--cold-mb` times each call after a
+stand-in for that. A fake clock (no real timing) checks what is timed.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+SCRIPT = (
+    Path(__file__).resolve().parents[4]
+    / "benchmarks/host/benchmark_kv_checksum_device_calls.py"
+)
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("_device_calls_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_device_calls_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cold_timing_runs_the_evictor_before_each_call_outside_the_clock(
+    monkeypatch,
+) -> None:
+    """Each timed call follows one eviction, and only the call is on the clock
+    (the call takes 2 us, the eviction 1 s of a fake clock; one call a round
+    takes 12 us, the median's outlier). Bugs caught: the eviction timed with
+    the call (about 1e6 us), one eviction per round instead of per call (the
+    calls after the first run warm), the mean instead of the median (3 us)."""
+    bench = _load()
+    clock = [0.0]
+    order: list[str] = []
+    durations = iter(([12e-6] + [2e-6] * 9) * 3)
+
+    def call() -> None:
+        order.append("call")
+        clock[0] += next(durations, 2e-6)
+
+    def evict() -> None:
+        order.append("evict")
+        clock[0] += 1.0
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    us = bench._timed_cold(call, calls=10, rounds=3, evict=evict)
+    assert us == pytest.approx(2.0)
+    assert order == ["evict", "call"] * 30
+
+
+def test_evictor_sweeps_the_memory_it_was_given() -> None:
+    """The stand-in step writes one word of every 64-byte line of its buffer
+    (a sweep of a fraction of it would leave the caches warm)."""
+    bench = _load()
+    evict = bench.cache_evictor(1)
+    sweep = next(
+        cell.cell_contents
+        for cell in evict.__closure__ or ()
+        if getattr(cell.cell_contents, "nbytes", 0) == 1 << 20
+    )
+    before = sweep.copy()
+    evict()
+    assert ((sweep - before)[::8] == 1).all()
+    assert sweep.nbytes == 1 << 20
