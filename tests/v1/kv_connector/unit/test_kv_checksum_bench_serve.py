@@ -533,9 +533,9 @@ def test_engine_counts_show_prefix_cache_reuse_per_round(monkeypatch, tmp_path) 
     for that alone. Each round records vLLM's own counters as deltas of the
     round and the mean prefill tokens computed per request (hand numbers: 64
     queries of 1024 tokens, 1008 hit, 16 computed a request). Bugs caught:
-    cumulative counters (the second round would read 128 queries), the
-    histogram's bucket lines summed in, other `prompt_tokens_*` series
-    matched as `prompt_tokens_total`."""
+    cumulative counters (the second round would read 128 queries), other
+    `prompt_tokens_*` series matched as `prompt_tokens_total` (the
+    by-source and bucket lines grow each round too)."""
     args = bench.argparse.Namespace(
         router_port=8000, prom_port=29000, bench_batch=False
     )
@@ -550,7 +550,8 @@ def test_engine_counts_show_prefix_cache_reuse_per_round(monkeypatch, tmp_path) 
                 f"vllm:prompt_tokens_total{labels} {64 * 1024 * rounds}",
                 f'vllm:prompt_tokens_by_source_total{{source="local"}} {7 * rounds}',
                 f"vllm:prompt_tokens_cached_total{labels} {64 * 1008 * rounds}",
-                f'vllm:request_prefill_kv_computed_tokens_bucket{{le="16"}} {99}',
+                f'vllm:request_prefill_kv_computed_tokens_bucket{{le="16"}} '
+                f"{640 * rounds}",
                 f"vllm:request_prefill_kv_computed_tokens_sum{labels} "
                 f"{64 * 16 * rounds}",
                 f"vllm:request_prefill_kv_computed_tokens_count{labels} {64 * rounds}",
