@@ -57,9 +57,9 @@ def _no_kernel(launch: Any, rows: Any, out: Any) -> None:
     """The checksum launch stubbed: host work only."""
 
 
-def _timed(fn: Callable[[], Any], calls: int, rounds: int) -> float:
-    """Median over rounds of the mean microseconds a call (collector off); on
-    CUDA the device drains between rounds, never inside one."""
+def _median_of_rounds(one_round: Callable[[], float], rounds: int) -> float:
+    """Median over rounds of `one_round()` (collector off); on CUDA the device
+    drains between rounds, never inside one."""
     per_round = []
     gc.collect()
     gc.disable()
@@ -67,13 +67,22 @@ def _timed(fn: Callable[[], Any], calls: int, rounds: int) -> float:
         for _ in range(rounds):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per_round.append((time.perf_counter() - start) / calls * 1e6)
+            per_round.append(one_round())
     finally:
         gc.enable()
     return statistics.median(per_round)
+
+
+def _timed(fn: Callable[[], Any], calls: int, rounds: int) -> float:
+    """Median over rounds of the mean microseconds a call, back to back."""
+
+    def one_round() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    return _median_of_rounds(one_round, rounds)
 
 
 def cache_evictor(megabytes: int) -> Callable[[], None]:
@@ -98,23 +107,17 @@ def _timed_cold(
 ) -> float:
     """Like `_timed`, but `evict` runs before each call, outside the timing:
     the median over rounds of the median microseconds a call."""
-    per_round = []
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times = []
-            for _ in range(calls):
-                evict()
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            per_round.append(statistics.median(times) * 1e6)
-    finally:
-        gc.enable()
-    return statistics.median(per_round)
+
+    def one_round() -> float:
+        times = []
+        for _ in range(calls):
+            evict()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    return _median_of_rounds(one_round, rounds)
 
 
 @contextlib.contextmanager

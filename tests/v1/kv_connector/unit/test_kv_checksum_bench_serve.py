@@ -528,7 +528,7 @@ def test_engine_times_put_the_ttft_difference_at_an_engine(
 
 
 def test_engine_counts_show_prefix_cache_reuse_per_round(monkeypatch, tmp_path) -> None:
-    """Issue 30 (diagnosis): every round sends the same seeded prompts, so an
+    """R142 (diagnosis), issue 30: every round sends the same seeded prompts, so an
     engine whose later rounds stop hitting its prefix cache would look slower
     for that alone. Each round records vLLM's own counters as deltas of the
     round and the mean prefill tokens computed per request (hand numbers: 64

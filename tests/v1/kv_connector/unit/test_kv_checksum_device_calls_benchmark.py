@@ -7,11 +7,11 @@ its code and data out of the CPU caches; `--cold-mb` times each call after a
 stand-in for that. A fake clock (no real timing) checks what is timed.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
 
 pytestmark = pytest.mark.cpu
 
@@ -22,18 +22,13 @@ SCRIPT = (
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("_device_calls_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["_device_calls_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("_device_calls_bench", SCRIPT)
 
 
 def test_cold_timing_runs_the_evictor_before_each_call_outside_the_clock(
     monkeypatch,
 ) -> None:
-    """Each timed call follows one eviction, and only the call is on the clock
+    """R142: each timed call follows one eviction, and only the call is on the clock
     (the call takes 2 us, the eviction 1 s of a fake clock; one call a round
     takes 12 us, the median's outlier). Bugs caught: the eviction timed with
     the call (about 1e6 us), one eviction per round instead of per call (the
@@ -58,7 +53,7 @@ def test_cold_timing_runs_the_evictor_before_each_call_outside_the_clock(
 
 
 def test_evictor_sweeps_the_memory_it_was_given() -> None:
-    """The stand-in step writes one word of every 64-byte line of its buffer
+    """R142: the stand-in step writes one word of every 64-byte line of its buffer
     (a sweep of a fraction of it would leave the caches warm)."""
     bench = _load()
     evict = bench.cache_evictor(1)

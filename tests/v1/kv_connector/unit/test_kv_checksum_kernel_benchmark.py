@@ -110,8 +110,8 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
 
 def test_token_major_shapes_take_the_memory_order_loop() -> None:
     """The benchmark's token-major shapes walk memory order (DENSE 3) under the
-    default launch and not under the "vector 4w head order" variant (issue 30
-    item 1). Bug caught: a shape or a variant of --variants timing the same
+    default launch and not under the "vector 4w head order" variant (R143,
+    issue 30 item 1). Bug caught: a shape or a variant of --variants timing the same
     loop twice, so the GPU run could not compare the two."""
     import torch
 

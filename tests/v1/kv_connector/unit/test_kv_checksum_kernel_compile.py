@@ -25,7 +25,10 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from tests.v1.kv_connector.unit.test_kv_checksum_kernels import CASES  # noqa: E402
+from tests.v1.kv_connector.unit.test_kv_checksum_kernels import (  # noqa: E402
+    CASES,
+    launch_constants,
+)
 from vllm.distributed.kv_transfer.kv_checksum.definition import kernels  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -95,16 +98,9 @@ def _case_constants(name: str, config: str) -> list[tuple[Any, ...]]:
     """The distinct compile-time constants of a case's launches."""
     seen: dict[tuple[Any, ...], None] = {}
     for spec in CASES[name]("cpu").launches:
-        launch = kernels.KVChecksumLaunch(
-            spec.views,
-            spec.first_slices,
-            spec.columns,
-            backend="torch",
-            token_offsets=spec.token_offsets,
-            config=CONFIGS[config],
-        )
-        launch._init_triton()  # the CUDA path's constants, built on CPU views
-        seen[tuple(sorted(launch._constants.items()))] = None
+        # The CUDA path's constants, built on CPU views.
+        constants = launch_constants(spec, CONFIGS[config])
+        seen[tuple(sorted(constants.items()))] = None
     return list(seen)
 
 

@@ -1039,10 +1039,13 @@ VECTOR_EXPECTED = {
 }
 
 
-def launch_constants(spec: LaunchSpec, **overrides: object) -> dict[str, object]:
-    """The Triton constants of a spec's launch under the default LaunchConfig
-    with `overrides`, built on CPU views."""
-    config = kernels.LaunchConfig(**{**vars(kernels.default_config()), **overrides})
+def launch_constants(
+    spec: LaunchSpec, base: object = None, **overrides: object
+) -> dict[str, object]:
+    """The Triton constants of a spec's launch under `base` (default: the
+    default LaunchConfig) with `overrides`, built on CPU views."""
+    base = kernels.default_config() if base is None else base
+    config = kernels.LaunchConfig(**{**vars(base), **overrides})
     launch = kernels.KVChecksumLaunch(
         spec.views,
         spec.first_slices,
@@ -1074,7 +1077,7 @@ def test_vector_constants(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_token_order_choice(name: str) -> None:
     """Which launches walk memory order (DENSE 3) and with which tile, and
-    that token_order_tiles changes nothing else (issue 30). Bugs caught: a
+    that token_order_tiles changes nothing else (R58, R143; issue 30). Bugs caught: a
     token-major case falling back to the old loops (the vector interpreter
     runs would then not test the new one), a view whose heads or kernel blocks
     are not contiguous, or a head-major one, taking it (padded_heads,
@@ -1101,7 +1104,7 @@ def test_token_order_choice(name: str) -> None:
 
 
 def test_pick_token_tile() -> None:
-    """The memory-order tile on its own (issue 30): heads x pieces or pieces
+    """The memory-order tile on its own (R57, R58; issue 30): heads x pieces or pieces
     not powers of two, tiles shorter than a head's pieces or than
     min(flat tile, 256), or tiles that do not divide the block must give 0
     (no memory-order loop); else the largest power of two dividing the block,
