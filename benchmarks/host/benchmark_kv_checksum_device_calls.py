@@ -21,19 +21,14 @@ call these paths make, alone, the Triton launch alone, and a pinned upload
 after many earlier pinned buffers were freed while their copies still wait
 behind queued GPU work (their events pending in the caching host allocator:
 in the H200 engine a restore's two-array upload took 178 us a call, outside
-it about 13; `h200_runs_2026-12-02b.md`). With `--cuda`, save and load also
-run with their launches through Triton's JIT launcher (`kernel[grid]`, as
-before `BOUND_LAUNCH`), and the launch alone both ways, in the same run
-(`gpu_runs.sh device-calls`):
+it about 13; `h200_runs_2026-12-02b.md`) (`gpu_runs.sh device-calls`):
 
     python benchmarks/host/benchmark_kv_checksum_device_calls.py --blocks 128
 """
 
 import argparse
 import contextlib
-import dataclasses
 import gc
-import itertools
 import statistics
 import sys
 import time
@@ -52,9 +47,6 @@ from tests.v1.kv_connector.unit.kv_checksum_device_paths import (  # noqa: E402
 )
 from tests.v1.kv_connector.unit.test_kv_checksum_worker_cuda import (  # noqa: E402
     worker_on,
-)
-from vllm.distributed.kv_transfer.kv_checksum.definition import (  # noqa: E402
-    kernels,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (  # noqa: E402
     KVChecksumLaunch,
@@ -176,41 +168,17 @@ def primitives(device: torch.device) -> dict[str, Callable[[], Any]]:
     }
 
 
-@contextlib.contextmanager
-def launch_setting(bound: bool) -> Iterator[None]:
-    """Launches built inside launch the compiled variant directly after
-    warm-up (`bound`, the default) or through Triton's JIT launcher."""
-    saved = kernels.BOUND_LAUNCH
-    kernels.BOUND_LAUNCH = bound
-    try:
-        yield
-    finally:
-        kernels.BOUND_LAUNCH = saved
-
-
 def triton_launches(worker: Any) -> dict[str, Callable[[], Any]]:
     """The checksum kernel's launch alone (the first group's offload-load
-    plan), for 1 and 128 rows of zeros (all-masked rows: host cost only),
-    bound as after warm-up and through Triton's JIT launcher."""
+    plan), for 1 and 128 rows of zeros (all-masked rows: host cost only)."""
     plan = next(iter(worker.groups.values())).load
-    bound = plan.launches[0]
-    jit = KVChecksumLaunch(
-        bound.views,
-        bound.first_slices,
-        bound.columns,
-        token_offsets=bound.token_offsets,
-        config=dataclasses.replace(bound.config, bound_launch=False),
-    )
+    launch = plan.launches[0]
     device = worker.topology.device
     calls = {}
-    for launch, how in ((bound, "bound"), (jit, "through kernel[grid]")):
-        launch.warm_up()
-        for n in (1, 128):
-            rows = torch.zeros((3, n), dtype=torch.int64, device=device)
-            out = torch.zeros((n, plan.width), dtype=torch.int64, device=device)
-            calls[f"Triton launch {how}, {n} rows"] = (
-                lambda launch=launch, rows=rows, out=out: launch(rows, out)
-            )
+    for n in (1, 128):
+        rows = torch.zeros((3, n), dtype=torch.int64, device=device)
+        out = torch.zeros((n, plan.width), dtype=torch.int64, device=device)
+        calls[f"Triton launch, {n} rows"] = lambda rows=rows, out=out: launch(rows, out)
     return calls
 
 
@@ -261,20 +229,10 @@ def main() -> None:
     print("|---|---|---|---|---|" + ("---|---|" if evict else ""))
     setting = contextlib.nullcontext() if args.cuda else cpu_setting(args.kernel)
     with setting:
-        for n, jit in itertools.product(
-            args.blocks, (False, True) if args.cuda else (False,)
-        ):
-            # With --cuda, each path again with its launches through Triton's
-            # JIT launcher (bound_launch off), measured in the same run.
-            with launch_setting(bound=not jit):
-                worker, _ = worker_on(device, None, num_blocks=n + 1)
+        for n in args.blocks:
+            worker, _ = worker_on(device, None, num_blocks=n + 1)
             save, load, restore = offload_paths(worker, n)
-            via = " (JIT launch)" if jit else ""
-            paths = [("save", save), ("load", load)] + (
-                [] if jit else [("restore", restore)]
-            )
-            for name, fn in paths:
-                name += via
+            for name, fn in (("save", save), ("load", load), ("restore", restore)):
                 fn()  # warm
                 with OpCount() as count:
                     fn()
@@ -285,7 +243,7 @@ def main() -> None:
                     cold_us = _timed_cold(fn, args.calls, args.rounds, evict)
                     row += f" {cold_us:.1f} | {cold_us / us:.2f} |"
                 print(row)
-                if name in ("save", "load") and n == max(args.blocks):
+                if name != "restore" and n == max(args.blocks):
                     print(f"<!-- {name}: {dict(sorted(count.ops.items()))} -->")
         if args.cuda:
             cold_head = " us a call, caches cold |" if evict else ""

@@ -304,15 +304,10 @@ def compiled_variants() -> int | None:
 
 def test_warm_up_compiles_the_serving_variant() -> None:
     """A serving call compiling a new kernel variant because its rows or
-    outputs have other strides or alignments than at warm-up (R52, R62).
-    Through Triton's JIT: that it would pick the warm-up variant for every
-    call is what lets the bound launch skip the lookup (issue 30)."""
+    outputs have other strides or alignments than at warm-up (R52, R62)."""
     case = cases.CASES["vllm_block_token_major"]("cuda")
     spec = case.launches[0]
-    config = kernels.LaunchConfig(
-        **{**vars(kernels.default_config()), "bound_launch": False}
-    )
-    launch = kernels.KVChecksumLaunch(spec.views, [7], [1], config=config)
+    launch = kernels.KVChecksumLaunch(spec.views, [7], [1])
     launch.warm_up()
     before = compiled_variants()
     if before is None:
@@ -330,51 +325,3 @@ def test_warm_up_compiles_the_serving_variant() -> None:
             launch(batch, out)
     torch.cuda.synchronize()
     assert compiled_variants() == before
-
-
-def test_warm_up_binds_on_this_triton() -> None:
-    """Warm-up silently keeping Triton's JIT launcher on the Triton this
-    package runs with (its launcher refusing the bound arguments, or `bind`
-    finding a field missing): every step would pay the JIT's host cost again
-    (issue 30, R142)."""
-    case = cases.CASES["vllm_block_head_major"]("cuda")
-    spec = case.launches[0]
-    launch = kernels.KVChecksumLaunch(spec.views, [0], [0])
-    launch.warm_up()
-    assert launch.bind_error is None
-    assert launch.bound is not None
-
-
-@pytest.mark.parametrize("name", sorted(ALL_CASES))
-def test_jit_launch_agrees(name: str) -> None:
-    """The JIT path (`bound_launch` off: a launch that was not warmed up, or a
-    Triton that cannot bind) wrong where the bound one is right: the other
-    tests run the bound launch, since `run_case` warms up (R56)."""
-    case = ALL_CASES[name]("cuda")
-    with cases.patched(kernels, BOUND_LAUNCH=False):
-        from_triton = cases.run_case(case, "triton")
-    cases.assert_matches(from_triton, case, "triton through the JIT")
-
-
-def test_bound_launch_skips_the_jit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A warmed-up launch still calling `kernel[grid]` (the per-call binding
-    it exists to skip) or launching with shifted arguments: with the JIT
-    replaced by one that fails, the launch must still give the reference's
-    sums on random blocks (issue 30, R142)."""
-    case = BIG_CASES["big_head_major"]("cuda")
-    spec = case.launches[0]
-    launch = kernels.KVChecksumLaunch(spec.views, [0], [0])
-    launch.warm_up()
-
-    class NoJit:
-        def __getitem__(self, grid: Any) -> Any:
-            raise AssertionError("the JIT launcher ran after warm-up")
-
-    monkeypatch.setattr(kernels, "_kv_checksum_kernel", NoJit())
-    rows = torch.from_numpy(spec.rows).cuda()
-    out = torch.zeros((rows.shape[1], 1), dtype=torch.int64, device="cuda")
-    launch(rows, out)
-    reference = kernels.KVChecksumLaunch(spec.views, [0], [0], backend="torch")
-    expected = torch.zeros_like(out)
-    reference(rows, expected)
-    assert torch.equal(out, expected)

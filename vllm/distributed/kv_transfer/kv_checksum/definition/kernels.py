@@ -19,9 +19,8 @@ This module imports only torch, the standard library and, optionally, Triton
 """
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -32,13 +31,6 @@ try:
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the installation
     HAS_TRITON = False
-try:
-    from triton import knobs
-    from triton.runtime import driver
-
-    HAS_KNOBS = True  # Triton 3.4 on: launch hooks in `knobs.runtime`
-except ImportError:  # pragma: no cover - depends on the installation
-    HAS_KNOBS = False
 
 # Piece width in bits of each supported view dtype; narrower pieces are
 # zero-extended to 64 bits (R21, R23).
@@ -70,11 +62,6 @@ VECTOR_FULL_TILES = True
 # did not change (benchmark --variants, "vector 4w head order";
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
-# After warm-up, launch the compiled variant directly (`BoundKernel`), not
-# through `kernel[grid]`, whose per-call binding and cache lookup cost 27-41 us
-# of host time a launch with warm CPU caches and about 240 us with cold ones
-# on the H200 host (issue 30: host time per engine step).
-BOUND_LAUNCH = True
 # A step's results reach the host through a kernel storing into pinned host
 # memory (SM writes over the bus) instead of a copy-engine copy, which can queue
 # behind the offload tier's large stores; off until an H200 run shows it helps
@@ -104,7 +91,6 @@ class LaunchConfig:
     masks (dense views: lane-index offsets and 16-byte-aligned tiles, so
     128-bit loads), and with it `token_order_tiles` walks blocks stored
     contiguously token-major in memory order (contiguous tiles there too).
-    `bound_launch` launches the variant compiled at warm-up directly.
     """
 
     max_tile: int
@@ -115,7 +101,6 @@ class LaunchConfig:
     wide_weights: bool = False
     vector_full_tiles: bool = False
     token_order_tiles: bool = True
-    bound_launch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
@@ -137,7 +122,6 @@ def default_config() -> LaunchConfig:
         wide_weights=WIDE_WEIGHTS,
         vector_full_tiles=VECTOR_FULL_TILES,
         token_order_tiles=TOKEN_ORDER_TILES,
-        bound_launch=BOUND_LAUNCH,
     )
 
 
@@ -819,99 +803,6 @@ def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
         _copy_words_kernel[grid](src, dst, n, BLOCK=COPY_BLOCK_WORDS)
 
 
-class BoundKernel:
-    """Launches one compiled variant of a JIT kernel on the current device's
-    current stream, given its runtime arguments only (issue 30).
-
-    `kernel[grid](...)` binds every argument, computes its specialization and
-    looks the variant up by a key string on every call. A launch whose varying
-    arguments are all in `do_not_specialize` and whose constants never change
-    always lands on the variant compiled at warm-up, so it may call that
-    variant's launcher itself, with the arguments in the order Triton's own
-    `JITFunction.run` passes them (Triton 3.3 on: every parameter of the
-    kernel, constants included, after the launch header).
-
-    `__call__` returns False, launching nothing, where the JIT path must run
-    instead: a launch hook is set (a profiler wants launch metadata) or the
-    current device is not the one the variant was loaded on.
-    """
-
-    def __init__(
-        self,
-        launcher: Callable[..., Any],
-        function: Any,
-        packed_metadata: Any,
-        constants: tuple[Any, ...],
-        device: int,
-    ) -> None:
-        self._launcher = launcher
-        self._function = function
-        self._metadata = packed_metadata
-        self._constants = constants
-        self._device = device
-        self._current_device = driver.active.get_current_device
-        self._current_stream = driver.active.get_current_stream
-
-    @classmethod
-    def bind(
-        cls,
-        jit_function: Any,
-        compiled: Any,
-        num_runtime_args: int,
-        constants: Mapping[str, Any],
-    ) -> "BoundKernel | None":
-        """The variant `compiled` (what `jit_function[grid](...)` returned),
-        launched with `num_runtime_args` positional arguments followed by the
-        kernel's remaining parameters, taken from `constants` (which may also
-        hold launch options such as `num_warps`). None where this Triton lacks
-        what a direct launch needs, or a parameter has no value."""
-        if not HAS_KNOBS:
-            return None
-        names: Sequence[str] = getattr(jit_function, "arg_names", ())
-        fields = ("run", "function", "packed_metadata")
-        if not names or any(getattr(compiled, f, None) is None for f in fields):
-            return None
-        rest = names[num_runtime_args:]
-        if len(names) < num_runtime_args or any(n not in constants for n in rest):
-            return None
-        return cls(
-            compiled.run,
-            compiled.function,
-            compiled.packed_metadata,
-            tuple(constants[name] for name in rest),
-            driver.active.get_current_device(),
-        )
-
-    def __call__(self, grid: tuple[int, int, int], args: Sequence[Any]) -> bool:
-        """Queue the kernel on `grid` with `args`; False if the JIT must."""
-        hooks = knobs.runtime
-        if _hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook):
-            return False
-        device = self._current_device()
-        if device != self._device:
-            return False
-        self._launcher(
-            grid[0],
-            grid[1],
-            grid[2],
-            self._current_stream(device),
-            self._function,
-            self._metadata,
-            None,  # launch metadata: only launch hooks read it
-            None,
-            None,
-            *args,
-            *self._constants,
-        )
-        return True
-
-
-def _hook_set(hook: Any) -> bool:
-    """Whether a Triton launch hook would run: a function (Triton 3.4-3.5) or
-    a non-empty chain of them (later versions keep an empty chain)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
 class KVChecksumLaunch:
     """One fused launch: every layer view sharing one layout (R61).
 
@@ -955,10 +846,6 @@ class KVChecksumLaunch:
         self.piece_bits = PIECE_BITS[views[0].dtype]
         self.backend = _pick_backend(backend, self.device)
         self.config = config or default_config()
-        # The variant compiled at warm-up, launched directly (`bound_launch`);
-        # `bind_error` says why not where the trial launch raised.
-        self.bound: BoundKernel | None = None
-        self.bind_error: str | None = None
         if self.backend == "triton":
             self._init_triton()
         else:
@@ -979,33 +866,12 @@ class KVChecksumLaunch:
             self._call_torch(rows, out)
 
     def warm_up(self) -> None:
-        """Run the launch once on an all-masked row so Triton compiles now (R62).
-
-        With `bound_launch`, bind the compiled variant and launch it once more
-        on the same row (adding nothing); if that raises (a Triton whose
-        launcher takes other arguments), keep the JIT path and say why in
-        `bind_error`."""
+        """Run the launch once on an all-masked row so Triton compiles now (R62)."""
         rows = torch.zeros((3, 1), dtype=torch.int64, device=self.device)
         out = torch.zeros(
             (1, max(self.columns) + 1), dtype=torch.int64, device=self.device
         )
-        if self.backend != "triton" or not self.config.bound_launch:
-            self(rows, out)
-            return
-        self.bound = None
-        grid, args = self._triton_args(rows, out)
-        compiled = _kv_checksum_kernel[grid](*args, **self._constants)
-        bound = BoundKernel.bind(
-            _kv_checksum_kernel, compiled, len(args), self._constants
-        )
-        if bound is None:
-            return
-        try:
-            bound(grid, args)
-        except Exception as error:
-            self.bind_error = repr(error)
-            return
-        self.bound = bound
+        self(rows, out)
 
     # Triton backend.
 
@@ -1124,21 +990,13 @@ class KVChecksumLaunch:
         return dict(VECTOR=True, DENSE=dense, TILE_ALIGNED=aligned)
 
     def _call_triton(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        grid, args = self._triton_args(rows, out)
-        if self.bound is None or not self.bound(grid, args):
-            _kv_checksum_kernel[grid](*args, **self._constants)
-
-    def _triton_args(
-        self, rows: torch.Tensor, out: torch.Tensor
-    ) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
-        """The grid and the runtime arguments of a launch over `rows`."""
         num_rows, num_layers = rows.shape[1], len(self.views)
         if self._programs:
             items = num_rows * self._num_chunks * num_layers
-            grid = (min(items, self._programs), 1, 1)
+            grid: tuple[int, ...] = (min(items, self._programs),)
         else:
             grid = (num_rows, self._num_chunks, num_layers)
-        args = (
+        _kv_checksum_kernel[grid](
             self._table,
             rows,
             rows.stride(0),
@@ -1149,8 +1007,8 @@ class KVChecksumLaunch:
             num_rows,
             num_layers,
             *self._strides,
+            **self._constants,
         )
-        return grid, args
 
     # PyTorch backend.
 

@@ -38,10 +38,7 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.records import (
     KVChecksumPendingRecord,
     finalize_records,
 )
-from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import KVCacheConfig
-
-logger = init_logger(__name__)
 
 __all__ = [
     "KVChecksumGroup",
@@ -84,19 +81,10 @@ class KVChecksumWorker:
         """Compile every launch and load the entry writes' device code at
         start-up, so neither lands in a step (R62); with `ZERO_COPY_RESULTS`,
         check the zero-copy result path once."""
-        errors = []
         for plans in self.groups.values():
             for plan in dict.fromkeys((plans.recv, plans.send, plans.load)):
                 for launch in plan.launches:
                     launch.warm_up()
-                    errors += [launch.bind_error] if launch.bind_error else []
-        if errors:
-            logger.warning(
-                "KV checksums: %d checksum launches go through Triton's JIT "
-                "launcher (%s): same checksums, more host time a step.",
-                len(errors),
-                errors[0],
-            )
         self.block_table.warm_up()
         self.launcher.enable_zero_copy()
 
