@@ -354,7 +354,10 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # sitecustomize (every hook's time minus the vLLM method it wraps, and the
 # engine steps); pass --tier. The summary lands in $OUT/hook_timer.json.
 # KV_CHECKSUM_HOOK_TIMER_DEEP=1: core methods too; KV_CHECKSUM_HOOK_TIMER_CPU=1:
-# the hooks' thread CPU time beside their wall time (waiting or working?).
+# the hooks' thread CPU time beside their wall time (waiting or working?);
+# KV_CHECKSUM_HOOK_TIMER_REQUESTS=1: per request, the steps and ms from arrival
+# to its load's finish, its first scheduled tokens and its first token (does a
+# verified load cost an extra step?), under "request_steps" of each engine.
 # hook-timer-serve: the same around the serve benchmark's P/D pairs (each
 # engine's record names its NIXL side channel port: 5600 + 20 x shift for a
 # producer, 5700 + 20 x shift for a consumer; --together shifts the second

@@ -17,6 +17,11 @@ KV_CHECKSUM_HOOK_TIMER_CPU=1 each hook also counts its thread's CPU time
 (`time.thread_time`): own wall time well above own CPU time means the engine
 thread waited inside the hook (for the GIL, or off its core) rather than
 worked.
+With KV_CHECKSUM_HOOK_TIMER_REQUESTS=1 each scheduler also counts, per
+request, the engine steps (and ms) between its arrival, the step whose output
+reported its KV load finished, the first step that scheduled its tokens and
+the step that gave its first token (`RequestSteps`): an extra step that
+checksums put before a loaded request runs shows there, on or off.
 Each process writes its totals to
 DIR/PID.json every two seconds. `python kv_checksum_hook_timer.py summarize
 DIR` prints per process the package's time per step and per hook, with
@@ -82,6 +87,115 @@ def _on_gc(phase: str, info: dict) -> None:
     _gc_seconds[generation] += time.perf_counter() - _gc_start[0]
 
 
+class RequestSteps:
+    """Steps and ms between the events of each request of one scheduler.
+
+    Events: "add" (arrival), "load_done" (the step whose output reported its
+    load finished), "scheduled" (the first step that scheduled tokens of it)
+    and "first_token". When the first token comes, each interval between two
+    of its events is counted (steps: a histogram; ms: a list, bounded) and the
+    request is forgotten; the step counter is the number of outputs processed.
+    """
+
+    INTERVALS = (
+        ("add", "first_token"),
+        ("add", "load_done"),
+        ("load_done", "scheduled"),
+        ("scheduled", "first_token"),
+    )
+    MAX_MS = 20000  # ms values kept per interval
+    MAX_OPEN = 10000  # requests tracked at once (aborted ones are dropped)
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.open: dict[str, dict[str, tuple[int, float]]] = {}
+        self.steps: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.ms: dict[str, list[float]] = defaultdict(list)
+
+    def on_add(self, req_id: str, now: float) -> None:
+        if len(self.open) >= self.MAX_OPEN:
+            self.open.clear()
+        self.open[req_id] = {"add": (self.step, now)}
+
+    def on_output(
+        self,
+        scheduled: Any,
+        finished_loads: Any,
+        first_tokens: Any,
+        now: float,
+    ) -> None:
+        """One step's output: `scheduled` maps request ids to their scheduled
+        tokens; `finished_loads` and `first_tokens` are request ids."""
+        step = self.step
+        self.step += 1
+        for req_id in finished_loads or ():
+            events = self.open.get(req_id)
+            if events is not None:
+                events.setdefault("load_done", (step, now))
+        for req_id, tokens in scheduled.items():
+            events = self.open.get(req_id)
+            if events is not None and tokens:
+                events.setdefault("scheduled", (step, now))
+        for req_id in first_tokens:
+            events = self.open.pop(req_id, None)
+            if events is None:
+                continue
+            events["first_token"] = (step, now)
+            loaded = "load_done" in events
+            for start, end in self.INTERVALS:
+                if start in events and end in events:
+                    name = f"{start}->{end}" + (" (loaded)" if loaded else "")
+                    self.steps[name][events[end][0] - events[start][0]] += 1
+                    if len(self.ms[name]) < self.MAX_MS:
+                        self.ms[name].append(1e3 * (events[end][1] - events[start][1]))
+
+    def record(self) -> dict:
+        return {
+            "steps": {k: dict(v) for k, v in self.steps.items()},
+            "ms": dict(self.ms),
+        }
+
+
+_requests = RequestSteps()
+
+
+def _trace_requests(scheduler_cls: type) -> None:
+    """Feed `_requests` from the scheduler's own methods (vLLM's classes,
+    whether or not checksums are on)."""
+    add_request = scheduler_cls.add_request
+    update_from_output = scheduler_cls.update_from_output
+
+    @functools.wraps(add_request)
+    def traced_add(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        _requests.on_add(request.request_id, time.perf_counter())
+        return add_request(self, request, *args, **kwargs)
+
+    @functools.wraps(update_from_output)
+    def traced_update(
+        self: Any, scheduler_output: Any, model_output: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        result = update_from_output(
+            self, scheduler_output, model_output, *args, **kwargs
+        )
+        kv_output = getattr(model_output, "kv_connector_output", None)
+        first = [
+            out.request_id
+            for outputs in (result or {}).values()
+            for out in outputs.outputs
+            if out.new_token_ids and out.request_id in _requests.open
+        ]
+        _requests.on_output(
+            scheduler_output.num_scheduled_tokens,
+            getattr(kv_output, "finished_recving", None),
+            first,
+            time.perf_counter(),
+        )
+        return result
+
+    scheduler_cls.add_request = traced_add
+    scheduler_cls.update_from_output = traced_update
+
+
 def _dump(out_dir: str) -> None:
     now = time.perf_counter()
     if now - _last_dump[0] < _DUMP_EVERY_S:
@@ -101,6 +215,7 @@ def _dump(out_dir: str) -> None:
         "wrapped_cpu": dict(_wrapped_cpu),
         "gc_counts": list(_gc_counts),
         "gc_seconds": list(_gc_seconds),
+        "request_steps": _requests.record(),
     }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -234,6 +349,12 @@ class _WiringFinder(importlib.abc.MetaPathFinder):
                 _time_steps(out_dir)
             except Exception as e:  # the hooks' timing still works
                 print(f"[hook-timer] steps not timed: {e!r}", file=sys.stderr)
+            if os.environ.get("KV_CHECKSUM_HOOK_TIMER_REQUESTS") == "1":
+                from vllm.v1.core.sched.scheduler import Scheduler
+
+                # Before install(): the package's hooks wrap these, so the
+                # trace sees vLLM's own calls on and off alike.
+                _trace_requests(Scheduler)
 
         loader.exec_module = patched_exec  # type: ignore[method-assign]
         return spec
@@ -299,8 +420,25 @@ def summarize(out_dir: str) -> dict:
                 for k, v in sorted(core.items(), key=lambda kv: -kv[1])
             },
             "calls": calls,
+            "request_steps": _request_summary(record.get("request_steps") or {}),
         }
     return result
+
+
+def _request_summary(record: dict) -> dict:
+    """Per interval: requests, mean steps, the steps histogram, median ms."""
+    summary = {}
+    for name, histogram in sorted(record.get("steps", {}).items()):
+        counts = {int(k): v for k, v in histogram.items()}
+        n = sum(counts.values())
+        ms = sorted(record.get("ms", {}).get(name, []))
+        summary[name] = {
+            "requests": n,
+            "steps_mean": round(sum(k * v for k, v in counts.items()) / n, 3),
+            "steps": dict(sorted(counts.items())),
+            "ms_median": round(ms[len(ms) // 2], 3) if ms else None,
+        }
+    return summary
 
 
 if __name__ == "__main__":

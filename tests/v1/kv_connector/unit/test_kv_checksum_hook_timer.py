@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
 
 SCRIPT = (
@@ -135,3 +137,71 @@ def test_hook_time_benchmark_times_the_real_hooks(tmp_path) -> None:
     (row,) = json.loads(out.read_text())
     assert row["connector"] == "OffloadingConnector" and row["running"] == 4
     assert row["on_us"] > 0 and row["off_us"] > 0
+
+
+def test_request_steps_count_each_interval_by_its_events() -> None:
+    """Issue 30 item 3 (diagnosis): per request, steps between arrival, the
+    output reporting its load finished, its first scheduled tokens and its
+    first token, loaded and not-loaded requests apart; a request is counted
+    once, at its first token. Bugs caught: the step counted before the output
+    is processed (every interval off by one), a later load report or a decode
+    step overwriting the first, and an unloaded request counted as loaded."""
+    timer = load_script("kv_checksum_hook_timer_requests", SCRIPT)
+    steps = timer.RequestSteps()
+    steps.on_add("loaded", 0.0)
+    steps.on_add("plain", 0.0)
+    # Output 0: "plain" prefills and gives its first token; "loaded" waits.
+    steps.on_output({"plain": 5}, (), ["plain"], 0.001)
+    steps.on_output({}, (), [], 0.002)  # output 1
+    steps.on_output({}, ["loaded"], [], 0.003)  # output 2 reports its load
+    steps.on_output({"loaded": 3}, ["loaded"], [], 0.004)  # output 3: prefill
+    steps.on_output({"loaded": 1}, (), ["loaded", "plain"], 0.006)  # output 4
+    record = steps.record()["steps"]
+    assert record == {
+        "add->first_token": {0: 1},
+        "scheduled->first_token": {0: 1},
+        "add->first_token (loaded)": {4: 1},
+        "add->load_done (loaded)": {2: 1},
+        "load_done->scheduled (loaded)": {1: 1},
+        "scheduled->first_token (loaded)": {1: 1},
+    }
+    assert steps.open == {}
+    summary = timer._request_summary(steps.record())
+    loaded = summary["add->first_token (loaded)"]
+    assert (loaded["requests"], loaded["steps_mean"]) == (1, 4.0)
+    assert abs(loaded["ms_median"] - 6.0) < 1e-9
+
+
+@pytest.mark.usefixtures("cuda_stream_stubs")
+def test_request_steps_trace_a_real_scheduler_alike_on_and_off(
+    model_dir: str, monkeypatch: Any
+) -> None:
+    """Issue 30 item 3, R142 (diagnosis): traced on vLLM's real Scheduler with
+    OffloadingConnector loads (CPU simulation), the tracer sees every load
+    and counts the same steps with checksums on (fail-closed) as off. Bugs
+    caught: the trace reading the wrong output field (no loaded requests),
+    or wrapping methods the engine does not call (nothing counted)."""
+    from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
+        OffloadSimEngine,
+        run_shared_prefixes,
+    )
+    from tests.v1.kv_connector.unit.test_kv_checksum_offload_connectors import (
+        offload_side,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    timer = load_script("kv_checksum_hook_timer_real", SCRIPT)
+    monkeypatch.setattr(Scheduler, "add_request", Scheduler.add_request)
+    monkeypatch.setattr(Scheduler, "update_from_output", Scheduler.update_from_output)
+    timer._trace_requests(Scheduler)
+    counted = {}
+    for enabled in (False, True):
+        timer._requests = timer.RequestSteps()
+        side = offload_side(enabled=enabled, fail_closed=enabled)
+        engine = OffloadSimEngine(model_dir, side, f"trace-{enabled}")
+        run_shared_prefixes(engine, 14)
+        counted[enabled] = timer._requests.record()["steps"]
+    loaded = counted[False].get("load_done->scheduled (loaded)", {})
+    assert sum(loaded.values()) >= 6
+    assert sum(counted[False]["add->first_token"].values()) >= 1
+    assert counted[True] == counted[False]
