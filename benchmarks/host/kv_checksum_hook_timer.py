@@ -103,7 +103,7 @@ class RequestSteps:
         ("load_done", "scheduled"),
         ("scheduled", "first_token"),
     )
-    MAX_MS = 20000  # ms values kept per interval
+    MAX_MS = 2000  # ms values kept per interval (each dump writes them all)
     MAX_OPEN = 10000  # requests tracked at once (aborted ones are dropped)
 
     def __init__(self) -> None:
