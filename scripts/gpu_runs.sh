@@ -352,7 +352,8 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # Issue 30: which hook's own time makes a step slower. The prefix/offload
 # benchmark with benchmarks/host/kv_checksum_hook_timer.py as the engines'
 # sitecustomize (every hook's time minus the vLLM method it wraps, and the
-# engine steps); pass --tier. The summary lands in $OUT/hook_timer.json.
+# engine steps); pass --tier. The summary lands in $OUT/hook_timer.json
+# (hook_timer-T.json with KV_CHECKSUM_RUN_TAG=T).
 # KV_CHECKSUM_HOOK_TIMER_DEEP=1: core methods too; KV_CHECKSUM_HOOK_TIMER_CPU=1:
 # the hooks' thread CPU time beside their wall time (waiting or working?);
 # KV_CHECKSUM_HOOK_TIMER_REQUESTS=1: per request, the steps and ms from arrival
@@ -374,9 +375,10 @@ hook-timer | hook-timer-serve)
     rc=$?
     rm -f "$site/sitecustomize.py"
     mkdir -p "$out"
+    summary="$out/hook_timer${KV_CHECKSUM_RUN_TAG:+-$KV_CHECKSUM_RUN_TAG}.json"
     python3 "$repo/benchmarks/host/kv_checksum_hook_timer.py" summarize \
-        "$KV_CHECKSUM_HOOK_TIMER_DIR" >"$out/hook_timer.json"
-    head -c 3000 "$out/hook_timer.json"
+        "$KV_CHECKSUM_HOOK_TIMER_DIR" >"$summary"
+    head -c 3000 "$summary"
     exit $rc
     ;;
 bench-offload-multi) run bench-offload-multi \
