@@ -375,10 +375,10 @@ hook-timer | hook-timer-serve)
     rc=$?
     rm -f "$site/sitecustomize.py"
     mkdir -p "$out"
-    summary="$out/hook_timer${KV_CHECKSUM_RUN_TAG:+-$KV_CHECKSUM_RUN_TAG}.json"
+    timer_json="$out/hook_timer${KV_CHECKSUM_RUN_TAG:+-$KV_CHECKSUM_RUN_TAG}.json"
     python3 "$repo/benchmarks/host/kv_checksum_hook_timer.py" summarize \
-        "$KV_CHECKSUM_HOOK_TIMER_DIR" >"$summary"
-    head -c 3000 "$summary"
+        "$KV_CHECKSUM_HOOK_TIMER_DIR" >"$timer_json"
+    head -c 3000 "$timer_json"
     exit $rc
     ;;
 bench-offload-multi) run bench-offload-multi \

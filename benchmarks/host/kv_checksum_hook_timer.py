@@ -34,6 +34,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -431,12 +432,12 @@ def _request_summary(record: dict) -> dict:
     for name, histogram in sorted(record.get("steps", {}).items()):
         counts = {int(k): v for k, v in histogram.items()}
         n = sum(counts.values())
-        ms = sorted(record.get("ms", {}).get(name, []))
+        ms = record.get("ms", {}).get(name, [])
         summary[name] = {
             "requests": n,
             "steps_mean": round(sum(k * v for k, v in counts.items()) / n, 3),
             "steps": dict(sorted(counts.items())),
-            "ms_median": round(ms[len(ms) // 2], 3) if ms else None,
+            "ms_median": round(statistics.median_high(ms), 3) if ms else None,
         }
     return summary
 

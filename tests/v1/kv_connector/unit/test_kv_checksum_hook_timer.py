@@ -140,7 +140,7 @@ def test_hook_time_benchmark_times_the_real_hooks(tmp_path) -> None:
 
 
 def test_request_steps_count_each_interval_by_its_events() -> None:
-    """Issue 30 item 3 (diagnosis): per request, steps between arrival, the
+    """Issue 30 item 3, R142 (diagnosis): per request, steps between arrival, the
     output reporting its load finished, its first scheduled tokens and its
     first token, loaded and not-loaded requests apart; a request is counted
     once, at its first token. Bugs caught: the step counted before the output
