@@ -22,6 +22,12 @@ request, the engine steps (and ms) between its arrival, the step whose output
 reported its KV load finished, the first step that scheduled its tokens and
 the step that gave its first token (`RequestSteps`): an extra step that
 checksums put before a loaded request runs shows there, on or off.
+With KV_CHECKSUM_HOOK_TIMER_VLLM=1 it also times vLLM's own step parts in
+`VLLM_PARTS` (inclusive, on and off alike): the scheduler's `schedule` with
+the package's work inside it (its `_update_after_schedule` hook, the block
+pool's instance hooks of prefix-hit verification), `allocate_slots` (those
+block pool hooks alone) and the executor's model call (the worker's hooks
+and the forward's host time).
 Each process writes its totals to
 DIR/PID.json every two seconds. `python kv_checksum_hook_timer.py summarize
 DIR` prints per process the package's time per step and per hook, with
@@ -57,6 +63,14 @@ DEEP = (
     ("offload.offloading", "HostEntryTable"),
     ("offload.loads", "KVChecksumOffloadLoads"),
     ("definition.kernels", "KVChecksumLaunch"),
+)
+# (module, class, method): vLLM's step parts timed with ..._VLLM=1; one a
+# vLLM version lacks is skipped.
+VLLM_PARTS = (
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots"),
+    ("vllm.v1.executor.uniproc_executor", "UniProcExecutor", "execute_model"),
+    ("vllm.v1.executor.uniproc_executor", "UniProcExecutor", "sample_tokens"),
 )
 _DUMP_EVERY_S = 2.0
 
@@ -318,6 +332,20 @@ def _time_core(out_dir: str) -> None:
             _time_function(cls, name, f"core:{class_name}.{name}", out_dir)
 
 
+def _time_vllm_parts(out_dir: str) -> None:
+    """vLLM's step parts of `VLLM_PARTS`, whole (key "vllm:Class.method")."""
+    import importlib
+
+    for module_name, class_name, name in VLLM_PARTS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except Exception as e:
+            print(f"[hook-timer] {class_name} not timed: {e!r}", file=sys.stderr)
+            continue
+        if name in vars(cls):
+            _time_function(cls, name, f"vllm:{class_name}.{name}", out_dir)
+
+
 class _WiringFinder(importlib.abc.MetaPathFinder):
     """Patches the wiring module right after it runs, before `install()`."""
 
@@ -356,6 +384,8 @@ class _WiringFinder(importlib.abc.MetaPathFinder):
                 # Before install(): the package's hooks wrap these, so the
                 # trace sees vLLM's own calls on and off alike.
                 _trace_requests(Scheduler)
+            if os.environ.get("KV_CHECKSUM_HOOK_TIMER_VLLM") == "1":
+                _time_vllm_parts(out_dir)
 
         loader.exec_module = patched_exec  # type: ignore[method-assign]
         return spec
@@ -386,13 +416,20 @@ def summarize(out_dir: str) -> dict:
         own = {
             k: record["whole"][k] - record["wrapped"].get(k, 0.0)
             for k in record["whole"]
-            if not k.startswith(("EngineCore.", "core:"))
+            if not k.startswith(("EngineCore.", "core:", "vllm:"))
         }
         core = {
             k[len("core:") :]: v
             for k, v in record["whole"].items()
             if k.startswith("core:")
         }
+        parts = {
+            k[len("vllm:") :]: v
+            for k, v in record["whole"].items()
+            if k.startswith("vllm:")
+        }
+        # Hooks that ran once (constructors) are start-up, not step, cost.
+        once = {k for k in own if calls.get(k, 0) <= 1}
         step_s = sum(v for k, v in record["whole"].items() if k.startswith("Engine"))
         result[str(record["pid"])] = {
             "ppid": record["ppid"],
@@ -400,6 +437,9 @@ def summarize(out_dir: str) -> dict:
             "steps": steps,
             "step_ms_mean": 1e3 * step_s / steps,
             "own_us_per_step": 1e6 * sum(own.values()) / steps,
+            "own_us_per_step_without_start_up": round(
+                1e6 * sum(v for k, v in own.items() if k not in once) / steps, 2
+            ),
             "hooks_us_per_step": {
                 k: round(1e6 * v / steps, 2)
                 for k, v in sorted(own.items(), key=lambda kv: -kv[1])
@@ -409,7 +449,7 @@ def summarize(out_dir: str) -> dict:
                 * sum(
                     v - record.get("wrapped_cpu", {}).get(k, 0.0)
                     for k, v in record.get("whole_cpu", {}).items()
-                    if not k.startswith(("EngineCore.", "core:"))
+                    if not k.startswith(("EngineCore.", "core:", "vllm:"))
                 )
                 / steps,
                 2,
@@ -419,6 +459,10 @@ def summarize(out_dir: str) -> dict:
             "core_us_per_step": {
                 k: round(1e6 * v / steps, 2)
                 for k, v in sorted(core.items(), key=lambda kv: -kv[1])
+            },
+            "vllm_us_per_step": {
+                k: round(1e6 * v / steps, 2)
+                for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
             },
             "calls": calls,
             "request_steps": _request_summary(record.get("request_steps") or {}),

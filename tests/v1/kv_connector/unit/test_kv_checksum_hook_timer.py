@@ -205,3 +205,68 @@ def test_request_steps_trace_a_real_scheduler_alike_on_and_off(
     assert sum(loaded.values()) >= 6
     assert sum(counted[False]["add->first_token"].values()) >= 1
     assert counted[True] == counted[False]
+
+
+def test_summary_keeps_start_up_and_vllm_parts_apart(tmp_path) -> None:
+    """R142 (diagnosis), issue 30: a hook that ran once (a constructor) is
+    start-up cost, left out of the per-step figure beside the total, and
+    vLLM's own step parts (`vllm:` keys, inclusive) are reported apart from
+    the package's hooks. Bugs caught (tried): the constructor's seconds
+    spread over the steps as if each step paid them (the 2026-12-02f run's
+    300 us "per step"), and vLLM's `schedule` counted as the package's own
+    time."""
+    timer = load_script("kv_checksum_hook_timer_parts", SCRIPT)
+    engine = {
+        "pid": 21,
+        "ppid": 1,
+        "whole": {
+            "EngineCore.step": 1.0,
+            "ActiveKVConnector.__init__": 0.5,
+            "Scheduler.update_from_output": 0.004,
+            "vllm:Scheduler.schedule": 0.02,
+        },
+        "wrapped": {"Scheduler.update_from_output": 0.002},
+        "calls": {
+            "EngineCore.step": 100,
+            "ActiveKVConnector.__init__": 1,
+            "Scheduler.update_from_output": 100,
+            "vllm:Scheduler.schedule": 100,
+        },
+    }
+    (tmp_path / "21.json").write_text(json.dumps(engine))
+    row = timer.summarize(str(tmp_path))["21"]
+    assert abs(row["own_us_per_step"] - 5020.0) < 1e-6
+    assert row["own_us_per_step_without_start_up"] == 20.0
+    assert row["vllm_us_per_step"] == {"Scheduler.schedule": 200.0}
+    assert "vllm:Scheduler.schedule" not in row["hooks_us_per_step"]
+
+
+def test_vllm_parts_are_vllm_0_33_methods_and_stay_transparent(
+    tmp_path, monkeypatch
+) -> None:
+    """R142 (diagnosis), issue 30: every step part the timer names exists in
+    vLLM 0.33.0 (a renamed method would be skipped silently and its figure
+    missing) and gets wrapped; a timed part returns the method's result and
+    counts each call. Bug caught (tried): a part named after a method vLLM
+    does not define on that class (`Scheduler.schedule_step`)."""
+    import importlib
+
+    timer = load_script("kv_checksum_hook_timer_vllm", SCRIPT)
+    classes = []
+    for module_name, class_name, name in timer.VLLM_PARTS:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        assert name in vars(cls), f"{class_name}.{name}"
+        monkeypatch.setattr(cls, name, vars(cls)[name])  # restored after the test
+        classes.append((cls, name, vars(cls)[name]))
+    timer._time_vllm_parts(str(tmp_path))
+    for cls, name, original in classes:
+        assert vars(cls)[name].__wrapped__ is original
+
+    class Part:
+        def run(self, x: int) -> int:
+            return x * 3
+
+    timer._time_function(Part, "run", "vllm:Part.run", str(tmp_path))
+    assert Part().run(2) == 6 and Part().run(3) == 9
+    assert timer._calls["vllm:Part.run"] == 2
+    assert timer._whole["vllm:Part.run"] >= 0.0
