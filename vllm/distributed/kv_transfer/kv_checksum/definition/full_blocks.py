@@ -63,6 +63,15 @@ class FullBlocks:
             _as_objects(hashes),
         )
 
+    def select(self, mask: np.ndarray) -> "FullBlocks":
+        """The blocks where `mask` is true, in the same order."""
+        return FullBlocks(
+            self.groups[mask],
+            self.positions[mask],
+            self.block_ids[mask],
+            self.hashes[mask],
+        )
+
     def _run_bounds(self) -> list[int]:
         cut = (np.diff(self.groups) != 0) | (np.diff(self.positions) != 1)
         return [0, *(np.flatnonzero(cut) + 1).tolist(), len(self.block_ids)]

@@ -93,6 +93,10 @@ class KVChecksumPrefixHits:
         self.hash_block_size = hash_block_size
         self.num_workers = num_workers
         self.has_entry = np.zeros(num_blocks, dtype=bool)
+        # Entries the workers were asked to write in an earlier step (handed
+        # over by `take_step`): an offload store of such a block copies the
+        # entry instead of checksumming the block again (issue 30).
+        self.entry_handed = np.zeros(num_blocks, dtype=bool)
         # block id -> the prefix-cache key the entry was recorded under
         self.entry_keys: dict[int, Hashable] = {}
         self.pending: dict[str, PendingPrefixHit] = {}
@@ -115,6 +119,7 @@ class KVChecksumPrefixHits:
         (strictly increasing, as vLLM caches them)."""
         if positions.size == 0:
             return
+        self.entry_handed[block_ids] = False  # written again from this step
         for pos, ids in _position_runs(positions, block_ids):
             hashes = position_hashes(
                 request.block_hashes,
@@ -133,11 +138,13 @@ class KVChecksumPrefixHits:
         """Drop a block's entry once no prefix-cache key reaches it any more."""
         if not still_cached and self.entry_keys.pop(block_id, None) is not None:
             self.has_entry[block_id] = False
+            self.entry_handed[block_id] = False
 
     def clear(self) -> None:
         """The prefix cache was reset: every entry is gone."""
         self.entry_keys.clear()
         self.has_entry[:] = False
+        self.entry_handed[:] = False
 
     def add_hits(self, request: Any, block_ids: np.ndarray) -> None:
         """Check the request's hit blocks (positions 0..) in this step.
@@ -164,7 +171,24 @@ class KVChecksumPrefixHits:
     def take_step(self) -> PrefixHitStep:
         """This step's saves and checks for the workers, then reset."""
         step, self._step = self._step, PrefixHitStep()
+        for _, _, ids, _ in step.saves:
+            self.entry_handed[ids] = True
         return step
+
+    def entries_written(self, groups: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
+        """Per block, whether the workers already hold its entry: recorded
+        and handed over in an earlier step, and the block not evicted since.
+
+        Such an entry was taken from the KV as computed, so a copy of the
+        block made later (an offload store) is checked against it, not
+        against a checksum of whatever the block holds by then.
+        """
+        ready = np.zeros(block_ids.shape, dtype=bool)
+        ours = groups == self.group_id
+        if ours.any():
+            ids = block_ids[ours]
+            ready[ours] = self.entry_handed[ids] & self.has_entry[ids]
+        return ready
 
     def verify(self, key: str) -> tuple[PendingPrefixHit, KVChecksumVerdict] | None:
         """The verdict of one pending check, now that its step's reports are in."""

@@ -59,6 +59,9 @@ BlockKey = tuple[bytes | None, int | None]
 BlockKeysFn = Callable[[Sequence[int]], list[BlockKey]]
 # request id -> the CPU block ids its pending load reads (None: no load)
 LoadBlocksFn = Callable[[str], Sequence[int] | None]
+# (groups, GPU block ids) -> per block, whether the workers already hold its
+# entry (written by prefix-hit verification in an earlier step, R140)
+EntriesWrittenFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 _GROUP_BYTES = 4
 
@@ -140,7 +143,8 @@ class SimpleOffloadSchedulerSide:
 
     Plain inputs from the wiring: each group's block size, the cache keys of
     GPU and of CPU blocks, the CPU blocks of a request's pending load, and
-    the removal of a CPU block from the CPU prefix cache.
+    the removal of a CPU block from the CPU prefix cache; optionally, which
+    GPU blocks' entries the workers already hold (prefix-hit verification).
     """
 
     def __init__(
@@ -150,8 +154,10 @@ class SimpleOffloadSchedulerSide:
         cpu_keys: BlockKeysFn,
         load_blocks: LoadBlocksFn,
         try_remove: TryRemoveFn,
+        entries_written: EntriesWrittenFn | None = None,
     ) -> None:
         self.block_sizes = list(block_sizes)
+        self.entries_written = entries_written
         self.gpu_keys = gpu_keys
         self.cpu_keys = cpu_keys
         self.load_blocks = load_blocks
@@ -161,8 +167,10 @@ class SimpleOffloadSchedulerSide:
         self.unentried: set[int] = set()
 
     def attach(self, metadata: Any) -> None:
-        """The runs of this step's stores, and each loading request's block
-        count (for host fault injection, R131), on the metadata (R118)."""
+        """The runs of this step's stored blocks whose entries the workers
+        must write (not those they already hold: the store copies every
+        stored block's entry), and each loading request's block count (for
+        host fault injection, R131), on the metadata (R118)."""
         gpu_ids = list(getattr(metadata, "store_gpu_blocks", None) or ())
         if gpu_ids:
             places = block_places(self.gpu_keys(gpu_ids), self.block_sizes)
@@ -172,6 +180,12 @@ class SimpleOffloadSchedulerSide:
             if not known.all():
                 self.unentried.update(cpu_ids[~known].tolist())
             blocks = store_runs(gpu_ids, places)
+            if self.entries_written is not None and len(blocks.block_ids):
+                # Blocks whose entry the workers already hold: copied to
+                # their CPU slots, not checksummed a second time.
+                written = self.entries_written(blocks.groups, blocks.block_ids)
+                if written.any():
+                    blocks = blocks.select(~written)
             if len(blocks.block_ids):
                 metadata.kv_checksum_store_runs = blocks
         event = getattr(metadata, "load_event", -1)

@@ -116,6 +116,24 @@ def verify(scheduler: Any, scheduler_output: Any, model_output: Any) -> None:
         _turn_off(scheduler, "verification")
 
 
+def entries_written_of(scheduler: Any) -> Any:
+    """R140, issue 30. For the offload tiers' scheduler sides (Scheduler.__init__
+    hook): `(groups, block_ids) -> mask` of the GPU blocks whose entries this
+    scheduler's prefix-hit verification already had the workers write (all
+    false once it turned off: a store then checksums its blocks itself);
+    None with the flag off."""
+    if not _verify_prefix_hits(scheduler.vllm_config):
+        return None
+
+    def entries_written(groups: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
+        state = scheduler.__dict__.get(_STATE_ATTR)
+        if state is None:
+            return np.zeros(block_ids.shape, dtype=bool)
+        return state.hits.entries_written(groups, block_ids)
+
+    return entries_written
+
+
 def enable_worker(worker: Any, vllm_config: Any) -> None:
     """R140. Called by the ActiveKVConnector.__init__ hook with the checksum
     worker it created: the worker saves entries and checks hits."""

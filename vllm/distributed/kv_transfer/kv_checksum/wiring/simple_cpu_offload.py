@@ -141,9 +141,14 @@ def _simple_offload_children(connector: Any) -> list[Any]:
     return [c for c in children if isinstance(c, SimpleCPUOffloadConnector)]
 
 
-def _attach_simple_offload_schedulers(connector: Any) -> None:
+def _attach_simple_offload_schedulers(
+    connector: Any, entries_written: Any = None
+) -> None:
     """With checksums on only (Scheduler.__init__ hook): checksum state on
-    each SimpleCPUOffloadConnector with a CPU (not disk) backend (R119)."""
+    each SimpleCPUOffloadConnector with a CPU (not disk) backend (R119).
+    `entries_written(groups, block_ids)`: which GPU blocks' entries the
+    workers already hold (prefix-hit verification's, R140), so their stores
+    copy them instead of checksumming the blocks again."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     for child in _simple_offload_children(connector):
@@ -156,10 +161,12 @@ def _attach_simple_offload_schedulers(connector: Any) -> None:
                 "covered; its loads are not checked."
             )
             continue
-        child._kv_checksum_simple_offload = _simple_offload_scheduler_side(manager)
+        child._kv_checksum_simple_offload = _simple_offload_scheduler_side(
+            manager, entries_written
+        )
 
 
-def _simple_offload_scheduler_side(manager: Any) -> Any:
+def _simple_offload_scheduler_side(manager: Any, entries_written: Any = None) -> Any:
     """The scheduler-side state over vLLM 0.33.0's SimpleCPUOffloadScheduler
     internals: the GPU block pool it stores from (`_gpu_block_pool`, bound by
     the Scheduler), the CPU blocks of a request's pending load
@@ -192,6 +199,7 @@ def _simple_offload_scheduler_side(manager: Any) -> Any:
         lambda ids: keys(manager.cpu_block_pool, ids),
         load_blocks,
         try_remove,
+        entries_written,
     )
 
 
