@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""SimpleCPUOffloadConnector stores with prefix-hit verification on (R118,
-R140, issue 30): a block whose entry the workers wrote when vLLM cached it
-goes to its CPU slot with that entry; it is not checksummed a second time.
+"""Offload tier stores with prefix-hit verification on (R118, R140, issue
+30): a block whose entry the workers wrote when vLLM cached it goes to its
+CPU slot with that entry; it is not checksummed a second time.
 
-The scheduler side is vLLM's real Scheduler and SimpleCPUOffloadConnector;
-the workers are the plugin's, with vLLM's DMA copies simulated on CPU
-(`kv_checksum_offload_sim`).
+The scheduler side is vLLM's real Scheduler with SimpleCPUOffloadConnector
+(eager and lazy) or OffloadingConnector; the workers are the plugin's, with
+vLLM's copies simulated on CPU (`kv_checksum_offload_sim`).
 """
 
 import random
@@ -18,6 +18,7 @@ import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
+    OffloadSimEngine,
     SimpleOffloadSimEngine,
     assert_every_load_verified,
     verdicts,
@@ -37,26 +38,34 @@ BS = 16
 NUM_PREFIXES = 6
 
 
-def engine_for(
-    model_dir: str, name: str, lazy: bool = False, verify_hits: bool = True
-) -> SimpleOffloadSimEngine:
+TIERS = ["simple-eager", "simple-lazy", "offloading"]
+
+
+def engine_for(model_dir: str, name: str, tier: str, verify_hits: bool = True) -> Any:
     """24 GPU blocks: each 4-block prefix is evicted before it comes back, so
     its reuse loads from host memory."""
-    extra: dict[str, Any] = {
-        "cpu_bytes_to_use": 1 << 22,
-        "num_cpu_blocks": 64,
-        "lazy_offload": lazy,
-    }
+    extra: dict[str, Any] = {"cpu_bytes_to_use": 1 << 22}
+    if tier != "offloading":
+        extra.update(num_cpu_blocks=64, lazy_offload=tier == "simple-lazy")
     if verify_hits:
         extra[VERIFY_PREFIX_HITS_KEY] = True
-    side = SideConfig(
-        num_blocks=24, connector="SimpleCPUOffloadConnector", connector_extra=extra
+    connector = (
+        "OffloadingConnector" if tier == "offloading" else ("SimpleCPUOffloadConnector")
     )
-    engine = SimpleOffloadSimEngine(model_dir, side, name)
+    side = SideConfig(num_blocks=24, connector=connector, connector_extra=extra)
+    engine_cls = OffloadSimEngine if tier == "offloading" else SimpleOffloadSimEngine
+    engine = engine_cls(model_dir, side, name)
     if verify_hits:  # as the ActiveKVConnector.__init__ hook does
         for worker in engine.workers:
             worker.checksum.enable_prefix_entries()
     return engine
+
+
+def scheduler_side(engine: Any) -> Any:
+    attr = "_kv_checksum_simple_offload"
+    if isinstance(engine, OffloadSimEngine):
+        attr = "_kv_checksum_offload"
+    return engine.offload.__dict__[attr]
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -71,7 +80,7 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-def record_saves(engine: SimpleOffloadSimEngine) -> list[tuple[str, set[int]]]:
+def record_saves(engine: Any) -> list[tuple[str, set[int]]]:
     """Worker 0's entry writes: ("store" | "prefix", block ids checksummed)."""
     table = engine.workers[0].checksum.block_table
     original = table.save
@@ -87,39 +96,55 @@ def record_saves(engine: SimpleOffloadSimEngine) -> list[tuple[str, set[int]]]:
     return saves
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_R140_stores_copy_the_entries_written_at_caching(
-    model_dir: str, lazy: bool
-) -> None:
-    """Every block a store copies had its entry written by prefix-hit
-    verification in an earlier step, so no store checksums a block again,
-    and every load back from host memory is verified with the copied entry.
-    Bugs caught (tried): the store runs not filtered (each block
-    checksummed twice); a save with no runs returning before its copy (the
-    filtered blocks' CPU slots keep no entry: their loads mismatch)."""
-    engine = engine_for(model_dir, f"stores-{lazy}", lazy)
+def cached_blocks(engine: Any) -> int:
+    """Blocks whose prefix entries the scheduler asked for, over all steps."""
+    total = 0
+    for output in engine.history:
+        scheduled = getattr(output, "kv_checksum_scheduled", None)
+        for _, _, block_ids, _ in getattr(scheduled, "blocks_to_save", None) or ():
+            total += len(block_ids)
+    return total
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_R140_each_cached_block_is_checksummed_once(model_dir: str, tier: str) -> None:
+    """Every block vLLM caches is checksummed once, though both prefix-hit
+    verification and the offload tier's store want its entry: a
+    SimpleCPUOffloadConnector store (one or more steps after the caching)
+    copies the entry already written; an OffloadingConnector store (in the
+    caching step, before it) writes it and the prefix entries skip the
+    block. Every load back from host memory is verified with the entries
+    the stores copied. Bugs caught (tried): the store runs not filtered
+    (each stored block checksummed twice); a save with no runs returning
+    before its copy (the filtered blocks' CPU slots keep no entry: their
+    loads mismatch); the blocks stored this step not reset at the next
+    step's bind (a block cached again later keeps its old entry)."""
+    engine = engine_for(model_dir, f"stores-{tier}", tier)
     saves = record_saves(engine)
     for i, tokens in enumerate(prompts(18)):
         engine.add(make_request(f"r{i}", tokens, max_tokens=2, block_size=BS))
         engine.run(f"r{i}")
-    assert engine.num_stored_blocks > 0 and engine.num_loads >= 6
+    assert engine.num_loads >= 6
     assert_every_load_verified(engine)
-    prefix_saved = set().union(*(ids for kind, ids in saves if kind == "prefix"))
+    checksummed = sum(len(ids) for _, ids in saves)
+    assert cached_blocks(engine) > 0
+    assert checksummed == cached_blocks(engine), saves
     stores = [ids for kind, ids in saves if kind == "store"]
-    assert stores and prefix_saved
-    assert all(not ids for ids in stores), stores
+    assert stores  # the stores happened (and copied the entries)
+    if tier != "offloading":
+        assert all(not ids for ids in stores), stores
 
 
+@pytest.mark.parametrize("tier", TIERS)
 def test_R118_without_prefix_hits_stores_checksum_their_blocks(
-    model_dir: str,
+    model_dir: str, tier: str
 ) -> None:
     """With prefix-hit verification off the stores write their blocks'
     entries themselves, as before, and the scheduler side holds no filter
     (bug caught, tried: the filter attached with the flag off, a call per
     store for nothing)."""
-    engine = engine_for(model_dir, "stores-no-hits", verify_hits=False)
-    side = engine.offload.__dict__["_kv_checksum_simple_offload"]
-    assert side.entries_written is None  # no per-store call at all
+    engine = engine_for(model_dir, f"stores-no-hits-{tier}", tier, verify_hits=False)
+    assert scheduler_side(engine).entries_written is None  # no per-store call at all
     saves = record_saves(engine)
     for i, tokens in enumerate(prompts(12)):
         engine.add(make_request(f"r{i}", tokens, max_tokens=2, block_size=BS))
@@ -128,16 +153,19 @@ def test_R118_without_prefix_hits_stores_checksum_their_blocks(
     assert any(ids for kind, ids in saves if kind == "store")
 
 
+@pytest.mark.parametrize("tier", ["simple-eager", "simple-lazy"])
 def test_R140_block_overwritten_before_its_store_is_caught_at_load(
-    model_dir: str,
+    model_dir: str, tier: str
 ) -> None:
     """A cached block overwritten on the GPU after the forward that computed
-    it and before the offload tier stored it: its host copy carries the
+    it and before SimpleCPUOffloadConnector stored it (one step later in
+    eager mode, two in lazy mode; OffloadingConnector stores in the caching
+    step, before any overwrite can come): its host copy carries the
     entry of the KV as computed, so its load back mismatches. Before this
     change the store checksummed the overwritten block and that load was
     verified: wrong KV served from host memory with a passing check (bug
     caught, tried: the store runs not filtered)."""
-    engine = engine_for(model_dir, "overwritten-before-store")
+    engine = engine_for(model_dir, f"overwritten-{tier}", tier)
     batch = prompts(NUM_PREFIXES + 1)
     engine.add(make_request("r0", batch[0], max_tokens=2, block_size=BS))
     victim = None

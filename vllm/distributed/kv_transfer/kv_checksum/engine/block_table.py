@@ -40,6 +40,10 @@ class BlockChecksumTable:
         # Groups whose entries offloaded-KV loads (R117) and prefix hits read.
         self.stored_groups: set[int] = set()
         self.prefix_groups: set[int] = set()
+        # Block ids whose entries an offload store wrote in this step (reset
+        # by `new_step`): their prefix entries are the same, not computed
+        # again (issue 30).
+        self._stored_this_step: list[np.ndarray] = []
 
     def init(self, group_ids: Iterable[int]) -> torch.Tensor:
         """Register the groups a connector offloads; return the table (R117).
@@ -73,6 +77,21 @@ class BlockChecksumTable:
         entries.bitwise_xor_(scratch[0, :1])
         scratch[0].index_copy_(0, index, entries)
         scratch[1].index_copy_(0, index, scratch[0].index_select(0, index))
+
+    def new_step(self) -> None:
+        """A new engine step: forget the blocks the last one stored."""
+        if self._stored_this_step:
+            self._stored_this_step = []
+
+    def save_prefix_entries(self, runs: Iterable[BlockRun]) -> None:
+        """Entries of the blocks vLLM cached this step (R140), less those an
+        offload store of this step already wrote: one checksum per block."""
+        blocks = runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
+        if self._stored_this_step and len(blocks.block_ids):
+            done = np.isin(blocks.block_ids, np.concatenate(self._stored_this_step))
+            if done.any():
+                blocks = blocks.select(~done)
+        self.save(blocks, self.prefix_groups)
 
     def read_groups(self, kind: str) -> set[int]:
         """The groups whose entries a pass of `kind` reads with its checksums."""
@@ -128,6 +147,11 @@ class BlockChecksumTable:
                 hashes.tolist(),
                 copied if last else None,
             )
+        if copy is not None and ordered:  # a store: its blocks' entries are in
+            written = blocks.block_ids
+            if not single:
+                written = written[np.isin(blocks.groups, ordered)]
+            self._stored_this_step.append(written)
         if copied is not None and not ordered:
             indices = host_to_device(
                 np.stack([copied.block_ids, copied.slots]), self.topology.device

@@ -90,6 +90,7 @@ class KVChecksumWorker:
 
     def bind(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take this step's requests: sends replace, receives and loads accumulate."""
+        self.block_table.new_step()
         if scheduled is None:  # most steps: nothing new, nothing allocated (R142)
             if self._to_send or self._to_check or self._to_save:
                 self._to_send, self._to_check, self._to_save = {}, {}, []
@@ -159,7 +160,7 @@ class KVChecksumWorker:
         self._to_send = {}
         # Entries first: a hit on a block cached this step reads its entry.
         if self._to_save:  # R142: most steps cache nothing
-            self.block_table.save(self._to_save, self.block_table.prefix_groups)
+            self.block_table.save_prefix_entries(self._to_save)
         checks = list(self._to_check.items())
         self._to_save, self._to_check = [], {}
         keep_received = self.topology.pp_rank == 0 and self.topology.tp_rank == 0

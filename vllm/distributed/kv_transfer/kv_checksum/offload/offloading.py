@@ -32,7 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import EntryCopy
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+    EntryCopy,
+    FullBlocks,
+)
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import host_to_device
 from vllm.distributed.kv_transfer.kv_checksum.offload.entries import position_hashes
 from vllm.logger import init_logger
@@ -41,6 +44,9 @@ logger = init_logger(__name__)
 
 # (group id, first position, GPU block ids, block hash at each block's last token)
 StoreRun = tuple[int, int, list[int], list[bytes]]
+# (groups, GPU block ids) -> per block, whether the workers already hold its
+# entry (written by prefix-hit verification in an earlier step, R140)
+EntriesWrittenFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 # Block ids or host slots: an array or a list.
 IndexLike = np.ndarray | Sequence[int]
@@ -123,6 +129,24 @@ def store_runs(
         if job_runs:
             runs[job_id] = job_runs
     return runs
+
+
+def runs_to_write(
+    runs: dict[int, list[StoreRun]], entries_written: EntriesWrittenFn
+) -> dict[int, Any]:
+    """Per store job, the blocks whose entries the workers must still write:
+    a block whose entry they already hold is only copied to its host slot
+    (issue 30: not checksummed a second time). Jobs left with nothing to
+    write are dropped; their copies still happen."""
+    out: dict[int, Any] = {}
+    for job_id, job_runs in runs.items():
+        blocks = FullBlocks.from_runs(job_runs)
+        written = entries_written(blocks.groups, blocks.block_ids)
+        if not written.any():
+            out[job_id] = job_runs
+        elif not written.all():
+            out[job_id] = blocks.select(~written)
+    return out
 
 
 def host_slots(gpu_spec: Any, cpu_ids: np.ndarray, blocks_per_chunk: int) -> np.ndarray:
@@ -335,6 +359,9 @@ class OffloadSchedulerSide:
         # request id -> group -> first quarantined position (R138); set by
         # the wiring once containment is built.
         self.quarantine: Callable[[str], Mapping[int, int] | None] = lambda _: None
+        # Which GPU blocks' entries the workers already hold (prefix-hit
+        # verification, R140); set by the wiring with that flag on.
+        self.entries_written: EntriesWrittenFn | None = None
 
     def store_filter(
         self, req_id: str, keys: Sequence[Any], position_of: Callable[[Any], Any]
@@ -363,10 +390,13 @@ class OffloadSchedulerSide:
             self.dropper.drop_ready(self.try_remove)
 
     def attach_runs(self, metadata: Any, requests: Mapping[str, Any]) -> None:
-        """Put each store job's runs on the metadata for the workers (R118)."""
+        """Put each store job's runs on the metadata for the workers (R118),
+        less the blocks whose entries they already hold."""
         if not metadata.store_jobs:
             return  # most steps store nothing (R142)
-        runs = store_runs(metadata.store_jobs, requests, self.groups)
+        runs: dict[int, Any] = store_runs(metadata.store_jobs, requests, self.groups)
+        if runs and self.entries_written is not None:
+            runs = runs_to_write(runs, self.entries_written)
         if runs:
             metadata.kv_checksum_store_runs = runs
 

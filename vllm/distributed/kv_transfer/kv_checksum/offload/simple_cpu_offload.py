@@ -43,6 +43,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import FullBlocks
 from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     HOST_SOURCE,
+    EntriesWrittenFn,
     HostCopyDropper,
     HostEntryTable,
     TryRemoveFn,
@@ -59,9 +60,6 @@ BlockKey = tuple[bytes | None, int | None]
 BlockKeysFn = Callable[[Sequence[int]], list[BlockKey]]
 # request id -> the CPU block ids its pending load reads (None: no load)
 LoadBlocksFn = Callable[[str], Sequence[int] | None]
-# (groups, GPU block ids) -> per block, whether the workers already hold its
-# entry (written by prefix-hit verification in an earlier step, R140)
-EntriesWrittenFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 _GROUP_BYTES = 4
 

@@ -198,9 +198,12 @@ def _offload_children(connector: Any) -> list[Any]:
     return [c for c in children if isinstance(c, OffloadingConnector)]
 
 
-def _attach_offload_schedulers(connector: Any) -> None:
+def _attach_offload_schedulers(connector: Any, entries_written: Any = None) -> None:
     """With checksums on only (Scheduler.__init__ hook): checksum state on
-    each OffloadingConnector whose manager is the CPU backend's (R119)."""
+    each OffloadingConnector whose manager is the CPU backend's (R119).
+    `entries_written(groups, block_ids)`: which GPU blocks' entries the
+    workers already hold (prefix-hit verification's, R140), so their stores
+    copy them instead of checksumming the blocks again."""
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     for child in _offload_children(connector):
@@ -212,6 +215,7 @@ def _attach_offload_schedulers(connector: Any) -> None:
             )
             continue
         side = _offload_scheduler_side(sched)
+        side.entries_written = entries_written
         side.dropper.on_pending = _lookup_hider(sched.manager, side.dropper.hides)
         _filter_offload_stores(sched.manager, side)
         child._kv_checksum_offload = side

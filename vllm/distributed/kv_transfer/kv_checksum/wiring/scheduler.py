@@ -166,10 +166,9 @@ def install_scheduler_hooks() -> None:
             return
         with _guard(self, "kv_checksum_scheduler", "Scheduler.__init__"):
             kcs = _create_scheduler(self)
-            _attach_offload_schedulers(self.connector)
-            _attach_simple_offload_schedulers(
-                self.connector, prefix_cache.entries_written_of(self)
-            )
+            entries_written = prefix_cache.entries_written_of(self)  # R140
+            _attach_offload_schedulers(self.connector, entries_written)
+            _attach_simple_offload_schedulers(self.connector, entries_written)
             _attach_containment(self, kcs)
             prefix_cache.attach(self, kcs)  # R140
             kcs.tracked_sources.append(lambda: _outbox_request_ids(self.connector))
