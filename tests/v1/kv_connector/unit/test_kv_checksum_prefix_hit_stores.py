@@ -198,7 +198,8 @@ def test_R140_entries_written_once_handed_over_and_until_evicted() -> None:
     evicted, re-cached (until handed over again) or the cache reset; other
     groups never. Bugs caught (tried): entries counted from `on_cached` (a
     store in the same step would copy an entry not yet written); eviction
-    not clearing it (a store would copy a stale entry)."""
+    not clearing it, or a block evicted before the hand-over marked
+    handed anyway (a store would copy a stale entry)."""
     hits = KVChecksumPrefixHits(8, 0, BS, None, 1)
     ids = np.asarray([3, 5], dtype=np.int64)
     zeros = np.zeros(2, dtype=np.int64)
@@ -215,3 +216,9 @@ def test_R140_entries_written_once_handed_over_and_until_evicted() -> None:
     assert hits.entries_written(zeros, ids).tolist() == [False, True]
     hits.clear()
     assert not hits.entries_written(zeros, ids).any()
+    # Recorded, then evicted in the same step before the hand-over.
+    six = np.asarray([6], dtype=np.int64)
+    hits.on_cached(hashes(1), np.asarray([0]), six, ["k6"])
+    hits.on_evicted(6, still_cached=False)
+    hits.take_step()
+    assert not hits.entries_written(np.zeros(1, dtype=np.int64), six).any()

@@ -172,7 +172,8 @@ class KVChecksumPrefixHits:
         """This step's saves and checks for the workers, then reset."""
         step, self._step = self._step, PrefixHitStep()
         for _, _, ids, _ in step.saves:
-            self.entry_handed[ids] = True
+            # Not for a block evicted since it was recorded (no entry now).
+            self.entry_handed[ids] = self.has_entry[ids]
         return step
 
     def entries_written(self, groups: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
@@ -183,12 +184,10 @@ class KVChecksumPrefixHits:
         block made later (an offload store) is checked against it, not
         against a checksum of whatever the block holds by then.
         """
-        ready = np.zeros(block_ids.shape, dtype=bool)
-        ours = groups == self.group_id
-        if ours.any():
-            ids = block_ids[ours]
-            ready[ours] = self.entry_handed[ids] & self.has_entry[ids]
-        return ready
+        # A handed-over entry is dropped with its block (`on_evicted`,
+        # `clear`) and re-recorded on caching (`on_cached`): no `has_entry`
+        # test needed here.
+        return self.entry_handed[block_ids] & (groups == self.group_id)
 
     def verify(self, key: str) -> tuple[PendingPrefixHit, KVChecksumVerdict] | None:
         """The verdict of one pending check, now that its step's reports are in."""

@@ -113,8 +113,11 @@ def block_places(keys: Sequence[BlockKey], block_sizes: Sequence[int]) -> BlockP
     )
 
 
-def store_runs(block_ids: Sequence[int], places: BlockPlaces) -> FullBlocks:
-    """The blocks at known places, as `save_block_checksums` takes them.
+def store_runs(
+    block_ids: Sequence[int], places: BlockPlaces, wanted: np.ndarray | None = None
+) -> FullBlocks:
+    """The blocks at known places (those of them in `wanted`, a mask, when
+    given), as `save_block_checksums` takes them.
 
     Sorted by (group, position), so their runs (cut wherever the group
     changes or the next position is not the next one) are few, and every
@@ -124,7 +127,7 @@ def store_runs(block_ids: Sequence[int], places: BlockPlaces) -> FullBlocks:
     of different requests may share a run. Arrays only: no Python loop over
     runs or blocks (R142).
     """
-    known = np.flatnonzero(places.known)
+    known = np.flatnonzero(places.known if wanted is None else wanted)
     order = known[np.lexsort((places.positions[known], places.groups[known]))]
     hashes = np.empty(len(places.hashes), dtype=object)
     hashes[:] = places.hashes
@@ -177,15 +180,14 @@ class SimpleOffloadSchedulerSide:
             self.unentried.difference_update(cpu_ids[known].tolist())
             if not known.all():
                 self.unentried.update(cpu_ids[~known].tolist())
-            blocks = store_runs(gpu_ids, places)
-            if self.entries_written is not None and len(blocks.block_ids):
+            wanted = known
+            if self.entries_written is not None:
                 # Blocks whose entry the workers already hold: copied to
                 # their CPU slots, not checksummed a second time.
-                written = self.entries_written(blocks.groups, blocks.block_ids)
-                if written.any():
-                    blocks = blocks.select(~written)
-            if len(blocks.block_ids):
-                metadata.kv_checksum_store_runs = blocks
+                ids = np.asarray(gpu_ids, dtype=np.int64)
+                wanted = known & ~self.entries_written(places.groups, ids)
+            if wanted.any():
+                metadata.kv_checksum_store_runs = store_runs(gpu_ids, places, wanted)
         event = getattr(metadata, "load_event", -1)
         req_ids = (getattr(metadata, "load_event_to_reqs", None) or {}).get(event)
         if req_ids:
