@@ -167,3 +167,63 @@ def test_save_copies_entries_to_slots_on_cuda_without_host_sync() -> None:
         results.append(dest.cpu().numpy())
     np.testing.assert_array_equal(results[1], results[0])
     assert np.count_nonzero(results[1][slots]) == len(slots)
+
+
+def shared_entries(device: torch.device, caches: dict[str, torch.Tensor] | None):
+    """A store of three blocks, then in the next step a copy-only store of
+    two of them (entries already held: 9e288ff) and, in the step after, a
+    store of all three followed by the prefix entries of the same blocks
+    (skipped: 259c985). Returns the two host tables and the block table."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+    )
+
+    worker, caches = worker_on(device, caches)
+    worker.init_block_checksums([0])
+    worker.enable_prefix_entries()
+    runs = [(0, 0, BLOCK_IDS, HASHES)]
+    first = torch.zeros(8, dtype=torch.int64, device=device)
+    again = torch.zeros(8, dtype=torch.int64, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        worker.bind(None)
+        worker.save_block_checksums(
+            runs, EntryCopy(BLOCK_IDS, np.array([5, 0, 2]), first)
+        )
+        worker.bind(None)
+        worker.save_block_checksums(
+            [], EntryCopy(BLOCK_IDS[1:], np.array([1, 6]), again)
+        )
+        worker.bind(None)
+        table = worker.block_table
+        written = table.tensor.clone()
+        table.tensor.zero_()
+        worker.save_block_checksums(
+            runs, EntryCopy(BLOCK_IDS, np.array([5, 0, 2]), first)
+        )
+        table.save_prefix_entries(runs)  # every block stored this step: none
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    return first.cpu().numpy(), again.cpu().numpy(), written.cpu(), table, caches
+
+
+def test_shared_entries_on_cuda_without_host_sync() -> None:
+    """Issue 30, R118, R140: a store whose blocks' entries the workers already
+    hold copies them (no runs), and prefix entries skip blocks a store of the
+    same step wrote; on CUDA the host slots get the same entries as on CPU
+    over the same bytes, with no host sync. Bugs caught: the copy-only save
+    returning before its copy (zero slots), and its indices read from the
+    wrong rows of its upload (slots get block ids)."""
+    want_first, want_again, want_table, _, caches = shared_entries(
+        torch.device("cpu"), None
+    )
+    first, again, table, block_table, _ = shared_entries(torch.device("cuda"), caches)
+    np.testing.assert_array_equal(first, want_first)
+    np.testing.assert_array_equal(again, want_again)
+    np.testing.assert_array_equal(table.numpy(), want_table.numpy())
+    assert np.count_nonzero(first[[5, 0, 2]]) == 3
+    np.testing.assert_array_equal(again[[1, 6]], first[[0, 2]])
+    assert block_table._stored_this_step  # the last store is remembered
