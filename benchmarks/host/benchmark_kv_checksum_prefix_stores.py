@@ -23,7 +23,6 @@ Run from the repository root:
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
 )
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (  # noqa: E402
     SimpleOffloadSimEngine,
+    shared_prefix_prompts,
     verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig  # noqa: E402
@@ -113,17 +113,6 @@ def round_of(engine: Any, prompts: list[list[int]], tag: str) -> dict[str, float
     return {k: 1e6 * v for k, v in engine.timed.items()}
 
 
-def prompts_of(seed: int, count: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefixes = [
-        [rng.randrange(3, 200) for _ in range(4 * BS)] for _ in range(NUM_PREFIXES)
-    ]
-    return [
-        prefixes[i % NUM_PREFIXES] + [rng.randrange(3, 200) for _ in range(BS + 1)]
-        for i in range(count)
-    ]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -149,7 +138,7 @@ def main() -> None:
             patch.setattr(KVChecksumLaunch, "__call__", lambda *a, **k: None)
         engines = {m: build(model_dir, m, args.lazy) for m in modes}
         for r in range(args.rounds):
-            prompts = prompts_of(r, args.requests)
+            prompts = shared_prefix_prompts(args.requests, NUM_PREFIXES, seed=r)
             order = modes if r % 2 == 0 else modes[::-1]
             for mode in order:
                 for kind, us in round_of(engines[mode], prompts, f"r{r}").items():

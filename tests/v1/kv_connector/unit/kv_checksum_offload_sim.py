@@ -431,6 +431,23 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         return self._finish(output, kv_output, records)
 
 
+def shared_prefix_prompts(
+    count: int, num_prefixes: int = 6, seed: int = 0, block_size: int = 16
+) -> list[list[int]]:
+    """Prompts over shared 4-block prefixes, round-robin, each with its own
+    tail of one block and one token."""
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(3, 200) for _ in range(4 * block_size)]
+        for _ in range(num_prefixes)
+    ]
+    return [
+        prefixes[i % num_prefixes]
+        + [rng.randrange(3, 200) for _ in range(block_size + 1)]
+        for i in range(count)
+    ]
+
+
 def run_shared_prefixes(
     engine: SimEngine,
     count: int,
@@ -440,17 +457,8 @@ def run_shared_prefixes(
 ) -> list[list[int]]:
     """Requests over shared 4-block prefixes, round-robin, one at a time: each
     prefix is evicted from the 24 GPU blocks before it is used again."""
-    rng = random.Random(seed)
-    prefixes = [
-        [rng.randrange(3, 200) for _ in range(4 * block_size)]
-        for _ in range(num_prefixes)
-    ]
-    prompts = []
-    for i in range(count):
-        prompt = prefixes[i % num_prefixes] + [
-            rng.randrange(3, 200) for _ in range(block_size + 1)
-        ]
-        prompts.append(prompt)
+    prompts = shared_prefix_prompts(count, num_prefixes, seed, block_size)
+    for i, prompt in enumerate(prompts):
         req_id = f"r{seed}-{i}"
         engine.add(make_request(req_id, prompt, max_tokens=2, block_size=block_size))
         engine.run(req_id)

@@ -9,7 +9,6 @@ The scheduler side is vLLM's real Scheduler with SimpleCPUOffloadConnector
 vLLM's copies simulated on CPU (`kv_checksum_offload_sim`).
 """
 
-import random
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     OffloadSimEngine,
     SimpleOffloadSimEngine,
     assert_every_load_verified,
+    shared_prefix_prompts,
     verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
@@ -68,18 +68,6 @@ def scheduler_side(engine: Any) -> Any:
     return engine.offload.__dict__[attr]
 
 
-def prompts(count: int, seed: int = 0) -> list[list[int]]:
-    """Prompts over shared 4-block prefixes, round-robin, with own tails."""
-    rng = random.Random(seed)
-    prefixes = [
-        [rng.randrange(3, 200) for _ in range(4 * BS)] for _ in range(NUM_PREFIXES)
-    ]
-    return [
-        prefixes[i % NUM_PREFIXES] + [rng.randrange(3, 200) for _ in range(BS + 1)]
-        for i in range(count)
-    ]
-
-
 def record_saves(engine: Any) -> list[tuple[str, set[int]]]:
     """Worker 0's entry writes: ("store" | "prefix", block ids checksummed)."""
     table = engine.workers[0].checksum.block_table
@@ -121,7 +109,7 @@ def test_R140_each_cached_block_is_checksummed_once(model_dir: str, tier: str) -
     step's bind (a block cached again later keeps its old entry)."""
     engine = engine_for(model_dir, f"stores-{tier}", tier)
     saves = record_saves(engine)
-    for i, tokens in enumerate(prompts(18)):
+    for i, tokens in enumerate(shared_prefix_prompts(18)):
         engine.add(make_request(f"r{i}", tokens, max_tokens=2, block_size=BS))
         engine.run(f"r{i}")
     assert engine.num_loads >= 6
@@ -146,7 +134,7 @@ def test_R118_without_prefix_hits_stores_checksum_their_blocks(
     engine = engine_for(model_dir, f"stores-no-hits-{tier}", tier, verify_hits=False)
     assert scheduler_side(engine).entries_written is None  # no per-store call at all
     saves = record_saves(engine)
-    for i, tokens in enumerate(prompts(12)):
+    for i, tokens in enumerate(shared_prefix_prompts(12)):
         engine.add(make_request(f"r{i}", tokens, max_tokens=2, block_size=BS))
         engine.run(f"r{i}")
     assert_every_load_verified(engine)
@@ -166,7 +154,7 @@ def test_R140_block_overwritten_before_its_store_is_caught_at_load(
     verified: wrong KV served from host memory with a passing check (bug
     caught, tried: the store runs not filtered)."""
     engine = engine_for(model_dir, f"overwritten-{tier}", tier)
-    batch = prompts(NUM_PREFIXES + 1)
+    batch = shared_prefix_prompts(NUM_PREFIXES + 1, NUM_PREFIXES)
     engine.add(make_request("r0", batch[0], max_tokens=2, block_size=BS))
     victim = None
     for _ in range(8):

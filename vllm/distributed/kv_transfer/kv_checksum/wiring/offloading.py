@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_checksum.offload import (
 from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
     create_host_fault_injector,
 )
+from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import EntriesWrittenFn
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _disable_after_error,
     _guard,
@@ -198,7 +199,9 @@ def _offload_children(connector: Any) -> list[Any]:
     return [c for c in children if isinstance(c, OffloadingConnector)]
 
 
-def _attach_offload_schedulers(connector: Any, entries_written: Any = None) -> None:
+def _attach_offload_schedulers(
+    connector: Any, entries_written: EntriesWrittenFn | None = None
+) -> None:
     """With checksums on only (Scheduler.__init__ hook): checksum state on
     each OffloadingConnector whose manager is the CPU backend's (R119).
     `entries_written(groups, block_ids)`: which GPU blocks' entries the

@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
     KVChecksumPrefixHits,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
+from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import EntriesWrittenFn
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumStatus,
     KVChecksumWorkerReport,
@@ -116,7 +117,7 @@ def verify(scheduler: Any, scheduler_output: Any, model_output: Any) -> None:
         _turn_off(scheduler, "verification")
 
 
-def entries_written_of(scheduler: Any) -> Any:
+def entries_written_of(scheduler: Any) -> EntriesWrittenFn | None:
     """R140, issue 30. For the offload tiers' scheduler sides (Scheduler.__init__
     hook): `(groups, block_ids) -> mask` of the GPU blocks whose entries this
     scheduler's prefix-hit verification already had the workers write (all

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_checksum.offload import (
 from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
     create_host_fault_injector,
 )
+from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import EntriesWrittenFn
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _guard,
     _wrap,
@@ -142,7 +143,7 @@ def _simple_offload_children(connector: Any) -> list[Any]:
 
 
 def _attach_simple_offload_schedulers(
-    connector: Any, entries_written: Any = None
+    connector: Any, entries_written: EntriesWrittenFn | None = None
 ) -> None:
     """With checksums on only (Scheduler.__init__ hook): checksum state on
     each SimpleCPUOffloadConnector with a CPU (not disk) backend (R119).
@@ -166,7 +167,9 @@ def _attach_simple_offload_schedulers(
         )
 
 
-def _simple_offload_scheduler_side(manager: Any, entries_written: Any = None) -> Any:
+def _simple_offload_scheduler_side(
+    manager: Any, entries_written: EntriesWrittenFn | None = None
+) -> Any:
     """The scheduler-side state over vLLM 0.33.0's SimpleCPUOffloadScheduler
     internals: the GPU block pool it stores from (`_gpu_block_pool`, bound by
     the Scheduler), the CPU blocks of a request's pending load
