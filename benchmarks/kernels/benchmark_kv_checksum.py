@@ -259,14 +259,9 @@ def config_label(config: Any) -> str:
     vector = ", vector" if getattr(config, "vector_full_tiles", False) else ""
     if vector and not getattr(config, "token_order_tiles", True):
         vector += " (head order)"
-    extra = ", early loads" if getattr(config, "early_loads", False) else ""
-    if getattr(config, "prefetch_tiles", False):
-        extra += ", prefetch"
-    if getattr(config, "num_stages", 0):
-        extra += f", {config.num_stages} stages"
     return (
         f"{mode}, chunk {config.chunk_pieces}, tile {config.max_tile}, "
-        f"{config.num_warps}w/{config.warp_pieces}{wide}{vector}{extra}"
+        f"{config.num_warps}w/{config.warp_pieces}{wide}{vector}"
     )
 
 
@@ -487,22 +482,6 @@ def variant_configs() -> dict[str, dict]:
             "num_warps": 8,
             "max_tile": 2048,
         },
-        # A work item's row and table loads in one round trip, on the default
-        # and with smaller items or persistent programs, where the start of
-        # each item weighs more; and Triton's pipelining depth (2026-12-02g).
-        "early loads": {"early_loads": True},
-        "early loads chunk 4096": {"early_loads": True, "chunk_pieces": 4096},
-        "early loads persistent 8xSM/4096": {
-            "early_loads": True,
-            "programs_per_sm": 8,
-            "chunk_pieces": 4096,
-        },
-        "prefetch": {"prefetch_tiles": True},
-        "prefetch 8w": {"prefetch_tiles": True, "num_warps": 8},
-        "early loads prefetch": {"early_loads": True, "prefetch_tiles": True},
-        "stages 1": {"num_stages": 1},
-        "stages 2": {"num_stages": 2},
-        "stages 4": {"num_stages": 4},
     }
 
 

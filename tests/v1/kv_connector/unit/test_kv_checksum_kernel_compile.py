@@ -54,22 +54,6 @@ CONFIGS = {
     # The default walks dense token-major blocks in memory order: the vector
     # loops they took before compile too.
     "head_order": kernels.LaunchConfig(**{**vars(BASE), "token_order_tiles": False}),
-    # Variants of issue 30 (R143): the row and table loads before the
-    # branch, in both grid shapes, and a pipelining depth of the launch.
-    "early_loads": kernels.LaunchConfig(**{**vars(BASE), "early_loads": True}),
-    "early_loads_persistent": kernels.LaunchConfig(
-        **{**vars(BASE), "early_loads": True, "programs_per_sm": 4}
-    ),
-    "stages_1": kernels.LaunchConfig(**{**vars(BASE), "num_stages": 1}),
-    "prefetch": kernels.LaunchConfig(**{**vars(BASE), "prefetch_tiles": True}),
-    "early_prefetch_persistent": kernels.LaunchConfig(
-        **{
-            **vars(BASE),
-            "early_loads": True,
-            "prefetch_tiles": True,
-            "programs_per_sm": 4,
-        }
-    ),
     "persistent_wide_vector": kernels.LaunchConfig(
         **{
             **vars(BASE),
@@ -96,9 +80,7 @@ def compile_for_h200(fn: Any, constants: dict[str, Any]) -> Any:
     (num_warps included) for sm_90; runtime arguments are int64 scalars or
     int64 pointers."""
     constants = dict(constants)
-    options = {"num_warps": constants.pop("num_warps", 4)}
-    if "num_stages" in constants:
-        options["num_stages"] = constants.pop("num_stages")
+    num_warps = constants.pop("num_warps", 4)
     names = fn.arg_names
     signature = {
         name: "constexpr"
@@ -108,7 +90,7 @@ def compile_for_h200(fn: Any, constants: dict[str, Any]) -> Any:
     }
     constexprs = {(names.index(n),): v for n, v in constants.items()}
     source = ASTSource(fn, signature, constexprs)
-    return triton.compile(source, target=H200, options=options)
+    return triton.compile(source, target=H200, options={"num_warps": num_warps})
 
 
 @functools.cache

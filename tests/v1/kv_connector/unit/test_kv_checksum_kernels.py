@@ -820,16 +820,6 @@ INTERPRETER_CONFIGS = {
     "interpreter_small_vector": (16, 64, 0, False, True, True),
     "interpreter_persistent_wide_vector": (16, 64, 3, True, True, True),
     "interpreter_vector_head_order": (1024, 16384, 0, False, True, False),
-    "interpreter_vector_early_prefetch": (1024, 16384, 0, False, True, True),
-    "interpreter_small_vector_early_prefetch": (16, 64, 0, False, True, True),
-}
-# Launch options of the R143 variants (issue 30), on top of a configuration:
-# the row and table loads before the branch, and the loops over contiguous
-# full blocks loading each next tile ahead (head-major with tiny tiles: tiles
-# inside one token, PIECES > TILE).
-INTERPRETER_OPTIONS = {
-    "interpreter_vector_early_prefetch": ["--early-loads", "--prefetch-tiles"],
-    "interpreter_small_vector_early_prefetch": ["--early-loads", "--prefetch-tiles"],
 }
 INTERPRETER_SKIPS = {
     name: {"multi_chunk_row", "token_order_int16_multi_chunk", "token_order_many_heads"}
@@ -857,7 +847,6 @@ def interpreter_runs() -> dict[str, subprocess.Popen]:
         command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
         command += ["--programs-per-sm", str(programs)] + ["--wide"] * wide
         command += ["--vector"] * vector + ["--head-order"] * (not token_order)
-        command += INTERPRETER_OPTIONS.get(config, [])
         for name in INTERPRETER_SKIPS.get(config, ()):
             command += ["--skip", name]
         runs[config] = subprocess.Popen(
@@ -1378,8 +1367,6 @@ def main() -> None:
     parser.add_argument("--wide", action="store_true")
     parser.add_argument("--vector", action="store_true")
     parser.add_argument("--head-order", action="store_true")
-    parser.add_argument("--early-loads", action="store_true")
-    parser.add_argument("--prefetch-tiles", action="store_true")
     parser.add_argument("--skip", action="append", default=[])
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -1391,8 +1378,6 @@ def main() -> None:
         WIDE_WEIGHTS=args.wide,
         VECTOR_FULL_TILES=args.vector,
         TOKEN_ORDER_TILES=not args.head_order,
-        EARLY_LOADS=args.early_loads,
-        PREFETCH_TILES=args.prefetch_tiles,
     ):
         results = {
             name: run_case(build("cpu"), "triton").tolist()

@@ -62,12 +62,6 @@ VECTOR_FULL_TILES = True
 # did not change (benchmark --variants, "vector 4w head order";
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
-# Load a work item's row and layer-table fields at once before its branch,
-# and Triton's pipelining depth (0: its default); off until an H200 variant
-# run shows them faster (issue 30, R143; benchmark --variants).
-EARLY_LOADS = False
-NUM_STAGES = 0
-PREFETCH_TILES = False
 # A step's results reach the host through a kernel storing into pinned host
 # memory (SM writes over the bus) instead of a copy-engine copy, which can queue
 # behind the offload tier's large stores; off until an H200 run shows it helps
@@ -97,12 +91,6 @@ class LaunchConfig:
     masks (dense views: lane-index offsets and 16-byte-aligned tiles, so
     128-bit loads), and with it `token_order_tiles` walks blocks stored
     contiguously token-major in memory order (contiguous tiles there too).
-    `early_loads` issues all of a work item's row and layer-table loads at
-    once, before its valid-count branch (one round trip to memory before the
-    first data load, not two), `num_stages` > 0 is Triton's software
-    pipelining depth of the launch (0: Triton's default), and with
-    `vector_full_tiles` `prefetch_tiles` has the loops over contiguous full
-    blocks load each next tile before mixing the current one. Issue 30, R143.
     """
 
     max_tile: int
@@ -113,9 +101,6 @@ class LaunchConfig:
     wide_weights: bool = False
     vector_full_tiles: bool = False
     token_order_tiles: bool = True
-    early_loads: bool = False
-    num_stages: int = 0
-    prefetch_tiles: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
@@ -124,8 +109,6 @@ class LaunchConfig:
                 raise ValueError(f"{name} must be a power of two, got {value}")
         if self.programs_per_sm < 0:
             raise ValueError("programs_per_sm must be non-negative")
-        if self.num_stages < 0:
-            raise ValueError("num_stages must be non-negative")
 
 
 def default_config() -> LaunchConfig:
@@ -139,9 +122,6 @@ def default_config() -> LaunchConfig:
         wide_weights=WIDE_WEIGHTS,
         vector_full_tiles=VECTOR_FULL_TILES,
         token_order_tiles=TOKEN_ORDER_TILES,
-        early_loads=EARLY_LOADS,
-        num_stages=NUM_STAGES,
-        prefetch_tiles=PREFETCH_TILES,
     )
 
 
@@ -370,76 +350,6 @@ if HAS_TRITON:
         return tl.sum(acc, axis=0)
 
     @triton.jit
-    def _dense_tiles_prefetch_sum(
-        work,
-        HEADS: tl.constexpr,
-        TOKENS: tl.constexpr,
-        PIECES: tl.constexpr,
-        PIECE_BITS: tl.constexpr,
-        TILE: tl.constexpr,
-        NARROW: tl.constexpr,
-        TOKEN_ORDER: tl.constexpr,
-        TILE_ALIGNED: tl.constexpr,
-    ):
-        """Sum of a chunk of a contiguous block, every slot valid, loading the
-        next tile before mixing this one (LaunchConfig.prefetch_tiles).
-
-        The block is walked in its memory order: [kernel block, head, token,
-        piece] (DENSE == 2, the head tiles' weights) or with TOKEN_ORDER
-        [kernel block, token, head, piece] (DENSE == 3, the memory-order
-        loop's weights). The last tile loads itself again as its "next", so
-        no lane reads past the chunk; the same pieces and weights as those
-        loops, so the same sum.
-        """
-        base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
-        ROW: tl.constexpr = HEADS * PIECES
-        SLICE_PIECES: tl.constexpr = TOKENS * PIECES
-        lane = tl.arange(0, TILE)
-        if TOKEN_ORDER:
-            lane_m = ((lane // PIECES) % HEADS) * 2
-            lane_odd = ((lane // ROW) * PIECES + lane % PIECES) * 2
-        else:
-            lane_m = lane * 0
-            lane_odd = lane * 2
-        chunk_ptr = base + block_offset + chunk_start
-        if TILE_ALIGNED:
-            chunk_ptr = tl.multiple_of(chunk_ptr, 16)
-        x = tl.load(chunk_ptr + lane)
-        acc = tl.zeros([TILE], dtype=tl.uint64)
-        for tile in range(num_tiles):
-            start = chunk_start + tile * TILE
-            ahead_ptr = chunk_ptr + tl.minimum(tile + 1, num_tiles - 1) * TILE
-            if TILE_ALIGNED:
-                ahead_ptr = tl.multiple_of(ahead_ptr, 16)
-            x_ahead = tl.load(ahead_ptr + lane)
-            if TOKEN_ORDER:
-                # m = m0 + 2 * head, 2j + 1 = c0 + 2 * (slot * PIECES + piece).
-                m = m0
-                if TILE < ROW:
-                    m += ((start % ROW) // PIECES).to(tl.uint64) * 2
-                odd = c0 + ((start // ROW) * PIECES).to(tl.uint64) * 2
-            else:
-                # The tile lies in one (kernel block, head) slice of the block.
-                slice_index = start // SLICE_PIECES
-                slot = (slice_index // HEADS) * TOKENS + (
-                    start % SLICE_PIECES
-                ) // PIECES
-                first_j = slot * PIECES
-                if PIECES > TILE:
-                    first_j += start % PIECES
-                m = m0 + (slice_index % HEADS).to(tl.uint64) * 2
-                odd = c0 + first_j.to(tl.uint64) * 2
-            if NARROW:
-                weight = _u32_to_u64(m.to(tl.uint32) + lane_m.to(tl.uint32)) * (
-                    _u32_to_u64(odd.to(tl.uint32) + lane_odd.to(tl.uint32))
-                )
-            else:
-                weight = (m + lane_m.to(tl.uint64)) * (odd + lane_odd.to(tl.uint64))
-            acc += _mix(_widen(x, PIECE_BITS)) * weight
-            x = x_ahead
-        return tl.sum(acc, axis=0)
-
-    @triton.jit
     def _flat_tiles_sum(
         work,
         strides,
@@ -506,24 +416,11 @@ if HAS_TRITON:
         FULL: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         """One program's uint64 sum, by the loop its block shape and layout
         allow: memory order for a dense token-major block (DENSE == 3, only
         with VECTOR), else head tiles (HEAD_TILES), else one piece per lane."""
-        if PREFETCH and FULL and (DENSE == 3 or (HEAD_TILES and DENSE == 2)):
-            total = _dense_tiles_prefetch_sum(
-                work,
-                HEADS,
-                TOKENS,
-                PIECES,
-                PIECE_BITS,
-                TILE,
-                NARROW,
-                DENSE == 3,
-                TILE_ALIGNED,
-            )
-        elif DENSE == 3:
+        if DENSE == 3:
             total = _token_tiles_sum(
                 work,
                 HEADS,
@@ -580,7 +477,6 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         """One program's uint64 sum. With VECTOR a row whose slots are all
         valid (every row but a request's last, in practice) takes a copy of the
@@ -603,7 +499,6 @@ if HAS_TRITON:
                     True,
                     DENSE,
                     TILE_ALIGNED,
-                    PREFETCH,
                 )
             else:
                 total = _tiles_sum(
@@ -621,7 +516,6 @@ if HAS_TRITON:
                     False,
                     DENSE,
                     TILE_ALIGNED,
-                    PREFETCH,
                 )
         else:
             total = _tiles_sum(
@@ -639,7 +533,6 @@ if HAS_TRITON:
                 False,
                 DENSE,
                 TILE_ALIGNED,
-                PREFETCH,
             )
         return total
 
@@ -668,8 +561,6 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        EARLY: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         """Add one work item's sum (a chunk of one row's block of one layer) into
         out[row, column] with one atomic; rows with no valid slot add nothing.
@@ -682,21 +573,12 @@ if HAS_TRITON:
         BLOCK_PIECES: tl.constexpr = SLOT_PIECES * HEADS
         token_offset = tl.load(table_ptr + layer * 4 + 3)
         valid = tl.load(row_ptr + 2 * rows_field_stride) - token_offset
-        if EARLY:
-            # Every field in one round trip; a row with no valid slot reads
-            # them too (in bounds) and adds nothing.
+        if valid > 0:
             block = tl.load(row_ptr)
             first_token = tl.load(row_ptr + rows_field_stride) + token_offset
             addr = tl.load(table_ptr + layer * 4)
             first_slice = tl.load(table_ptr + layer * 4 + 1)
             column = tl.load(table_ptr + layer * 4 + 2)
-        if valid > 0:
-            if not EARLY:
-                block = tl.load(row_ptr)
-                first_token = tl.load(row_ptr + rows_field_stride) + token_offset
-                addr = tl.load(table_ptr + layer * 4)
-                first_slice = tl.load(table_ptr + layer * 4 + 1)
-                column = tl.load(table_ptr + layer * 4 + 2)
 
             base = _as_piece_pointer(addr, PIECE_BITS, ALIGNED)
             block_offset = block * block_stride
@@ -726,7 +608,6 @@ if HAS_TRITON:
                     VECTOR,
                     DENSE,
                     TILE_ALIGNED,
-                    PREFETCH,
                 )
             else:
                 # Every factor and odd weight of the row below 2^32 (always,
@@ -750,7 +631,6 @@ if HAS_TRITON:
                         VECTOR,
                         DENSE,
                         TILE_ALIGNED,
-                        PREFETCH,
                     )
                 else:
                     total = _chunk_sum(
@@ -768,7 +648,6 @@ if HAS_TRITON:
                         VECTOR,
                         DENSE,
                         TILE_ALIGNED,
-                        PREFETCH,
                     )
             tl.atomic_add(
                 out_row_ptr + column * out_col_stride,
@@ -819,8 +698,6 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        EARLY: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         """Add the checksums of block rows into their output columns, all layers.
 
@@ -879,8 +756,6 @@ if HAS_TRITON:
                     VECTOR,
                     DENSE,
                     TILE_ALIGNED,
-                    EARLY,
-                    PREFETCH,
                 )
         else:
             row = tl.program_id(0).to(tl.int64)
@@ -908,8 +783,6 @@ if HAS_TRITON:
                 VECTOR,
                 DENSE,
                 TILE_ALIGNED,
-                EARLY,
-                PREFETCH,
             )
 
     @triton.jit
@@ -1048,12 +921,8 @@ class KVChecksumLaunch:
             PERSISTENT=self._programs > 0,
             WIDE=config.wide_weights,
             **self._vector_constants(tile, head_tiles, token_tile > 0),
-            EARLY=config.early_loads,
-            PREFETCH=config.prefetch_tiles and config.vector_full_tiles,
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
-        if config.num_stages:
-            self._constants["num_stages"] = config.num_stages
 
     def _token_order_tile(self) -> int:
         """The tile of the memory-order loop (DENSE == 3), 0 if not taken.
