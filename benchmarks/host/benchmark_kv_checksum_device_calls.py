@@ -13,7 +13,11 @@ any machine; times are this machine's.
 - save: `save_block_checksums` of N blocks with their copy to host slots;
 - load: a step whose offload load of N blocks finishes (`bind` +
   `post_forward`: rows, launch, stored entries, copy to host);
-- restore: `HostEntryTable.restore_ids` of N blocks (a load starting).
+- restore: `HostEntryTable.restore_ids` of N blocks (a load starting);
+- prefix step: the first step of a request hitting N cached blocks and
+  caching 16 (R140), with the entries and checks in one upload and one
+  launch (the worker since 2026-12-02g) and, in the same run, the way it ran
+  before (the entries through the table's own save, then the checks).
 
 On CPU the checksum kernel is stubbed (host work only). `--cuda` runs on a
 GPU with the Triton kernel and adds the host time of each kind of device
@@ -44,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.v1.kv_connector.unit.kv_checksum_device_paths import (  # noqa: E402
     OpCount,
     offload_paths,
+    prefix_step_paths,
 )
 from tests.v1.kv_connector.unit.test_kv_checksum_worker_cuda import (  # noqa: E402
     worker_on,
@@ -232,7 +237,15 @@ def main() -> None:
         for n in args.blocks:
             worker, _ = worker_on(device, None, num_blocks=n + 1)
             save, load, restore = offload_paths(worker, n)
-            for name, fn in (("save", save), ("load", load), ("restore", restore)):
+            hit_worker, _ = worker_on(device, None, num_blocks=n + 17)
+            fused, separate = prefix_step_paths(hit_worker, n)
+            for name, fn in (
+                ("save", save),
+                ("load", load),
+                ("restore", restore),
+                ("prefix step: 16 cached + hits, one launch", fused),
+                ("prefix step: 16 cached + hits, two launches (before)", separate),
+            ):
                 fn()  # warm
                 with OpCount() as count:
                     fn()
@@ -243,7 +256,7 @@ def main() -> None:
                     cold_us = _timed_cold(fn, args.calls, args.rounds, evict)
                     row += f" {cold_us:.1f} | {cold_us / us:.2f} |"
                 print(row)
-                if name != "restore" and n == max(args.blocks):
+                if name in ("save", "load") and n == max(args.blocks):
                     print(f"<!-- {name}: {dict(sorted(count.ops.items()))} -->")
         if args.cuda:
             cold_head = " us a call, caches cold |" if evict else ""

@@ -11,8 +11,9 @@ caches, vLLM's copies simulated) with `kv_checksum_verify_prefix_hits` on:
 (the scheduler side's `entries_written` unset and the worker's prefix
 entries saved whole: the package before 9e288ff). Both serve the same
 requests over shared 4-block prefixes in interleaved rounds. Timed, per
-round: worker 0's entry writes (`BlockChecksumTable.save`: the part that
-changed) and the scheduler side's `attach` (where the sharing filters the
+round: worker 0's entry writes (`BlockChecksumTable.save` and, since the
+step's prefix entries ride in its launch, `ChecksumLauncher.launch`) and the
+scheduler side's `attach` (where the sharing filters the
 store runs); counted: the blocks those writes checksum. The checksum
 kernels are stubbed (host time only, as on the engine's step) unless
 `--cpu-kernels`.
@@ -72,24 +73,30 @@ def build(model_dir: str, mode: str, lazy: bool) -> SimpleOffloadSimEngine:
         worker.checksum.enable_prefix_entries()
         table = worker.checksum.block_table
         if mode == "separate":
-            table.save_prefix_entries = (  # type: ignore[method-assign]
-                lambda runs, t=table: t.save(runs, t.prefix_groups)
+            table.prefix_blocks_to_write = (  # type: ignore[method-assign]
+                lambda runs: (
+                    runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
+                )
             )
     if mode == "separate":
         engine.offload.__dict__["_kv_checksum_simple_offload"].entries_written = None
     engine.checksummed = 0  # type: ignore[attr-defined]
     engine.timed = {"save": 0.0, "attach": 0.0}  # type: ignore[attr-defined]
-    table = engine.workers[0].checksum.block_table
-    save = table.save
+    worker = engine.workers[0].checksum
+    table = worker.block_table
+    entry_rows = table.entry_rows
 
-    def counted(runs: Any, groups: Any = None, copy: Any = None) -> None:
-        blocks = runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
-        engine.checksummed += len(blocks.block_ids)  # type: ignore[attr-defined]
-        start = time.perf_counter()
-        save(blocks, groups, copy)
-        engine.timed["save"] += time.perf_counter() - start  # type: ignore[attr-defined]
+    def counted(blocks: Any, allowed: Any) -> Any:
+        per_group = entry_rows(blocks, allowed)
+        rows = sum(part.rows.shape[1] for part in per_group)
+        engine.checksummed += rows  # type: ignore[attr-defined]
+        return per_group
 
-    table.save = counted  # type: ignore[method-assign]
+    table.entry_rows = counted  # type: ignore[method-assign]
+    # The entry writes: a store's own save, and the step's launch that
+    # carries the prefix entries (with the step's checks, since 2026-12-02g).
+    for owner, name in ((table, "save"), (worker.launcher, "launch")):
+        setattr(owner, name, _timed(engine, getattr(owner, name)))
     scheduler_side = engine.offload.__dict__["_kv_checksum_simple_offload"]
     attach = scheduler_side.attach
 
@@ -100,6 +107,19 @@ def build(model_dir: str, mode: str, lazy: bool) -> SimpleOffloadSimEngine:
 
     scheduler_side.attach = timed_attach
     return engine
+
+
+def _timed(engine: Any, method: Any) -> Any:
+    """`method`, adding its wall time to the engine's "save" figure."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            engine.timed["save"] += time.perf_counter() - start
+
+    return timed
 
 
 def round_of(engine: Any, prompts: list[list[int]], tag: str) -> dict[str, float]:

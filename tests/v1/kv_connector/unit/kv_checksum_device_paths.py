@@ -70,3 +70,38 @@ def offload_paths(worker: KVChecksumWorker, count: int) -> tuple[Path, Path, Pat
         host.restore_ids(ids, slots)
 
     return save, load_step, restore
+
+
+def prefix_step_paths(
+    worker: KVChecksumWorker, hits: int, cached: int = 16
+) -> tuple[Path, Path]:
+    """On a worker with prefix entries (at least hits + cached + 1 blocks):
+    the first step of a request that hits blocks 1..hits and caches the next
+    `cached`, as the worker runs it (entries and checks in one upload and one
+    launch) and as it ran before 2026-12-02g (the entries through the table's
+    own save, then the checks alone)."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
+        HIT_KEY_SUFFIX,
+    )
+
+    worker.enable_prefix_entries()
+    hit_ids = np.arange(1, hits + 1, dtype=np.int64)
+    new_ids = list(range(hits + 1, hits + cached + 1))
+    hashes = [bytes([i % 251 + 1]) * 32 for i in range(cached)]
+    runs = [(0, hits, new_ids, hashes)]
+    checks = {REQ + HIT_KEY_SUFFIX: KVChecksumBlocks(16 * hits, {0: (0, hit_ids)})}
+
+    def scheduled() -> KVChecksumScheduled:
+        return KVChecksumScheduled(reqs_to_check=dict(checks), blocks_to_save=runs)
+
+    def one_launch() -> None:
+        worker.bind(scheduled())
+        worker.post_forward(finished_recving=set(), failed_recving=set())
+
+    def two_launches() -> None:
+        worker.bind(scheduled())
+        worker.block_table.save_prefix_entries(runs)
+        worker._to_save = []
+        worker.post_forward(finished_recving=set(), failed_recving=set())
+
+    return one_launch, two_launches

@@ -69,9 +69,12 @@ def scheduler_side(engine: Any) -> Any:
 
 
 def record_saves(engine: Any) -> list[tuple[str, set[int]]]:
-    """Worker 0's entry writes: ("store" | "prefix", block ids checksummed)."""
+    """Worker 0's entry writes: ("store" | "prefix", block ids checksummed).
+    Stores write through the table's `save`; a step's prefix entries ride in
+    the launcher's upload, from the rows `prefix_entry_rows` hands it."""
     table = engine.workers[0].checksum.block_table
     original = table.save
+    original_prefix = table.prefix_entry_rows
     saves: list[tuple[str, set[int]]] = []
 
     def save(runs: Any, groups: Any = None, copy: Any = None) -> None:
@@ -80,7 +83,14 @@ def record_saves(engine: Any) -> list[tuple[str, set[int]]]:
         saves.append((kind, set(blocks.block_ids.tolist())))
         original(blocks, groups, copy)
 
+    def prefix_entry_rows(runs: Any) -> Any:
+        per_group = original_prefix(runs)
+        ids = {int(i) for entry_rows in per_group for i in entry_rows.rows[0]}
+        saves.append(("prefix", ids))
+        return per_group
+
     table.save = save  # type: ignore[method-assign]
+    table.prefix_entry_rows = prefix_entry_rows  # type: ignore[method-assign]
     return saves
 
 

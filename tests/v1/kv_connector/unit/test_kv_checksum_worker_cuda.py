@@ -21,6 +21,9 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     block_checksum_tags,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
+from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
+    HIT_KEY_SUFFIX,
+)
 from vllm.distributed.kv_transfer.kv_checksum.engine.records import (
     KVChecksumPendingRecord,
 )
@@ -227,3 +230,55 @@ def test_shared_entries_on_cuda_without_host_sync() -> None:
     assert np.count_nonzero(first[[5, 0, 2]]) == 3
     np.testing.assert_array_equal(again[[1, 6]], first[[0, 2]])
     assert block_table._stored_this_step  # the last store is remembered
+
+
+def cache_and_check(device: torch.device, caches: dict[str, torch.Tensor] | None):
+    """One step that caches blocks 0 and 1 of BLOCK_IDS (an odd count with
+    block 2's entry written a step before) and checks a hit on all three, so
+    the launcher writes the entries and checks the hit in one launch. Returns
+    the record's check group, the block table, the fingerprint and the
+    caches."""
+    worker, caches = worker_on(device, caches)
+    worker.enable_prefix_entries()
+    worker.bind(KVChecksumScheduled(blocks_to_save=[(0, 2, BLOCK_IDS[2:], HASHES[2:])]))
+    worker.post_forward(finished_recving=set(), failed_recving=set())
+    key = "hit" + HIT_KEY_SUFFIX
+    hit = KVChecksumBlocks(num_tokens=48, groups={0: (0, BLOCK_IDS)})
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        worker.bind(
+            KVChecksumScheduled(
+                reqs_to_check={key: hit},
+                blocks_to_save=[(0, 0, BLOCK_IDS[:2], HASHES[:2])],
+            )
+        )
+        pending = worker.post_forward(finished_recving=set(), failed_recving=set())
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert pending is not None
+    table = worker.block_table.tensor
+    assert table is not None
+    group = pending.finalize().checksums[key][0]
+    return group, table.cpu(), worker.fingerprints[0], caches
+
+
+def test_fused_entries_and_hit_checks_on_cuda_without_host_sync() -> None:
+    """R140, issue 30: a step's prefix entries and its hit checks in one
+    upload and one launch give on CUDA the values a CPU worker gives over the
+    same bytes, the hit on blocks cached in that step reads their new
+    entries (which untag to the check's sums: a verified hit), and the step
+    does not sync with the host. Bugs caught: the check rows or the entry
+    rows sliced from the wrong columns of the fused output on the device, a
+    host sync in the fused path."""
+    want, want_table, _, caches = cache_and_check(torch.device("cpu"), None)
+    got, table, fingerprint, _ = cache_and_check(torch.device("cuda"), caches)
+    np.testing.assert_array_equal(got.values, want.values)
+    assert got.stored is not None and want.stored is not None
+    np.testing.assert_array_equal(got.stored, want.stored)
+    np.testing.assert_array_equal(table.numpy(), want_table.numpy())
+    tags = block_checksum_tags(HASHES, fingerprint).view(np.uint64)
+    sums = got.values.sum(axis=1, dtype=np.uint64)
+    np.testing.assert_array_equal(got.stored ^ tags, sums)

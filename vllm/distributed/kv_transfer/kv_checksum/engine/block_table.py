@@ -9,6 +9,7 @@ locally cached blocks (R140).
 """
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +28,17 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import GroupPlans
+
+
+@dataclass(frozen=True, eq=False)
+class EntryRows:
+    """The host side of one group's entry write: the kernel's rows (block id,
+    first token, valid tokens) and the blocks' hash tags in row 0 of `tags`
+    (both int64 [3, n], ready to pack into an upload)."""
+
+    group_id: int
+    rows: np.ndarray
+    tags: np.ndarray
 
 
 class BlockChecksumTable:
@@ -83,15 +95,26 @@ class BlockChecksumTable:
         if self._stored_this_step:
             self._stored_this_step = []
 
-    def save_prefix_entries(self, runs: Iterable[BlockRun]) -> None:
-        """Entries of the blocks vLLM cached this step (R140), less those an
-        offload store of this step already wrote: one checksum per block."""
+    def prefix_blocks_to_write(self, runs: Iterable[BlockRun]) -> FullBlocks:
+        """The blocks vLLM cached this step (R140), less those an offload
+        store of this step already wrote: one checksum per block."""
         blocks = runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
         if self._stored_this_step and len(blocks.block_ids):
             done = np.isin(blocks.block_ids, np.concatenate(self._stored_this_step))
             if done.any():
                 blocks = blocks.select(~done)
-        self.save(blocks, self.prefix_groups)
+        return blocks
+
+    def prefix_entry_rows(self, runs: Iterable[BlockRun]) -> list[EntryRows]:
+        """Host rows of this step's prefix entries, for the worker's launcher
+        to write in the step's one upload and launch (issue 30)."""
+        if self.tensor is None:
+            return []
+        return self.entry_rows(self.prefix_blocks_to_write(runs), self.prefix_groups)
+
+    def save_prefix_entries(self, runs: Iterable[BlockRun]) -> None:
+        """Write this step's prefix entries on their own (R140)."""
+        self.save(self.prefix_blocks_to_write(runs), self.prefix_groups)
 
     def read_groups(self, kind: str) -> set[int]:
         """The groups whose entries a pass of `kind` reads with its checksums."""
@@ -124,8 +147,29 @@ class BlockChecksumTable:
         allowed = self.stored_groups if groups is None else groups
         # One launch per group for every block of the call (a step's stores),
         # groups in the order they first appear.
+        per_group = self.entry_rows(blocks, allowed)
+        for i, entry_rows in enumerate(per_group):
+            last = i == len(per_group) - 1
+            self._save_group_entries(entry_rows, copied if last else None)
+        if copy is not None and per_group:  # a store: its blocks' entries are in
+            kept = [entry_rows.group_id for entry_rows in per_group]
+            written = blocks.block_ids
+            if not (blocks.groups == kept[0]).all():  # R142: usually one group
+                written = written[np.isin(blocks.groups, kept)]
+            self._stored_this_step.append(written)
+        if copied is not None and not per_group:
+            indices = host_to_device(
+                np.stack([copied.block_ids, copied.slots]), self.topology.device
+            )
+            copied.dest.index_copy_(0, indices[1], table.index_select(0, indices[0]))
+
+    def entry_rows(self, blocks: FullBlocks, allowed: set[int]) -> list[EntryRows]:
+        """Per allowed group, in the order groups first appear, the rows and
+        tags of its blocks' entry write (R118), without a Python loop over
+        blocks (R142)."""
         ordered, single = _groups_in_order(blocks.groups, allowed)
-        for i, group_id in enumerate(ordered):
+        per_group = []
+        for group_id in ordered:
             if single:
                 # One group, the usual case: the arrays as they are (R142).
                 ids, positions, hashes = (
@@ -138,51 +182,43 @@ class BlockChecksumTable:
                 ids = blocks.block_ids[mask]
                 positions = blocks.positions[mask]
                 hashes = blocks.hashes[mask]
-            last = i == len(ordered) - 1
-            self._save_group_entries(
-                table,
-                group_id,
-                ids,
-                positions,
-                hashes.tolist(),
-                copied if last else None,
+            plans = self.groups[group_id]
+            rows = np.empty((3, len(ids)), dtype=np.int64)
+            rows[0] = ids
+            rows[1] = positions * plans.block_size
+            rows[2] = plans.block_size
+            tags = np.zeros((3, len(ids)), dtype=np.int64)
+            tags[0] = block_checksum_tags(hashes.tolist(), plans.fingerprint).view(
+                np.int64
             )
-        if copy is not None and ordered:  # a store: its blocks' entries are in
-            written = blocks.block_ids
-            if not single:
-                written = written[np.isin(blocks.groups, ordered)]
-            self._stored_this_step.append(written)
-        if copied is not None and not ordered:
-            indices = host_to_device(
-                np.stack([copied.block_ids, copied.slots]), self.topology.device
-            )
-            copied.dest.index_copy_(0, indices[1], table.index_select(0, indices[0]))
+            per_group.append(EntryRows(group_id, rows, tags))
+        return per_group
+
+    def write_entries(
+        self, sums: torch.Tensor, tags: torch.Tensor, block_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Queue the table write of entries from a launch's output `sums`
+        [n, width], the blocks' `tags` and ids (device tensors); return them."""
+        assert self.tensor is not None
+        # One column (one replica key): the sum over columns is that column.
+        entries = sums[:, 0] if sums.shape[1] == 1 else sums.sum(dim=1)
+        entries.bitwise_xor_(tags)
+        self.tensor.index_copy_(0, block_ids, entries)
+        return entries
 
     def _save_group_entries(
-        self,
-        table: torch.Tensor,
-        group_id: int,
-        block_ids: np.ndarray,
-        positions: np.ndarray,
-        block_hashes: list[bytes],
-        copy: EntryCopy | None = None,
+        self, entry_rows: EntryRows, copy: EntryCopy | None = None
     ) -> None:
         """Entries of one group's full blocks: one upload, one launch, one
         table write (R118); then `copy`'s slots get their blocks' entries.
         The rows, the tags, `copy`'s (block id, slot) indices and the zeroed
         launch output travel in one pinned array (issue 30: no device
         allocation or fill of its own per save)."""
-        plans = self.groups[group_id]
-        size = plans.block_size
-        count = len(block_ids)
-        width = plans.load.width
-        rows = np.empty((3, count), dtype=np.int64)
-        rows[0] = block_ids
-        rows[1] = positions * size
-        rows[2] = size
-        tags = np.zeros((3, count), dtype=np.int64)
-        tags[0] = block_checksum_tags(block_hashes, plans.fingerprint).view(np.int64)
-        parts = [rows, tags]
+        assert self.tensor is not None
+        plan = self.groups[entry_rows.group_id].load
+        count = entry_rows.rows.shape[1]
+        width = plan.width
+        parts = [entry_rows.rows, entry_rows.tags]
         if copy is not None:
             extra = np.zeros((3, len(copy.slots)), dtype=np.int64)
             extra[0] = copy.block_ids
@@ -192,20 +228,19 @@ class BlockChecksumTable:
         uploaded = host_to_device(packed, self.topology.device)
         out_column = columns[-1]
         out = uploaded[0, out_column : out_column + count * width].view(count, width)
-        plans.load.run(uploaded[:, :count], out)
-        # One column (one replica key): the sum over columns is that column.
-        entries = out[:, 0] if width == 1 else out.sum(dim=1)
-        entries.bitwise_xor_(uploaded[0, columns[1] : columns[1] + count])
-        table.index_copy_(0, uploaded[0, :count], entries)
+        plan.run(uploaded[:, :count], out)
+        entries = self.write_entries(
+            out, uploaded[0, columns[1] : columns[1] + count], uploaded[0, :count]
+        )
         if copy is None:
             return
         column = columns[2]
         slots = uploaded[1, column : column + len(copy.slots)]
-        if np.array_equal(copy.block_ids, block_ids):
+        if np.array_equal(copy.block_ids, entry_rows.rows[0]):
             copy.dest.index_copy_(0, slots, entries)  # the blocks just saved
         else:
             ids = uploaded[0, column : column + len(copy.slots)]
-            copy.dest.index_copy_(0, slots, table.index_select(0, ids))
+            copy.dest.index_copy_(0, slots, self.tensor.index_select(0, ids))
 
 
 def _groups_in_order(groups: np.ndarray, allowed: set[int]) -> tuple[list[int], bool]:

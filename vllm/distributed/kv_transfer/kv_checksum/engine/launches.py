@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
 from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
     BlockChecksumTable,
+    EntryRows,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import (
     ChecksumPlan,
@@ -95,19 +96,24 @@ class ChecksumLauncher:
         loads: Requests,
         sends: Requests,
         checks: Requests = (),
+        saves: Sequence[EntryRows] = (),
     ) -> tuple[list[PassResult], torch.Tensor | None]:
         """Build all rows, copy them once to the device and queue every launch.
 
         P/D receives and sends are checksummed per chunk (R135), offloaded-KV
         loads and prefix-hit checks per block with their stored entries
-        (R117, R140). Returns the results and the one device run holding
-        them all, for `copy_to_host` (None without a pass).
+        (R117, R140). `saves` are the step's prefix entries (R140): written
+        first, from the same upload, so that a hit on a block cached this
+        step reads its entry; a group's entry write and its hit checks share
+        one launch (issue 30). Returns the results and the one device run
+        holding them all, for `copy_to_host` (None without a pass).
         """
         # (group, plan, whether it reads stored entries, req ids, starts, counts)
         passes: list[
             tuple[GroupPlans, ChecksumPlan, bool, tuple, np.ndarray, np.ndarray]
         ] = []
         parts: list[np.ndarray] = []
+        checks_at: dict[int, int] = {}  # group id -> index of its check pass
         for requests, kind in (
             (recvs, "recv"),
             (loads, "load"),
@@ -124,18 +130,13 @@ class ChecksumLauncher:
                 if req_ids:
                     reads = plans.group_id in self.table.read_groups(kind)
                     plan = getattr(plans, plan_kind)
+                    if kind == "check" and plan.chunks == 1:
+                        checks_at[plans.group_id] = len(passes)
                     passes.append((plans, plan, reads, req_ids, starts, counts))
                     parts.append(rows)
-        if not passes:
+        if not passes and not saves:
             return [], None
-        # Each pass's output and, where it reads stored entries, those
-        # entries: zeroed segments of the one upload after the rows (issue
-        # 30: no device allocation per pass, one contiguous run to copy back).
-        reserve = [
-            size
-            for (_, plan, reads, *_), part in zip(passes, parts)
-            for size in (part.shape[1] * plan.width, part.shape[1] if reads else 0)
-        ]
+        layout = _Layout(self.groups, passes, parts, saves, checks_at)
         on_device = self.topology.device.type != "cpu"
         host_rows: list[torch.Tensor] = []
 
@@ -145,18 +146,47 @@ class ChecksumLauncher:
             )
             return host_rows[0].numpy()
 
-        _, columns = pack_segments(parts, pinned_zeros, reserve)
+        _, columns = pack_segments(layout.parts, pinned_zeros, layout.reserve)
         rows_dev = self._to_device(host_rows[0])
         scratch = rows_dev[0]
-        segments = iter(columns[len(parts) :])
+        part_columns = iter(columns[: len(layout.order)])
+        tag_columns = columns[len(layout.order) : len(layout.parts)]
+        segments = iter(columns[len(layout.parts) :])
         results = []
-        for (plans, plan, reads, req_ids, starts, counts), part, column in zip(
-            passes, parts, columns
-        ):
-            n = part.shape[1]
+        fused: tuple[EntryRows, int, int] | None = None
+        for item, index in layout.order:
+            column = next(part_columns)
+            if item == "save":
+                entry_rows = saves[index]
+                n, at = entry_rows.rows.shape[1], next(segments)
+                if layout.fused.get(index) is not None:
+                    fused = (entry_rows, column, at)  # runs with its check pass
+                    continue
+                plan = self.groups[entry_rows.group_id].load
+                out = scratch[at : at + n * plan.width].view(n, plan.width)
+                plan.run(rows_dev[:, column : column + n], out)
+                self._write_entries(rows_dev, out, column, tag_columns[index], n)
+                continue
+            plans, plan, reads, req_ids, starts, counts = passes[index]
+            n = parts[index].shape[1]
             at, stored_at = next(segments), next(segments)
-            out = scratch[at : at + n * plan.width].view(n, plan.width)
-            plan.run(rows_dev[:, column : column + n], out)
+            if fused is not None and layout.fused_pass(index):
+                # One launch: the entry rows, a padding row, the check rows.
+                entry_rows, first, out_at = fused
+                fused = None
+                written = entry_rows.rows.shape[1]
+                padded = written + (written & 1)
+                both = scratch[out_at : at + n * plan.width]
+                both = both.view(padded + n, plan.width)
+                plan.run(rows_dev[:, first : column + n], both)
+                save_index = layout.save_of_pass[index]
+                self._write_entries(
+                    rows_dev, both[:written], first, tag_columns[save_index], written
+                )
+                out = both[padded:]
+            else:
+                out = scratch[at : at + n * plan.width].view(n, plan.width)
+                plan.run(rows_dev[:, column : column + n], out)
             if plan.chunks > 1:
                 # One row per chunk, in position order (R135).
                 out = out.view(n * plan.chunks, len(plan.replica_keys))
@@ -172,7 +202,26 @@ class ChecksumLauncher:
                     out=scratch[stored_at : stored_at + n],
                 )
             results.append(result)
-        return results, scratch[columns[len(parts)] : columns[-1] + reserve[-1]]
+        if not passes:
+            return [], None
+        first_out = columns[len(layout.parts)]
+        return results, scratch[first_out : columns[-1] + layout.reserve[-1]]
+
+    def _write_entries(
+        self,
+        rows_dev: torch.Tensor,
+        sums: torch.Tensor,
+        column: int,
+        tag_column: int,
+        count: int,
+    ) -> None:
+        """The table write of entry rows uploaded at `column`, their tags at
+        `tag_column`, from their launch output `sums`."""
+        self.table.write_entries(
+            sums,
+            rows_dev[0, tag_column : tag_column + count],
+            rows_dev[0, column : column + count],
+        )
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """One non-blocking host-to-device copy of all rows, from pinned memory."""
@@ -238,3 +287,57 @@ class ChecksumLauncher:
         event.record()
         self._in_flight.append((event, host))
         return host, event
+
+
+class _Layout:
+    """Where a step's row parts and output segments sit in its one upload.
+
+    Items run in `order`: each prefix-entry write ("save") just before its
+    group's check pass when that pass exists (`fused`: the two then share one
+    launch, their rows and outputs adjacent), else before every pass. Parts:
+    each item's rows, then each save's tags. Reserve: per save its output
+    (rows padded to even), per pass its output and stored entries.
+    """
+
+    def __init__(
+        self,
+        groups: dict[int, GroupPlans],
+        passes: Sequence[tuple],
+        parts: Sequence[np.ndarray],
+        saves: Sequence[EntryRows],
+        checks_at: dict[int, int],
+    ) -> None:
+        self.fused: dict[int, int | None] = {}  # save index -> check pass index
+        self.save_of_pass: dict[int, int] = {}
+        self.order: list[tuple[str, int]] = []
+        for k, entry_rows in enumerate(saves):
+            at = checks_at.get(entry_rows.group_id)
+            if at is not None and at not in self.save_of_pass:
+                self.fused[k] = at
+                self.save_of_pass[at] = k
+            else:
+                self.fused[k] = None
+                self.order.append(("save", k))
+        for i in range(len(passes)):
+            if i in self.save_of_pass:
+                self.order.append(("save", self.save_of_pass[i]))
+            self.order.append(("pass", i))
+        self.parts: list[np.ndarray] = []
+        self.reserve: list[int] = []
+        for item, index in self.order:
+            if item == "save":
+                entry_rows = saves[index]
+                n = entry_rows.rows.shape[1]
+                width = groups[entry_rows.group_id].load.width
+                self.parts.append(entry_rows.rows)
+                self.reserve.append((n + (n & 1)) * width)
+            else:
+                _, plan, reads, *_ = passes[index]
+                n = parts[index].shape[1]
+                self.parts.append(parts[index])
+                self.reserve += [n * plan.width, n if reads else 0]
+        self.parts += [entry_rows.tags for entry_rows in saves]
+
+    def fused_pass(self, index: int) -> bool:
+        """Whether pass `index` runs in one launch with a save before it."""
+        return index in self.save_of_pass

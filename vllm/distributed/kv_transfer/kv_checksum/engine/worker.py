@@ -158,16 +158,20 @@ class KVChecksumWorker:
             self._to_load.pop(req_id, None)
         sends = list(self._to_send.items())
         self._to_send = {}
-        # Entries first: a hit on a block cached this step reads its entry.
-        if self._to_save:  # R142: most steps cache nothing
-            self.block_table.save_prefix_entries(self._to_save)
+        # This step's prefix entries ride in the launcher's upload, written
+        # before the checks read them (R140; issue 30: one upload a step).
+        saves = (
+            self.block_table.prefix_entry_rows(self._to_save) if self._to_save else []
+        )
         checks = list(self._to_check.items())
         self._to_save, self._to_check = [], {}
         keep_received = self.topology.pp_rank == 0 and self.topology.tp_rank == 0
         received = dict(received or {}) if keep_received else {}
         if not recvs and not loads and not sends and not received and not checks:
+            if saves:
+                self.launcher.launch((), (), (), (), saves)
             return None
-        results, run = self.launcher.launch(recvs, loads, sends, checks)
+        results, run = self.launcher.launch(recvs, loads, sends, checks, saves)
         pending = KVChecksumPendingRecord(
             pp_rank=self.topology.pp_rank,
             tp_rank=self.topology.tp_rank,
