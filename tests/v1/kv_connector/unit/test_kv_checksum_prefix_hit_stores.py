@@ -206,7 +206,7 @@ def test_R140_entries_written_once_handed_over_and_until_evicted() -> None:
     hits.take_step()
     assert hits.entries_written(zeros, ids).tolist() == [True, True]
     assert hits.entries_written(zeros + 1, ids).tolist() == [False, False]
-    hits.on_evicted(3, still_cached=False)
+    hits.on_evicted([3])
     assert hits.entries_written(zeros, ids).tolist() == [False, True]
     hits.on_cached(hashes(2), np.asarray([1]), ids[1:], ["k5"])
     assert hits.entries_written(zeros, ids).tolist() == [False, False]
@@ -217,6 +217,6 @@ def test_R140_entries_written_once_handed_over_and_until_evicted() -> None:
     # Recorded, then evicted in the same step before the hand-over.
     six = np.asarray([6], dtype=np.int64)
     hits.on_cached(hashes(1), np.asarray([0]), six, ["k6"])
-    hits.on_evicted(6, still_cached=False)
+    hits.on_evicted([6])
     hits.take_step()
     assert not hits.entries_written(np.zeros(1, dtype=np.int64), six).any()

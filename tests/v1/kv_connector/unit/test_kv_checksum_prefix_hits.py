@@ -272,6 +272,30 @@ def test_state_bounded_by_cached_blocks(model_dir: str) -> None:
     assert recorded <= len(pool.blocks) - 1  # never more than cacheable blocks
 
 
+def test_entries_dropped_per_call_of_vllms_eviction(model_dir: str) -> None:
+    """R140, R142: entries leave with the blocks vLLM evicts by id (the
+    scheduler's `evict_blocks`, as a mismatch or a connector's invalid blocks
+    do) and with those it hands out again, through one hook per call of
+    `get_new_blocks` / `evict_blocks`, not one per block (issue 30: the
+    per-block `_maybe_evict_cached_block` wrapper cost a Python frame per
+    allocated block). Bugs caught (tried): no hook on `evict_blocks` (the
+    evicted blocks keep their entries); entries dropped for every block
+    handed out, whether a key still reaches it or not (test above)."""
+    engine = engine_for(model_dir, "evict-by-id", num_blocks=14)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert "_maybe_evict_cached_block" not in pool.__dict__
+    a = run(engine, "a", prompt(50, PREFIX + 1))
+    hits = hits_state(engine)
+    ids = {cached_block(engine, a, i).block_id for i in range(2)}
+    assert ids <= set(hits.entry_keys)
+    engine.scheduler.kv_cache_manager.evict_blocks(ids)
+    assert not ids & set(hits.entry_keys)
+    assert not hits.has_entry[sorted(ids)].any()
+    kept = set(hits.entry_keys)
+    cached = {b.block_id for b in pool.blocks if b.block_hash is not None}
+    assert kept and kept <= cached
+
+
 def test_entry_hook_errors_never_reach_vllm(model_dir: str) -> None:
     """R134, R140: an error in the hooks on vLLM's block pool (here: dropping
     an entry on eviction) turns prefix-hit verification off with one error

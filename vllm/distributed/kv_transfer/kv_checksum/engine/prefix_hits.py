@@ -134,11 +134,17 @@ class KVChecksumPrefixHits:
             self.has_entry[ids] = True
         self.entry_keys.update(zip(block_ids.tolist(), keys))
 
-    def on_evicted(self, block_id: int, still_cached: bool) -> None:
-        """Drop a block's entry once no prefix-cache key reaches it any more."""
-        if not still_cached and self.entry_keys.pop(block_id, None) is not None:
-            self.has_entry[block_id] = False
-            self.entry_handed[block_id] = False
+    def on_evicted(self, block_ids: list[int]) -> None:
+        """Drop the entries of blocks no prefix-cache key reaches any more
+        (evicted by vLLM), all of one call of vLLM's at once (R142)."""
+        if not block_ids:
+            return
+        entry_keys = self.entry_keys
+        for block_id in block_ids:
+            entry_keys.pop(block_id, None)
+        index = np.array(block_ids, dtype=np.intp)  # converted once for both
+        self.has_entry[index] = False
+        self.entry_handed[index] = False
 
     def clear(self) -> None:
         """The prefix cache was reset: every entry is gone."""

@@ -9,11 +9,14 @@ wrapped twice.
 
 Hooks (target; why; how; the upstream change that lets it go):
 
-BlockPool cache_full_blocks, _maybe_evict_cached_block, reset_prefix_cache
+BlockPool cache_full_blocks, get_new_blocks, evict_blocks, reset_prefix_cache
   (instance, set up with the checksum scheduler)
     Why: an entry is recorded when vLLM caches a full block, dropped when it
-    evicts the block
-    How: after vLLM's own call, note the blocks (positions, hashes) or drop them
+    evicts the block (its two callers of `_maybe_evict_cached_block` that a
+    single-group attention model reaches: allocation and eviction by id)
+    How: after vLLM's own call, note the blocks (positions, hashes) or drop
+    the entries of the blocks no key reaches any more, one frame per call
+    (issue 30: not one per allocated block)
     Upstream: block-cached / block-evicted callbacks on the block pool
 KVCacheManager get_computed_blocks (instance)
     Why: the hit blocks of a request are checked before its output is used
@@ -33,6 +36,8 @@ Scheduler update_after_schedule / update_from_output (through the package's hook
 
 import contextlib
 import time
+from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -194,10 +199,14 @@ def _pending_request_ids(scheduler: Any) -> list[str]:
     return [key[: -len(HIT_KEY_SUFFIX)] for key in state.hits.pending]
 
 
+_block_id = attrgetter("block_id")
+
+
 def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> None:
     """Instance wrappers: entries on cache_full_blocks, dropped on eviction."""
     cache_full_blocks = pool.cache_full_blocks
-    maybe_evict = pool._maybe_evict_cached_block
+    get_new_blocks = pool.get_new_blocks
+    evict_blocks = pool.evict_blocks
     reset = pool.reset_prefix_cache
 
     def cache_full_blocks_hook(
@@ -230,18 +239,36 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
         except Exception:
             _turn_off(scheduler, "recording entries")
 
-    def maybe_evict_hook(block: Any) -> bool:
-        evicted = maybe_evict(block)
-        if scheduler.__dict__.get(_STATE_ATTR) is None:
-            return evicted
+    def drop_evicted(block_ids: Iterable[int]) -> None:
+        """Entries of these blocks that no prefix-cache key reaches any more."""
+        if scheduler.__dict__.get(_STATE_ATTR) is None or not hits.entry_keys:
+            return
         try:
-            key = hits.entry_keys.get(block.block_id)
-            if key is not None:
-                still = pool.cached_block_hash_to_block.contain(key, block.block_id)
-                hits.on_evicted(block.block_id, still)
+            # The blocks with entries that no key reaches any more (R140 (c):
+            # a surviving key keeps its entry, so a reuse of the block is
+            # caught); their entries dropped in one call.
+            entry_keys = hits.entry_keys
+            contain = pool.cached_block_hash_to_block.contain
+            hits.on_evicted(
+                [
+                    block_id
+                    for block_id in block_ids
+                    if block_id in entry_keys
+                    and not contain(entry_keys[block_id], block_id)
+                ]
+            )
         except Exception:
             _turn_off(scheduler, "dropping entries")
-        return evicted
+
+    def get_new_blocks_hook(num_blocks: int, *args: Any, **kwargs: Any) -> list:
+        blocks = get_new_blocks(num_blocks, *args, **kwargs)
+        if hits.entry_keys:
+            drop_evicted(map(_block_id, blocks))
+        return blocks
+
+    def evict_blocks_hook(block_ids: set[int], *args: Any, **kwargs: Any) -> None:
+        evict_blocks(block_ids, *args, **kwargs)
+        drop_evicted(block_ids)
 
     def reset_hook() -> bool:
         done = reset()
@@ -253,7 +280,8 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
         return done
 
     pool.cache_full_blocks = cache_full_blocks_hook
-    pool._maybe_evict_cached_block = maybe_evict_hook
+    pool.get_new_blocks = get_new_blocks_hook
+    pool.evict_blocks = evict_blocks_hook
     pool.reset_prefix_cache = reset_hook
 
 
