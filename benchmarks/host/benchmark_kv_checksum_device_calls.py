@@ -239,12 +239,18 @@ def main() -> None:
             save, load, restore = offload_paths(worker, n)
             hit_worker, _ = worker_on(device, None, num_blocks=n + 17)
             fused, separate = prefix_step_paths(hit_worker, n)
+            # The two prefix-step paths in both orders across block counts.
+            prefix_paths = [
+                ("prefix step: 16 cached + hits, one launch", fused),
+                ("prefix step: 16 cached + hits, two launches (before)", separate),
+            ]
+            if args.blocks.index(n) % 2:
+                prefix_paths.reverse()
             for name, fn in (
                 ("save", save),
                 ("load", load),
                 ("restore", restore),
-                ("prefix step: 16 cached + hits, one launch", fused),
-                ("prefix step: 16 cached + hits, two launches (before)", separate),
+                *prefix_paths,
             ):
                 fn()  # warm
                 with OpCount() as count:

@@ -69,9 +69,11 @@ def refill(pool: BlockPool, hits: KVChecksumPrefixHits) -> None:
 
 
 def per_block_hook(pool: BlockPool, hits: KVChecksumPrefixHits) -> None:
-    """The wrapper before 2026-12-02g: after each block's eviction, drop its
-    entry unless a key still reaches it."""
+    """The wrapper before 2026-12-02g: after each block's eviction, the
+    scheduler state's lookup, then, guarded, drop its entry unless a key
+    still reaches it."""
     maybe_evict = pool._maybe_evict_cached_block
+    scheduler = SimpleNamespace(**{prefix_cache._STATE_ATTR: object()})
 
     def on_evicted(block_id: int, still_cached: bool) -> None:
         # KVChecksumPrefixHits.on_evicted as it was: one block a call.
@@ -81,10 +83,15 @@ def per_block_hook(pool: BlockPool, hits: KVChecksumPrefixHits) -> None:
 
     def hook(block: Any) -> bool:
         evicted = maybe_evict(block)
-        key = hits.entry_keys.get(block.block_id)
-        if key is not None:
-            still = pool.cached_block_hash_to_block.contain(key, block.block_id)
-            on_evicted(block.block_id, still)
+        if scheduler.__dict__.get(prefix_cache._STATE_ATTR) is None:
+            return evicted
+        try:
+            key = hits.entry_keys.get(block.block_id)
+            if key is not None:
+                still = pool.cached_block_hash_to_block.contain(key, block.block_id)
+                on_evicted(block.block_id, still)
+        except Exception:
+            prefix_cache._turn_off(scheduler, "dropping entries")
         return evicted
 
     pool._maybe_evict_cached_block = hook  # type: ignore[method-assign]

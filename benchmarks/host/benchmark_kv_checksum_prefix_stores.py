@@ -180,7 +180,7 @@ def main() -> None:
         f"rounds of {args.requests} requests; us: median over rounds"
     )
     print(
-        "| entries | entry writes, us a round | attach, us a round "
+        "| entries | entry writes and step launches, us a round | attach, us a round "
         "| blocks checksummed | blocks stored | host loads |"
     )
     print("|---|---|---|---|---|---|")

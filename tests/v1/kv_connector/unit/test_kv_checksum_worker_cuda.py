@@ -233,14 +233,14 @@ def test_shared_entries_on_cuda_without_host_sync() -> None:
 
 
 def cache_and_check(device: torch.device, caches: dict[str, torch.Tensor] | None):
-    """One step that caches blocks 0 and 1 of BLOCK_IDS (an odd count with
-    block 2's entry written a step before) and checks a hit on all three, so
-    the launcher writes the entries and checks the hit in one launch. Returns
-    the record's check group, the block table, the fingerprint and the
-    caches."""
+    """One step that caches block 0 of BLOCK_IDS (an odd count: a padding row
+    follows it in the fused launch; blocks 1 and 2 got their entries a step
+    before) and checks a hit on all three, so the launcher writes the entry
+    and checks the hit in one launch. Returns the record's check group, the
+    block table, the fingerprint and the caches."""
     worker, caches = worker_on(device, caches)
     worker.enable_prefix_entries()
-    worker.bind(KVChecksumScheduled(blocks_to_save=[(0, 2, BLOCK_IDS[2:], HASHES[2:])]))
+    worker.bind(KVChecksumScheduled(blocks_to_save=[(0, 1, BLOCK_IDS[1:], HASHES[1:])]))
     worker.post_forward(finished_recving=set(), failed_recving=set())
     key = "hit" + HIT_KEY_SUFFIX
     hit = KVChecksumBlocks(num_tokens=48, groups={0: (0, BLOCK_IDS)})
@@ -251,7 +251,7 @@ def cache_and_check(device: torch.device, caches: dict[str, torch.Tensor] | None
         worker.bind(
             KVChecksumScheduled(
                 reqs_to_check={key: hit},
-                blocks_to_save=[(0, 0, BLOCK_IDS[:2], HASHES[:2])],
+                blocks_to_save=[(0, 0, BLOCK_IDS[:1], HASHES[:1])],
             )
         )
         pending = worker.post_forward(finished_recving=set(), failed_recving=set())
@@ -270,9 +270,10 @@ def test_fused_entries_and_hit_checks_on_cuda_without_host_sync() -> None:
     upload and one launch give on CUDA the values a CPU worker gives over the
     same bytes, the hit on blocks cached in that step reads their new
     entries (which untag to the check's sums: a verified hit), and the step
-    does not sync with the host. Bugs caught: the check rows or the entry
-    rows sliced from the wrong columns of the fused output on the device, a
-    host sync in the fused path."""
+    does not sync with the host. Bugs caught: the check rows read without
+    the padding row, or the entries taken from the check rows (either way the
+    entries no longer untag to the check's sums, on both devices); a host
+    sync in the fused path."""
     want, want_table, _, caches = cache_and_check(torch.device("cpu"), None)
     got, table, fingerprint, _ = cache_and_check(torch.device("cuda"), caches)
     np.testing.assert_array_equal(got.values, want.values)

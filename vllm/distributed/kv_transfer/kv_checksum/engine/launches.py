@@ -114,10 +114,12 @@ class ChecksumLauncher:
         ] = []
         parts: list[np.ndarray] = []
         checks_at: dict[int, int] = {}  # group id -> index of its check pass
+        # Checks first: a save fused with its group's check pass then still
+        # runs before every pass that reads stored entries, as unfused saves do.
         for requests, kind in (
+            (list(checks), "check"),
             (recvs, "recv"),
             (loads, "load"),
-            (list(checks), "check"),
             (sends, "send"),
         ):
             if not requests:

@@ -249,14 +249,14 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
             # caught); their entries dropped in one call.
             entry_keys = hits.entry_keys
             contain = pool.cached_block_hash_to_block.contain
-            hits.on_evicted(
-                [
-                    block_id
-                    for block_id in block_ids
-                    if block_id in entry_keys
-                    and not contain(entry_keys[block_id], block_id)
-                ]
-            )
+            gone = [
+                block_id
+                for block_id in block_ids
+                if block_id in entry_keys
+                and not contain(entry_keys[block_id], block_id)
+            ]
+            if gone:
+                hits.on_evicted(gone)
         except Exception:
             _turn_off(scheduler, "dropping entries")
 
