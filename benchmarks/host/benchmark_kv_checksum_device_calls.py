@@ -17,7 +17,8 @@ any machine; times are this machine's.
 - prefix step: the first step of a request hitting N cached blocks and
   caching 16 (R140), with the entries and checks in one upload and one
   launch (the worker since 2026-12-02g) and, in the same run, the way it ran
-  before (the entries through the table's own save, then the checks).
+  before (the entries through the table's own save, then the checks); also
+  timed as a pair, call by call in alternation, so host drift hits both.
 
 On CPU the checksum kernel is stubbed (host work only). `--cuda` runs on a
 GPU with the Triton kernel and adds the host time of each kind of device
@@ -123,6 +124,40 @@ def _timed_cold(
         return statistics.median(times) * 1e6
 
     return _median_of_rounds(one_round, rounds)
+
+
+def _paired(
+    first: Callable[[], Any],
+    second: Callable[[], Any],
+    calls: int,
+    rounds: int,
+    evict: Callable[[], None] | None = None,
+) -> tuple[float, float, float]:
+    """Two paths timed call by call in alternation (first, second, first,
+    ...; `evict` before each call when given), so drift on the host hits both
+    alike: the medians over rounds of each path's median us a call, and of
+    the rounds' ratios second / first."""
+    per_round: list[tuple[float, float]] = []
+
+    def one_round() -> float:
+        times: tuple[list[float], list[float]] = ([], [])
+        for i in range(2 * calls):
+            fn = (first, second)[i % 2]
+            if evict is not None:
+                evict()
+            start = time.perf_counter()
+            fn()
+            times[i % 2].append(time.perf_counter() - start)
+        pair = (statistics.median(times[0]) * 1e6, statistics.median(times[1]) * 1e6)
+        per_round.append(pair)
+        return pair[1] / pair[0]
+
+    ratio = _median_of_rounds(one_round, rounds)
+    return (
+        statistics.median(a for a, _ in per_round),
+        statistics.median(b for _, b in per_round),
+        ratio,
+    )
 
 
 @contextlib.contextmanager
@@ -233,6 +268,7 @@ def main() -> None:
     print(f"| path | blocks | aten ops a call | of them not views | us a call{cold} |")
     print("|---|---|---|---|---|" + ("---|---|" if evict else ""))
     setting = contextlib.nullcontext() if args.cuda else cpu_setting(args.kernel)
+    paired: list[str] = []
     with setting:
         for n in args.blocks:
             worker, _ = worker_on(device, None, num_blocks=n + 1)
@@ -264,6 +300,21 @@ def main() -> None:
                 print(row)
                 if name in ("save", "load") and n == max(args.blocks):
                     print(f"<!-- {name}: {dict(sorted(count.ops.items()))} -->")
+            for label, cold_evict in (("hot", None), ("cold", evict)):
+                if label == "cold" and evict is None:
+                    continue
+                one, two, ratio = _paired(
+                    fused, separate, args.calls, args.rounds, cold_evict
+                )
+                paired.append(
+                    f"| {n} | {label} | {one:.1f} | {two:.1f} | {ratio:.2f} |"
+                )
+        print(
+            "\n| prefix step, hits | caches | one launch, us | two launches "
+            "(before), us | two / one, median of rounds |"
+        )
+        print("|---|---|---|---|---|")
+        print("\n".join(paired))
         if args.cuda:
             cold_head = " us a call, caches cold |" if evict else ""
             print(f"\n| device call, alone | us a call |{cold_head}")

@@ -66,3 +66,33 @@ def test_evictor_sweeps_the_memory_it_was_given() -> None:
     evict()
     assert ((sweep - before)[::8] == 1).all()
     assert sweep.nbytes == 1 << 20
+
+
+def test_paired_timing_alternates_the_two_paths(monkeypatch) -> None:
+    """Issue 30: the prefix step's two ways are timed call by call in
+    alternation, each call after its own eviction and only the call on the
+    clock, so host drift during a round hits both alike (a fake clock: the
+    first path takes 3 us, the second 6 us, the eviction 1 s). Bugs caught:
+    the paths timed in two blocks (first, ..., first, second, ...), the
+    eviction on the clock, the ratio taken first / second."""
+    bench = _load()
+    clock = [0.0]
+    order: list[str] = []
+
+    def path(name: str, seconds: float):
+        def call() -> None:
+            order.append(name)
+            clock[0] += seconds
+
+        return call
+
+    def evict() -> None:
+        order.append("evict")
+        clock[0] += 1.0
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    one, two, ratio = bench._paired(
+        path("one", 3e-6), path("two", 6e-6), calls=4, rounds=3, evict=evict
+    )
+    assert (one, two, ratio) == pytest.approx((3.0, 6.0, 2.0))
+    assert order == ["evict", "one", "evict", "two"] * 12
