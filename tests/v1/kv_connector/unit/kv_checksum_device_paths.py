@@ -100,7 +100,8 @@ def prefix_step_paths(
 
     def two_launches() -> None:
         worker.bind(scheduled())
-        worker.block_table.save_prefix_entries(runs)
+        table = worker.block_table
+        table.save(table.prefix_blocks_to_write(runs), table.prefix_groups)
         worker._to_save = []
         worker.post_forward(finished_recving=set(), failed_recving=set())
 

@@ -69,7 +69,7 @@ def test_evictor_sweeps_the_memory_it_was_given() -> None:
 
 
 def test_paired_timing_alternates_the_two_paths(monkeypatch) -> None:
-    """Issue 30: the prefix step's two ways are timed call by call in
+    """R142, issue 30: the prefix step's two ways are timed call by call in
     alternation, each call after its own eviction and only the call on the
     clock, so host drift during a round hits both alike (a fake clock: the
     first path takes 3 us, the second 6 us, the eviction 1 s). Bugs caught:

@@ -206,7 +206,8 @@ def shared_entries(device: torch.device, caches: dict[str, torch.Tensor] | None)
         worker.save_block_checksums(
             runs, EntryCopy(BLOCK_IDS, np.array([5, 0, 2]), first)
         )
-        table.save_prefix_entries(runs)  # every block stored this step: none
+        # The prefix entries of the same blocks: every one stored this step.
+        table.save(table.prefix_blocks_to_write(runs), table.prefix_groups)
     finally:
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")

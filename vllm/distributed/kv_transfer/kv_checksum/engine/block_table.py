@@ -112,10 +112,6 @@ class BlockChecksumTable:
             return []
         return self.entry_rows(self.prefix_blocks_to_write(runs), self.prefix_groups)
 
-    def save_prefix_entries(self, runs: Iterable[BlockRun]) -> None:
-        """Write this step's prefix entries on their own (R140)."""
-        self.save(self.prefix_blocks_to_write(runs), self.prefix_groups)
-
     def read_groups(self, kind: str) -> set[int]:
         """The groups whose entries a pass of `kind` reads with its checksums."""
         if kind == "load":

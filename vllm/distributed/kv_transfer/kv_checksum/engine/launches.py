@@ -161,7 +161,7 @@ class ChecksumLauncher:
             if item == "save":
                 entry_rows = saves[index]
                 n, at = entry_rows.rows.shape[1], next(segments)
-                if layout.fused.get(index) is not None:
+                if index in layout.fused_saves:
                     fused = (entry_rows, column, at)  # runs with its check pass
                     continue
                 plan = self.groups[entry_rows.group_id].load
@@ -172,7 +172,7 @@ class ChecksumLauncher:
             plans, plan, reads, req_ids, starts, counts = passes[index]
             n = parts[index].shape[1]
             at, stored_at = next(segments), next(segments)
-            if fused is not None and layout.fused_pass(index):
+            if fused is not None and index in layout.save_of_pass:
                 # One launch: the entry rows, a padding row, the check rows.
                 entry_rows, first, out_at = fused
                 fused = None
@@ -295,10 +295,10 @@ class _Layout:
     """Where a step's row parts and output segments sit in its one upload.
 
     Items run in `order`: each prefix-entry write ("save") just before its
-    group's check pass when that pass exists (`fused`: the two then share one
-    launch, their rows and outputs adjacent), else before every pass. Parts:
-    each item's rows, then each save's tags. Reserve: per save its output
-    (rows padded to even), per pass its output and stored entries.
+    group's check pass when that pass exists (`save_of_pass`: the two then
+    share one launch, their rows and outputs adjacent), else before every
+    pass. Parts: each item's rows, then each save's tags. Reserve: per save
+    its output (rows padded to even), per pass its output and stored entries.
     """
 
     def __init__(
@@ -309,17 +309,15 @@ class _Layout:
         saves: Sequence[EntryRows],
         checks_at: dict[int, int],
     ) -> None:
-        self.fused: dict[int, int | None] = {}  # save index -> check pass index
-        self.save_of_pass: dict[int, int] = {}
+        self.save_of_pass: dict[int, int] = {}  # check pass index -> save index
         self.order: list[tuple[str, int]] = []
         for k, entry_rows in enumerate(saves):
             at = checks_at.get(entry_rows.group_id)
             if at is not None and at not in self.save_of_pass:
-                self.fused[k] = at
                 self.save_of_pass[at] = k
             else:
-                self.fused[k] = None
                 self.order.append(("save", k))
+        self.fused_saves = set(self.save_of_pass.values())
         for i in range(len(passes)):
             if i in self.save_of_pass:
                 self.order.append(("save", self.save_of_pass[i]))
@@ -339,7 +337,3 @@ class _Layout:
                 self.parts.append(parts[index])
                 self.reserve += [n * plan.width, n if reads else 0]
         self.parts += [entry_rows.tags for entry_rows in saves]
-
-    def fused_pass(self, index: int) -> bool:
-        """Whether pass `index` runs in one launch with a save before it."""
-        return index in self.save_of_pass

@@ -262,8 +262,7 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
 
     def get_new_blocks_hook(num_blocks: int, *args: Any, **kwargs: Any) -> list:
         blocks = get_new_blocks(num_blocks, *args, **kwargs)
-        if hits.entry_keys:
-            drop_evicted(map(_block_id, blocks))
+        drop_evicted(map(_block_id, blocks))
         return blocks
 
     def evict_blocks_hook(block_ids: set[int], *args: Any, **kwargs: Any) -> None:
