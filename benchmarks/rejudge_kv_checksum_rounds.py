@@ -7,6 +7,10 @@ of the pairs' ratios. Runs anywhere (no vLLM, no GPU):
 
     python benchmarks/rejudge_kv_checksum_rounds.py \\
         benchmarks/results/h200_bench_prefix_8b_2026-12-01d.json
+
+With `--pool`, the rounds of every summary are judged as one run (each file's
+launches kept apart, so its pairs stay its own): the verdict over runs of one
+shape taken on different machines.
 """
 
 import argparse
@@ -39,24 +43,67 @@ def pair_line(name: str, row: dict[str, Any]) -> str:
     )
 
 
+def pooled_rounds(records: list[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
+    """The rounds of every record that ran `workload`, launches renumbered so that
+    no two files share one (a pair, launch and seed, never joins rounds of two
+    runs). Runs that left a workload out do not count as its failures."""
+    rounds: list[dict[str, Any]] = []
+    offset = 0
+    for record in records:
+        own = record.get("rounds") or []
+        if any(workload in r["results"] for r in own):
+            missing = {"error": "missing in this round"}
+            rounds += [
+                {
+                    **r,
+                    "launch": r["launch"] + offset,
+                    "results": {workload: r["results"].get(workload, missing)},
+                }
+                for r in own
+            ]
+        offset += 1 + max((r["launch"] for r in own), default=0)
+    return rounds
+
+
+def print_verdict(title: str, rounds: list[dict[str, Any]], config: dict) -> None:
+    """The benchmark's tables and one pair line per workload."""
+    verdict = judge(
+        rounds, config.get("tier", "simple-hits"), config.get("control", False)
+    )
+    print(f"\n# {title}")
+    print_tables(rounds, verdict)
+    for name, row in verdict["workloads"].items():
+        print(pair_line(name, row))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("summaries", type=Path, nargs="+")
+    parser.add_argument(
+        "--pool", action="store_true", help="judge all summaries' rounds as one run"
+    )
     args = parser.parse_args()
-    for path in args.summaries:
-        record = json.loads(path.read_text())
+    records = [json.loads(path.read_text()) for path in args.summaries]
+    if args.pool:
+        configs = {json.dumps(r.get("config", {}).get("tier")) for r in records}
+        if len(configs) > 1:
+            sys.exit(f"--pool: summaries of different tiers {sorted(configs)}")
+        names = dict.fromkeys(
+            n for x in records for r in x["rounds"] for n in r["results"]
+        )
+        files = ", ".join(path.name for path in args.summaries)
+        for name in names:
+            rounds = pooled_rounds(records, name)
+            print_verdict(
+                f"{name} pooled: {files}", rounds, records[0].get("config", {})
+            )
+        return
+    for path, record in zip(args.summaries, records):
         rounds = record.get("rounds")
         if not rounds:
             print(f"\n# {path.name}: no rounds (not a prefix-hit benchmark summary)")
             continue
-        config = record.get("config", {})
-        verdict = judge(
-            rounds, config.get("tier", "simple-hits"), config.get("control", False)
-        )
-        print(f"\n# {path.name}")
-        print_tables(rounds, verdict)
-        for name, row in verdict["workloads"].items():
-            print(pair_line(name, row))
+        print_verdict(path.name, rounds, record.get("config", {}))
 
 
 if __name__ == "__main__":
