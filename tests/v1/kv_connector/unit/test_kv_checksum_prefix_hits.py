@@ -296,6 +296,42 @@ def test_entries_dropped_per_call_of_vllms_eviction(model_dir: str) -> None:
     assert kept and kept <= cached
 
 
+def test_cached_blocks_read_without_a_loop_per_block() -> None:
+    """R140, R142: the cache_full_blocks hook hands on exactly the blocks vLLM gave
+    a hash in this call (vLLM's KVCacheBlock: not the null block, not a masked
+    one), at their positions in the request, read with C-level maps. Reference:
+    the positions, ids and keys written out by hand. Bugs caught: positions
+    taken as 0.. of the new blocks, or not thinned with the ids (the kept
+    blocks' positions shifted), and null or unhashed blocks recorded."""
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import prefix_cache
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    calls: list[tuple[list[int], list[int], list[Any]]] = []
+
+    class Hits:
+        def on_cached(self, request, positions, block_ids, keys) -> None:
+            calls.append((positions.tolist(), block_ids.tolist(), list(keys)))
+
+    def block(block_id: int, key: Any, null: bool = False) -> KVCacheBlock:
+        b = KVCacheBlock(block_id, is_null=null)
+        if key is not None:
+            b.set_block_hash(key, num_tokens=16)
+        return b
+
+    blocks = [block(7, "k0"), block(9, "k1"), block(0, None, null=True)]
+    blocks += [block(4, None), block(12, "k4"), block(3, "k5")]
+    note = prefix_cache._note_cached
+    note(Hits(), None, blocks, 1, 6)  # type: ignore[arg-type]
+    assert calls == [([1, 4, 5], [9, 12, 3], ["k1", "k4", "k5"])]
+    calls.clear()
+    note(Hits(), None, blocks, 4, 6)  # type: ignore[arg-type]
+    assert calls == [([4, 5], [12, 3], ["k4", "k5"])]
+    calls.clear()
+    note(Hits(), None, blocks, 2, 4)  # type: ignore[arg-type]
+    note(Hits(), None, blocks, 6, 6)  # type: ignore[arg-type]
+    assert calls == []
+
+
 def test_entry_hook_errors_never_reach_vllm(model_dir: str) -> None:
     """R134, R140: an error in the hooks on vLLM's block pool (here: dropping
     an entry on eviction) turns prefix-hit verification off with one error

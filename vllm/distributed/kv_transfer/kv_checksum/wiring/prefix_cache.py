@@ -202,6 +202,32 @@ def _pending_request_ids(scheduler: Any) -> list[str]:
 _block_id = attrgetter("block_id")
 
 
+_block_hash = attrgetter("block_hash")
+
+
+def _note_cached(
+    hits: KVChecksumPrefixHits,
+    request: Any,
+    blocks: list,
+    num_cached_blocks: int,
+    num_full_blocks: int,
+) -> None:
+    """The blocks vLLM just cached (those it gave a hash: not null, not masked),
+    read with C-level maps, not a Python loop per block (issue 30)."""
+    new = blocks[num_cached_blocks:num_full_blocks]
+    if not new:
+        return
+    keys = list(map(_block_hash, new))
+    ids = np.fromiter(map(_block_id, new), dtype=np.int64, count=len(new))
+    positions = np.arange(num_cached_blocks, num_cached_blocks + len(new))
+    if None in keys:  # null or masked blocks (sliding window): vLLM skipped them
+        kept = np.flatnonzero([key is not None for key in keys])
+        keys = [keys[i] for i in kept.tolist()]
+        ids, positions = ids[kept], positions[kept]
+    if keys:
+        hits.on_cached(request, positions, ids, keys)
+
+
 def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> None:
     """Instance wrappers: entries on cache_full_blocks, dropped on eviction."""
     cache_full_blocks = pool.cache_full_blocks
@@ -223,19 +249,7 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
         if scheduler.__dict__.get(_STATE_ATTR) is None:
             return
         try:
-            new = [
-                (num_cached_blocks + i, b.block_id, b.block_hash)
-                for i, b in enumerate(blocks[num_cached_blocks:num_full_blocks])
-                if not b.is_null and b.block_hash is not None
-            ]
-            if new:
-                positions, ids, keys = zip(*new)
-                hits.on_cached(
-                    request,
-                    np.asarray(positions, dtype=np.int64),
-                    np.asarray(ids, dtype=np.int64),
-                    keys,
-                )
+            _note_cached(hits, request, blocks, num_cached_blocks, num_full_blocks)
         except Exception:
             _turn_off(scheduler, "recording entries")
 
