@@ -337,8 +337,9 @@ class OffloadSchedulerSide:
     """The checksum state of one OffloadingConnectorScheduler (R119, R121).
 
     Plain inputs from the wiring: the connector's group configs, its current
-    requests, a request's loaded key ranges (first token, end token, key) and
-    the manager's removal of a host copy.
+    requests, a request's loaded key ranges (first token, end token, key), the
+    manager's removal of a host copy and, with prefix-hit verification, which
+    GPU blocks' entries the workers already hold.
     """
 
     def __init__(
@@ -348,6 +349,7 @@ class OffloadSchedulerSide:
         load_key_ranges: Callable[[str], Iterable[tuple[int, int, Any]] | None],
         try_remove: TryRemoveFn,
         group_of_key: Callable[[Any], int],
+        entries_written: EntriesWrittenFn | None = None,
     ) -> None:
         self.groups = offload_groups(group_configs)
         self.block_sizes = {g.group_id: g.block_size for g in self.groups}
@@ -360,8 +362,8 @@ class OffloadSchedulerSide:
         # the wiring once containment is built.
         self.quarantine: Callable[[str], Mapping[int, int] | None] = lambda _: None
         # Which GPU blocks' entries the workers already hold (prefix-hit
-        # verification, R140); set by the wiring with that flag on.
-        self.entries_written: EntriesWrittenFn | None = None
+        # verification, R140); None with that flag off.
+        self.entries_written = entries_written
 
     def store_filter(
         self, req_id: str, keys: Sequence[Any], position_of: Callable[[Any], Any]

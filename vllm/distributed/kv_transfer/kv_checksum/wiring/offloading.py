@@ -217,8 +217,7 @@ def _attach_offload_schedulers(
                 "its loads are not checked."
             )
             continue
-        side = _offload_scheduler_side(sched)
-        side.entries_written = entries_written
+        side = _offload_scheduler_side(sched, entries_written)
         side.dropper.on_pending = _lookup_hider(sched.manager, side.dropper.hides)
         _filter_offload_stores(sched.manager, side)
         child._kv_checksum_offload = side
@@ -313,7 +312,9 @@ def _quarantine_offload_copies(
             side.on_quarantine(stored, start)
 
 
-def _offload_scheduler_side(sched: Any) -> Any:
+def _offload_scheduler_side(
+    sched: Any, entries_written: EntriesWrittenFn | None = None
+) -> Any:
     """The scheduler-side state over vLLM 0.33.0's OffloadingConnectorScheduler
     and CPUOffloadingManager internals: the requests and their loaded key
     ranges (`_req_status`), and freeing a host copy (`_policy`, `_free_chunk`,
@@ -339,6 +340,7 @@ def _offload_scheduler_side(sched: Any) -> Any:
         load_key_ranges,
         try_remove,
         get_offload_group_idx,
+        entries_written,
     )
 
 
