@@ -200,8 +200,6 @@ def _pending_request_ids(scheduler: Any) -> list[str]:
 
 
 _block_id = attrgetter("block_id")
-
-
 _block_hash = attrgetter("block_hash")
 
 
