@@ -65,6 +65,12 @@ def pooled_rounds(records: list[dict[str, Any]], workload: str) -> list[dict[str
     return rounds
 
 
+def judged_as(config: dict[str, Any]) -> tuple[str, bool]:
+    """What `judge` reads of a summary's config, with its defaults: runs are
+    pooled only when they agree on it (an A/A control never joins real runs)."""
+    return config.get("tier", "simple-hits"), bool(config.get("control", False))
+
+
 def print_verdict(title: str, rounds: list[dict[str, Any]], config: dict) -> None:
     """The benchmark's tables and one pair line per workload."""
     verdict = judge(
@@ -85,17 +91,17 @@ def main() -> None:
     args = parser.parse_args()
     records = [json.loads(path.read_text()) for path in args.summaries]
     if args.pool:
-        configs = {json.dumps(r.get("config", {}).get("tier")) for r in records}
-        if len(configs) > 1:
-            sys.exit(f"--pool: summaries of different tiers {sorted(configs)}")
+        kinds = {judged_as(record.get("config", {})) for record in records}
+        if len(kinds) > 1:
+            sys.exit(f"--pool: summaries judged differently (tier, A/A): {kinds}")
         names = dict.fromkeys(
-            n for x in records for r in x["rounds"] for n in r["results"]
+            n for x in records for r in x.get("rounds") or [] for n in r["results"]
         )
         files = ", ".join(path.name for path in args.summaries)
+        config = dict(zip(("tier", "control"), kinds.pop()))
         for name in names:
-            rounds = pooled_rounds(records, name)
             print_verdict(
-                f"{name} pooled: {files}", rounds, records[0].get("config", {})
+                f"{name} pooled: {files}", pooled_rounds(records, name), config
             )
         return
     for path, record in zip(args.summaries, records):

@@ -191,7 +191,8 @@ def test_rejudge_pools_runs_per_workload(tmp_path: Path) -> None:
     runs as one, per workload. Run 1 ran workloads w and x, run 2 only w, both in
     launch 0 with seeds 0: w has 2 + 1 pairs, x the 2 of run 1 and no failures.
     Bugs caught: the runs' launches not kept apart (run 2's seed-0 pair joined to
-    run 1's, 2 pairs), and a run without x counting its rounds as x's failures."""
+    run 1's, 2 pairs), a run without x counting its rounds as x's failures, and
+    an A/A control (nothing verified) pooled with real runs."""
     import subprocess
 
     def run(rps: list[float], ttft: list[float], with_x: bool) -> dict[str, Any]:
@@ -226,6 +227,21 @@ def test_rejudge_pools_runs_per_workload(tmp_path: Path) -> None:
     assert f"x: req/s on/off of the means {x_means:.3f}" in out
     assert "median of 2 pairs 0.921 (0.900 .. 0.941)" in out
     assert out.count("; failed 0;") == 2
+    control = tmp_path / "control.json"
+    control.write_text(
+        json.dumps(
+            {
+                **run([6.0, 6.1], [50, 50], False),
+                "config": {"tier": "simple-hits", "control": True},
+            }
+        )
+    )
+    mixed = subprocess.run(
+        [sys.executable, str(script), "--pool", *map(str, paths), str(control)],
+        capture_output=True,
+        text=True,
+    )
+    assert mixed.returncode != 0 and "judged differently" in mixed.stderr
 
 
 def test_server_times_from_vllm_histograms() -> None:
