@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,17 +37,11 @@ import kv_checksum_hook_timer as timer  # noqa: E402, I001
 import benchmark_kv_checksum_step as step_bench  # noqa: E402
 
 
-def own_seconds() -> float:
-    """The hooks' own time so far (whole - wrapped), steps and core excluded."""
-    return sum(
-        timer._whole[key] - timer._wrapped.get(key, 0.0)
-        for key in list(timer._whole)
-        if not key.startswith(("EngineCore.", "core:"))
-    )
-
-
 def measure(model_dir: str, name: str, n: int, rounds: int, steps: int) -> dict:
-    """Own us per step of the on and the off engine, per round (alternating)."""
+    """Own us per step of the on and the off engine, per round (alternating),
+    and each hook's own us per step over all rounds, per engine (`hooks_us`:
+    the timer is one per process, so each round's per-hook difference is the
+    engine's that ran in it)."""
     connector, extra = step_bench.CONNECTORS[name]
     benches = {
         mode: step_bench.Bench(model_dir, connector, extra, mode == "on", n)
@@ -56,17 +51,21 @@ def measure(model_dir: str, name: str, n: int, rounds: int, steps: int) -> dict:
         for _ in range(steps // 4 + 1):  # warm
             bench.step()
     per_round: dict[str, list[float]] = {"on": [], "off": []}
+    per_hook: dict[str, Counter] = {"on": Counter(), "off": Counter()}
     for _ in range(rounds):
         for mode, bench in benches.items():
             gc.collect()
             gc.disable()
             try:
-                start = own_seconds()
+                start = timer.own_by_hook()
                 for _ in range(steps):
                     bench.step()
-                per_round[mode].append(1e6 * (own_seconds() - start) / steps)
+                end = timer.own_by_hook()
             finally:
                 gc.enable()
+            spent = {key: end[key] - start.get(key, 0.0) for key in end}
+            per_hook[mode].update(spent)
+            per_round[mode].append(1e6 * sum(spent.values()) / steps)
     diffs = [a - b for a, b in zip(per_round["on"], per_round["off"])]
     return {
         "connector": name,
@@ -76,7 +75,28 @@ def measure(model_dir: str, name: str, n: int, rounds: int, steps: int) -> dict:
         "on_minus_off_us": statistics.median(diffs),
         "spread": [min(diffs), max(diffs)],
         "rounds": per_round,
+        "hooks_us": {
+            mode: {k: 1e6 * v / (rounds * steps) for k, v in hooks.items()}
+            for mode, hooks in per_hook.items()
+        },
     }
+
+
+def print_hooks(rows: list[dict], least_us: float = 0.5) -> None:
+    """Each hook's own us per step, on and off, largest on - off first; hooks
+    under `least_us` in both engines left out."""
+    print("\n| connector | running | hook | on | off | on - off |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        on, off = row["hooks_us"]["on"], row["hooks_us"]["off"]
+        hooks = sorted(set(on) | set(off), key=lambda k: off.get(k, 0) - on.get(k, 0))
+        for hook in hooks:
+            a, b = on.get(hook, 0.0), off.get(hook, 0.0)
+            if max(a, b) >= least_us:
+                print(
+                    f"| {row['connector']} | {row['running']} | `{hook}` | "
+                    f"{a:.1f} | {b:.1f} | {a - b:+.1f} |"
+                )
 
 
 def main() -> None:
@@ -86,6 +106,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--json", type=Path, default=None, help="also write rows")
+    parser.add_argument(
+        "--per-hook", action="store_true", help="also a table of each hook's time"
+    )
     args = parser.parse_args()
     step_bench.plugin.register()
     step_bench.register_carrier_connector()
@@ -108,6 +131,8 @@ def main() -> None:
             f"{row['off_us']:.1f} | {row['on_minus_off_us']:+.1f} | "
             f"{low:+.1f} .. {high:+.1f} |"
         )
+    if args.per_hook:
+        print_hooks(rows)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -400,6 +400,16 @@ def activate() -> None:
     gc.callbacks.append(_on_gc)
 
 
+def own_by_hook() -> dict[str, float]:
+    """This process's hooks' own seconds so far (whole - wrapped) by hook;
+    engine steps and deep-mode core methods (nested in hooks) left out."""
+    return {
+        key: _whole[key] - _wrapped.get(key, 0.0)
+        for key in list(_whole)
+        if not key.startswith(("EngineCore.", "core:"))
+    }
+
+
 def summarize(out_dir: str) -> dict:
     """Per process with engine steps: steps, ms in steps, and the package's
     own µs per step in each hook (whole - wrapped)."""
