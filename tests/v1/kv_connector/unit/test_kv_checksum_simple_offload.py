@@ -77,60 +77,6 @@ def test_R117_block_places_from_cache_keys() -> None:
     ]
 
 
-def test_R117_many_block_places_read_with_numpy(monkeypatch) -> None:
-    """Issue 30 (R142): from `VECTOR_PLACES_FROM` blocks on, places are read
-    with NumPy, not a Python loop per block, and give what the keys were built
-    from: 40 blocks of two groups at known positions, one cached under a hash
-    ending inside its block, one of a group this worker does not know, one
-    with no tokens. A missing key or keys of two lengths fall back to the
-    loop, with the same answers. Bugs caught (tried): the group read
-    little-endian, position = tokens // size, and the digests of unplaced
-    blocks kept."""
-    from vllm.distributed.kv_transfer.kv_checksum.offload import (
-        simple_cpu_offload as simple_offload,
-    )
-
-    sizes = [16, 32]
-    rng = np.random.default_rng(5)
-    expected = []  # (group, position, digest) the keys are built from
-    keys = []
-    for i in range(40):
-        group = int(rng.integers(0, 2))
-        position = int(rng.integers(0, 300))
-        digest = rng.bytes(32)
-        tokens = (position + 1) * sizes[group]
-        if i == 7:  # a hash ending inside the block
-            tokens, position = tokens - 3, -1
-        if i == 11:  # a group this worker does not know
-            group, position = 300, -1
-            tokens = 64
-        if i == 13:  # no tokens
-            tokens, position, group = 0, -1, -1
-        keys.append((digest + max(group, 0).to_bytes(4, "big"), tokens))
-        expected.append((group, position, digest if position >= 0 else b""))
-
-    def check(places: Any) -> None:
-        got = list(zip(places.groups.tolist(), places.positions.tolist()))
-        assert got == [(g, p) for g, p, _ in expected]
-        assert places.hashes == [d for _, _, d in expected]
-
-    def no_loop(*args: Any) -> Any:
-        raise AssertionError("the per-block loop ran")
-
-    loop = simple_offload._block_places_loop
-    monkeypatch.setattr(simple_offload, "_block_places_loop", no_loop)
-    check(block_places(keys, sizes))
-    monkeypatch.setattr(simple_offload, "_block_places_loop", loop)
-    check(loop(keys, sizes))
-    with_none = [*keys, (None, None)]
-    expected.append((-1, -1, b""))
-    check(block_places(with_none, sizes))
-    expected.pop()
-    odd = [*keys[:-1], (bytes(8) + (1).to_bytes(4, "big"), 32)]
-    expected[-1] = (1, 0, bytes(8))
-    check(block_places(odd, sizes))
-
-
 def test_R118_store_runs_sorted_and_cut() -> None:
     """Runs of consecutive positions per group, whatever the store order (lazy
     mode stores a request's tail first); each block keeps its own hash.

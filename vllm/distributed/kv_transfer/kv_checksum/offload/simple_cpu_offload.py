@@ -35,7 +35,6 @@ Nothing here knows vLLM's wiring; wiring.py calls in with plain callables.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -82,77 +81,21 @@ class BlockPlaces:
         return self.positions >= 0
 
 
-# From this many blocks on, `block_places` reads the keys with NumPy: below it
-# a dozen NumPy calls cost more than a Python pass over the blocks (R142).
-VECTOR_PLACES_FROM = 16
-
-
-def block_places(
-    keys: Sequence[BlockKey],
-    block_sizes: Sequence[int],
-    vector_from: int = VECTOR_PLACES_FROM,
-) -> BlockPlaces:
+def block_places(keys: Sequence[BlockKey], block_sizes: Sequence[int]) -> BlockPlaces:
     """(group, position, hash at the last token) of each block, from its
     cache key and covered tokens; `block_sizes[g]` is group g's block size.
 
     A full block at position p of group g covers (p + 1) * block_sizes[g]
     tokens, and its hash is the request's hash at its last token (vLLM's
     `cache_full_blocks`), which is what its entry is tagged with (R117).
-    Many blocks whose keys are all cached and of one length are read with
-    NumPy, not a Python loop per block (issue 30: a SimpleCPUOffloadConnector
-    decode step at 256 running requests stores about 50 blocks).
     """
-    if len(keys) >= vector_from:
-        places = _block_places_vector(keys, block_sizes)
-        if places is not None:
-            return places
-    return _block_places_loop(keys, block_sizes)
-
-
-def _block_places_vector(
-    keys: Sequence[BlockKey], block_sizes: Sequence[int]
-) -> BlockPlaces | None:
-    """`block_places` over one bytes buffer of the keys; None (the loop
-    decides) when a key is missing or the keys differ in length."""
-    hashes, tokens = zip(*keys)
-    if None in hashes or None in tokens:
-        return None
-    lengths = set(map(len, hashes))
-    if len(lengths) != 1:
-        return None
-    length = lengths.pop()
-    if length <= _GROUP_BYTES:
-        return None
-    count = len(hashes)
-    raw = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(count, length)
-    group_bytes = np.ascontiguousarray(raw[:, length - _GROUP_BYTES :])
-    groups = group_bytes.view(">u4").reshape(count).astype(np.int64)
-    num_tokens = np.asarray(tokens, dtype=np.int64)
-    sizes = np.asarray(block_sizes, dtype=np.int64)
-    groups[num_tokens == 0] = -1
-    size = np.ones(count, dtype=np.int64)
-    ours = (groups >= 0) & (groups < len(sizes))
-    size[ours] = sizes[groups[ours]]
-    placed = ours & (num_tokens % size == 0)
-    positions = np.where(placed, num_tokens // size - 1, -1)
-    digests = list(map(_WITHOUT_GROUP, hashes))
-    if not placed.all():
-        for i in np.flatnonzero(~placed).tolist():
-            digests[i] = b""
-    return BlockPlaces(groups, positions, digests)
-
-
-_WITHOUT_GROUP = itemgetter(slice(None, -_GROUP_BYTES))
-
-
-def _block_places_loop(
-    keys: Sequence[BlockKey], block_sizes: Sequence[int]
-) -> BlockPlaces:
-    """`block_places` in one pass in plain Python, for few or irregular keys."""
     sizes = list(block_sizes)
     groups: list[int] = []
     positions: list[int] = []
     hashes: list[bytes] = []
+    # One pass in plain Python: the keys are Python objects read one by one
+    # anyway, and a step stores a few blocks, where a dozen NumPy calls cost
+    # more than the pass (R142).
     for key, num_tokens in keys:
         group, position, digest = -1, -1, b""
         if key is not None and num_tokens:

@@ -29,7 +29,6 @@ SimpleCPUOffloadScheduler internals (read)
 """
 
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_checksum.offload import (
@@ -168,9 +167,6 @@ def _attach_simple_offload_schedulers(
         )
 
 
-_HASH_AND_TOKENS = attrgetter("block_hash", "block_hash_num_tokens")
-
-
 def _simple_offload_scheduler_side(
     manager: Any, entries_written: EntriesWrittenFn | None = None
 ) -> Any:
@@ -184,8 +180,8 @@ def _simple_offload_scheduler_side(
     places, and a "drop copy" call."""
 
     def keys(pool: Any, ids: Any) -> list[tuple[Any, Any]]:
-        # C-level maps, not a Python loop per block (issue 30).
-        return list(map(_HASH_AND_TOKENS, map(pool.blocks.__getitem__, ids)))
+        blocks = pool.blocks
+        return [(blocks[i].block_hash, blocks[i].block_hash_num_tokens) for i in ids]
 
     def load_blocks(req_id: str) -> Any:
         state = manager._reqs_to_load.get(req_id)
