@@ -46,6 +46,28 @@ def test_timed_wrap_counts_the_hook_and_the_method_it_wraps(tmp_path) -> None:
     assert 0.0 <= timer._wrapped_cpu[key] <= timer._whole_cpu[key]
 
 
+def test_own_time_by_hook_for_the_per_hook_table() -> None:
+    """R142 (diagnosis), issue 30: `own_by_hook` (the hook-time benchmark's
+    --per-hook table, differenced per round) gives each hook's whole - wrapped
+    and leaves engine steps and deep-mode core methods out. Bugs caught
+    (tried): the wrapped vLLM time not subtracted, and core methods (nested
+    in hooks) listed as hooks."""
+    timer = load_script("kv_checksum_hook_timer_by_hook", SCRIPT)
+    timer._whole.update(
+        {
+            "EngineCore.step": 2.0,
+            "Scheduler.make_stats": 0.5,
+            "Conn.build_connector_meta": 0.25,
+            "core:KVChecksumWorker.bind": 0.125,
+        }
+    )
+    timer._wrapped.update({"Scheduler.make_stats": 0.25})
+    assert timer.own_by_hook() == {
+        "Scheduler.make_stats": 0.25,
+        "Conn.build_connector_meta": 0.25,
+    }
+
+
 def test_summary_gives_each_engines_own_time_per_step(tmp_path) -> None:
     """R142 (diagnosis): the summary keeps processes that ran engine steps
     (not the API server), divides each hook's whole - wrapped by the steps,
