@@ -8,6 +8,7 @@ item 3: what verifying loads back from host memory, R116-R121, costs)."""
 
 import json
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,18 @@ def test_paired_differences_beside_the_off_spread() -> None:
     assert bench.judge(rounds)["workloads"]["w"]["median_ttft_ms"]["paired"] == {}
 
 
+def _rejudge(*args: object, check: bool = True) -> "subprocess.CompletedProcess[str]":
+    """`benchmarks/rejudge_kv_checksum_rounds.py ARGS`, run as a user runs it
+    (`check`: it must exit 0)."""
+    script = ROOT / "benchmarks/rejudge_kv_checksum_rounds.py"
+    return subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=check,
+    )
+
+
 def test_rejudge_prints_pairs_of_a_recorded_summary(tmp_path: Path) -> None:
     """R140 cost (issue 31 item 4): `benchmarks/rejudge_kv_checksum_rounds.py`
     (the command of `cpu_paired_rejudge_2026-12-01f.md`) reads a recorded
@@ -165,21 +178,13 @@ def test_rejudge_prints_pairs_of_a_recorded_summary(tmp_path: Path) -> None:
     0.914 against 0.900 for the rounds of the paired test above. Bug caught: the
     script judging with another tier or dropping the seeds, so it would print
     no pairs."""
-    import subprocess
-
     rounds = _rounds([10.0, 9.0, 8.0, 8.5, 7.0, 6.3], [30, 31, 41, 40, 50, 57], HITS)
     for r, seed in zip(rounds, [0, 0, 1, 1, 2, 2]):
         r["seed"] = seed
     summary = tmp_path / "summary.json"
     record = {"config": {"tier": "simple-hits"}, "rounds": rounds}
     summary.write_text(json.dumps(record))
-    script = ROOT / "benchmarks/rejudge_kv_checksum_rounds.py"
-    out = subprocess.run(
-        [sys.executable, str(script), str(summary)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = _rejudge(summary).stdout
     means = (9.0 + 8.0 + 6.3) / 3 / ((10.0 + 8.5 + 7.0) / 3)
     assert f"req/s on/off of the means {means:.3f}" in out
     assert "median of 3 pairs 0.900 (0.900 .. 0.941)" in out
@@ -193,7 +198,6 @@ def test_rejudge_pools_runs_per_workload(tmp_path: Path) -> None:
     Bugs caught: the runs' launches not kept apart (run 2's seed-0 pair joined to
     run 1's, 2 pairs), a run without x counting its rounds as x's failures, and
     an A/A control (nothing verified) pooled with real runs."""
-    import subprocess
 
     def run(rps: list[float], ttft: list[float], with_x: bool) -> dict[str, Any]:
         rounds = _rounds(rps, ttft, HITS)
@@ -213,13 +217,7 @@ def test_rejudge_pools_runs_per_workload(tmp_path: Path) -> None:
     ):
         paths.append(tmp_path / f"run{k}.json")
         paths[-1].write_text(json.dumps(record))
-    script = ROOT / "benchmarks/rejudge_kv_checksum_rounds.py"
-    out = subprocess.run(
-        [sys.executable, str(script), "--pool", *map(str, paths)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = _rejudge("--pool", *paths).stdout
     w_means = (9.0 + 8.0 + 6.6) / 3 / ((10.0 + 8.5 + 6.0) / 3)
     assert f"w: req/s on/off of the means {w_means:.3f}" in out
     assert "median of 3 pairs 0.941 (0.900 .. 1.100)" in out
@@ -236,11 +234,7 @@ def test_rejudge_pools_runs_per_workload(tmp_path: Path) -> None:
             }
         )
     )
-    mixed = subprocess.run(
-        [sys.executable, str(script), "--pool", *map(str, paths), str(control)],
-        capture_output=True,
-        text=True,
-    )
+    mixed = _rejudge("--pool", *paths, control, check=False)
     assert mixed.returncode != 0 and "judged differently" in mixed.stderr
 
 
