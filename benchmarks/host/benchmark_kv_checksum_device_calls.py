@@ -33,7 +33,9 @@ it about 13; `h200_runs_2026-12-02b.md`) (`gpu_runs.sh device-calls`):
 
 import argparse
 import contextlib
+import cProfile
 import gc
+import pstats
 import statistics
 import sys
 import time
@@ -50,6 +52,7 @@ from tests.v1.kv_connector.unit.kv_checksum_device_paths import (  # noqa: E402
     OpCount,
     offload_paths,
     prefix_step_paths,
+    send_path,
 )
 from tests.v1.kv_connector.unit.test_kv_checksum_worker_cuda import (  # noqa: E402
     worker_on,
@@ -245,6 +248,36 @@ def busy_upload_us(device: torch.device, outstanding: int, calls: int) -> float:
     return statistics.median(per_round)
 
 
+def profile_lines(fn: Callable[[], Any], calls: int, top: int) -> list[str]:
+    """cProfile over `calls` calls of `fn`, back to back: the `top` functions
+    by own time, in us a call (profiled, so inflated evenly per function
+    call; the ranking, not the sum, is the result)."""
+    fn()
+    profiler = cProfile.Profile(time.perf_counter)
+    gc.disable()
+    try:
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+    finally:
+        gc.enable()
+    stats = pstats.Stats(profiler)
+    rows = sorted(
+        stats.stats.items(),  # type: ignore[attr-defined]
+        key=lambda item: -item[1][2],
+    )
+    total = sum(entry[2] for _, entry in rows)
+    lines = [f"total own time {total / calls * 1e6:.1f} us a call"]
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in rows[:top]:
+        where = f"{Path(path).name}:{line}" if line else path
+        lines.append(
+            f"  {tottime / calls * 1e6:8.1f} us own {cumtime / calls * 1e6:8.1f} "
+            f"us with callees {ncalls / calls:5.1f} calls  {name} ({where})"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 128])
@@ -261,6 +294,13 @@ def main() -> None:
         help="also time each call after sweeping this many MB and running "
         "unrelated code (caches cold, as inside an engine step)",
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="instead of timing, print each path's top N functions by own "
+        "time under cProfile (the send pass of a P/D producer included)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if args.cuda else "cpu")
     evict = cache_evictor(args.cold_mb) if args.cold_mb else None
@@ -268,6 +308,26 @@ def main() -> None:
     print(f"| path | blocks | aten ops a call | of them not views | us a call{cold} |")
     print("|---|---|---|---|---|" + ("---|---|" if evict else ""))
     setting = contextlib.nullcontext() if args.cuda else cpu_setting(args.kernel)
+    if args.profile:
+        with setting:
+            for n in args.blocks:
+                worker, _ = worker_on(device, None, num_blocks=n + 1)
+                save, load, restore = offload_paths(worker, n)
+                send_worker, _ = worker_on(device, None, num_blocks=n + 1)
+                hit_worker, _ = worker_on(device, None, num_blocks=n + 17)
+                fused, _ = prefix_step_paths(hit_worker, n)
+                for name, fn in (
+                    ("save", save),
+                    ("load", load),
+                    ("restore", restore),
+                    ("send", send_path(send_worker, n)),
+                    ("prefix step", fused),
+                ):
+                    print(f"\n### {name}, {n} blocks")
+                    print("\n".join(profile_lines(fn, args.calls, args.profile)))
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+        return
     paired: list[str] = []
     with setting:
         for n in args.blocks:

@@ -72,6 +72,20 @@ def offload_paths(worker: KVChecksumWorker, count: int) -> tuple[Path, Path, Pat
     return save, load_step, restore
 
 
+def send_path(worker: KVChecksumWorker, count: int) -> Path:
+    """On blocks 1..count of `worker`: a P/D producer's step that sends them
+    (its send pass: rows, launch, copy back), as `post_forward` runs it."""
+    ids = np.arange(1, count + 1, dtype=np.int64)
+    blocks = KVChecksumBlocks(16 * count, {0: (0, ids)})
+    send = KVChecksumScheduled(reqs_to_send={REQ: blocks})
+
+    def send_step() -> None:
+        worker.bind(send)
+        worker.post_forward(finished_recving=set(), failed_recving=set())
+
+    return send_step
+
+
 def prefix_step_paths(
     worker: KVChecksumWorker, hits: int, cached: int = 16
 ) -> tuple[Path, Path]:
