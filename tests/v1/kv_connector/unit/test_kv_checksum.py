@@ -1166,10 +1166,18 @@ def test_R55_one_host_buffer_per_step(lifecycle, cuda_stream_stubs):
     worker.bind(_scheduled("load", {REQ: blocks(28, (0, 0, [2, 5]))}))
     worker.bind(_scheduled("send", {"r2": blocks(28, (0, 0, [2, 5]))}))
     pending = worker.post_forward(finished_recving={REQ}, failed_recving=set())
-    views = [r.host for r in pending.results]
-    views += [r.stored_host for r in pending.results if r.stored_host is not None]
-    assert len(pending.results) == 2 and len(views) == 3
-    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    spans = [(r.host_at, r.device.numel()) for r in pending.results]
+    spans += [
+        (r.stored_at, r.stored_device.numel())
+        for r in pending.results
+        if r.stored_device is not None
+    ]
+    assert len(pending.results) == 2 and len(spans) == 3
+    assert pending.host is not None and pending.host.dim() == 1
+    # Three disjoint places inside the one host buffer.
+    ends = sorted((at, at + n) for at, n in spans)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))
+    assert ends[-1][1] <= pending.host.numel()
     record = pending.finalize()
     assert hexes(record.checksums[REQ][0].values[:, 0]) == hexes(want)
     assert hexes(record.checksums["r2"][0].values[:, 0]) == hexes(want)
@@ -1362,6 +1370,46 @@ def test_segment_rows_and_even_columns():
     assert packed.shape == (3, 14)
     assert packed[:, 5].tolist() == [0, 0, 0]  # padding: masked block-0 row
     assert np.array_equal(packed[:, 6:8], rows1)
+
+
+def _rows_by_block(reqs, group_id: int, block_size: int) -> list[list[int]]:
+    """segment_rows' rows, block by block in plain Python (the reference)."""
+    out: list[list[int]] = [[], [], []]
+    for _, b in reqs:
+        if group_id not in b.groups:
+            continue
+        start, ids = b.groups[group_id]
+        for i, block_id in enumerate(ids):
+            first = (start + i) * block_size
+            out[0].append(int(block_id))
+            out[1].append(first)
+            out[2].append(min(max(b.num_tokens - first, 0), block_size))
+    return out
+
+
+def test_R52_segment_rows_one_request_and_many_match_a_block_loop():
+    """R52, issue 30 (one request takes its own shorter path): rows of one
+    request and of several, against a block-by-block reference, with blocks
+    past the request's end (0 valid tokens) and starts > 0.
+
+    Catches (tried): the one-request path without its start, and valid
+    counts clipped only from above (negative counts past the end)."""
+    one = [("a", blocks(70, (0, 2, [3, 4, 5, 6])))]
+    req_ids, starts, counts, rows = segment_rows(one, 0, 16)
+    assert req_ids == ("a",) and starts.tolist() == [2] and counts.tolist() == [4]
+    assert rows.tolist() == [[3, 4, 5, 6], [32, 48, 64, 80], [16, 16, 6, 0]]
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 5):
+        reqs = []
+        for k in range(n):
+            count = int(rng.integers(0, 6))
+            start = int(rng.integers(0, 4))
+            ids = rng.integers(0, 100, count).tolist()
+            tokens = int(rng.integers(0, (start + count + 1) * 16))
+            reqs.append((f"r{k}", blocks(tokens, (0, start, ids))))
+        _, _, got_counts, got = segment_rows(reqs, 0, 16)
+        assert got.tolist() == _rows_by_block(reqs, 0, 16)
+        assert int(got_counts.sum()) == got.shape[1]
 
 
 def test_multi_request_multi_group_rows():

@@ -37,34 +37,61 @@ class RowSegment:
 def segment_rows(
     requests: Sequence[tuple[str, KVChecksumBlocks]], group_id: int, block_size: int
 ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of every request's blocks of one group: (req ids, starts, counts, rows)."""
+    """Rows of every request's blocks of one group: (req ids, starts, counts, rows).
+
+    Per request only its entry is picked; the rows are built by whole-array
+    NumPy operations, in place where they can be (a step's host cost, issue 30).
+    """
+    picked = [
+        (req_id, entry, blocks.num_tokens)
+        for req_id, blocks in requests
+        if (entry := blocks.groups.get(group_id)) is not None
+    ]
+    if len(picked) == 1:  # most passes: one request
+        req_id, (start, block_ids), end = picked[0]
+        one = np.asarray(block_ids, dtype=np.int64)
+        count = len(one)
+        rows = np.empty((3, count), dtype=np.int64)
+        rows[0] = one
+        rows[1] = np.arange(
+            start * block_size, (start + count) * block_size, block_size
+        )
+        _valid_tokens(rows, end, block_size)
+        starts = np.array([start], dtype=np.int64)
+        return (req_id,), starts, np.array([count], dtype=np.int64), rows
     req_ids: list[str] = []
-    starts: list[int] = []
-    ends: list[int] = []
+    starts_list: list[int] = []
+    ends_list: list[int] = []
     ids: list[np.ndarray] = []
-    for req_id, blocks in requests:
-        entry = blocks.groups.get(group_id)
-        if entry is None:
-            continue
-        start, block_ids = entry
+    for req_id, (start, block_ids), end in picked:
         req_ids.append(req_id)
-        starts.append(start)
-        ends.append(blocks.num_tokens)
+        starts_list.append(start)
+        ends_list.append(end)
         ids.append(np.asarray(block_ids, dtype=np.int64))
-    counts = np.fromiter((len(a) for a in ids), dtype=np.int64, count=len(ids))
-    start_arr = np.asarray(starts, dtype=np.int64)
+    counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    starts = np.array(starts_list, dtype=np.int64)
     total = int(counts.sum())
     rows = np.empty((3, total), dtype=np.int64)
     if total:
         rows[0] = np.concatenate(ids)
-        # Position of each row: its request's start plus its index in the request.
-        offsets = np.cumsum(counts) - counts
-        index = np.arange(total, dtype=np.int64) - np.repeat(offsets, counts)
-        first = (np.repeat(start_arr, counts) + index) * block_size
-        rows[1] = first
-        num_tokens = np.repeat(np.asarray(ends, dtype=np.int64), counts)
-        rows[2] = np.clip(num_tokens - first, 0, block_size)
-    return tuple(req_ids), start_arr, counts, rows
+        # Position of each row: its request's start plus its index in the
+        # request, i.e. the row index shifted by (start - first row) per request.
+        shift = starts - (np.cumsum(counts) - counts)
+        first = rows[1]
+        np.add(np.repeat(shift, counts), np.arange(total, dtype=np.int64), out=first)
+        first *= block_size
+        ends = np.repeat(np.array(ends_list, dtype=np.int64), counts)
+        _valid_tokens(rows, ends, block_size)
+    return tuple(req_ids), starts, counts, rows
+
+
+def _valid_tokens(rows: np.ndarray, ends: np.ndarray | int, block_size: int) -> None:
+    """Row 2 from row 1: the tokens of each block before its request's end,
+    clipped to 0..block_size, in place."""
+    valid = rows[2]
+    np.subtract(ends, rows[1], out=valid)
+    np.maximum(valid, 0, out=valid)
+    np.minimum(valid, block_size, out=valid)
 
 
 def pack_segments(

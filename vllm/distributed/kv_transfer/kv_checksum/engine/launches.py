@@ -10,7 +10,8 @@ kernel queued on the compute stream (no copy engine).
 """
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,6 +59,8 @@ class ChecksumLauncher:
         self.topology = topology
         self.table = table
         self._side_stream: torch.cuda.Stream | None = None
+        self._current_stream: Callable[[], Any] = torch.cuda.current_stream
+        self._set_stream: Callable[[Any], None] = torch.cuda.set_stream
         # Zero-copy results: pinned buffers the device may still be writing,
         # held until their events completed so no allocation reuses them.
         self.zero_copy = False
@@ -236,42 +239,63 @@ class ChecksumLauncher:
         """Copy the step's results, `run` from `launch`, to one pinned host
         buffer on a side stream (or by the zero-copy kernel,
         `enable_zero_copy`); record an event. One buffer and one copy per
-        step, whatever the passes; each result's host view sits where its
-        device segment sits in `run`."""
+        step, whatever the passes; each result's host values sit where its
+        device segment sits in `run` (offsets only: no host tensor views on
+        the step, issue 30)."""
         if self.zero_copy:
             host, event = self._write_to_host(run)
         else:
             host, event = self._copy_on_side_stream(run)
-
-        def host_view(part: torch.Tensor) -> torch.Tensor:
-            at = (part.data_ptr() - run.data_ptr()) // part.element_size()
-            return host[at : at + part.numel()].view(part.shape)
-
+        base, size = run.data_ptr(), run.element_size()
         for result in pending.results:
-            result.host = host_view(result.device)
+            result.host_at = (result.device.data_ptr() - base) // size
             if result.stored_device is not None:
-                result.stored_host = host_view(result.stored_device)
+                result.stored_at = (result.stored_device.data_ptr() - base) // size
+        pending.host = host
         pending.event = event
+
+    def _streams(self) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+        """The current-stream getter and setter of the device: on CUDA the
+        accelerator API's C calls for the device's index (`torch.cuda`'s
+        `current_stream` builds its answer through Python device lookups,
+        tens of us a call on an H200 host, issue 30), elsewhere
+        `torch.cuda`'s (what vLLM's CPU worker and the CPU tests stub)."""
+        device = self.topology.device
+        if device.type == "cuda" and hasattr(torch, "accelerator"):
+            index = device.index if device.index is not None else 0
+            get = torch.accelerator.current_stream
+
+            def current() -> Any:
+                return get(index)
+
+            return current, torch.accelerator.set_stream
+        return torch.cuda.current_stream, torch.cuda.set_stream
 
     def _copy_on_side_stream(
         self, flat: torch.Tensor
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
         """`flat` copied to one pinned buffer on the side stream, after the
-        compute stream's work so far; the event follows."""
+        compute stream's work so far; the event follows. The side stream is
+        made current for the copy only, then the compute stream is again."""
         on_device = self.topology.device.type != "cpu"
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
+            self._current_stream, self._set_stream = self._streams()
         side = self._side_stream
-        side.wait_stream(torch.cuda.current_stream())
+        compute = self._current_stream()
+        side.wait_stream(compute)
         if on_device:
             # The upload, allocated on the compute stream, read here: not
             # reused before this copy.
             flat.record_stream(side)
-        with torch.cuda.stream(side):
-            host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
+        host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
+        self._set_stream(side)
+        try:
             host.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side)
+        finally:
+            self._set_stream(compute)
+        event = torch.cuda.Event()
+        event.record(side)
         return host, event
 
     def _write_to_host(

@@ -7,6 +7,7 @@ copies them to pinned host memory, and `KVChecksumPendingRecord.finalize()`
 waits for that copy only when the record is read (R55).
 """
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -28,10 +29,11 @@ class PassResult:
     segment: RowSegment
     replica_keys: tuple[ReplicaKey, ...]
     device: torch.Tensor
-    host: torch.Tensor | None = None
+    # Offset of the values in the record's host buffer, in int64 words.
+    host_at: int | None = None
     # Loads: the stored block entries of the loaded blocks (R117), per row.
     stored_device: torch.Tensor | None = None
-    stored_host: torch.Tensor | None = None
+    stored_at: int | None = None
 
 
 @dataclass
@@ -45,6 +47,8 @@ class KVChecksumPendingRecord:
     skipped_groups: tuple[int, ...]
     fingerprints: dict[int, int]
     received: dict[str, bytes]
+    # The pinned host buffer every result's values land in, and its event.
+    host: torch.Tensor | None = None
     event: object | None = None
     _record: KVChecksumRecord | None = field(default=None, repr=False)
 
@@ -59,12 +63,14 @@ class KVChecksumPendingRecord:
         if self.event is not None:
             self.event.synchronize()  # type: ignore[attr-defined]
         checksums: dict[str, dict[int, KVChecksumGroup]] = {r: {} for r in self.req_ids}
+        words = None if self.host is None else self.host.numpy().view(np.uint64)
         for result in self.results:
-            assert result.host is not None
-            values = result.host.numpy().view(np.uint64)
+            assert words is not None and result.host_at is not None
+            values = _words(words, result.host_at, result.device.shape)
             stored = None
-            if result.stored_host is not None:
-                stored = result.stored_host.numpy().view(np.uint64)
+            if result.stored_at is not None:
+                assert result.stored_device is not None
+                stored = _words(words, result.stored_at, result.stored_device.shape)
             seg = result.segment
             bounds = np.cumsum(seg.counts)
             for i, req_id in enumerate(seg.req_ids):
@@ -85,7 +91,13 @@ class KVChecksumPendingRecord:
             received=dict(self.received),
         )
         self.results = []
+        self.host = None
         return self._record
+
+
+def _words(words: np.ndarray, at: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The host values of a device result of `shape` at offset `at`."""
+    return words[at : at + math.prod(shape)].reshape(shape)
 
 
 def _same(record: KVChecksumRecord) -> KVChecksumRecord:
