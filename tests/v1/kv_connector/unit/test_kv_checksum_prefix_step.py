@@ -133,15 +133,22 @@ def test_R142_one_launch_for_a_steps_entries_and_hit_checks(
         original(launch, rows, out)
 
     uploads: list[int] = []
-    launcher = worker.launcher
-    to_device = launcher._to_device
+    from vllm.distributed.kv_transfer.kv_checksum.engine import (
+        block_table,
+        launches,
+    )
 
-    def counted_upload(host):
-        uploads.append(host.shape[1])
-        return to_device(host)
+    real_upload = launches.upload_segments
+
+    def counted_upload(*args, **kwargs):
+        uploaded, columns = real_upload(*args, **kwargs)
+        uploads.append(uploaded.shape[1])
+        return uploaded, columns
 
     monkeypatch.setattr(KVChecksumLaunch, "__call__", counted)
-    monkeypatch.setattr(launcher, "_to_device", counted_upload)
+    # Every upload of the launcher and of the table's own save path.
+    monkeypatch.setattr(launches, "upload_segments", counted_upload)
+    monkeypatch.setattr(block_table, "upload_segments", counted_upload)
     step(worker, [0, 1, 2], [], hashes)
     assert calls == [3] and len(uploads) == 1
     calls.clear()

@@ -120,6 +120,25 @@ def pack_segments(
     return packed, columns
 
 
+def upload_segments(
+    parts: Sequence[np.ndarray], device: torch.device, reserve: Sequence[int] = ()
+) -> tuple[torch.Tensor, list[int]]:
+    """`pack_segments` straight into pinned host memory, then one non-blocking
+    copy to `device` (no pageable array pinned by a copy of its own, issue
+    30); on CPU the packed tensor itself. Returns it and the columns."""
+    on_device = device.type != "cpu"
+    host: list[torch.Tensor] = []
+
+    def zeros(shape: tuple[int, int]) -> np.ndarray:
+        host.append(torch.zeros(shape, dtype=torch.int64, pin_memory=on_device))
+        return host[0].numpy()
+
+    _, columns = pack_segments(parts, zeros, reserve)
+    if not on_device:
+        return host[0], columns
+    return host[0].to(device, non_blocking=True), columns
+
+
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """`array` as an int64 tensor on `device`: one non-blocking copy from
     pinned host memory, queued on the current stream (no host sync, R55)."""

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     host_to_device,
-    pack_segments,
+    upload_segments,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import GroupPlans
@@ -220,8 +220,9 @@ class BlockChecksumTable:
             extra[0] = copy.block_ids
             extra[1] = copy.slots
             parts.append(extra)
-        packed, columns = pack_segments(parts, reserve=(count * width,))
-        uploaded = host_to_device(packed, self.topology.device)
+        uploaded, columns = upload_segments(
+            parts, self.topology.device, reserve=(count * width,)
+        )
         out_column = columns[-1]
         out = uploaded[0, out_column : out_column + count * width].view(count, width)
         plan.run(uploaded[:, :count], out)

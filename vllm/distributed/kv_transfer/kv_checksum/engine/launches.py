@@ -22,8 +22,8 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     RowSegment,
-    pack_segments,
     segment_rows,
+    upload_segments,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
 from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
@@ -142,17 +142,9 @@ class ChecksumLauncher:
         if not passes and not saves:
             return [], None
         layout = _Layout(self.groups, passes, parts, saves, checks_at)
-        on_device = self.topology.device.type != "cpu"
-        host_rows: list[torch.Tensor] = []
-
-        def pinned_zeros(shape: tuple[int, int]) -> np.ndarray:
-            host_rows.append(
-                torch.zeros(shape, dtype=torch.int64, pin_memory=on_device)
-            )
-            return host_rows[0].numpy()
-
-        _, columns = pack_segments(layout.parts, pinned_zeros, layout.reserve)
-        rows_dev = self._to_device(host_rows[0])
+        rows_dev, columns = upload_segments(
+            layout.parts, self.topology.device, layout.reserve
+        )
         scratch = rows_dev[0]
         part_columns = iter(columns[: len(layout.order)])
         tag_columns = columns[len(layout.order) : len(layout.parts)]
@@ -227,13 +219,6 @@ class ChecksumLauncher:
             rows_dev[0, tag_column : tag_column + count],
             rows_dev[0, column : column + count],
         )
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """One non-blocking host-to-device copy of all rows, from pinned memory."""
-        device = self.topology.device
-        if device.type == "cpu":
-            return host
-        return host.to(device, non_blocking=True)
 
     def copy_to_host(self, pending: KVChecksumPendingRecord, run: torch.Tensor) -> None:
         """Copy the step's results, `run` from `launch`, to one pinned host
