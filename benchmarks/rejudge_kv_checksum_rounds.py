@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Judge recorded `benchmark_kv_checksum_prefix_hits.py` summaries again with the
-benchmark's current rule: its tables (means, off spread, paired on - off) and
-one line per workload with the throughput ratio of the means beside the median
-of the pairs' ratios. Runs anywhere (no vLLM, no GPU):
+"""Judge recorded `benchmark_kv_checksum_prefix_hits.py` summaries (prefix hits
+and the offload tiers) and `benchmark_kv_checksum_serve.py` summaries (P/D
+through vllm-router) again with their benchmark's current rule: its tables
+(means, off spread, paired on - off) and one line per workload with the
+throughput ratio of the means beside the median of the pairs' ratios. Runs
+anywhere (no vLLM, no GPU):
 
     python benchmarks/rejudge_kv_checksum_rounds.py \\
         benchmarks/results/h200_bench_prefix_8b_2026-12-01d.json
@@ -32,7 +34,8 @@ def pair_line(name: str, row: dict[str, Any]) -> str:
         return f"{name}: no off/on pairs"
     ratios = rps_pairs["on_over_off"]
     return (
-        f"{name}: req/s on/off of the means {rps['on_over_off']:.3f} (off spread "
+        f"{name}: req/s on/off of the means {rps['on_mean'] / rps['off_mean']:.3f} "
+        "(off spread "
         f"{rps['off_spread'] / rps['off_mean']:.1%}); median of {len(ratios)} "
         f"pairs {rps_pairs['median_on_over_off']:.3f} ({min(ratios):.3f} .. "
         f"{max(ratios):.3f}); median TTFT on - off of the means "
@@ -65,6 +68,42 @@ def pooled_rounds(records: list[dict[str, Any]], workload: str) -> list[dict[str
     return rounds
 
 
+def is_serve(record: dict[str, Any]) -> bool:
+    """A serve benchmark summary: launches in pair order, no rounds."""
+    return "launches" in record and "rounds" not in record
+
+
+def pooled_launches(
+    records: list[dict[str, Any]], paths: list[Path]
+) -> list[dict[str, Any]]:
+    """The launch records of every serve summary, in order, launch numbers
+    renumbered per file: its pairs are neighbours (0 and 1, 2 and 3, ...), so
+    each file must bring whole pairs and no pair joins two runs."""
+    launches: list[dict[str, Any]] = []
+    offset = 0
+    for record, path in zip(records, paths):
+        own = record["launches"]
+        if len(own) % 2:
+            sys.exit(f"--pool: {path.name} has an odd number of launch records")
+        launches += [{**r, "launch": (r.get("launch") or 0) + offset} for r in own]
+        offset += 1 + max((r.get("launch") or 0 for r in own), default=0)
+    return launches
+
+
+def print_serve_verdict(
+    title: str, launches: list[dict[str, Any]], control: bool
+) -> None:
+    """The serve benchmark's tables and one pair line per workload."""
+    from benchmark_kv_checksum_serve import print_tables as print_serve_tables
+    from benchmark_kv_checksum_serve import summarize
+
+    summary = summarize(launches, control)
+    print(f"\n# {title}")
+    print_serve_tables(launches, summary)
+    for name, row in summary["workloads"].items():
+        print(pair_line(name, row))
+
+
 def judged_as(config: dict[str, Any]) -> tuple[str, bool]:
     """What `judge` reads of a summary's config, with its defaults: runs are
     pooled only when they agree on it (an A/A control never joins real runs)."""
@@ -90,6 +129,22 @@ def main() -> None:
     )
     args = parser.parse_args()
     records = [json.loads(path.read_text()) for path in args.summaries]
+    serve = [is_serve(record) for record in records]
+    if any(serve):
+        if not all(serve):
+            sys.exit("serve summaries are judged only with serve summaries")
+        controls = {bool(r.get("config", {}).get("control")) for r in records}
+        if args.pool and len(controls) > 1:
+            sys.exit("--pool: an A/A control never joins real runs")
+        if args.pool:
+            files = ", ".join(path.name for path in args.summaries)
+            launches = pooled_launches(records, args.summaries)
+            print_serve_verdict(f"pooled: {files}", launches, controls.pop())
+            return
+        for path, record in zip(args.summaries, records):
+            control = bool(record.get("config", {}).get("control"))
+            print_serve_verdict(path.name, record["launches"], control)
+        return
     if args.pool:
         kinds = {judged_as(record.get("config", {})) for record in records}
         if len(kinds) > 1:

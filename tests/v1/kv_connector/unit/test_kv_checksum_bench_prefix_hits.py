@@ -238,6 +238,58 @@ def test_rejudge_pools_runs_per_workload(tmp_path: Path) -> None:
     assert mixed.returncode != 0 and "judged differently" in mixed.stderr
 
 
+def _serve_summary(rps: list[float], control: bool = False) -> dict[str, Any]:
+    """A serve benchmark summary of launch records in pair order (off, on, on,
+    off, ...), TTFT 10 x req/s, every "on" launch with 4 verified loads."""
+    launches = []
+    for k, value in enumerate(rps):
+        mode = "off" if k % 4 in (0, 3) else "on"
+        launches.append(
+            {
+                "mode": mode,
+                "results": {
+                    "w": {
+                        "request_throughput": value,
+                        "median_ttft_ms": 10 * value,
+                        "median_tpot_ms": 3.0,
+                        "failed": 0,
+                    }
+                },
+                "verdicts": {"verified": 4.0} if mode == "on" and not control else {},
+                "launch": 0,
+                "slot": "a",
+            }
+        )
+    return {"config": {"control": control}, "launches": launches}
+
+
+def test_rejudge_pools_serve_summaries(tmp_path: Path) -> None:
+    """Issue 30 (the NIXL pull cost judged over several runs): `--pool` reads
+    `benchmark_kv_checksum_serve.py` summaries too, pairs within each file.
+    Run 1's pairs are (10, 9) and (8.5, 8), run 2's (6, 6.6): 3 pairs, median
+    ratio 0.941. Bugs caught: only the first file pooled (2 pairs), a file
+    with half a pair accepted (a pair across two runs), and an A/A control
+    pooled with real runs."""
+    paths = []
+    for k, record in enumerate(
+        [_serve_summary([10.0, 9.0, 8.0, 8.5]), _serve_summary([6.0, 6.6])]
+    ):
+        paths.append(tmp_path / f"serve{k}.json")
+        paths[-1].write_text(json.dumps(record))
+    out = _rejudge("--pool", *paths).stdout
+    means = (9.0 + 8.0 + 6.6) / 3 / ((10.0 + 8.5 + 6.0) / 3)
+    assert f"w: req/s on/off of the means {means:.3f}" in out
+    assert "median of 3 pairs 0.941 (0.900 .. 1.100)" in out
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps(_serve_summary([6.0, 6.6, 7.0])))
+    refused = _rejudge("--pool", paths[0], odd, check=False)
+    assert refused.returncode != 0 and "odd number" in refused.stderr
+    control = tmp_path / "control.json"
+    control.write_text(json.dumps(_serve_summary([6.0, 6.1], control=True)))
+    mixed = _rejudge("--pool", *paths, control, check=False)
+    assert mixed.returncode != 0 and "A/A control" in mixed.stderr
+
+
 def test_server_times_from_vllm_histograms() -> None:
     """R140 cost runs: the engine's side of a round's TTFT from vLLM's histogram lines
     (sum and count of each, labels and buckets ignored): means in ms of the deltas. Bugs
