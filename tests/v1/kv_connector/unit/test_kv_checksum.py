@@ -1154,6 +1154,37 @@ def test_side_stream_copy_without_host_sync(lifecycle, cuda_stream_stubs):
     assert hexes(record.checksums[REQ][0].values[:, 0]) == hexes(want)
 
 
+@pytest.mark.parametrize("index", [1, None])
+def test_R55_side_copy_reads_the_workers_device_stream(
+    monkeypatch: pytest.MonkeyPatch, index: int | None
+) -> None:
+    """R55, issue 30 (the side copy's stream calls): on a CUDA worker the copy
+    asks the accelerator API for the current stream of the worker's own device
+    index (of the device current at the first copy for a bare "cuda"), and
+    sets streams through it; elsewhere `torch.cuda`'s functions stay (what
+    vLLM's CPU worker stubs). Bug caught (tried): a bare device read as
+    index 0, so on a worker of GPU 1 the side stream would wait on GPU 0's
+    stream and copy results its kernels had not written yet."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine.launches import (
+        ChecksumLauncher,
+    )
+
+    asked: list[int] = []
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
+    monkeypatch.setattr(
+        torch.accelerator, "current_stream", lambda i: asked.append(i) or f"s{i}"
+    )
+    device = torch.device("cuda", index) if index is not None else torch.device("cuda")
+    topology = WorkerTopology(0, 1, 0, 4, 2, device)
+    current, set_stream = ChecksumLauncher({}, topology, None)._streams()  # type: ignore[arg-type]
+    assert current() == "s1" and asked == [1]
+    assert set_stream is torch.accelerator.set_stream
+    cpu = WorkerTopology(0, 1, 0, 4, 2, torch.device("cpu"))
+    current, set_stream = ChecksumLauncher({}, cpu, None)._streams()  # type: ignore[arg-type]
+    assert current is torch.cuda.current_stream
+    assert set_stream is torch.cuda.set_stream
+
+
 def test_R55_one_host_buffer_per_step(lifecycle, cuda_stream_stubs):
     """R55, issue 30 (host work per step): a step's results, checksums and stored
     entries of every pass, land in one host buffer by one copy on the side

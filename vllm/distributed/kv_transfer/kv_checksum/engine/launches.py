@@ -247,7 +247,9 @@ class ChecksumLauncher:
         `torch.cuda`'s (what vLLM's CPU worker and the CPU tests stub)."""
         device = self.topology.device
         if device.type == "cuda" and hasattr(torch, "accelerator"):
-            index = device.index if device.index is not None else 0
+            index = device.index
+            if index is None:  # "cuda": the device current at the first copy
+                index = torch.accelerator.current_device_index()
             get = torch.accelerator.current_stream
 
             def current() -> Any:
