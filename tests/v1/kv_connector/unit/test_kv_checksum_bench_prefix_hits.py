@@ -171,6 +171,15 @@ def _rejudge(*args: object, check: bool = True) -> "subprocess.CompletedProcess[
     )
 
 
+def _write_summaries(tmp_path: Path, *records: dict[str, Any]) -> list[Path]:
+    """Each record as a summary file of its own, in order: their paths."""
+    paths = []
+    for k, record in enumerate(records):
+        paths.append(tmp_path / f"run{k}.json")
+        paths[-1].write_text(json.dumps(record))
+    return paths
+
+
 def test_rejudge_prints_pairs_of_a_recorded_summary(tmp_path: Path) -> None:
     """R140 cost (issue 31 item 4): `benchmarks/rejudge_kv_checksum_rounds.py`
     (the command of `cpu_paired_rejudge_2026-12-01f.md`) reads a recorded
@@ -208,15 +217,11 @@ def test_rejudge_pools_runs_per_workload(tmp_path: Path) -> None:
                 r["prefix_hits"]["x"] = r["prefix_hits"]["w"]
         return {"config": {"tier": "simple-hits"}, "rounds": rounds}
 
-    paths = []
-    for k, record in enumerate(
-        [
-            run([10.0, 9.0, 8.0, 8.5], [30, 31, 41, 40], True),
-            run([6.0, 6.6], [50, 48], False),
-        ]
-    ):
-        paths.append(tmp_path / f"run{k}.json")
-        paths[-1].write_text(json.dumps(record))
+    paths = _write_summaries(
+        tmp_path,
+        run([10.0, 9.0, 8.0, 8.5], [30, 31, 41, 40], True),
+        run([6.0, 6.6], [50, 48], False),
+    )
     out = _rejudge("--pool", *paths).stdout
     w_means = (9.0 + 8.0 + 6.6) / 3 / ((10.0 + 8.5 + 6.0) / 3)
     assert f"w: req/s on/off of the means {w_means:.3f}" in out
@@ -270,12 +275,9 @@ def test_rejudge_pools_serve_summaries(tmp_path: Path) -> None:
     ratio 0.941. Bugs caught: only the first file pooled (2 pairs), a file
     with half a pair accepted (a pair across two runs), and an A/A control
     pooled with real runs."""
-    paths = []
-    for k, record in enumerate(
-        [_serve_summary([10.0, 9.0, 8.0, 8.5]), _serve_summary([6.0, 6.6])]
-    ):
-        paths.append(tmp_path / f"serve{k}.json")
-        paths[-1].write_text(json.dumps(record))
+    paths = _write_summaries(
+        tmp_path, _serve_summary([10.0, 9.0, 8.0, 8.5]), _serve_summary([6.0, 6.6])
+    )
     out = _rejudge("--pool", *paths).stdout
     means = (9.0 + 8.0 + 6.6) / 3 / ((10.0 + 8.5 + 6.0) / 3)
     assert f"w: req/s on/off of the means {means:.3f}" in out
