@@ -1158,31 +1158,60 @@ def test_side_stream_copy_without_host_sync(lifecycle, cuda_stream_stubs):
 def test_R55_side_copy_reads_the_workers_device_stream(
     monkeypatch: pytest.MonkeyPatch, index: int | None
 ) -> None:
-    """R55, issue 30 (the side copy's stream calls): on a CUDA worker the copy
-    asks the accelerator API for the current stream of the worker's own device
-    index (of the device current at the first copy for a bare "cuda"), and
-    sets streams through it; elsewhere `torch.cuda`'s functions stay (what
-    vLLM's CPU worker stubs). Bug caught (tried): a bare device read as
-    index 0, so on a worker of GPU 1 the side stream would wait on GPU 0's
-    stream and copy results its kernels had not written yet."""
+    """R55, issue 30 (the side copy's stream calls): on a CUDA worker the side
+    stream is made on the worker's own device, and the copy asks the
+    accelerator API for the current stream of that device index (for a bare
+    "cuda", the device current at the first copy) and sets streams through
+    it; elsewhere `torch.cuda`'s functions stay (what vLLM's CPU worker
+    stubs). Bugs caught (tried): a bare device read as index 0, and the side
+    stream made on the current device instead of the worker's (on a worker
+    of GPU 1 the side stream would wait on GPU 0's stream and copy results
+    its kernels had not written yet)."""
     from vllm.distributed.kv_transfer.kv_checksum.engine.launches import (
         ChecksumLauncher,
     )
 
     asked: list[int] = []
+    made: list[object] = []
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
     monkeypatch.setattr(
         torch.accelerator, "current_stream", lambda i: asked.append(i) or f"s{i}"
     )
+    monkeypatch.setattr(
+        torch.cuda, "Stream", lambda device=None: made.append(device) or "side"
+    )
     device = torch.device("cuda", index) if index is not None else torch.device("cuda")
     topology = WorkerTopology(0, 1, 0, 4, 2, device)
-    current, set_stream = ChecksumLauncher({}, topology, None)._streams()  # type: ignore[arg-type]
+    launcher = ChecksumLauncher({}, topology, None)  # type: ignore[arg-type]
+    side, current, set_stream, got_index = launcher._side_streams()
+    assert side == "side" and made == [1] and got_index == 1
     assert current() == "s1" and asked == [1]
     assert set_stream is torch.accelerator.set_stream
     cpu = WorkerTopology(0, 1, 0, 4, 2, torch.device("cpu"))
-    current, set_stream = ChecksumLauncher({}, cpu, None)._streams()  # type: ignore[arg-type]
-    assert current is torch.cuda.current_stream
+    launcher = ChecksumLauncher({}, cpu, None)  # type: ignore[arg-type]
+    _, current, set_stream, got_index = launcher._side_streams()
+    assert current is torch.cuda.current_stream and got_index is None
     assert set_stream is torch.cuda.set_stream
+
+
+def test_R55_side_copy_restores_the_compute_stream_on_error(
+    lifecycle, cuda_stream_stubs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R55: a copy that raises leaves the compute stream current, so vLLM's
+    next kernels do not run on the checksum side stream. Bug caught
+    (tried): the compute stream set back after the copy, not in `finally`."""
+    worker, _ = lifecycle
+    state = cuda_stream_stubs
+    compute = state.current
+
+    class FailingBuffer:
+        def copy_(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: FailingBuffer())
+    with pytest.raises(RuntimeError, match="copy failed"):
+        worker.launcher._copy_on_side_stream(torch.zeros(4, dtype=torch.int64))
+    assert state.current is compute
 
 
 def test_R55_one_host_buffer_per_step(lifecycle, cuda_stream_stubs):
@@ -1403,25 +1432,44 @@ def test_segment_rows_and_even_columns():
     assert np.array_equal(packed[:, 6:8], rows1)
 
 
-def _rows_by_block(reqs, group_id: int, block_size: int) -> list[list[int]]:
-    """segment_rows' rows, block by block in plain Python (the reference)."""
-    out: list[list[int]] = [[], [], []]
-    for _, b in reqs:
+def _rows_by_block(reqs, group_id: int, block_size: int):
+    """segment_rows' output, block by block in plain Python (the reference):
+    (req ids, starts, counts, rows as lists)."""
+    req_ids, starts, counts = [], [], []
+    rows: list[list[int]] = [[], [], []]
+    for req_id, b in reqs:
         if group_id not in b.groups:
             continue
         start, ids = b.groups[group_id]
+        req_ids.append(req_id)
+        starts.append(int(start))
+        counts.append(len(ids))
         for i, block_id in enumerate(ids):
             first = (start + i) * block_size
-            out[0].append(int(block_id))
-            out[1].append(first)
-            out[2].append(min(max(b.num_tokens - first, 0), block_size))
-    return out
+            rows[0].append(int(block_id))
+            rows[1].append(int(first))
+            rows[2].append(int(min(max(b.num_tokens - first, 0), block_size)))
+    return tuple(req_ids), starts, counts, rows
+
+
+def _check_segment_rows(reqs, group_id: int = 0, block_size: int = 16) -> None:
+    """segment_rows against the reference, every output."""
+    req_ids, starts, counts, rows = segment_rows(reqs, group_id, block_size)
+    want_ids, want_starts, want_counts, want_rows = _rows_by_block(
+        reqs, group_id, block_size
+    )
+    assert req_ids == want_ids
+    assert starts.tolist() == want_starts and counts.tolist() == want_counts
+    assert rows.shape == (3, sum(want_counts)) and rows.tolist() == want_rows
+    assert rows.dtype == starts.dtype == counts.dtype == np.int64
 
 
 def test_R52_segment_rows_one_request_and_many_match_a_block_loop():
-    """R52, issue 30 (one request takes its own shorter path): rows of one
-    request and of several, against a block-by-block reference, with blocks
-    past the request's end (0 valid tokens) and starts > 0.
+    """R52, issue 30 (one request takes its own shorter path): rows, request
+    ids, starts and counts of one request and of several, against a
+    block-by-block reference, with blocks past the request's end (0 valid
+    tokens), starts > 0, an empty block list, and several requests of which
+    one has the group (the one-request path again).
 
     Catches (tried): the one-request path without its start, and valid
     counts clipped only from above (negative counts past the end)."""
@@ -1429,8 +1477,16 @@ def test_R52_segment_rows_one_request_and_many_match_a_block_loop():
     req_ids, starts, counts, rows = segment_rows(one, 0, 16)
     assert req_ids == ("a",) and starts.tolist() == [2] and counts.tolist() == [4]
     assert rows.tolist() == [[3, 4, 5, 6], [32, 48, 64, 80], [16, 16, 6, 0]]
+    _check_segment_rows([("a", blocks(70, (0, 3, [])))])
+    _check_segment_rows(
+        [
+            ("a", blocks(40, (1, 0, [9]))),
+            ("b", blocks(70, (0, 1, [3, 4, 5]))),
+            ("c", blocks(10, (1, 0, [6]))),
+        ]
+    )
     rng = np.random.default_rng(7)
-    for n in (1, 2, 5):
+    for n in (1, 1, 2, 5):
         reqs = []
         for k in range(n):
             count = int(rng.integers(0, 6))
@@ -1438,9 +1494,7 @@ def test_R52_segment_rows_one_request_and_many_match_a_block_loop():
             ids = rng.integers(0, 100, count).tolist()
             tokens = int(rng.integers(0, (start + count + 1) * 16))
             reqs.append((f"r{k}", blocks(tokens, (0, start, ids))))
-        _, _, got_counts, got = segment_rows(reqs, 0, 16)
-        assert got.tolist() == _rows_by_block(reqs, 0, 16)
-        assert int(got_counts.sum()) == got.shape[1]
+        _check_segment_rows(reqs)
 
 
 def test_multi_request_multi_group_rows():

@@ -140,6 +140,29 @@ def test_step_on_cuda_equals_cpu_without_host_sync() -> None:
     check_against(pending.finalize(), want, on_cuda.fingerprints[0])
 
 
+def test_step_on_a_non_default_stream_behind_queued_work() -> None:
+    """R55, issue 30 (the side copy through the accelerator API): a step run
+    on a non-default compute stream (vLLM runs its model on one of its own),
+    behind a long GPU sleep queued on that stream, reads back the CPU
+    worker's values; afterwards that stream is still current and the
+    current device unchanged. Bugs caught: the side stream waiting on another
+    stream than the compute stream (the copy would read results the sleeping
+    stream had not written yet), and the compute stream or device not
+    restored after the copy. Not yet run on a GPU when written (2026-12-02i)."""
+    on_cpu, caches = worker_on(torch.device("cpu"), None)
+    on_cuda, _ = worker_on(torch.device("cuda", torch.cuda.current_device()), caches)
+    want = pending_step(on_cpu).finalize()
+    device = torch.cuda.current_device()
+    compute = torch.cuda.Stream()
+    compute.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: every launch waits behind it
+        pending = pending_step(on_cuda)
+        assert torch.cuda.current_stream() == compute
+        assert torch.cuda.current_device() == device
+    check_against(pending.finalize(), want, on_cuda.fingerprints[0])
+
+
 def test_save_copies_entries_to_slots_on_cuda_without_host_sync() -> None:
     """R118, issue 30: a save given an `EntryCopy` (an offload tier's store)
     writes the same host-slot entries on CUDA as on CPU over the same bytes,

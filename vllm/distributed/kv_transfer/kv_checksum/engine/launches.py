@@ -58,9 +58,11 @@ class ChecksumLauncher:
         self.groups = groups
         self.topology = topology
         self.table = table
+        # Set together at the first copy (`_side_streams`).
         self._side_stream: torch.cuda.Stream | None = None
         self._current_stream: Callable[[], Any] = torch.cuda.current_stream
         self._set_stream: Callable[[Any], None] = torch.cuda.set_stream
+        self._device_index: int | None = None
         # Zero-copy results: pinned buffers the device may still be writing,
         # held until their events completed so no allocation reuses them.
         self.zero_copy = False
@@ -239,35 +241,48 @@ class ChecksumLauncher:
         pending.host = host
         pending.event = event
 
-    def _streams(self) -> tuple[Callable[[], Any], Callable[[Any], None]]:
-        """The current-stream getter and setter of the device: on CUDA the
-        accelerator API's C calls for the device's index (`torch.cuda`'s
-        `current_stream` builds its answer through Python device lookups,
-        tens of us a call on an H200 host, issue 30), elsewhere
-        `torch.cuda`'s (what vLLM's CPU worker and the CPU tests stub)."""
+    def _side_streams(
+        self,
+    ) -> tuple[Any, Callable[[], Any], Callable[[Any], None], int | None]:
+        """The side stream, the current-stream getter and setter, and the
+        device index they serve. On CUDA: a side stream on the worker's own
+        device and the accelerator API's C calls for that index
+        (`torch.cuda.current_stream` builds its answer through Python device
+        lookups, tens of us a call on an H200 host, issue 30); a bare "cuda"
+        device is the one current at the first copy. Elsewhere `torch.cuda`'s
+        (what vLLM's CPU worker and the CPU tests stub), index None."""
         device = self.topology.device
         if device.type == "cuda" and hasattr(torch, "accelerator"):
             index = device.index
-            if index is None:  # "cuda": the device current at the first copy
+            if index is None:
                 index = torch.accelerator.current_device_index()
             get = torch.accelerator.current_stream
 
             def current() -> Any:
                 return get(index)
 
-            return current, torch.accelerator.set_stream
-        return torch.cuda.current_stream, torch.cuda.set_stream
+            side = torch.cuda.Stream(device=index)
+            return side, current, torch.accelerator.set_stream, index
+        return (
+            torch.cuda.Stream(),
+            torch.cuda.current_stream,
+            torch.cuda.set_stream,
+            None,
+        )
 
     def _copy_on_side_stream(
         self, flat: torch.Tensor
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
         """`flat` copied to one pinned buffer on the side stream, after the
         compute stream's work so far; the event follows. The side stream is
-        made current for the copy only, then the compute stream is again."""
+        current for the copy only; then the compute stream is again, and the
+        device that was current before (setting a stream selects its device)."""
         on_device = self.topology.device.type != "cpu"
         if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()
-            self._current_stream, self._set_stream = self._streams()
+            side, current, set_stream, index = self._side_streams()
+            self._current_stream, self._set_stream = current, set_stream
+            self._device_index = index
+            self._side_stream = side  # last: a failed set-up is tried again
         side = self._side_stream
         compute = self._current_stream()
         side.wait_stream(compute)
@@ -276,11 +291,15 @@ class ChecksumLauncher:
             # reused before this copy.
             flat.record_stream(side)
         host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
+        index = self._device_index
+        previous = None if index is None else torch.accelerator.current_device_index()
         self._set_stream(side)
         try:
             host.copy_(flat, non_blocking=True)
         finally:
             self._set_stream(compute)
+            if previous is not None and previous != index:
+                torch.accelerator.set_device_index(previous)
         event = torch.cuda.Event()
         event.record(side)
         return host, event
