@@ -33,13 +33,17 @@ def pair_line(name: str, row: dict[str, Any]) -> str:
     if "off_mean" not in rps or not rps_pairs or not ttft_pairs:
         return f"{name}: no off/on pairs"
     ratios = rps_pairs["on_over_off"]
+    rps_spread, ttft_spread = rps.get("off_spread"), ttft.get("off_spread")
+    rps_spread_text = (
+        "n/a" if rps_spread is None else f"{rps_spread / rps['off_mean']:.1%}"
+    )
+    ttft_spread_text = "n/a" if ttft_spread is None else f"{ttft_spread:.2f}"
     return (
         f"{name}: req/s on/off of the means {rps['on_mean'] / rps['off_mean']:.3f} "
-        "(off spread "
-        f"{rps['off_spread'] / rps['off_mean']:.1%}); median of {len(ratios)} "
+        f"(off spread {rps_spread_text}); median of {len(ratios)} "
         f"pairs {rps_pairs['median_on_over_off']:.3f} ({min(ratios):.3f} .. "
         f"{max(ratios):.3f}); median TTFT on - off of the means "
-        f"{ttft['on_minus_off']:+.2f} ms (off spread {ttft['off_spread']:.2f}), "
+        f"{ttft['on_minus_off']:+.2f} ms (off spread {ttft_spread_text}), "
         f"median of pairs {ttft_pairs['median_on_minus_off']:+.2f} ms "
         f"({ttft_pairs['min_on_minus_off']:+.2f} .. "
         f"{ttft_pairs['max_on_minus_off']:+.2f})"

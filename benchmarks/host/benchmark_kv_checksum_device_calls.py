@@ -305,8 +305,6 @@ def main() -> None:
     device = torch.device("cuda" if args.cuda else "cpu")
     evict = cache_evictor(args.cold_mb) if args.cold_mb else None
     cold = " | us a call, caches cold | cold / hot" if evict else ""
-    print(f"| path | blocks | aten ops a call | of them not views | us a call{cold} |")
-    print("|---|---|---|---|---|" + ("---|---|" if evict else ""))
     setting = contextlib.nullcontext() if args.cuda else cpu_setting(args.kernel)
     if args.profile:
         with setting:
@@ -328,6 +326,8 @@ def main() -> None:
                     if torch.cuda.is_available():
                         torch.cuda.synchronize()
         return
+    print(f"| path | blocks | aten ops a call | of them not views | us a call{cold} |")
+    print("|---|---|---|---|---|" + ("---|---|" if evict else ""))
     paired: list[str] = []
     with setting:
         for n in args.blocks:

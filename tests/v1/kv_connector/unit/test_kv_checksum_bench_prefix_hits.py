@@ -273,8 +273,9 @@ def test_rejudge_pools_serve_summaries(tmp_path: Path) -> None:
     `benchmark_kv_checksum_serve.py` summaries too, pairs within each file.
     Run 1's pairs are (10, 9) and (8.5, 8), run 2's (6, 6.6): 3 pairs, median
     ratio 0.941. Bugs caught: only the first file pooled (2 pairs), a file
-    with half a pair accepted (a pair across two runs), and an A/A control
-    pooled with real runs."""
+    with half a pair accepted (a pair across two runs), an A/A control
+    pooled with real runs, and a run of one pair (no off spread) crashing
+    the pair line."""
     paths = _write_summaries(
         tmp_path, _serve_summary([10.0, 9.0, 8.0, 8.5]), _serve_summary([6.0, 6.6])
     )
@@ -290,6 +291,9 @@ def test_rejudge_pools_serve_summaries(tmp_path: Path) -> None:
     control.write_text(json.dumps(_serve_summary([6.0, 6.1], control=True)))
     mixed = _rejudge("--pool", *paths, control, check=False)
     assert mixed.returncode != 0 and "A/A control" in mixed.stderr
+    # One pair alone has no off spread: judged, not a crash.
+    single = _rejudge(paths[1]).stdout
+    assert "median of 1 pairs 1.100" in single and "off spread n/a" in single
 
 
 def test_server_times_from_vllm_histograms() -> None:

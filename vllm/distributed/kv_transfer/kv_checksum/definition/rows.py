@@ -53,9 +53,10 @@ def segment_rows(
         count = len(one)
         rows = np.empty((3, count), dtype=np.int64)
         rows[0] = one
-        rows[1] = np.arange(
-            start * block_size, (start + count) * block_size, block_size
-        )
+        first = rows[1]
+        first[:] = np.arange(count, dtype=np.int64)
+        first += start  # int64 arithmetic, as the path of several requests
+        first *= block_size
         _valid_tokens(rows, end, block_size)
         starts = np.array([start], dtype=np.int64)
         return (req_id,), starts, np.array([count], dtype=np.int64), rows
@@ -131,7 +132,7 @@ def upload_segments(
 
     def zeros(shape: tuple[int, int]) -> np.ndarray:
         host.append(torch.zeros(shape, dtype=torch.int64, pin_memory=on_device))
-        return host[0].numpy()
+        return host[-1].numpy()
 
     _, columns = pack_segments(parts, zeros, reserve)
     if not on_device:
