@@ -116,9 +116,7 @@ def judged_as(config: dict[str, Any]) -> tuple[str, bool]:
 
 def print_verdict(title: str, rounds: list[dict[str, Any]], config: dict) -> None:
     """The benchmark's tables and one pair line per workload."""
-    verdict = judge(
-        rounds, config.get("tier", "simple-hits"), config.get("control", False)
-    )
+    verdict = judge(rounds, *judged_as(config))
     print(f"\n# {title}")
     print_tables(rounds, verdict)
     for name, row in verdict["workloads"].items():

@@ -1183,15 +1183,16 @@ def test_R55_side_copy_reads_the_workers_device_stream(
     device = torch.device("cuda", index) if index is not None else torch.device("cuda")
     topology = WorkerTopology(0, 1, 0, 4, 2, device)
     launcher = ChecksumLauncher({}, topology, None)  # type: ignore[arg-type]
-    side, current, set_stream, got_index = launcher._side_streams()
-    assert side == "side" and made == [1] and got_index == 1
-    assert current() == "s1" and asked == [1]
-    assert set_stream is torch.accelerator.set_stream
+    streams = launcher._side_streams()
+    assert streams.side == "side" and made == [1] and streams.device_index == 1
+    assert streams.current() == "s1" and asked == [1]
+    assert streams.set_current is torch.accelerator.set_stream
     cpu = WorkerTopology(0, 1, 0, 4, 2, torch.device("cpu"))
     launcher = ChecksumLauncher({}, cpu, None)  # type: ignore[arg-type]
-    _, current, set_stream, got_index = launcher._side_streams()
-    assert current is torch.cuda.current_stream and got_index is None
-    assert set_stream is torch.cuda.set_stream
+    streams = launcher._side_streams()
+    assert streams.current is torch.cuda.current_stream
+    assert streams.device_index is None
+    assert streams.set_current is torch.cuda.set_stream
 
 
 def test_R55_side_copy_restores_the_compute_stream_on_error(

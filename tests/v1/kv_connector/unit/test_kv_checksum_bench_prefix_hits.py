@@ -269,7 +269,8 @@ def _serve_summary(rps: list[float], control: bool = False) -> dict[str, Any]:
 
 
 def test_rejudge_pools_serve_summaries(tmp_path: Path) -> None:
-    """Issue 30 (the NIXL pull cost judged over several runs): `--pool` reads
+    """R142 (tiny-model cost over interleaved rounds), issue 30 (the NIXL pull
+    cost judged over several runs): `--pool` reads
     `benchmark_kv_checksum_serve.py` summaries too, pairs within each file.
     Run 1's pairs are (10, 9) and (8.5, 8), run 2's (6, 6.6): 3 pairs, median
     ratio 0.941. Bugs caught: only the first file pooled (2 pairs), a file

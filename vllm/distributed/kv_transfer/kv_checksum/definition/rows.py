@@ -47,43 +47,35 @@ def segment_rows(
         for req_id, blocks in requests
         if (entry := blocks.groups.get(group_id)) is not None
     ]
-    if len(picked) == 1:  # most passes: one request
+    # Per row: its block id, the shift from its row index to its position
+    # (the request's start minus its first row) and its request's end.
+    shift: np.ndarray | int
+    ends: np.ndarray | int
+    if len(picked) == 1:  # most passes: one request, no repeats needed
         req_id, (start, block_ids), end = picked[0]
-        one = np.asarray(block_ids, dtype=np.int64)
-        count = len(one)
-        rows = np.empty((3, count), dtype=np.int64)
-        rows[0] = one
-        first = rows[1]
-        first[:] = np.arange(count, dtype=np.int64)
-        first += start  # int64 arithmetic, as the path of several requests
-        first *= block_size
-        _valid_tokens(rows, end, block_size)
+        req_ids: tuple[str, ...] = (req_id,)
+        block_rows = np.asarray(block_ids, dtype=np.int64)
+        counts = np.array([len(block_rows)], dtype=np.int64)
         starts = np.array([start], dtype=np.int64)
-        return (req_id,), starts, np.array([count], dtype=np.int64), rows
-    req_ids: list[str] = []
-    starts_list: list[int] = []
-    ends_list: list[int] = []
-    ids: list[np.ndarray] = []
-    for req_id, (start, block_ids), end in picked:
-        req_ids.append(req_id)
-        starts_list.append(start)
-        ends_list.append(end)
-        ids.append(np.asarray(block_ids, dtype=np.int64))
-    counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    starts = np.array(starts_list, dtype=np.int64)
-    total = int(counts.sum())
+        shift, ends = start, end
+    else:
+        ids = [np.asarray(entry[1], dtype=np.int64) for _, entry, _ in picked]
+        req_ids = tuple(req_id for req_id, _, _ in picked)
+        counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        starts = np.array([entry[0] for _, entry, _ in picked], dtype=np.int64)
+        block_rows = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
+        shift = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+        ends_per_request = np.array([end for _, _, end in picked], dtype=np.int64)
+        ends = np.repeat(ends_per_request, counts)
+    total = len(block_rows)
     rows = np.empty((3, total), dtype=np.int64)
-    if total:
-        rows[0] = np.concatenate(ids)
-        # Position of each row: its request's start plus its index in the
-        # request, i.e. the row index shifted by (start - first row) per request.
-        shift = starts - (np.cumsum(counts) - counts)
-        first = rows[1]
-        np.add(np.repeat(shift, counts), np.arange(total, dtype=np.int64), out=first)
-        first *= block_size
-        ends = np.repeat(np.array(ends_list, dtype=np.int64), counts)
-        _valid_tokens(rows, ends, block_size)
-    return tuple(req_ids), starts, counts, rows
+    rows[0] = block_rows
+    first = rows[1]
+    first[:] = np.arange(total, dtype=np.int64)
+    first += shift  # int64 arithmetic on either path
+    first *= block_size
+    _valid_tokens(rows, ends, block_size)
+    return req_ids, starts, counts, rows
 
 
 def _valid_tokens(rows: np.ndarray, ends: np.ndarray | int, block_size: int) -> None:

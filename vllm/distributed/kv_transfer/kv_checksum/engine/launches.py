@@ -11,6 +11,7 @@ kernel queued on the compute stream (no copy engine).
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,11 +59,8 @@ class ChecksumLauncher:
         self.groups = groups
         self.topology = topology
         self.table = table
-        # Set together at the first copy (`_side_streams`).
-        self._side_stream: torch.cuda.Stream | None = None
-        self._current_stream: Callable[[], Any] = torch.cuda.current_stream
-        self._set_stream: Callable[[Any], None] = torch.cuda.set_stream
-        self._device_index: int | None = None
+        # Made at the first copy (`_side_streams`).
+        self._streams: _SideStreams | None = None
         # Zero-copy results: pinned buffers the device may still be writing,
         # held until their events completed so no allocation reuses them.
         self.zero_copy = False
@@ -241,18 +239,15 @@ class ChecksumLauncher:
         pending.host = host
         pending.event = event
 
-    def _side_streams(
-        self,
-    ) -> tuple[Any, Callable[[], Any], Callable[[Any], None], int | None]:
-        """The side stream, the current-stream getter and setter, and the
-        device index they serve. On CUDA: a side stream on the worker's own
+    def _side_streams(self) -> "_SideStreams":
+        """The side copy's streams. On CUDA: a side stream on the worker's own
         device and the accelerator API's C calls for that index
         (`torch.cuda.current_stream` builds its answer through Python device
         lookups, tens of us a call on an H200 host, issue 30); a bare "cuda"
         device is the one current at the first copy. Elsewhere `torch.cuda`'s
         (what vLLM's CPU worker and the CPU tests stub), index None."""
         device = self.topology.device
-        if device.type == "cuda" and hasattr(torch, "accelerator"):
+        if device.type == "cuda":
             index = device.index
             if index is None:
                 index = torch.accelerator.current_device_index()
@@ -261,13 +256,14 @@ class ChecksumLauncher:
             def current() -> Any:
                 return get(index)
 
-            side = torch.cuda.Stream(device=index)
-            return side, current, torch.accelerator.set_stream, index
-        return (
-            torch.cuda.Stream(),
-            torch.cuda.current_stream,
-            torch.cuda.set_stream,
-            None,
+            return _SideStreams(
+                torch.cuda.Stream(device=index),
+                current,
+                torch.accelerator.set_stream,
+                index,
+            )
+        return _SideStreams(
+            torch.cuda.Stream(), torch.cuda.current_stream, torch.cuda.set_stream
         )
 
     def _copy_on_side_stream(
@@ -278,26 +274,23 @@ class ChecksumLauncher:
         current for the copy only; then the compute stream is again, and the
         device that was current before (setting a stream selects its device)."""
         on_device = self.topology.device.type != "cpu"
-        if self._side_stream is None:
-            side, current, set_stream, index = self._side_streams()
-            self._current_stream, self._set_stream = current, set_stream
-            self._device_index = index
-            self._side_stream = side  # last: a failed set-up is tried again
-        side = self._side_stream
-        compute = self._current_stream()
+        if self._streams is None:
+            self._streams = self._side_streams()
+        streams = self._streams
+        side, index = streams.side, streams.device_index
+        compute = streams.current()
         side.wait_stream(compute)
         if on_device:
             # The upload, allocated on the compute stream, read here: not
             # reused before this copy.
             flat.record_stream(side)
         host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
-        index = self._device_index
         previous = None if index is None else torch.accelerator.current_device_index()
-        self._set_stream(side)
+        streams.set_current(side)
         try:
             host.copy_(flat, non_blocking=True)
         finally:
-            self._set_stream(compute)
+            streams.set_current(compute)
             if previous is not None and previous != index:
                 torch.accelerator.set_device_index(previous)
         event = torch.cuda.Event()
@@ -319,6 +312,17 @@ class ChecksumLauncher:
         event.record()
         self._in_flight.append((event, host))
         return host, event
+
+
+@dataclass(frozen=True)
+class _SideStreams:
+    """The side copy's stream and how it reads and sets the current stream;
+    `device_index` is the CUDA device they serve (None off CUDA)."""
+
+    side: Any
+    current: Callable[[], Any]
+    set_current: Callable[[Any], None]
+    device_index: int | None = None
 
 
 class _Layout:
