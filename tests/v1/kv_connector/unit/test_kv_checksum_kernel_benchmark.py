@@ -4,8 +4,8 @@
 30): the variants table is what one H200 run must produce, so its code path
 runs here on tiny shapes under Triton's interpreter, with CPU stand-ins for the
 CUDA timer and the plain-read anchor. Bug caught: a Python error or a wrong
-bit-identity check in the variants table found only on the GPU, or a variant
-missing from it.
+bit-identity check in the variants table (or in the queued-timing table)
+found only on the GPU, or a variant missing from it.
 
 Run as a script (`--smoke JSON`) it writes the benchmark's JSON; the test runs
 it in a subprocess with TRITON_INTERPRET=1, which must be set before Triton is
@@ -62,7 +62,7 @@ def smoke(json_path: str) -> None:
         shape("(e) tiny", 1, 3, 5, heads=2, tokens=32, head_size=64, chunk=16),
     ]
 
-    def cpu_time_ms(fn: Any, iters: int, flush: Any) -> float:
+    def cpu_time_ms(fn: Any, iters: int, flush: Any, ahead_cycles: int = 0) -> float:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
@@ -99,6 +99,13 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
     assert "## Variants" in result.stdout
     data = json.loads(out.read_text())
     assert data["errors"] == []
+    assert "## Queued timing" in result.stdout
+    for entry in data["shapes"].values():
+        queued = entry["queued"]
+        assert queued["kernel_over_plain"] == pytest.approx(
+            queued["plain_ms"] / queued["kernel_ms"]
+        )
+        assert queued["kernel_host_launch_us"] > 0
     variants = data["variants"]
     assert len(variants) == 5
     names = set(data["variants_min_ratio"])
