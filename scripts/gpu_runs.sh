@@ -35,7 +35,8 @@
 #                                             # (issue 27), tamper (issue
 #                                             # 26 item 5), kernel-variants,
 #                                             # cuda-tests, device-calls,
-#                                             # trial-zero-copy, trial-kernel (issue 30),
+#                                             # trial-zero-copy, trial-kernel,
+#                                             # trial-jit-launch (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
@@ -315,15 +316,19 @@ device-calls)
 # it). trial-zero-copy: step results written into pinned host memory by a
 # kernel (ZERO_COPY_RESULTS); trial-kernel: chunks of 4096 pieces, what the
 # variant "vector 4w chunk 4096" adds to the default (the vector loop on
-# 4 warps since 2026-12-02c; SPEC R57 says 16384), then cuda-tests checks it.
-trial-zero-copy | trial-kernel)
+# 4 warps since 2026-12-02c; SPEC R57 says 16384), then cuda-tests checks it;
+# trial-jit-launch: every launch through Triton's JIT (DIRECT_LAUNCH off), the
+# other arm of a device-calls or engine A/B of the direct launch.
+trial-zero-copy | trial-kernel | trial-jit-launch)
     kernels_py="$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
     if [ "$what" = trial-kernel ]; then
         sed -i 's/^CHUNK_PIECES = 16384$/CHUNK_PIECES = 4096/' "$kernels_py"
+    elif [ "$what" = trial-jit-launch ]; then
+        sed -i 's/^DIRECT_LAUNCH = True$/DIRECT_LAUNCH = False/' "$kernels_py"
     else
         sed -i 's/^ZERO_COPY_RESULTS = False$/ZERO_COPY_RESULTS = True/' "$kernels_py"
     fi
-    grep -nE "^(ZERO_COPY_RESULTS|VECTOR_FULL_TILES|NUM_WARPS|CHUNK_PIECES) " "$kernels_py"
+    grep -nE "^(ZERO_COPY_RESULTS|VECTOR_FULL_TILES|NUM_WARPS|CHUNK_PIECES|DIRECT_LAUNCH) " "$kernels_py"
     ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.

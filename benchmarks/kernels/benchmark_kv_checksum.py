@@ -484,10 +484,11 @@ def run_queued_table(
     )
     print()
     print(
-        "| shape | kernel host launch us | plain host launch us | kernel ms "
-        "| plain read ms | **kernel / plain read, queued** | flush-only ratio |"
+        "| shape | kernel host launch us | kernel host launch us, JIT "
+        "| plain host launch us | kernel ms | plain read ms "
+        "| **kernel / plain read, queued** | flush-only ratio |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     ratios = []
     for run in runs:
         key = shape_name(run.shape)
@@ -503,6 +504,12 @@ def run_queued_table(
         )
         kernel_ms = time_ms(kernel_call, iters, flush, AHEAD_CYCLES)
         kernel_us = host_launch_us(kernel_call, iters)
+        # The same launch through Triton's JIT every call (direct_launch off).
+        jit_launch = run.launch(
+            kernels, "triton", dataclasses.replace(config, direct_launch=False)
+        )
+        jit_launch.warm_up()
+        jit_us = host_launch_us(functools.partial(jit_launch, run.rows, out), iters)
         best = [c for c in plain.PLAIN_CONFIGS if c.label == anchor.config]
         plain_us = float("nan")
         if best:
@@ -518,11 +525,14 @@ def run_queued_table(
             "plain_ms": anchor.ms,
             "plain_config": anchor.config,
             "kernel_host_launch_us": kernel_us,
+            "kernel_host_launch_us_jit": jit_us,
+            "direct_launch": bool(getattr(config, "direct_launch", False)),
             "plain_host_launch_us": plain_us,
             "kernel_over_plain": ratio,
         }
         print(
-            f"| {key} | {kernel_us:.1f} | {plain_us:.1f} | {kernel_ms:.4f} "
+            f"| {key} | {kernel_us:.1f} | {jit_us:.1f} | {plain_us:.1f} "
+            f"| {kernel_ms:.4f} "
             f"| {anchor.ms:.4f} | **{ratio:.3f}** | {entry['kernel_over_plain']:.3f} |",
             flush=True,
         )

@@ -106,6 +106,7 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
             queued["plain_ms"] / queued["kernel_ms"]
         )
         assert queued["kernel_host_launch_us"] > 0
+        assert queued["kernel_host_launch_us_jit"] > 0
     variants = data["variants"]
     assert len(variants) == 5
     names = set(data["variants_min_ratio"])

@@ -19,7 +19,7 @@ This module imports only torch, the standard library and, optionally, Triton
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,13 @@ try:
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the installation
     HAS_TRITON = False
+try:
+    from triton import knobs
+    from triton.runtime import driver
+
+    HAS_TRITON_KNOBS = True
+except ImportError:  # pragma: no cover - Triton < 3.4 or no Triton
+    HAS_TRITON_KNOBS = False
 
 # Piece width in bits of each supported view dtype; narrower pieces are
 # zero-extended to 64 bits (R21, R23).
@@ -62,6 +69,9 @@ VECTOR_FULL_TILES = True
 # did not change (benchmark --variants, "vector 4w head order";
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
+# Launches after the first go straight to the compiled kernel's launcher, not
+# through the JIT's per-call dispatch (compiled_launch.py; R142, R143).
+DIRECT_LAUNCH = True
 # A step's results reach the host through a kernel storing into pinned host
 # memory (SM writes over the bus) instead of a copy-engine copy, which can queue
 # behind the offload tier's large stores; off until an H200 run shows it helps
@@ -91,6 +101,7 @@ class LaunchConfig:
     masks (dense views: lane-index offsets and 16-byte-aligned tiles, so
     128-bit loads), and with it `token_order_tiles` walks blocks stored
     contiguously token-major in memory order (contiguous tiles there too).
+    `direct_launch` launches the kernel compiled by the first call directly.
     """
 
     max_tile: int
@@ -101,6 +112,7 @@ class LaunchConfig:
     wide_weights: bool = False
     vector_full_tiles: bool = False
     token_order_tiles: bool = True
+    direct_launch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
@@ -122,6 +134,7 @@ def default_config() -> LaunchConfig:
         wide_weights=WIDE_WEIGHTS,
         vector_full_tiles=VECTOR_FULL_TILES,
         token_order_tiles=TOKEN_ORDER_TILES,
+        direct_launch=DIRECT_LAUNCH,
     )
 
 
@@ -803,6 +816,91 @@ def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
         _copy_words_kernel[grid](src, dst, n, BLOCK=COPY_BLOCK_WORDS)
 
 
+# Direct launches. On every call Triton's JIT binds all arguments, builds a
+# specialization key, looks up its kernel cache and builds launch metadata for
+# its hooks: for the checksum kernel's 31 arguments, host time on every engine
+# step (R142). A launch whose specialized arguments never change keeps the
+# kernel its first JIT call compiled and hands later arguments straight to
+# that kernel's launcher (R143).
+
+
+def launch_hooks_set() -> bool:
+    """Whether a Triton launch hook (a profiler's) is registered: the JIT path
+    then runs, so the hook sees every launch with its metadata."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+@dataclass
+class CompiledLaunch:
+    """The kernel a JIT call compiled, its launcher and the device it was
+    loaded on, with the constexpr values appended to every call's arguments.
+
+    Valid only for calls whose specialized arguments equal the first call's:
+    the caller keeps those fixed and passes the rest (pointers, strides and
+    counts the kernel's `do_not_specialize` names) through `launch`.
+    """
+
+    launcher: Callable[..., object]
+    function: object
+    packed_metadata: object
+    device: int
+    constexprs: tuple[object, ...]
+
+    @classmethod
+    def capture(
+        cls,
+        kernel: object,
+        arg_names: Sequence[str],
+        num_args: int,
+        constants: dict[str, object],
+    ) -> "CompiledLaunch | None":
+        """The launch of `kernel` (a JIT call's return value) whose parameters
+        are `arg_names`, the first `num_args` passed per call and the rest
+        constexprs from `constants`; None if this Triton does not expose what a
+        direct launch needs."""
+        if not HAS_TRITON_KNOBS:
+            return None
+        try:
+            launcher = kernel.run  # type: ignore[attr-defined]
+            function = kernel.function  # type: ignore[attr-defined]
+            packed_metadata = kernel.packed_metadata  # type: ignore[attr-defined]
+            constexprs = tuple(constants[name] for name in arg_names[num_args:])
+            device = int(driver.active.get_current_device())
+        except (AttributeError, KeyError, RuntimeError, TypeError):
+            return None
+        if not callable(launcher) or function is None:
+            return None
+        return cls(launcher, function, packed_metadata, device, constexprs)
+
+    def launch(self, grid: tuple[int, int, int], args: Sequence[object]) -> bool:
+        """Queue the kernel on the current stream; False (nothing queued) when
+        the current device is not the one it was loaded on or a launch hook
+        is set, so the caller takes the JIT path."""
+        if launch_hooks_set():
+            return False
+        device = driver.active.get_current_device()
+        if device != self.device:
+            return False
+        stream = driver.active.get_current_stream(device)
+        self.launcher(
+            grid[0],
+            grid[1],
+            grid[2],
+            stream,
+            self.function,
+            self.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *self.constexprs,
+        )
+        return True
+
+
 class KVChecksumLaunch:
     """One fused launch: every layer view sharing one layout (R61).
 
@@ -923,6 +1021,8 @@ class KVChecksumLaunch:
             **self._vector_constants(tile, head_tiles, token_tile > 0),
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
+        self._direct: CompiledLaunch | None = None
+        self._capture_direct = config.direct_launch
 
     def _token_order_tile(self) -> int:
         """The tile of the memory-order loop (DENSE == 3), 0 if not taken.
@@ -993,10 +1093,10 @@ class KVChecksumLaunch:
         num_rows, num_layers = rows.shape[1], len(self.views)
         if self._programs:
             items = num_rows * self._num_chunks * num_layers
-            grid: tuple[int, ...] = (min(items, self._programs),)
+            grid = (min(items, self._programs), 1, 1)
         else:
             grid = (num_rows, self._num_chunks, num_layers)
-        _kv_checksum_kernel[grid](
+        args = (
             self._table,
             rows,
             rows.stride(0),
@@ -1007,8 +1107,21 @@ class KVChecksumLaunch:
             num_rows,
             num_layers,
             *self._strides,
-            **self._constants,
         )
+        direct = self._direct
+        if direct is not None and _direct_args_ok(rows, out, num_rows):
+            try:
+                if direct.launch(grid, args):
+                    return
+            except Exception:  # noqa: BLE001 - any launcher error: JIT for good
+                self._direct = None
+        kernel = _kv_checksum_kernel[grid](*args, **self._constants)
+        if direct is None and self._capture_direct:
+            # One capture attempt: the JIT path stays if this Triton lacks one.
+            self._capture_direct = False
+            self._direct = CompiledLaunch.capture(
+                kernel, _kv_checksum_kernel.arg_names, len(args), self._constants
+            )
 
     # PyTorch backend.
 
@@ -1065,6 +1178,16 @@ class KVChecksumLaunch:
         per_head = pieces.sum(dim=(1, 3, 4))
         start_term = (per_head * self._start_factors[layer]).sum(dim=1)
         return at_start + first_tokens * start_term
+
+
+def _direct_args_ok(rows: torch.Tensor, out: torch.Tensor, num_rows: int) -> bool:
+    """Whether a call's per-call arguments specialize as the first call's did:
+    int64 tensors and 32-bit counts and strides (the JIT widens larger ones)."""
+    return (
+        rows.dtype == torch.int64
+        and out.dtype == torch.int64
+        and max(num_rows, *rows.stride(), *out.stride()) < 1 << 31
+    )
 
 
 def pick_tile(
