@@ -157,16 +157,23 @@ def make_rows(shape: KernelShape, device: torch.device) -> torch.Tensor:
 
 
 def time_ms(
-    fn: Callable[[], object], iters: int, flush: torch.Tensor, ahead_cycles: int = 0
+    fn: Callable[[], object],
+    iters: int,
+    flush: torch.Tensor,
+    ahead_cycles: int = 0,
+    prime: Callable[[], object] | None = None,
 ) -> float:
     """Median CUDA-event time of `fn` after warm-up, L2 flushed before each run;
     with `ahead_cycles` a spin of that many GPU cycles is queued between the
-    flush and the start event, so that `fn`'s host path is not timed."""
+    flush and the start event, so that `fn`'s host path is not timed; `prime`
+    runs after the flush, outside the timed window."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
         flush.zero_()
+        if prime is not None:
+            prime()
         if ahead_cycles:
             torch.cuda._sleep(ahead_cycles)
         start = torch.cuda.Event(enable_timing=True)
@@ -456,6 +463,10 @@ def run_kernel_benchmarks(
         run_queued_table(kernels, plain, runs, main_config, iters, flush, report)
     except Exception as exc:  # noqa: BLE001 - report and go on
         report.error("queued table", exc)
+    try:
+        run_primed_table(kernels, plain, runs, main_config, iters, flush, report)
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        report.error("primed table", exc)
     if variants:
         run_variants(kernels, runs, default, iters, rounds, flush, report)
     if sweep:
@@ -545,6 +556,111 @@ def run_queued_table(
             f"R143 with the GPU held ahead (every shape >= {TARGET_PLAIN_READ_RATIO} "
             f"of the best plain read, queued): min {min(ratios):.3f}, {verdict}"
         )
+
+
+def primed_times(
+    kernels: ModuleType,
+    plain: ModuleType,
+    run: ShapeRun,
+    config: Any,
+    plain_config: str,
+    iters: int,
+    flush: torch.Tensor,
+) -> dict[str, Any]:
+    """One shape's row of the primed table (run_primed_table)."""
+    launch = run.launch(kernels, "triton", config)
+    launch.warm_up()
+    out = run.out()
+    kernel_call = functools.partial(launch, run.rows, out)
+    rows_copy = torch.empty_like(run.rows)
+    table = getattr(launch, "_table", None)
+    table_copy = torch.empty_like(table) if table is not None else None
+
+    def touch_inputs() -> None:
+        rows_copy.copy_(run.rows)
+        if table is not None and table_copy is not None:
+            table_copy.copy_(table)
+
+    one_row = run.rows[:, :1].clone()
+    one_out = torch.zeros((1, out.shape[1]), dtype=out.dtype, device=out.device)
+
+    def touch_code() -> None:
+        touch_inputs()
+        launch(one_row, one_out)
+
+    best = [c for c in plain.PLAIN_CONFIGS if c.label == plain_config]
+    kernel_cold = time_ms(kernel_call, iters, flush, AHEAD_CYCLES)
+    kernel_inputs = time_ms(kernel_call, iters, flush, AHEAD_CYCLES, touch_inputs)
+    kernel_code = time_ms(kernel_call, iters, flush, AHEAD_CYCLES, touch_code)
+    scratch = torch.zeros(1, dtype=torch.int64, device=run.words.device)
+    plain_call: Callable[[], object] = run.words.sum
+    plain_prime: Callable[[], object] | None = None
+    if best:  # the anchor's configuration (a stubbed anchor has none)
+        plain_call = functools.partial(plain.plain_sum, run.words, scratch, best[0])
+        small = torch.zeros(best[0].block, dtype=torch.int64, device=run.words.device)
+        plain_prime = functools.partial(plain.plain_sum, small, scratch, best[0])
+    plain_cold = time_ms(plain_call, iters, flush, AHEAD_CYCLES)
+    plain_code = time_ms(plain_call, iters, flush, AHEAD_CYCLES, plain_prime)
+    return {
+        "kernel_ms": {
+            "cold": kernel_cold,
+            "inputs": kernel_inputs,
+            "code": kernel_code,
+        },
+        "plain_ms": {"cold": plain_cold, "code": plain_code},
+        "kernel_over_plain": {
+            "cold": plain_cold / kernel_cold,
+            "inputs": plain_cold / kernel_inputs,
+            "code": plain_code / kernel_code,
+        },
+    }
+
+
+def run_primed_table(
+    kernels: ModuleType,
+    plain: ModuleType,
+    runs: list[ShapeRun],
+    config: Any,
+    iters: int,
+    flush: torch.Tensor,
+    report: Report,
+) -> None:
+    """Where R143's fixed cost a launch goes: kernel / plain read again, both
+    queued, with what each launch needs besides the data made L2-resident
+    after the flush. "inputs warm": the kernel's rows and layer table copied
+    (read) first; "code warm": a one-row launch of the same kernel (and a
+    small plain read of the same configuration) first, which also warms its
+    table. Neither touches the timed data beyond one block of it."""
+    print()
+    print(
+        "## Primed timing: kernel / plain read, both queued, with the L2 "
+        "holding the kernel's inputs or its code"
+    )
+    print()
+    print(
+        "| shape | cold (queued) | **inputs warm** | **code and inputs warm** "
+        "| kernel ms cold / inputs / code | plain ms cold / code |"
+    )
+    print("|---|---|---|---|---|---|")
+    for run in runs:
+        key = shape_name(run.shape)
+        entry = report.data["shapes"].get(key, {})
+        queued = entry.get("queued")
+        if not queued:
+            continue
+        entry["primed"] = primed_times(
+            kernels, plain, run, config, queued["plain_config"], iters, flush
+        )
+        ratios = entry["primed"]["kernel_over_plain"]
+        kernel_ms, plain_ms = entry["primed"]["kernel_ms"], entry["primed"]["plain_ms"]
+        print(
+            f"| {key} | {ratios['cold']:.3f} | **{ratios['inputs']:.3f}** "
+            f"| **{ratios['code']:.3f}** | {kernel_ms['cold']:.4f} / "
+            f"{kernel_ms['inputs']:.4f} / {kernel_ms['code']:.4f} "
+            f"| {plain_ms['cold']:.4f} / {plain_ms['code']:.4f} |",
+            flush=True,
+        )
+        report.save()
 
 
 def variant_configs() -> dict[str, dict]:

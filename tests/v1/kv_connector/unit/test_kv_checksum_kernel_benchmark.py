@@ -62,7 +62,11 @@ def smoke(json_path: str) -> None:
         shape("(e) tiny", 1, 3, 5, heads=2, tokens=32, head_size=64, chunk=16),
     ]
 
-    def cpu_time_ms(fn: Any, iters: int, flush: Any, ahead_cycles: int = 0) -> float:
+    def cpu_time_ms(
+        fn: Any, iters: int, flush: Any, ahead_cycles: int = 0, prime: Any = None
+    ) -> float:
+        if prime is not None:
+            prime()
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
@@ -100,6 +104,7 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["errors"] == []
     assert "## Queued timing" in result.stdout
+    assert "## Primed timing" in result.stdout
     for entry in data["shapes"].values():
         queued = entry["queued"]
         assert queued["kernel_over_plain"] == pytest.approx(
@@ -107,6 +112,8 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
         )
         assert queued["kernel_host_launch_us"] > 0
         assert queued["kernel_host_launch_us_jit"] > 0
+        primed = entry["primed"]
+        assert set(primed["kernel_over_plain"]) == {"cold", "inputs", "code"}
     variants = data["variants"]
     assert len(variants) == 5
     names = set(data["variants_min_ratio"])
