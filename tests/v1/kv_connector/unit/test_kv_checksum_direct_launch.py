@@ -262,3 +262,27 @@ def test_a_triton_without_a_launcher_keeps_the_jit(fakes: SimpleNamespace) -> No
     launch(*call_rows(1))
     launch(*call_rows(2))
     assert len(fakes.jit.calls) == 2 and launch._direct is None
+
+
+@pytest.mark.parametrize(
+    ("version", "direct"),
+    [
+        ("3.6.0", True),
+        ("3.8.0", True),
+        ("3.3.1", False),
+        ("3.9.0", False),
+        ("x", False),
+    ],
+)
+def test_only_read_triton_versions_launch_directly(
+    fakes: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, version: str, direct: bool
+) -> None:
+    """A Triton whose launcher convention was not read keeps the JIT (its
+    launcher might take the same arguments in another meaning and not raise).
+    Bug: the version gate dropped or read as a string comparison."""
+    monkeypatch.setattr(kernels.triton, "__version__", version)
+    launch = triton_launch()
+    launch(*call_rows(1))
+    launch(*call_rows(2))
+    assert (launch._direct is not None) == direct
+    assert len(fakes.jit.compiled.launches) == int(direct)

@@ -70,8 +70,11 @@ VECTOR_FULL_TILES = True
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
 # Launches after the first go straight to the compiled kernel's launcher, not
-# through the JIT's per-call dispatch (compiled_launch.py; R142, R143).
+# through the JIT's per-call dispatch (CompiledLaunch; R142, R143), on the
+# Triton versions whose launcher takes the arguments as read here (3.6 and 3.8
+# read, 3.6 run on an H200); other versions keep the JIT.
 DIRECT_LAUNCH = True
+DIRECT_LAUNCH_TRITON = ((3, 4), (3, 8))
 # A step's results reach the host through a kernel storing into pinned host
 # memory (SM writes over the bus) instead of a copy-engine copy, which can queue
 # behind the offload tier's large stores; off until an H200 run shows it helps
@@ -824,6 +827,17 @@ def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
 # that kernel's launcher (R143).
 
 
+def direct_launch_supported(version: str) -> bool:
+    """Whether Triton `version` is in DIRECT_LAUNCH_TRITON's range (by major
+    and minor; an unreadable version is not)."""
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    low, high = DIRECT_LAUNCH_TRITON
+    return low <= major_minor <= high
+
+
 def launch_hooks_set() -> bool:
     """Whether a Triton launch hook (a profiler's) is registered: the JIT path
     then runs, so the hook sees every launch with its metadata."""
@@ -861,7 +875,7 @@ class CompiledLaunch:
         are `arg_names`, the first `num_args` passed per call and the rest
         constexprs from `constants`; None if this Triton does not expose what a
         direct launch needs."""
-        if not HAS_TRITON_KNOBS:
+        if not (HAS_TRITON_KNOBS and direct_launch_supported(triton.__version__)):
             return None
         try:
             launcher = kernel.run  # type: ignore[attr-defined]
