@@ -71,8 +71,9 @@ VECTOR_FULL_TILES = True
 TOKEN_ORDER_TILES = True
 # Launches after the first go straight to the compiled kernel's launcher, not
 # through the JIT's per-call dispatch (CompiledLaunch; R142, R143), on the
-# Triton versions whose launcher takes the arguments as read here (3.6 and 3.8
-# read, 3.6 run on an H200); other versions keep the JIT.
+# Triton versions whose launcher takes the arguments as read here (the JIT's
+# launch and the CUDA launcher read in 3.4-3.8, 3.6 run on an H200); other
+# versions keep the JIT.
 DIRECT_LAUNCH = True
 DIRECT_LAUNCH_TRITON = ((3, 4), (3, 8))
 # A step's results reach the host through a kernel storing into pinned host
