@@ -459,12 +459,13 @@ def run_kernel_benchmarks(
     except Exception as exc:  # noqa: BLE001 - report and go on
         report.error("R133 targets", exc)
         met = False
+    table = TimingTable(kernels, plain, runs, main_config, iters, flush, report)
     try:
-        run_queued_table(kernels, plain, runs, main_config, iters, flush, report)
+        run_queued_table(table)
     except Exception as exc:  # noqa: BLE001 - report and go on
         report.error("queued table", exc)
     try:
-        run_primed_table(kernels, plain, runs, main_config, iters, flush, report)
+        run_primed_table(table)
     except Exception as exc:  # noqa: BLE001 - report and go on
         report.error("primed table", exc)
     if variants:
@@ -476,15 +477,21 @@ def run_kernel_benchmarks(
     return met
 
 
-def run_queued_table(
-    kernels: ModuleType,
-    plain: ModuleType,
-    runs: list[ShapeRun],
-    config: Any,
-    iters: int,
-    flush: torch.Tensor,
-    report: Report,
-) -> None:
+@dataclass
+class TimingTable:
+    """What the launch-latency and primed tables read: the modules, the
+    shapes' data, the launch config, the timer's settings and the report."""
+
+    kernels: ModuleType
+    plain: ModuleType
+    runs: list[ShapeRun]
+    config: Any
+    iters: int
+    flush: torch.Tensor
+    report: Report
+
+
+def run_queued_table(t: TimingTable) -> None:
     """Launch-latency table: each launch path's host time, and kernel / plain
     read timed again with the GPU held ahead of the host (AHEAD_CYCLES), so
     that neither timed window holds a host launch path (R143's reading)."""
@@ -501,32 +508,33 @@ def run_queued_table(
     )
     print("|---|---|---|---|---|---|---|---|")
     ratios = []
-    for run in runs:
+    for run in t.runs:
         key = shape_name(run.shape)
-        entry = report.data["shapes"].get(key, {})
+        entry = t.report.data["shapes"].get(key, {})
         if "kernel_over_plain" not in entry:
             continue
-        launch = run.launch(kernels, "triton", config)
+        launch = run.launch(t.kernels, "triton", t.config)
         launch.warm_up()
         out = run.out()
         kernel_call = functools.partial(launch, run.rows, out)
-        anchor = plain.best_plain_read(
-            run.words, lambda fn: time_ms(fn, iters, flush, AHEAD_CYCLES)
+        anchor = t.plain.best_plain_read(
+            run.words, lambda fn: time_ms(fn, t.iters, t.flush, AHEAD_CYCLES)
         )
-        kernel_ms = time_ms(kernel_call, iters, flush, AHEAD_CYCLES)
-        kernel_us = host_launch_us(kernel_call, iters)
+        kernel_ms = time_ms(kernel_call, t.iters, t.flush, AHEAD_CYCLES)
+        kernel_us = host_launch_us(kernel_call, t.iters)
         # The same launch through Triton's JIT every call (direct_launch off).
         jit_launch = run.launch(
-            kernels, "triton", dataclasses.replace(config, direct_launch=False)
+            t.kernels, "triton", dataclasses.replace(t.config, direct_launch=False)
         )
         jit_launch.warm_up()
-        jit_us = host_launch_us(functools.partial(jit_launch, run.rows, out), iters)
-        best = [c for c in plain.PLAIN_CONFIGS if c.label == anchor.config]
+        jit_us = host_launch_us(functools.partial(jit_launch, run.rows, out), t.iters)
+        best = [c for c in t.plain.PLAIN_CONFIGS if c.label == anchor.config]
         plain_us = float("nan")
         if best:
             scratch = torch.zeros(1, dtype=torch.int64, device=run.words.device)
             plain_us = host_launch_us(
-                functools.partial(plain.plain_sum, run.words, scratch, best[0]), iters
+                functools.partial(t.plain.plain_sum, run.words, scratch, best[0]),
+                t.iters,
             )
         ratio = anchor.ms / kernel_ms
         ratios.append(ratio)
@@ -537,7 +545,7 @@ def run_queued_table(
             "plain_config": anchor.config,
             "kernel_host_launch_us": kernel_us,
             "kernel_host_launch_us_jit": jit_us,
-            "direct_launch": bool(getattr(config, "direct_launch", False)),
+            "direct_launch": bool(getattr(t.config, "direct_launch", False)),
             "plain_host_launch_us": plain_us,
             "kernel_over_plain": ratio,
         }
@@ -547,10 +555,10 @@ def run_queued_table(
             f"| {anchor.ms:.4f} | **{ratio:.3f}** | {entry['kernel_over_plain']:.3f} |",
             flush=True,
         )
-        report.save()
+        t.report.save()
     if ratios:
         verdict = "met" if min(ratios) >= TARGET_PLAIN_READ_RATIO else "NOT met"
-        report.data["queued_min_ratio"] = min(ratios)
+        t.report.data["queued_min_ratio"] = min(ratios)
         print()
         print(
             f"R143 with the GPU held ahead (every shape >= {TARGET_PLAIN_READ_RATIO} "
@@ -558,17 +566,9 @@ def run_queued_table(
         )
 
 
-def primed_times(
-    kernels: ModuleType,
-    plain: ModuleType,
-    run: ShapeRun,
-    config: Any,
-    plain_config: str,
-    iters: int,
-    flush: torch.Tensor,
-) -> dict[str, Any]:
+def primed_times(t: TimingTable, run: ShapeRun, plain_config: str) -> dict[str, Any]:
     """One shape's row of the primed table (run_primed_table)."""
-    launch = run.launch(kernels, "triton", config)
+    launch = run.launch(t.kernels, "triton", t.config)
     launch.warm_up()
     out = run.out()
     kernel_call = functools.partial(launch, run.rows, out)
@@ -588,19 +588,19 @@ def primed_times(
         touch_inputs()
         launch(one_row, one_out)
 
-    best = [c for c in plain.PLAIN_CONFIGS if c.label == plain_config]
-    kernel_cold = time_ms(kernel_call, iters, flush, AHEAD_CYCLES)
-    kernel_inputs = time_ms(kernel_call, iters, flush, AHEAD_CYCLES, touch_inputs)
-    kernel_code = time_ms(kernel_call, iters, flush, AHEAD_CYCLES, touch_code)
+    best = [c for c in t.plain.PLAIN_CONFIGS if c.label == plain_config]
+    kernel_cold = time_ms(kernel_call, t.iters, t.flush, AHEAD_CYCLES)
+    kernel_inputs = time_ms(kernel_call, t.iters, t.flush, AHEAD_CYCLES, touch_inputs)
+    kernel_code = time_ms(kernel_call, t.iters, t.flush, AHEAD_CYCLES, touch_code)
     scratch = torch.zeros(1, dtype=torch.int64, device=run.words.device)
     plain_call: Callable[[], object] = run.words.sum
     plain_prime: Callable[[], object] | None = None
     if best:  # the anchor's configuration (a stubbed anchor has none)
-        plain_call = functools.partial(plain.plain_sum, run.words, scratch, best[0])
+        plain_call = functools.partial(t.plain.plain_sum, run.words, scratch, best[0])
         small = torch.zeros(best[0].block, dtype=torch.int64, device=run.words.device)
-        plain_prime = functools.partial(plain.plain_sum, small, scratch, best[0])
-    plain_cold = time_ms(plain_call, iters, flush, AHEAD_CYCLES)
-    plain_code = time_ms(plain_call, iters, flush, AHEAD_CYCLES, plain_prime)
+        plain_prime = functools.partial(t.plain.plain_sum, small, scratch, best[0])
+    plain_cold = time_ms(plain_call, t.iters, t.flush, AHEAD_CYCLES)
+    plain_code = time_ms(plain_call, t.iters, t.flush, AHEAD_CYCLES, plain_prime)
     return {
         "kernel_ms": {
             "cold": kernel_cold,
@@ -616,15 +616,7 @@ def primed_times(
     }
 
 
-def run_primed_table(
-    kernels: ModuleType,
-    plain: ModuleType,
-    runs: list[ShapeRun],
-    config: Any,
-    iters: int,
-    flush: torch.Tensor,
-    report: Report,
-) -> None:
+def run_primed_table(t: TimingTable) -> None:
     """Where R143's fixed cost a launch goes: kernel / plain read again, both
     queued, with what each launch needs besides the data made L2-resident
     after the flush. "inputs warm": the kernel's rows and layer table copied
@@ -642,15 +634,13 @@ def run_primed_table(
         "| kernel ms cold / inputs / code | plain ms cold / code |"
     )
     print("|---|---|---|---|---|---|")
-    for run in runs:
+    for run in t.runs:
         key = shape_name(run.shape)
-        entry = report.data["shapes"].get(key, {})
+        entry = t.report.data["shapes"].get(key, {})
         queued = entry.get("queued")
         if not queued:
             continue
-        entry["primed"] = primed_times(
-            kernels, plain, run, config, queued["plain_config"], iters, flush
-        )
+        entry["primed"] = primed_times(t, run, queued["plain_config"])
         ratios = entry["primed"]["kernel_over_plain"]
         kernel_ms, plain_ms = entry["primed"]["kernel_ms"], entry["primed"]["plain_ms"]
         print(
@@ -660,7 +650,7 @@ def run_primed_table(
             f"| {plain_ms['cold']:.4f} / {plain_ms['code']:.4f} |",
             flush=True,
         )
-        report.save()
+        t.report.save()
 
 
 def variant_configs() -> dict[str, dict]:
