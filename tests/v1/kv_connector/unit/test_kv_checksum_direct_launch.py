@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""CPU tests of the checksum kernel's direct launch (SPEC R142, R143).
+"""CPU tests of the checksum kernel's direct launch (SPEC R142).
 
 After its first JIT call a KVChecksumLaunch hands later calls straight to the
 compiled kernel's launcher. Triton's JIT and driver are replaced by recorders

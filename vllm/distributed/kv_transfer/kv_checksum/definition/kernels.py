@@ -70,7 +70,7 @@ VECTOR_FULL_TILES = True
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
 # Launches after the first go straight to the compiled kernel's launcher, not
-# through the JIT's per-call dispatch (CompiledLaunch; R142, R143), on the
+# through the JIT's per-call dispatch (CompiledLaunch; R142), on the
 # Triton versions whose launcher takes the arguments as read here (the JIT's
 # launch and the CUDA launcher read in 3.4-3.8, 3.6 run on an H200); other
 # versions keep the JIT.
@@ -822,10 +822,10 @@ def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 # Direct launches. On every call Triton's JIT binds all arguments, builds a
 # specialization key, looks up its kernel cache and builds launch metadata for
-# its hooks: for the checksum kernel's 31 arguments, host time on every engine
+# its hooks: for the checksum kernel's 30 arguments, host time on every engine
 # step (R142). A launch whose specialized arguments never change keeps the
 # kernel its first JIT call compiled and hands later arguments straight to
-# that kernel's launcher (R143).
+# that kernel's launcher.
 
 
 def direct_launch_supported(version: str) -> bool:
