@@ -331,7 +331,7 @@ def test_warm_up_compiles_the_serving_variant() -> None:
 def test_jit_launch_agrees(name: str) -> None:
     """The JIT path every call (DIRECT_LAUNCH off, and the fallback when a
     direct launch cannot run) against the reference; the cases above run
-    their data call as a direct launch after warm-up (R56, R143)."""
+    their data call as a direct launch after warm-up (R56, R142)."""
     case = ALL_CASES[name]("cuda")
     with cases.patched(kernels, DIRECT_LAUNCH=False):
         from_triton = cases.run_case(case, "triton")
