@@ -6,7 +6,11 @@ Kernel mode times the fused Triton launch and the PyTorch path on CUDA for
 vLLM-sized KV caches and reports, per shape, the kernel's ratio to the best
 plain grid-stride read of the same byte count (kernel_plain_read.py, R143) and
 to torch's int64 sum, all timed the same way in the same run; every Triton
-result is compared bit for bit with the PyTorch path. `--sweep` then times the
+result is compared bit for bit with the PyTorch path. Three tables follow:
+the queued timing (the GPU held ahead of the host; each launch path's host
+time), the primed timing (the kernel's inputs or code in L2 first) and the
+arithmetic anchor (the plain read doing the checksum's arithmetic), which
+take R143's gap apart. `--sweep` then times the
 launch configurations of `sweep_configs` on every shape and recommends one;
 `--variants` times the default configuration and the kernel variants of
 `variant_configs` side by side on every shape (interleaved rounds, the same
@@ -32,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -468,6 +472,10 @@ def run_kernel_benchmarks(
         run_primed_table(table)
     except Exception as exc:  # noqa: BLE001 - report and go on
         report.error("primed table", exc)
+    try:
+        run_arithmetic_table(table)
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        report.error("arithmetic table", exc)
     if variants:
         run_variants(kernels, runs, default, iters, rounds, flush, report)
     if sweep:
@@ -616,6 +624,24 @@ def primed_times(t: TimingTable, run: ShapeRun, plain_config: str) -> dict[str, 
     }
 
 
+def queued_shapes(
+    t: TimingTable, title: str, columns: list[str]
+) -> Iterator[tuple[ShapeRun, str, dict[str, Any], dict[str, Any]]]:
+    """Print a table's title and head, then yield each shape that has a
+    queued-timing entry: (its run, label, report entry, queued entry)."""
+    print()
+    print(f"## {title}")
+    print()
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for run in t.runs:
+        key = shape_name(run.shape)
+        entry = t.report.data["shapes"].get(key, {})
+        queued = entry.get("queued")
+        if queued:
+            yield run, key, entry, queued
+
+
 def run_primed_table(t: TimingTable) -> None:
     """Where R143's fixed cost a launch goes: kernel / plain read again, both
     queued, with what each launch needs besides the data made L2-resident
@@ -623,23 +649,19 @@ def run_primed_table(t: TimingTable) -> None:
     (read) first; "code warm": a one-row launch of the same kernel (and a
     small plain read of the same configuration) first, which also warms its
     table. Neither touches the timed data beyond one block of it."""
-    print()
-    print(
-        "## Primed timing: kernel / plain read, both queued, with the L2 "
-        "holding the kernel's inputs or its code"
+    columns = [
+        "shape",
+        "cold (queued)",
+        "**inputs warm**",
+        "**code and inputs warm**",
+        "kernel ms cold / inputs / code",
+        "plain ms cold / code",
+    ]
+    title = (
+        "Primed timing: kernel / plain read, both queued, with the L2 holding "
+        "the kernel's inputs or its code"
     )
-    print()
-    print(
-        "| shape | cold (queued) | **inputs warm** | **code and inputs warm** "
-        "| kernel ms cold / inputs / code | plain ms cold / code |"
-    )
-    print("|---|---|---|---|---|---|")
-    for run in t.runs:
-        key = shape_name(run.shape)
-        entry = t.report.data["shapes"].get(key, {})
-        queued = entry.get("queued")
-        if not queued:
-            continue
+    for run, key, entry, queued in queued_shapes(t, title, columns):
         entry["primed"] = primed_times(t, run, queued["plain_config"])
         ratios = entry["primed"]["kernel_over_plain"]
         kernel_ms, plain_ms = entry["primed"]["kernel_ms"], entry["primed"]["plain_ms"]
@@ -648,6 +670,46 @@ def run_primed_table(t: TimingTable) -> None:
             f"| **{ratios['code']:.3f}** | {kernel_ms['cold']:.4f} / "
             f"{kernel_ms['inputs']:.4f} / {kernel_ms['code']:.4f} "
             f"| {plain_ms['cold']:.4f} / {plain_ms['code']:.4f} |",
+            flush=True,
+        )
+        t.report.save()
+
+
+def run_arithmetic_table(t: TimingTable) -> None:
+    """What the checksum's arithmetic alone costs at the read limit: the
+    mixed read (the plain read's loop doing SplitMix64 and a weight product
+    on every word, best of the same launch configurations) against the plain
+    read, both queued. Near the kernel's own ratio, the arithmetic explains
+    R143's gap; near 1, the kernel's shape does."""
+    columns = [
+        "shape",
+        "plain read ms",
+        "mixed read ms",
+        "**mixed / plain read**",
+        "kernel / plain read, queued",
+        "mixed config",
+        "mixed sum checked",
+    ]
+    title = "Arithmetic anchor: the plain read with the checksum's arithmetic"
+    for run, key, entry, queued in queued_shapes(t, title, columns):
+        mixed = t.plain.best_mixed_read(
+            run.words,
+            lambda fn: time_ms(fn, t.iters, t.flush, AHEAD_CYCLES),
+            t.kernels.mix_int64,
+        )
+        ratio = queued["plain_ms"] / mixed.ms
+        entry["arithmetic"] = {
+            "mixed_ms": mixed.ms,
+            "mixed_config": mixed.config,
+            "mixed_checked": mixed.checked,
+            "mixed_over_plain": ratio,
+        }
+        if not mixed.checked:
+            t.report.error(f"mixed read {key}", ValueError("sum differs from torch's"))
+        print(
+            f"| {key} | {queued['plain_ms']:.4f} | {mixed.ms:.4f} | **{ratio:.3f}** "
+            f"| {queued['kernel_over_plain']:.3f} | {mixed.config} "
+            f"| {'yes' if mixed.checked else 'NO'} |",
             flush=True,
         )
         t.report.save()

@@ -5,7 +5,10 @@
 A plain grid-stride Triton sum of int64 words (each program accumulates a
 BLOCK-wide vector, then adds its total with one atomic) over a buffer of a
 shape's byte count, timed over a few launch configurations; the best one is
-the read rate the checksum kernel is held to. Needs only torch and Triton.
+the read rate the checksum kernel is held to. The mixed read is the same
+loop doing the checksum's arithmetic on every word (SplitMix64's finalizer
+and a 64-bit weight product): what the arithmetic alone costs in the plain
+read's launch shape. Needs only torch and Triton.
 """
 
 import functools
@@ -32,6 +35,36 @@ def _plain_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr
     tl.atomic_add(out_ptr, tl.sum(acc, axis=0), sem="relaxed")
 
 
+@triton.jit
+def _mixed_sum_kernel(
+    x_ptr, out_ptr, n, slice_weight, BLOCK: tl.constexpr, EVEN: tl.constexpr
+):
+    """out += sum of mix(x[i]) * slice_weight * (2i + 1) (uint64, wrapping),
+    grid-stride over BLOCK words like _plain_sum_kernel; the weight is a
+    32 x 32 -> 64-bit product, as in the checksum kernel's narrow loop."""
+    lane = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.uint64)
+    step = tl.num_programs(0) * BLOCK
+    m = slice_weight.to(tl.uint32).to(tl.uint64)
+    for start in range(tl.program_id(0) * BLOCK, n, step):
+        offsets = start + lane
+        if EVEN:
+            x = tl.load(x_ptr + offsets)
+        else:
+            x = tl.load(x_ptr + offsets, mask=offsets < n, other=0)
+        z = x.to(tl.uint64, bitcast=True)
+        z = z ^ (z >> 30)
+        z = z * 0xBF58476D1CE4E5B9
+        z = z ^ (z >> 27)
+        z = z * 0x94D049BB133111EB
+        z = z ^ (z >> 31)
+        odd = (offsets * 2 + 1).to(tl.uint32).to(tl.uint64)
+        acc += z * (m * odd)
+    tl.atomic_add(
+        out_ptr, tl.sum(acc, axis=0).to(tl.int64, bitcast=True), sem="relaxed"
+    )
+
+
 @dataclass(frozen=True)
 class PlainConfig:
     """One launch configuration of the plain sum."""
@@ -44,6 +77,9 @@ class PlainConfig:
     def label(self) -> str:
         return f"{self.programs_per_sm}xSM/B{self.block}/w{self.num_warps}"
 
+
+# The slice weight of the mixed read (odd, below 2^32).
+MIXED_WEIGHT = 2 * 12345 + 1
 
 PLAIN_CONFIGS = [
     PlainConfig(k, block, warps)
@@ -64,14 +100,20 @@ class PlainResult:
     errors: list[str]
 
 
-def plain_sum(words: torch.Tensor, out: torch.Tensor, config: PlainConfig) -> None:
-    """Add the wrapping int64 sum of `words` (1-D, contiguous) into out[0]."""
-    n = words.numel()
+def programs(words: torch.Tensor, config: PlainConfig) -> int:
+    """Programs of a grid-stride launch over `words`: programs_per_sm per SM
+    (CPU: one SM), no more than there are BLOCK-word tiles."""
     sms = 1
     if words.device.type == "cuda":
         sms = torch.cuda.get_device_properties(words.device).multi_processor_count
-    programs = max(1, min(config.programs_per_sm * sms, triton.cdiv(n, config.block)))
-    _plain_sum_kernel[(programs,)](
+    tiles = triton.cdiv(words.numel(), config.block)
+    return max(1, min(config.programs_per_sm * sms, tiles))
+
+
+def plain_sum(words: torch.Tensor, out: torch.Tensor, config: PlainConfig) -> None:
+    """Add the wrapping int64 sum of `words` (1-D, contiguous) into out[0]."""
+    n = words.numel()
+    _plain_sum_kernel[(programs(words, config),)](
         words,
         out,
         n,
@@ -81,16 +123,61 @@ def plain_sum(words: torch.Tensor, out: torch.Tensor, config: PlainConfig) -> No
     )
 
 
+def mixed_sum(words: torch.Tensor, out: torch.Tensor, config: PlainConfig) -> None:
+    """Add the mixed read's wrapping sum of `words` into out[0] (MIXED_WEIGHT)."""
+    n = words.numel()
+    _mixed_sum_kernel[(programs(words, config),)](
+        words,
+        out,
+        n,
+        MIXED_WEIGHT,
+        BLOCK=config.block,
+        EVEN=n % config.block == 0,
+        num_warps=config.num_warps,
+    )
+
+
+def mixed_sum_reference(words: torch.Tensor, mix: Callable[..., torch.Tensor]) -> int:
+    """The mixed read's sum by torch (int64 wrapping), `mix` the package's
+    SplitMix64 finalizer on int64 pieces; the weight's 32-bit truncation
+    mirrored."""
+    index = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
+    odd = (index * 2 + 1) & 0xFFFFFFFF
+    return int((mix(words) * (odd * MIXED_WEIGHT)).sum())
+
+
 def best_plain_read(
     words: torch.Tensor, time_ms: Callable[[Callable[[], object]], float]
 ) -> PlainResult:
-    """Time every PLAIN_CONFIGS entry on `words`; a failing one is skipped."""
+    """Time every PLAIN_CONFIGS entry of the plain sum on `words`; a failing
+    one is skipped; the best one's sum checked against torch's."""
+    return _best_read(words, time_ms, plain_sum, lambda: int(words.sum()))
+
+
+def best_mixed_read(
+    words: torch.Tensor,
+    time_ms: Callable[[Callable[[], object]], float],
+    mix: Callable[..., torch.Tensor],
+) -> PlainResult:
+    """As best_plain_read for the mixed read, checked against
+    mixed_sum_reference with `mix`."""
+    return _best_read(
+        words, time_ms, mixed_sum, lambda: mixed_sum_reference(words, mix)
+    )
+
+
+def _best_read(
+    words: torch.Tensor,
+    time_ms: Callable[[Callable[[], object]], float],
+    read: Callable[[torch.Tensor, torch.Tensor, PlainConfig], None],
+    expected: Callable[[], int],
+) -> PlainResult:
     out = torch.zeros(1, dtype=torch.int64, device=words.device)
     best: tuple[float, PlainConfig] | None = None
     errors = []
     for config in PLAIN_CONFIGS:
         try:
-            ms = time_ms(functools.partial(plain_sum, words, out, config))
+            ms = time_ms(functools.partial(read, words, out, config))
         except Exception as exc:  # noqa: BLE001 - report and go on
             errors.append(f"{config.label}: {type(exc).__name__}: {exc}")
             continue
@@ -99,6 +186,6 @@ def best_plain_read(
     if best is None:
         return PlainResult(float("nan"), "none", False, len(PLAIN_CONFIGS), errors)
     out.zero_()
-    plain_sum(words, out, best[1])
-    checked = bool(torch.equal(out[0], words.sum()))
+    read(words, out, best[1])
+    checked = int(out[0]) == expected()
     return PlainResult(best[0], best[1].label, checked, len(PLAIN_CONFIGS), errors)

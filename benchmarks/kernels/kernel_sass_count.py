@@ -95,6 +95,45 @@ def compile_sass(
     return compiled.asm["sass"]
 
 
+def compile_mixed_read_sass(block: int, num_warps: int) -> str:
+    """SASS of kernel_plain_read.py's mixed read (the plain read's loop with
+    the checksum's arithmetic) for sm_90: pointers and the word count
+    16-divisible, as at the benchmark's launches."""
+    import importlib.util
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    path = Path(__file__).resolve().with_name("kernel_plain_read.py")
+    spec = importlib.util.spec_from_file_location("kernel_plain_read", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = module._mixed_sum_kernel
+    names = list(fn.arg_names)
+    source = ASTSource(
+        fn=fn,
+        signature={
+            "x_ptr": "*i64",
+            "out_ptr": "*i64",
+            "n": "i32",
+            "slice_weight": "i32",
+            "BLOCK": "constexpr",
+            "EVEN": "constexpr",
+        },
+        constexprs={(names.index("BLOCK"),): block, (names.index("EVEN"),): True},
+        attrs={
+            (names.index(name),): [["tt.divisibility", 16]]
+            for name in ("x_ptr", "out_ptr", "n")
+        },
+    )
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+    return compiled.asm["sass"]
+
+
 def instruction(line: str) -> str | None:
     """The instruction of a SASS text line (control codes and predicate
     dropped), or None for labels, directives and blanks."""
@@ -230,6 +269,12 @@ def main() -> None:
         help="LaunchConfig variants to count (default: all)",
     )
     parser.add_argument(
+        "--mixed-read",
+        action="store_true",
+        help="also count the benchmark's mixed read (its anchor for what the "
+        "arithmetic alone costs) at 4096 words and 8 warps",
+    )
+    parser.add_argument(
         "--generic",
         action="store_true",
         help="every runtime argument a generic int64, as counted before 2026-12-01b "
@@ -247,15 +292,22 @@ def main() -> None:
             args.layout,
         )
         print(f"{name}: constants {constants}, num_warps {warps}")
-        sass = compile_sass(constants, warps, None if args.generic else runtime)
-        for loop in piece_loops(sass):
-            per = loop["loads"]
-            ops = ", ".join(f"{op} {n / per:.1f}" for op, n in loop["ops"].items())
-            print(
-                f"  loop {loop['label']}: {loop['instructions']} instructions, "
-                f"{loop['loads']} pieces loaded a thread: "
-                f"{loop['instructions'] / per:.1f} per piece ({ops})"
-            )
+        print_loops(compile_sass(constants, warps, None if args.generic else runtime))
+    if args.mixed_read:
+        print("mixed read: BLOCK 4096, num_warps 8")
+        print_loops(compile_mixed_read_sass(4096, 8))
+
+
+def print_loops(sass: str) -> None:
+    """Each piece loop's instructions, loads and opcodes per piece."""
+    for loop in piece_loops(sass):
+        per = loop["loads"]
+        ops = ", ".join(f"{op} {n / per:.1f}" for op, n in loop["ops"].items())
+        print(
+            f"  loop {loop['label']}: {loop['instructions']} instructions, "
+            f"{loop['loads']} pieces loaded a thread: "
+            f"{loop['instructions'] / per:.1f} per piece ({ops})"
+        )
 
 
 if __name__ == "__main__":

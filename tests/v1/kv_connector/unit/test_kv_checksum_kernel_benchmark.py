@@ -105,6 +105,7 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
     assert data["errors"] == []
     assert "## Queued timing" in result.stdout
     assert "## Primed timing" in result.stdout
+    assert "## Arithmetic anchor" in result.stdout
     for entry in data["shapes"].values():
         queued = entry["queued"]
         assert queued["kernel_over_plain"] == pytest.approx(
@@ -114,6 +115,8 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
         assert queued["kernel_host_launch_us_jit"] > 0
         primed = entry["primed"]
         assert set(primed["kernel_over_plain"]) == {"cold", "inputs", "code"}
+        # The mixed read ran for real (interpreter) and matched torch's sum.
+        assert entry["arithmetic"]["mixed_checked"] is True
     variants = data["variants"]
     assert len(variants) == 5
     names = set(data["variants_min_ratio"])
