@@ -624,16 +624,27 @@ def primed_times(t: TimingTable, run: ShapeRun, plain_config: str) -> dict[str, 
     }
 
 
+# Column heads of the primed and arithmetic tables (" | " between columns).
+PRIMED_COLUMNS = (
+    "shape | cold (queued) | **inputs warm** | **code and inputs warm** "
+    "| kernel ms cold / inputs / code | plain ms cold / code"
+)
+ARITHMETIC_COLUMNS = (
+    "shape | **mixed read** | plain, kernel's shape | mixed, kernel's shape "
+    "| kernel | plain read ms | mixed config | sums checked"
+)
+
+
 def queued_shapes(
-    t: TimingTable, title: str, columns: list[str]
+    t: TimingTable, title: str, columns: str
 ) -> Iterator[tuple[ShapeRun, str, dict[str, Any], dict[str, Any]]]:
     """Print a table's title and head, then yield each shape that has a
     queued-timing entry: (its run, label, report entry, queued entry)."""
     print()
     print(f"## {title}")
     print()
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
+    print(f"| {columns} |")
+    print("|" + "---|" * (columns.count(" | ") + 1))
     for run in t.runs:
         key = shape_name(run.shape)
         entry = t.report.data["shapes"].get(key, {})
@@ -649,19 +660,11 @@ def run_primed_table(t: TimingTable) -> None:
     (read) first; "code warm": a one-row launch of the same kernel (and a
     small plain read of the same configuration) first, which also warms its
     table. Neither touches the timed data beyond one block of it."""
-    columns = [
-        "shape",
-        "cold (queued)",
-        "**inputs warm**",
-        "**code and inputs warm**",
-        "kernel ms cold / inputs / code",
-        "plain ms cold / code",
-    ]
     title = (
         "Primed timing: kernel / plain read, both queued, with the L2 holding "
         "the kernel's inputs or its code"
     )
-    for run, key, entry, queued in queued_shapes(t, title, columns):
+    for run, key, entry, queued in queued_shapes(t, title, PRIMED_COLUMNS):
         entry["primed"] = primed_times(t, run, queued["plain_config"])
         ratios = entry["primed"]["kernel_over_plain"]
         kernel_ms, plain_ms = entry["primed"]["kernel_ms"], entry["primed"]["plain_ms"]
@@ -676,43 +679,71 @@ def run_primed_table(t: TimingTable) -> None:
 
 
 def run_arithmetic_table(t: TimingTable) -> None:
-    """What the checksum's arithmetic alone costs at the read limit: the
-    mixed read (the plain read's loop doing SplitMix64 and a weight product
-    on every word, best of the same launch configurations) against the plain
-    read, both queued. Near the kernel's own ratio, the arithmetic explains
-    R143's gap; near 1, the kernel's shape does."""
-    columns = [
-        "shape",
-        "plain read ms",
-        "mixed read ms",
-        "**mixed / plain read**",
-        "kernel / plain read, queued",
-        "mixed config",
-        "mixed sum checked",
-    ]
-    title = "Arithmetic anchor: the plain read with the checksum's arithmetic"
-    for run, key, entry, queued in queued_shapes(t, title, columns):
-        mixed = t.plain.best_mixed_read(
-            run.words,
-            lambda fn: time_ms(fn, t.iters, t.flush, AHEAD_CYCLES),
-            t.kernels.mix_int64,
-        )
-        ratio = queued["plain_ms"] / mixed.ms
-        entry["arithmetic"] = {
-            "mixed_ms": mixed.ms,
-            "mixed_config": mixed.config,
-            "mixed_checked": mixed.checked,
-            "mixed_over_plain": ratio,
-        }
-        if not mixed.checked:
-            t.report.error(f"mixed read {key}", ValueError("sum differs from torch's"))
+    """What the checksum's arithmetic and its launch shape each cost at the
+    read limit, all queued, as ratios to the best plain read: the mixed read
+    (the plain read's grid-stride loop doing SplitMix64 and a weight product
+    on every word, best of the same launch configurations), and the plain
+    and mixed reads in the kernel's launch shape (a program per 64 KB,
+    512-word tiles, 4 warps). Each sum is checked against torch's. A mixed
+    read near the kernel's own ratio puts R143's gap in the arithmetic; a
+    kernel-shape read near it, in the launch shape."""
+    title = (
+        "Arithmetic anchor: reads doing the checksum's arithmetic, or in the "
+        "kernel's launch shape, over the best plain read (queued)"
+    )
+    for run, key, entry, queued in queued_shapes(t, title, ARITHMETIC_COLUMNS):
+        entry["arithmetic"] = arithmetic_times(t, run, queued)
+        row = entry["arithmetic"]
+        if not row["checked"]:
+            t.report.error(
+                f"arithmetic {key}", ValueError("a sum differs from torch's")
+            )
         print(
-            f"| {key} | {queued['plain_ms']:.4f} | {mixed.ms:.4f} | **{ratio:.3f}** "
-            f"| {queued['kernel_over_plain']:.3f} | {mixed.config} "
-            f"| {'yes' if mixed.checked else 'NO'} |",
+            f"| {key} | **{row['mixed_over_plain']:.3f}** "
+            f"| {row['plain_kernel_shape_over_plain']:.3f} "
+            f"| {row['mixed_kernel_shape_over_plain']:.3f} "
+            f"| {queued['kernel_over_plain']:.3f} | {queued['plain_ms']:.4f} "
+            f"| {row['mixed_config']} | {'yes' if row['checked'] else 'NO'} |",
             flush=True,
         )
         t.report.save()
+
+
+def arithmetic_times(
+    t: TimingTable, run: ShapeRun, queued: dict[str, Any]
+) -> dict[str, Any]:
+    """One shape's row of the arithmetic table (run_arithmetic_table)."""
+
+    def timer(fn: Callable[[], object]) -> float:
+        return time_ms(fn, t.iters, t.flush, AHEAD_CYCLES)
+
+    mixed = t.plain.best_mixed_read(run.words, timer, t.kernels.mix_int64)
+    out = torch.zeros(1, dtype=torch.int64, device=run.words.device)
+    shaped = {}
+    for name, is_mixed in (("plain", False), ("mixed", True)):
+        call = functools.partial(t.plain.chunked_sum, run.words, out, is_mixed)
+        shaped[name] = timer(call)
+        out.zero_()
+        call()
+        shaped[f"{name}_sum"] = int(out[0])
+        out.zero_()
+    checked = (
+        mixed.checked
+        and shaped["plain_sum"] == int(run.words.sum())
+        and shaped["mixed_sum"]
+        == t.plain.mixed_sum_reference(run.words, t.kernels.mix_int64)
+    )
+    plain_ms = queued["plain_ms"]
+    return {
+        "mixed_ms": mixed.ms,
+        "mixed_config": mixed.config,
+        "mixed_over_plain": plain_ms / mixed.ms,
+        "plain_kernel_shape_ms": shaped["plain"],
+        "plain_kernel_shape_over_plain": plain_ms / shaped["plain"],
+        "mixed_kernel_shape_ms": shaped["mixed"],
+        "mixed_kernel_shape_over_plain": plain_ms / shaped["mixed"],
+        "checked": checked,
+    }
 
 
 def variant_configs() -> dict[str, dict]:

@@ -36,12 +36,26 @@ def _plain_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr
 
 
 @triton.jit
+def _mixed_terms(x, offsets, m):
+    """mix(x) * m * (2 * offset + 1) (uint64, wrapping): the checksum's
+    arithmetic on one tile of words, the weight a 32 x 32 -> 64-bit product
+    as in the checksum kernel's narrow loop."""
+    z = x.to(tl.uint64, bitcast=True)
+    z = z ^ (z >> 30)
+    z = z * 0xBF58476D1CE4E5B9
+    z = z ^ (z >> 27)
+    z = z * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    odd = (offsets * 2 + 1).to(tl.uint32).to(tl.uint64)
+    return z * (m * odd)
+
+
+@triton.jit
 def _mixed_sum_kernel(
     x_ptr, out_ptr, n, slice_weight, BLOCK: tl.constexpr, EVEN: tl.constexpr
 ):
     """out += sum of mix(x[i]) * slice_weight * (2i + 1) (uint64, wrapping),
-    grid-stride over BLOCK words like _plain_sum_kernel; the weight is a
-    32 x 32 -> 64-bit product, as in the checksum kernel's narrow loop."""
+    grid-stride over BLOCK words like _plain_sum_kernel."""
     lane = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.uint64)
     step = tl.num_programs(0) * BLOCK
@@ -52,17 +66,42 @@ def _mixed_sum_kernel(
             x = tl.load(x_ptr + offsets)
         else:
             x = tl.load(x_ptr + offsets, mask=offsets < n, other=0)
-        z = x.to(tl.uint64, bitcast=True)
-        z = z ^ (z >> 30)
-        z = z * 0xBF58476D1CE4E5B9
-        z = z ^ (z >> 27)
-        z = z * 0x94D049BB133111EB
-        z = z ^ (z >> 31)
-        odd = (offsets * 2 + 1).to(tl.uint32).to(tl.uint64)
-        acc += z * (m * odd)
-    tl.atomic_add(
-        out_ptr, tl.sum(acc, axis=0).to(tl.int64, bitcast=True), sem="relaxed"
-    )
+        acc += _mixed_terms(x, offsets, m)
+    total = tl.sum(acc, axis=0).to(tl.int64, bitcast=True)
+    tl.atomic_add(out_ptr, total, sem="relaxed")
+
+
+@triton.jit
+def _chunked_sum_kernel(
+    x_ptr,
+    out_ptr,
+    n,
+    slice_weight,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,
+    MIXED: tl.constexpr,
+):
+    """The plain sum (with MIXED the mixed one) of x[0:n], one program per
+    CHUNK words walked in BLOCK-word tiles: the checksum kernel's launch shape
+    (a program per 64 KB block of a layer, 4 warps, 512-piece tiles) without
+    its rows, table or weights layout."""
+    lane = tl.arange(0, BLOCK)
+    first = tl.program_id(0) * CHUNK
+    acc = tl.zeros([BLOCK], dtype=tl.uint64)
+    m = slice_weight.to(tl.uint32).to(tl.uint64)
+    for start in range(0, CHUNK, BLOCK):
+        offsets = first + start + lane
+        if EVEN:
+            x = tl.load(x_ptr + offsets)
+        else:
+            x = tl.load(x_ptr + offsets, mask=offsets < n, other=0)
+        if MIXED:
+            acc += _mixed_terms(x, offsets, m)
+        else:
+            acc += x.to(tl.uint64, bitcast=True)
+    total = tl.sum(acc, axis=0).to(tl.int64, bitcast=True)
+    tl.atomic_add(out_ptr, total, sem="relaxed")
 
 
 @dataclass(frozen=True)
@@ -144,6 +183,30 @@ def mixed_sum_reference(words: torch.Tensor, mix: Callable[..., torch.Tensor]) -
     index = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
     odd = (index * 2 + 1) & 0xFFFFFFFF
     return int((mix(words) * (odd * MIXED_WEIGHT)).sum())
+
+
+# The checksum kernel's launch shape at the benchmark's blocks: 8,192 words
+# (64 KB) a program, 512-word tiles, 4 warps.
+KERNEL_SHAPE_CHUNK = 8192
+KERNEL_SHAPE_BLOCK = 512
+KERNEL_SHAPE_WARPS = 4
+
+
+def chunked_sum(words: torch.Tensor, out: torch.Tensor, mixed: bool) -> None:
+    """Add the plain (or mixed) sum of `words` into out[0] in the checksum
+    kernel's launch shape (_chunked_sum_kernel)."""
+    n = words.numel()
+    _chunked_sum_kernel[(triton.cdiv(n, KERNEL_SHAPE_CHUNK),)](
+        words,
+        out,
+        n,
+        MIXED_WEIGHT,
+        CHUNK=KERNEL_SHAPE_CHUNK,
+        BLOCK=KERNEL_SHAPE_BLOCK,
+        EVEN=n % KERNEL_SHAPE_CHUNK == 0,
+        MIXED=mixed,
+        num_warps=KERNEL_SHAPE_WARPS,
+    )
 
 
 def best_plain_read(

@@ -115,8 +115,9 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
         assert queued["kernel_host_launch_us_jit"] > 0
         primed = entry["primed"]
         assert set(primed["kernel_over_plain"]) == {"cold", "inputs", "code"}
-        # The mixed read ran for real (interpreter) and matched torch's sum.
-        assert entry["arithmetic"]["mixed_checked"] is True
+        # The mixed and kernel-shape reads ran for real (interpreter) and
+        # matched torch's sums.
+        assert entry["arithmetic"]["checked"] is True
     variants = data["variants"]
     assert len(variants) == 5
     names = set(data["variants_min_ratio"])
