@@ -89,6 +89,8 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.setattr(kernels, "driver", SimpleNamespace(active=active))
     monkeypatch.setattr(kernels, "knobs", SimpleNamespace(runtime=runtime))
     monkeypatch.setattr(kernels, "DIRECT_LAUNCH", True)
+    # The H200 host's Triton, whatever this machine installs.
+    monkeypatch.setattr(kernels.triton, "__version__", "3.6.0")
     return SimpleNamespace(jit=jit, device=device, runtime=runtime)
 
 

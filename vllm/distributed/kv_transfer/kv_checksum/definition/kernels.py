@@ -825,7 +825,8 @@ def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
 # its hooks: for the checksum kernel's 30 arguments, host time on every engine
 # step (R142). A launch whose specialized arguments never change keeps the
 # kernel its first JIT call compiled and hands later arguments straight to
-# that kernel's launcher.
+# that kernel's launcher. (Triton's own `CompiledKernel[grid](...)` does the
+# same but builds launch metadata and reads the hooks on every call.)
 
 
 def direct_launch_supported(version: str) -> bool:
