@@ -820,7 +820,14 @@ INTERPRETER_CONFIGS = {
     "interpreter_small_vector": (16, 64, 0, False, True, True),
     "interpreter_persistent_wide_vector": (16, 64, 3, True, True, True),
     "interpreter_vector_head_order": (1024, 16384, 0, False, True, False),
+    "interpreter_small_vector_static": (16, 64, 0, False, True, True),
 }
+# Configurations that also give the tile loops compile-time trip counts
+# (static_tiles, issue 30 item 1): with 16-piece tiles and 64-piece items,
+# blocks span several items of several tiles each. Bug caught: ITEM_TILES
+# taken for a launch whose items hold different tile counts (a block not a
+# whole number of items) would skip or repeat tiles, and a sum would differ.
+STATIC_TILE_CONFIGS = {"interpreter_small_vector_static"}
 INTERPRETER_SKIPS = {
     name: {"multi_chunk_row", "token_order_int16_multi_chunk", "token_order_many_heads"}
     for name, (max_tile, *_) in INTERPRETER_CONFIGS.items()
@@ -847,6 +854,7 @@ def interpreter_runs() -> dict[str, subprocess.Popen]:
         command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
         command += ["--programs-per-sm", str(programs)] + ["--wide"] * wide
         command += ["--vector"] * vector + ["--head-order"] * (not token_order)
+        command += ["--static-tiles"] * (config in STATIC_TILE_CONFIGS)
         for name in INTERPRETER_SKIPS.get(config, ()):
             command += ["--skip", name]
         runs[config] = subprocess.Popen(
@@ -1056,6 +1064,31 @@ def launch_constants(
     )
     launch._init_triton()
     return launch._constants
+
+
+@pytest.mark.parametrize(
+    "heads, chunk, static, tiled",
+    [
+        (2, 16384, True, True),  # one item a block
+        (2, 256, True, True),  # four items a block
+        (3, 1024, True, False),  # 1,536 pieces: items of 1,024 and 512
+        (2, 16384, False, False),  # static_tiles off
+    ],
+)
+def test_item_tiles(heads: int, chunk: int, static: bool, tiled: bool) -> None:
+    """ITEM_TILES (issue 30 item 1): a compile-time tile count only when every
+    work item of the launch holds the same whole number of tiles; otherwise
+    the loops count per item (0). Bug caught: a block that is not a whole
+    number of items given its first items' count, so the last item would read
+    past the block or skip tiles (the interpreter cases hold no such block)."""
+    pieces = 32
+    view = torch.zeros((4, heads, 16, pieces), dtype=torch.int64).unsqueeze(1)
+    spec = LaunchSpec([view], [0], [0], np.zeros((3, 0), dtype=np.int64))
+    c = launch_constants(spec, static_tiles=static, chunk_pieces=chunk)
+    assert c["HEAD_TILES"]
+    block_pieces = heads * 16 * pieces
+    expected = min(chunk, block_pieces) // c["TILE"] if tiled else 0
+    assert c["ITEM_TILES"] == expected
 
 
 @pytest.mark.parametrize("name", sorted(VECTOR_EXPECTED))
@@ -1367,6 +1400,7 @@ def main() -> None:
     parser.add_argument("--wide", action="store_true")
     parser.add_argument("--vector", action="store_true")
     parser.add_argument("--head-order", action="store_true")
+    parser.add_argument("--static-tiles", action="store_true")
     parser.add_argument("--skip", action="append", default=[])
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -1378,6 +1412,7 @@ def main() -> None:
         WIDE_WEIGHTS=args.wide,
         VECTOR_FULL_TILES=args.vector,
         TOKEN_ORDER_TILES=not args.head_order,
+        STATIC_TILES=args.static_tiles,
     ):
         results = {
             name: run_case(build("cpu"), "triton").tolist()

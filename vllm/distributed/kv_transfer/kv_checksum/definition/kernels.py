@@ -69,6 +69,11 @@ VECTOR_FULL_TILES = True
 # did not change (benchmark --variants, "vector 4w head order";
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
+# Full rows' loops with a compile-time trip count (ITEM_TILES) where every
+# work item of a launch holds the same whole number of tiles, so the compiler
+# can unroll them and issue several tiles' loads at once; off until an H200
+# run shows it helps (issue 30 item 1, R143; benchmark --static-tiles).
+STATIC_TILES = False
 # Launches after the first go straight to the compiled kernel's launcher, not
 # through the JIT's per-call dispatch (CompiledLaunch; R142), on the
 # Triton versions whose launcher takes the arguments as read here (the JIT's
@@ -105,7 +110,9 @@ class LaunchConfig:
     masks (dense views: lane-index offsets and 16-byte-aligned tiles, so
     128-bit loads), and with it `token_order_tiles` walks blocks stored
     contiguously token-major in memory order (contiguous tiles there too).
-    `direct_launch` launches the kernel compiled by the first call directly.
+    `direct_launch` launches the kernel compiled by the first call directly;
+    `static_tiles` gives full rows' loops a compile-time trip count where
+    every work item holds the same whole number of tiles.
     """
 
     max_tile: int
@@ -117,6 +124,7 @@ class LaunchConfig:
     vector_full_tiles: bool = False
     token_order_tiles: bool = True
     direct_launch: bool = False
+    static_tiles: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
@@ -139,6 +147,7 @@ def default_config() -> LaunchConfig:
         vector_full_tiles=VECTOR_FULL_TILES,
         token_order_tiles=TOKEN_ORDER_TILES,
         direct_launch=DIRECT_LAUNCH,
+        static_tiles=STATIC_TILES,
     )
 
 
@@ -229,6 +238,7 @@ if HAS_TRITON:
         FULL: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
+        ITEM_TILES: tl.constexpr,
     ):
         """Sum of a chunk whose tiles each lie in one (kernel block, head).
 
@@ -245,9 +255,13 @@ if HAS_TRITON:
         contiguous in [kernel block, head, token, piece] order) the tile offset
         the tile's start; TILE_ALIGNED (checked on the host) marks each tile
         16-byte aligned. Together they allow 128-bit loads; the pieces read and
-        their weights are the same, so is the sum.
+        their weights are the same, so is the sum. ITEM_TILES > 0: the chunk's
+        tile count (every work item's), known at compile time: the same tiles, so
+        the same sum.
         """
         base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
+        if ITEM_TILES > 0:
+            num_tiles = ITEM_TILES
         kernel_block_stride, head_stride, token_stride, piece_stride = strides
         SLICE_PIECES: tl.constexpr = TOKENS * PIECES
         lane = tl.arange(0, TILE)
@@ -317,6 +331,7 @@ if HAS_TRITON:
         NARROW: tl.constexpr,
         FULL: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
+        ITEM_TILES: tl.constexpr,
     ):
         """Sum of a chunk of a block stored contiguously token-major (DENSE == 3).
 
@@ -330,9 +345,12 @@ if HAS_TRITON:
         divides the block, so each is a loop-invariant lane vector plus a tile
         scalar (the tile's slot; its head when TILE < ROW) and no lane lies
         past the block. Same pieces and weights as the other loops, so the
-        same sum.
+        same sum. ITEM_TILES > 0: the chunk's tile count (every work item's)
+        at compile time.
         """
         base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
+        if ITEM_TILES > 0:
+            num_tiles = ITEM_TILES
         ROW: tl.constexpr = HEADS * PIECES
         lane = tl.arange(0, TILE)
         lane_slot = lane // ROW
@@ -433,6 +451,7 @@ if HAS_TRITON:
         FULL: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
+        ITEM_TILES: tl.constexpr,
     ):
         """One program's uint64 sum, by the loop its block shape and layout
         allow: memory order for a dense token-major block (DENSE == 3, only
@@ -447,6 +466,7 @@ if HAS_TRITON:
                 NARROW,
                 FULL,
                 TILE_ALIGNED,
+                ITEM_TILES,
             )
         elif HEAD_TILES:
             total = _head_tiles_sum(
@@ -462,6 +482,7 @@ if HAS_TRITON:
                 FULL,
                 DENSE,
                 TILE_ALIGNED,
+                ITEM_TILES,
             )
         else:
             total = _flat_tiles_sum(
@@ -494,6 +515,7 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
+        ITEM_TILES: tl.constexpr,
     ):
         """One program's uint64 sum. With VECTOR a row whose slots are all
         valid (every row but a request's last, in practice) takes a copy of the
@@ -516,6 +538,7 @@ if HAS_TRITON:
                     True,
                     DENSE,
                     TILE_ALIGNED,
+                    ITEM_TILES,
                 )
             else:
                 total = _tiles_sum(
@@ -533,6 +556,7 @@ if HAS_TRITON:
                     False,
                     DENSE,
                     TILE_ALIGNED,
+                    ITEM_TILES,
                 )
         else:
             total = _tiles_sum(
@@ -550,6 +574,7 @@ if HAS_TRITON:
                 False,
                 DENSE,
                 TILE_ALIGNED,
+                ITEM_TILES,
             )
         return total
 
@@ -578,6 +603,7 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
+        ITEM_TILES: tl.constexpr,
     ):
         """Add one work item's sum (a chunk of one row's block of one layer) into
         out[row, column] with one atomic; rows with no valid slot add nothing.
@@ -625,6 +651,7 @@ if HAS_TRITON:
                     VECTOR,
                     DENSE,
                     TILE_ALIGNED,
+                    ITEM_TILES,
                 )
             else:
                 # Every factor and odd weight of the row below 2^32 (always,
@@ -648,6 +675,7 @@ if HAS_TRITON:
                         VECTOR,
                         DENSE,
                         TILE_ALIGNED,
+                        ITEM_TILES,
                     )
                 else:
                     total = _chunk_sum(
@@ -665,6 +693,7 @@ if HAS_TRITON:
                         VECTOR,
                         DENSE,
                         TILE_ALIGNED,
+                        ITEM_TILES,
                     )
             tl.atomic_add(
                 out_row_ptr + column * out_col_stride,
@@ -715,6 +744,7 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
+        ITEM_TILES: tl.constexpr,
     ):
         """Add the checksums of block rows into their output columns, all layers.
 
@@ -734,6 +764,9 @@ if HAS_TRITON:
         or past the valid count, accumulates in uint64 (wrap-around is the mod
         2^64) and adds its sum to out[r, column] with one atomic, so items may
         finish in any order.
+
+        ITEM_TILES > 0: every item holds that many tiles (a compile-time trip
+        count for the tile loops; 0: counted per item).
 
         Grid (rows, chunks, layers): one program per item. PERSISTENT: a 1-D
         grid whose programs loop over the items, row fastest, with a stride of
@@ -773,6 +806,7 @@ if HAS_TRITON:
                     VECTOR,
                     DENSE,
                     TILE_ALIGNED,
+                    ITEM_TILES,
                 )
         else:
             row = tl.program_id(0).to(tl.int64)
@@ -800,6 +834,7 @@ if HAS_TRITON:
                 VECTOR,
                 DENSE,
                 TILE_ALIGNED,
+                ITEM_TILES,
             )
 
     @triton.jit
@@ -1035,10 +1070,23 @@ class KVChecksumLaunch:
             PERSISTENT=self._programs > 0,
             WIDE=config.wide_weights,
             **self._vector_constants(tile, head_tiles, token_tile > 0),
+            ITEM_TILES=self._item_tiles(tile, head_tiles or token_tile > 0),
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
         self._direct: CompiledLaunch | None = None
         self._capture_direct = config.direct_launch
+
+    def _item_tiles(self, tile: int, tiled: bool) -> int:
+        """ITEM_TILES with `static_tiles`: the tiles of every work item when a
+        chunk is a whole number of tiles and the block a whole number of
+        chunks (head or memory-order tiles only), else 0."""
+        if not (self.config.static_tiles and tiled):
+            return 0
+        block_pieces = math.prod(self.shape)
+        item = min(self.config.chunk_pieces, block_pieces)
+        if block_pieces % item or item % tile:
+            return 0
+        return item // tile
 
     def _token_order_tile(self) -> int:
         """The tile of the memory-order loop (DENSE == 3), 0 if not taken.
