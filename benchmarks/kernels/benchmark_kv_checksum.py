@@ -151,10 +151,18 @@ def make_views(shape: KernelShape, device: torch.device) -> list[torch.Tensor]:
     return views
 
 
+# Rows' blocks in ascending order (--sorted-rows): how much of the kernel's
+# time over the plain read is its blocks' scattered order in the cache.
+SORTED_ROWS = False
+
+
 def make_rows(shape: KernelShape, device: torch.device) -> torch.Tensor:
-    """One request's prompt: distinct random blocks at consecutive positions."""
+    """One request's prompt: distinct random blocks at consecutive positions
+    (with SORTED_ROWS the same blocks in ascending order)."""
     generator = torch.Generator().manual_seed(0)
     blocks = torch.randperm(shape.cache_blocks, generator=generator)[: shape.blocks]
+    if SORTED_ROWS:
+        blocks = blocks.sort().values
     first = torch.arange(shape.blocks) * shape.tokens
     valid = torch.full((shape.blocks,), shape.tokens)
     return torch.stack([blocks, first, valid]).to(device)
@@ -294,9 +302,10 @@ def config_label(config: Any) -> str:
     vector = ", vector" if getattr(config, "vector_full_tiles", False) else ""
     if vector and not getattr(config, "token_order_tiles", True):
         vector += " (head order)"
+    static = ", static tiles" if getattr(config, "static_tiles", False) else ""
     return (
         f"{mode}, chunk {config.chunk_pieces}, tile {config.max_tile}, "
-        f"{config.num_warps}w/{config.warp_pieces}{wide}{vector}"
+        f"{config.num_warps}w/{config.warp_pieces}{wide}{vector}{static}"
     )
 
 
@@ -353,6 +362,7 @@ def run_kernel_benchmarks(
     budget_s: float = 170.0,
     variants: bool = False,
     rounds: int = 3,
+    anchor_sweep: bool = False,
 ) -> bool:
     """Print the kernel table (markdown), the R133 targets and, with `sweep`,
     the tuning table; True if every R133 and R143 target was met.
@@ -476,6 +486,11 @@ def run_kernel_benchmarks(
         run_arithmetic_table(table)
     except Exception as exc:  # noqa: BLE001 - report and go on
         report.error("arithmetic table", exc)
+    if anchor_sweep:
+        try:
+            run_anchor_sweep(table)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            report.error("anchor sweep", exc)
     if variants:
         run_variants(kernels, runs, default, iters, rounds, flush, report)
     if sweep:
@@ -746,6 +761,86 @@ def arithmetic_times(
     }
 
 
+# The permuted reads of the anchor sweep: plain and mixed.
+PERMUTED = ("plain", "mixed")
+PERMUTED_SUMS = tuple(f"{m} permuted" for m in PERMUTED)
+
+
+def run_anchor_sweep(t: TimingTable) -> None:
+    """Which part of the kernel's launch shape the arithmetic loses to: the
+    mixed read chunked (words a program, tile, warps; CHUNKED_SWEEP) and
+    grid-stride (GRID_SWEEP), and the plain and mixed reads chunked in a
+    random chunk order as the kernel reads scattered blocks (PERMUTED_SWEEP),
+    each over the shape's best plain read, queued. A sum that differs from
+    torch's is marked."""
+
+    def timer(fn: Callable[[], object]) -> float:
+        return time_ms(fn, t.iters, t.flush, AHEAD_CYCLES)
+
+    configs = (
+        [("chunked", c) for c in t.plain.CHUNKED_SWEEP]
+        + [("grid", c) for c in t.plain.GRID_SWEEP]
+        + [(f"{m} permuted", c) for c in t.plain.PERMUTED_SWEEP for m in PERMUTED]
+    )
+    keys = []
+    columns: dict[str, dict[str, str]] = {}
+    for run in t.runs:
+        key = shape_name(run.shape)
+        queued = t.report.data["shapes"].get(key, {}).get("queued")
+        if not queued:
+            continue
+        keys.append(key)
+        expected = t.plain.mixed_sum_reference(run.words, t.kernels.mix_int64)
+        plain_sum = int(run.words.sum())
+        out = torch.zeros(1, dtype=torch.int64, device=run.words.device)
+        sweep = t.report.data["shapes"][key].setdefault("anchor_sweep", {})
+        for kind, config in configs:
+            if kind == "chunked":
+                call = functools.partial(
+                    t.plain.chunked_sum, run.words, out, True, config
+                )
+            elif kind in PERMUTED_SUMS:
+                if run.words.numel() % config.chunk:
+                    continue  # not a whole number of chunks: not timed
+                is_mixed = kind == "mixed permuted"
+                order = t.plain.chunk_order(run.words, config.chunk)
+                call = functools.partial(
+                    t.plain.permuted_chunked_sum,
+                    run.words,
+                    out,
+                    is_mixed,
+                    config,
+                    order,
+                )
+            else:
+                call = functools.partial(t.plain.mixed_sum, run.words, out, config)
+            name = f"{kind} {config.label}"
+            try:
+                ms = timer(call)
+                out.zero_()
+                call()
+                want = plain_sum if kind == "plain permuted" else expected
+                ok = int(out[0]) == want
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                t.report.error(f"anchor sweep {name} on {key}", exc)
+                columns.setdefault(name, {})[key] = "error"
+                continue
+            ratio = queued["plain_ms"] / ms
+            sweep[name] = {"ms": ms, "over_plain": ratio, "checked": ok}
+            columns.setdefault(name, {})[key] = f"{ratio:.3f}" + ("" if ok else " NO")
+        t.report.save()
+    print()
+    print(
+        "## Anchor sweep: the mixed read in each launch shape over the best "
+        "plain read (queued; NO: sum differs)"
+    )
+    print()
+    print("| mixed read | " + " | ".join(keys) + " |")
+    print("|" + "---|" * (len(keys) + 1))
+    for name, row in columns.items():
+        print(f"| {name} | " + " | ".join(row.get(k, "") for k in keys) + " |")
+
+
 def variant_configs() -> dict[str, dict]:
     """Kernel variants timed by --variants, as overrides of the default
     LaunchConfig; the default first (the baseline of the time ratios)."""
@@ -776,21 +871,14 @@ def variant_configs() -> dict[str, dict]:
             "num_warps": 4,
             "chunk_pieces": 4096,
         },
-        "vector 4w tile 512": {
-            "vector_full_tiles": True,
-            "num_warps": 4,
-            "max_tile": 512,
-        },
-        "vector 4w tile 2048": {
-            "vector_full_tiles": True,
-            "num_warps": 4,
-            "max_tile": 2048,
-        },
-        "vector 8w tile 2048": {
-            "vector_full_tiles": True,
-            "num_warps": 8,
-            "max_tile": 2048,
-        },
+        # Compile-time tile counts (static_tiles: the tile loops unrolled and
+        # several tiles' loads in flight), at the default chunk and smaller
+        # ones: the anchor sweep's mixed read reached 0.96-0.97 of the plain
+        # read only with a few unrolled tiles a program (2026-12-03b).
+        "static tiles": {"static_tiles": True},
+        "static tiles chunk 2048": {"static_tiles": True, "chunk_pieces": 2048},
+        "static tiles chunk 4096": {"static_tiles": True, "chunk_pieces": 4096},
+        "chunk 2048": {"chunk_pieces": 2048},
     }
 
 
@@ -1140,6 +1228,21 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="interleaved rounds of --variants"
     )
+    parser.add_argument(
+        "--static-tiles",
+        action="store_true",
+        help="static_tiles for the main table (compile-time tile counts)",
+    )
+    parser.add_argument(
+        "--sorted-rows",
+        action="store_true",
+        help="rows' blocks in ascending order (SORTED_ROWS)",
+    )
+    parser.add_argument(
+        "--anchor-sweep",
+        action="store_true",
+        help="also time the mixed read in several launch shapes (run_anchor_sweep)",
+    )
     parser.add_argument("--json", help="write every kernel result to this file")
     parser.add_argument(
         "--budget-s",
@@ -1148,6 +1251,8 @@ def main() -> None:
         help="start no sweep candidate after this many seconds of the run",
     )
     args = parser.parse_args()
+    global SORTED_ROWS
+    SORTED_ROWS = args.sorted_rows
     overrides = {
         name: value
         for name, value in (
@@ -1162,6 +1267,8 @@ def main() -> None:
         overrides["wide_weights"] = True
     if args.vector:
         overrides["vector_full_tiles"] = True
+    if args.static_tiles:
+        overrides["static_tiles"] = True
     met = True
     if args.mode in ("kernel", "all"):
         met &= run_kernel_benchmarks(
@@ -1172,6 +1279,7 @@ def main() -> None:
             args.budget_s,
             args.variants,
             args.rounds,
+            args.anchor_sweep,
         )
     if args.mode in ("host", "all"):
         met &= run_host_benchmarks()

@@ -104,6 +104,35 @@ def _chunked_sum_kernel(
     tl.atomic_add(out_ptr, total, sem="relaxed")
 
 
+@triton.jit
+def _permuted_chunked_sum_kernel(
+    x_ptr,
+    order_ptr,
+    out_ptr,
+    n,
+    slice_weight,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MIXED: tl.constexpr,
+):
+    """_chunked_sum_kernel (n a multiple of CHUNK) with program p summing chunk
+    order[p]: the kernel's scattered blocks (rows in request order, blocks
+    anywhere in the cache) and its dependent load before the first data load."""
+    lane = tl.arange(0, BLOCK)
+    first = tl.load(order_ptr + tl.program_id(0)) * CHUNK
+    acc = tl.zeros([BLOCK], dtype=tl.uint64)
+    m = slice_weight.to(tl.uint32).to(tl.uint64)
+    for start in range(0, CHUNK, BLOCK):
+        offsets = first + start + lane
+        x = tl.load(x_ptr + offsets)
+        if MIXED:
+            acc += _mixed_terms(x, offsets, m)
+        else:
+            acc += x.to(tl.uint64, bitcast=True)
+    total = tl.sum(acc, axis=0).to(tl.int64, bitcast=True)
+    tl.atomic_add(out_ptr, total, sem="relaxed")
+
+
 @dataclass(frozen=True)
 class PlainConfig:
     """One launch configuration of the plain sum."""
@@ -192,20 +221,91 @@ KERNEL_SHAPE_BLOCK = 512
 KERNEL_SHAPE_WARPS = 4
 
 
-def chunked_sum(words: torch.Tensor, out: torch.Tensor, mixed: bool) -> None:
-    """Add the plain (or mixed) sum of `words` into out[0] in the checksum
-    kernel's launch shape (_chunked_sum_kernel)."""
+@dataclass(frozen=True)
+class ChunkedConfig:
+    """One launch shape of the chunked read: words a program, tile, warps."""
+
+    chunk: int
+    block: int
+    num_warps: int
+
+    @property
+    def label(self) -> str:
+        return f"C{self.chunk}/B{self.block}/w{self.num_warps}"
+
+
+KERNEL_SHAPE = ChunkedConfig(KERNEL_SHAPE_CHUNK, KERNEL_SHAPE_BLOCK, KERNEL_SHAPE_WARPS)
+
+# The shape sweep (--anchor-sweep): which of the kernel's launch shape's
+# parameters the mixed read loses to (words a program, tile, warps), and the
+# grid-stride mixed read at the kernel's tile and warps.
+CHUNKED_SWEEP = [
+    ChunkedConfig(chunk, block, warps)
+    for chunk in (2048, 8192, 32768)
+    for block in (512, 1024)
+    for warps in (4, 8)
+]
+# Chunked shapes also read in a random chunk order (permuted_chunked_sum).
+PERMUTED_SWEEP = [ChunkedConfig(chunk, 512, 4) for chunk in (2048, 8192)]
+GRID_SWEEP = [
+    PlainConfig(k, block, warps)
+    for k in (2, 4, 8)
+    for block in (512, 1024)
+    for warps in (4, 8)
+]
+
+
+def chunked_sum(
+    words: torch.Tensor,
+    out: torch.Tensor,
+    mixed: bool,
+    config: ChunkedConfig = KERNEL_SHAPE,
+) -> None:
+    """Add the plain (or mixed) sum of `words` into out[0] in a chunked launch
+    shape (_chunked_sum_kernel), by default the checksum kernel's."""
     n = words.numel()
-    _chunked_sum_kernel[(triton.cdiv(n, KERNEL_SHAPE_CHUNK),)](
+    _chunked_sum_kernel[(triton.cdiv(n, config.chunk),)](
         words,
         out,
         n,
         MIXED_WEIGHT,
-        CHUNK=KERNEL_SHAPE_CHUNK,
-        BLOCK=KERNEL_SHAPE_BLOCK,
-        EVEN=n % KERNEL_SHAPE_CHUNK == 0,
+        CHUNK=config.chunk,
+        BLOCK=config.block,
+        EVEN=n % config.chunk == 0,
         MIXED=mixed,
-        num_warps=KERNEL_SHAPE_WARPS,
+        num_warps=config.num_warps,
+    )
+
+
+def chunk_order(words: torch.Tensor, chunk: int) -> torch.Tensor:
+    """A seeded random order of `words`' chunks (int64, on its device)."""
+    generator = torch.Generator().manual_seed(0)
+    count = words.numel() // chunk
+    return torch.randperm(count, generator=generator).to(words.device)
+
+
+def permuted_chunked_sum(
+    words: torch.Tensor,
+    out: torch.Tensor,
+    mixed: bool,
+    config: ChunkedConfig,
+    order: torch.Tensor,
+) -> None:
+    """chunked_sum with chunks in `order` (chunk_order); `words` a whole
+    number of chunks."""
+    n = words.numel()
+    if n % config.chunk:
+        raise ValueError(f"{n} words are not a whole number of {config.chunk}")
+    _permuted_chunked_sum_kernel[(order.numel(),)](
+        words,
+        order,
+        out,
+        n,
+        MIXED_WEIGHT,
+        CHUNK=config.chunk,
+        BLOCK=config.block,
+        MIXED=mixed,
+        num_warps=config.num_warps,
     )
 
 

@@ -84,7 +84,9 @@ def smoke(json_path: str) -> None:
         timer(words.sum), "cpu", True, 1, []
     )
     bench.load_sibling = lambda name: plain
-    bench.run_kernel_benchmarks(iters=1, json_path=json_path, variants=True, rounds=2)
+    bench.run_kernel_benchmarks(
+        iters=1, json_path=json_path, variants=True, rounds=2, anchor_sweep=True
+    )
 
 
 def test_variants_table_smoke(tmp_path: Path) -> None:
@@ -106,6 +108,8 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
     assert "## Queued timing" in result.stdout
     assert "## Primed timing" in result.stdout
     assert "## Arithmetic anchor" in result.stdout
+    assert "## Anchor sweep" in result.stdout
+    swept: dict[str, Any] = {}
     for entry in data["shapes"].values():
         queued = entry["queued"]
         assert queued["kernel_over_plain"] == pytest.approx(
@@ -118,6 +122,15 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
         # The mixed and kernel-shape reads ran for real (interpreter) and
         # matched torch's sums.
         assert entry["arithmetic"]["checked"] is True
+        # Every launch shape of the sweep ran and matched torch's mixed sum.
+        sweep = entry["anchor_sweep"]
+        assert len(sweep) >= 24
+        swept.update(sweep)
+        assert all(row["checked"] for row in sweep.values()), sweep
+    # The permuted reads ran where a shape is a whole number of chunks.
+    assert {"plain permuted C2048/B512/w4", "mixed permuted C2048/B512/w4"} <= set(
+        swept
+    )
     variants = data["variants"]
     assert len(variants) == 5
     names = set(data["variants_min_ratio"])
