@@ -74,6 +74,7 @@ def _mixed_sum_kernel(
 @triton.jit
 def _chunked_sum_kernel(
     x_ptr,
+    order_ptr,
     out_ptr,
     n,
     slice_weight,
@@ -81,13 +82,19 @@ def _chunked_sum_kernel(
     BLOCK: tl.constexpr,
     EVEN: tl.constexpr,
     MIXED: tl.constexpr,
+    PERMUTED: tl.constexpr,
 ):
     """The plain sum (with MIXED the mixed one) of x[0:n], one program per
     CHUNK words walked in BLOCK-word tiles: the checksum kernel's launch shape
     (a program per 64 KB block of a layer, 4 warps, 512-piece tiles) without
-    its rows, table or weights layout."""
+    its rows, table or weights layout. PERMUTED (n a multiple of CHUNK):
+    program p sums chunk order[p], as the kernel reads scattered blocks after
+    a dependent load."""
     lane = tl.arange(0, BLOCK)
-    first = tl.program_id(0) * CHUNK
+    if PERMUTED:
+        first = tl.load(order_ptr + tl.program_id(0)) * CHUNK
+    else:
+        first = tl.program_id(0) * CHUNK
     acc = tl.zeros([BLOCK], dtype=tl.uint64)
     m = slice_weight.to(tl.uint32).to(tl.uint64)
     for start in range(0, CHUNK, BLOCK):
@@ -96,35 +103,6 @@ def _chunked_sum_kernel(
             x = tl.load(x_ptr + offsets)
         else:
             x = tl.load(x_ptr + offsets, mask=offsets < n, other=0)
-        if MIXED:
-            acc += _mixed_terms(x, offsets, m)
-        else:
-            acc += x.to(tl.uint64, bitcast=True)
-    total = tl.sum(acc, axis=0).to(tl.int64, bitcast=True)
-    tl.atomic_add(out_ptr, total, sem="relaxed")
-
-
-@triton.jit
-def _permuted_chunked_sum_kernel(
-    x_ptr,
-    order_ptr,
-    out_ptr,
-    n,
-    slice_weight,
-    CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
-    MIXED: tl.constexpr,
-):
-    """_chunked_sum_kernel (n a multiple of CHUNK) with program p summing chunk
-    order[p]: the kernel's scattered blocks (rows in request order, blocks
-    anywhere in the cache) and its dependent load before the first data load."""
-    lane = tl.arange(0, BLOCK)
-    first = tl.load(order_ptr + tl.program_id(0)) * CHUNK
-    acc = tl.zeros([BLOCK], dtype=tl.uint64)
-    m = slice_weight.to(tl.uint32).to(tl.uint64)
-    for start in range(0, CHUNK, BLOCK):
-        offsets = first + start + lane
-        x = tl.load(x_ptr + offsets)
         if MIXED:
             acc += _mixed_terms(x, offsets, m)
         else:
@@ -263,9 +241,21 @@ def chunked_sum(
 ) -> None:
     """Add the plain (or mixed) sum of `words` into out[0] in a chunked launch
     shape (_chunked_sum_kernel), by default the checksum kernel's."""
+    _launch_chunked(words, out, mixed, config, None)
+
+
+def _launch_chunked(
+    words: torch.Tensor,
+    out: torch.Tensor,
+    mixed: bool,
+    config: ChunkedConfig,
+    order: torch.Tensor | None,
+) -> None:
     n = words.numel()
-    _chunked_sum_kernel[(triton.cdiv(n, config.chunk),)](
+    grid = triton.cdiv(n, config.chunk) if order is None else order.numel()
+    _chunked_sum_kernel[(grid,)](
         words,
+        words if order is None else order,
         out,
         n,
         MIXED_WEIGHT,
@@ -273,6 +263,7 @@ def chunked_sum(
         BLOCK=config.block,
         EVEN=n % config.chunk == 0,
         MIXED=mixed,
+        PERMUTED=order is not None,
         num_warps=config.num_warps,
     )
 
@@ -293,20 +284,9 @@ def permuted_chunked_sum(
 ) -> None:
     """chunked_sum with chunks in `order` (chunk_order); `words` a whole
     number of chunks."""
-    n = words.numel()
-    if n % config.chunk:
-        raise ValueError(f"{n} words are not a whole number of {config.chunk}")
-    _permuted_chunked_sum_kernel[(order.numel(),)](
-        words,
-        order,
-        out,
-        n,
-        MIXED_WEIGHT,
-        CHUNK=config.chunk,
-        BLOCK=config.block,
-        MIXED=mixed,
-        num_warps=config.num_warps,
-    )
+    if words.numel() % config.chunk:
+        raise ValueError(f"{words.numel()} words are not a whole number of chunks")
+    _launch_chunked(words, out, mixed, config, order)
 
 
 def best_plain_read(

@@ -32,7 +32,7 @@ from tests.v1.kv_connector.unit.test_kv_checksum_kernels import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_checksum.definition import kernels  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
-POINTERS = {"table_ptr", "rows_ptr", "out_ptr", "x_ptr"}
+POINTERS = {"table_ptr", "rows_ptr", "out_ptr", "x_ptr", "order_ptr"}
 BASE = kernels.default_config()
 CONFIGS = {
     "default": BASE,
@@ -134,6 +134,17 @@ def test_plain_read_kernel_compiles_for_sm90() -> None:
             module._plain_sum_kernel, {"BLOCK": 1024, "EVEN": even, "num_warps": 8}
         )
         assert compiled.asm.get("cubin")
+    # The arithmetic anchor's reads: grid-stride, chunked and permuted.
+    compiled = compile_for_h200(
+        module._mixed_sum_kernel, {"BLOCK": 1024, "EVEN": True, "num_warps": 8}
+    )
+    assert compiled.asm.get("cubin")
+    for mixed in (True, False):
+        for permuted in (True, False):
+            constants = {"CHUNK": 2048, "BLOCK": 512, "EVEN": True}
+            constants.update(MIXED=mixed, PERMUTED=permuted, num_warps=4)
+            compiled = compile_for_h200(module._chunked_sum_kernel, constants)
+            assert compiled.asm.get("cubin")
 
 
 def test_interpreter_accepted_bug_fails_to_compile(tmp_path: Path) -> None:
