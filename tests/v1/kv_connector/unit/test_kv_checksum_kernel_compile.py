@@ -59,6 +59,15 @@ CONFIGS = {
     "static_tiles_small_items": kernels.LaunchConfig(
         **{**vars(BASE), "static_tiles": True, "chunk_pieces": 2048}
     ),
+    "static_tiles_wide_early": kernels.LaunchConfig(
+        **{
+            **vars(BASE),
+            "static_tiles": True,
+            "chunk_pieces": 4096,
+            "wide_weights": True,
+            "early_loads": True,
+        }
+    ),
     "persistent_wide_vector": kernels.LaunchConfig(
         **{
             **vars(BASE),

@@ -529,6 +529,25 @@ def case_token_order_odd_tokens(device: str) -> Case:
     return single(LaunchSpec(views, [H + 4], [0], rows))
 
 
+def case_ragged_items(device: str, layout: str) -> Case:
+    """Blocks that are not a whole number of the small configurations'
+    64-piece work items: 5 heads x 1 token x 16 pieces head-major (80 pieces:
+    items of 64 and 16) and 2 heads x 3 tokens x 16 pieces token-major (96:
+    64 and 32; memory order with 16-piece tiles, the flat loop by default),
+    full and partial rows. Their items hold different tile counts, so
+    static_tiles must count per item (issue 30 item 1)."""
+    rng = np.random.default_rng(29 if layout == "head" else 30)
+    if layout == "head":
+        views = make_views(rng, device, blocks=4, heads=5, tokens=1, pieces=16)
+        rows = make_rows([2, 0, 3, 1], [0, 1, 2, 3], [1, 1, 0, 1])
+    else:
+        views = make_views(
+            rng, device, blocks=4, heads=2, tokens=3, pieces=16, layout="token"
+        )
+        rows = make_rows([2, 0, 3, 1], [0, 3, 6, 9], [3, 3, 1, 2])
+    return single(LaunchSpec(views, [H + 2], [0], rows))
+
+
 def case_token_order_int16_multi_chunk(device: str) -> Case:
     """bf16 elements as int16 pieces in vLLM's FlashAttention layout (8 heads,
     16 tokens, 256 pieces a head: K and V of head size 128): 32768 pieces a
@@ -644,6 +663,8 @@ CASES: dict[str, Callable[[str], Case]] = {
     "token_order_unaligned": case_token_order_unaligned,
     "token_order_many_heads": case_token_order_many_heads,
     "token_order_odd_tokens": case_token_order_odd_tokens,
+    "ragged_items_head_major": functools.partial(case_ragged_items, layout="head"),
+    "ragged_items_token_major": functools.partial(case_ragged_items, layout="token"),
     "token_order_int16_multi_chunk": case_token_order_int16_multi_chunk,
     "token_order_int32": case_token_order_int32,
     "token_order_padded_heads": case_token_order_padded_heads,
@@ -827,6 +848,9 @@ INTERPRETER_CONFIGS = {
 # blocks span several items of several tiles each. Bug caught: ITEM_TILES
 # taken for a launch whose items hold different tile counts (a block not a
 # whole number of items) would skip or repeat tiles, and a sum would differ.
+# The ragged_items cases hold blocks that are not a whole number of items.
+# The static one also loads each item's row and table fields early
+# (early_loads): a field read from the wrong row or layer would differ too.
 STATIC_TILE_CONFIGS = {"interpreter_small_vector_static"}
 INTERPRETER_SKIPS = {
     name: {"multi_chunk_row", "token_order_int16_multi_chunk", "token_order_many_heads"}
@@ -854,7 +878,7 @@ def interpreter_runs() -> dict[str, subprocess.Popen]:
         command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
         command += ["--programs-per-sm", str(programs)] + ["--wide"] * wide
         command += ["--vector"] * vector + ["--head-order"] * (not token_order)
-        command += ["--static-tiles"] * (config in STATIC_TILE_CONFIGS)
+        command += ["--static-tiles", "--early-loads"] * (config in STATIC_TILE_CONFIGS)
         for name in INTERPRETER_SKIPS.get(config, ()):
             command += ["--skip", name]
         runs[config] = subprocess.Popen(
@@ -993,6 +1017,16 @@ def test_token_order_tiles_inside_a_row(path: str) -> None:
     check_case("token_order_many_heads", path)
 
 
+@pytest.mark.parametrize("layout", ["head", "token"])
+@pytest.mark.parametrize("path", PATHS)
+def test_ragged_items(path: str, layout: str) -> None:
+    """Blocks of 80 and 96 pieces under 64-piece work items (issue 30 item
+    1). Bug caught: static_tiles giving such a launch a compile-time tile
+    count (4 tiles for the 16- or 32-piece last item) reads past the block or
+    the next head, and a sum differs."""
+    check_case(f"ragged_items_{layout}_major", path)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_token_order_odd_tokens(path: str) -> None:
     """A 768-piece token-major block (3 tokens): a memory-order tile that does
@@ -1067,26 +1101,34 @@ def launch_constants(
 
 
 @pytest.mark.parametrize(
-    "heads, chunk, static, tiled",
+    "heads, tokens, chunk, static, tiled, layout",
     [
-        (2, 16384, True, True),  # one item a block
-        (2, 256, True, True),  # four items a block
-        (3, 1024, True, False),  # 1,536 pieces: items of 1,024 and 512
-        (2, 16384, False, False),  # static_tiles off
+        (2, 16, 16384, True, True, "head"),  # one item a block
+        (2, 16, 256, True, True, "head"),  # four items a block
+        (3, 16, 1024, True, False, "head"),  # 1,536 pieces: items of 1,024, 512
+        (2, 16, 16384, False, False, "head"),  # static_tiles off
+        (2, 16, 256, True, True, "token"),  # memory order (DENSE 3), four items
+        (2, 24, 1024, True, False, "token"),  # memory order, items of 1,024, 512
     ],
 )
-def test_item_tiles(heads: int, chunk: int, static: bool, tiled: bool) -> None:
+def test_item_tiles(
+    heads: int, tokens: int, chunk: int, static: bool, tiled: bool, layout: str
+) -> None:
     """ITEM_TILES (issue 30 item 1): a compile-time tile count only when every
     work item of the launch holds the same whole number of tiles; otherwise
     the loops count per item (0). Bug caught: a block that is not a whole
     number of items given its first items' count, so the last item would read
     past the block or skip tiles (the interpreter cases hold no such block)."""
     pieces = 32
-    view = torch.zeros((4, heads, 16, pieces), dtype=torch.int64).unsqueeze(1)
-    spec = LaunchSpec([view], [0], [0], np.zeros((3, 0), dtype=np.int64))
+    if layout == "head":
+        view = torch.zeros((4, heads, tokens, pieces), dtype=torch.int64)
+    else:
+        view = torch.zeros((4, tokens, heads, pieces), dtype=torch.int64)
+        view = view.transpose(1, 2)
+    spec = LaunchSpec([view.unsqueeze(1)], [0], [0], np.zeros((3, 0), dtype=np.int64))
     c = launch_constants(spec, static_tiles=static, chunk_pieces=chunk)
-    assert c["HEAD_TILES"]
-    block_pieces = heads * 16 * pieces
+    assert c["HEAD_TILES"] if layout == "head" else c["DENSE"] == 3
+    block_pieces = heads * tokens * pieces
     expected = min(chunk, block_pieces) // c["TILE"] if tiled else 0
     assert c["ITEM_TILES"] == expected
 
@@ -1401,6 +1443,7 @@ def main() -> None:
     parser.add_argument("--vector", action="store_true")
     parser.add_argument("--head-order", action="store_true")
     parser.add_argument("--static-tiles", action="store_true")
+    parser.add_argument("--early-loads", action="store_true")
     parser.add_argument("--skip", action="append", default=[])
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -1413,6 +1456,7 @@ def main() -> None:
         VECTOR_FULL_TILES=args.vector,
         TOKEN_ORDER_TILES=not args.head_order,
         STATIC_TILES=args.static_tiles,
+        EARLY_LOADS=args.early_loads,
     ):
         results = {
             name: run_case(build("cpu"), "triton").tolist()

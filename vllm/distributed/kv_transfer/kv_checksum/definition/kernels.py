@@ -74,6 +74,11 @@ TOKEN_ORDER_TILES = True
 # can unroll them and issue several tiles' loads at once; off until an H200
 # run shows it helps (issue 30 item 1, R143; benchmark --static-tiles).
 STATIC_TILES = False
+# Every field of a work item's row and layer-table entry loaded in one round
+# before its valid-count branch, not the rest after it (one dependent round
+# less before the first data load); off: at one 64 KB item a program it
+# changed nothing (2026-12-02g), with static tiles' smaller items untried.
+EARLY_LOADS = False
 # Launches after the first go straight to the compiled kernel's launcher, not
 # through the JIT's per-call dispatch (CompiledLaunch; R142), on the
 # Triton versions whose launcher takes the arguments as read here (the JIT's
@@ -112,7 +117,8 @@ class LaunchConfig:
     contiguously token-major in memory order (contiguous tiles there too).
     `direct_launch` launches the kernel compiled by the first call directly;
     `static_tiles` gives full rows' loops a compile-time trip count where
-    every work item holds the same whole number of tiles.
+    every work item holds the same whole number of tiles; `early_loads`
+    loads a work item's row and table fields in one round.
     """
 
     max_tile: int
@@ -125,6 +131,7 @@ class LaunchConfig:
     token_order_tiles: bool = True
     direct_launch: bool = False
     static_tiles: bool = False
+    early_loads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
@@ -148,6 +155,7 @@ def default_config() -> LaunchConfig:
         token_order_tiles=TOKEN_ORDER_TILES,
         direct_launch=DIRECT_LAUNCH,
         static_tiles=STATIC_TILES,
+        early_loads=EARLY_LOADS,
     )
 
 
@@ -604,6 +612,7 @@ if HAS_TRITON:
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
         ITEM_TILES: tl.constexpr,
+        EARLY: tl.constexpr,
     ):
         """Add one work item's sum (a chunk of one row's block of one layer) into
         out[row, column] with one atomic; rows with no valid slot add nothing.
@@ -616,12 +625,21 @@ if HAS_TRITON:
         BLOCK_PIECES: tl.constexpr = SLOT_PIECES * HEADS
         token_offset = tl.load(table_ptr + layer * 4 + 3)
         valid = tl.load(row_ptr + 2 * rows_field_stride) - token_offset
-        if valid > 0:
+        if EARLY:
+            # Every field in the same round (in bounds for any row; a row
+            # with no valid slot reads them and adds nothing).
             block = tl.load(row_ptr)
             first_token = tl.load(row_ptr + rows_field_stride) + token_offset
             addr = tl.load(table_ptr + layer * 4)
             first_slice = tl.load(table_ptr + layer * 4 + 1)
             column = tl.load(table_ptr + layer * 4 + 2)
+        if valid > 0:
+            if not EARLY:
+                block = tl.load(row_ptr)
+                first_token = tl.load(row_ptr + rows_field_stride) + token_offset
+                addr = tl.load(table_ptr + layer * 4)
+                first_slice = tl.load(table_ptr + layer * 4 + 1)
+                column = tl.load(table_ptr + layer * 4 + 2)
 
             base = _as_piece_pointer(addr, PIECE_BITS, ALIGNED)
             block_offset = block * block_stride
@@ -745,6 +763,7 @@ if HAS_TRITON:
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
         ITEM_TILES: tl.constexpr,
+        EARLY: tl.constexpr,
     ):
         """Add the checksums of block rows into their output columns, all layers.
 
@@ -766,7 +785,8 @@ if HAS_TRITON:
         finish in any order.
 
         ITEM_TILES > 0: every item holds that many tiles (a compile-time trip
-        count for the tile loops; 0: counted per item).
+        count for the tile loops; 0: counted per item). EARLY: an item's row
+        and table fields load in one round.
 
         Grid (rows, chunks, layers): one program per item. PERSISTENT: a 1-D
         grid whose programs loop over the items, row fastest, with a stride of
@@ -807,6 +827,7 @@ if HAS_TRITON:
                     DENSE,
                     TILE_ALIGNED,
                     ITEM_TILES,
+                    EARLY,
                 )
         else:
             row = tl.program_id(0).to(tl.int64)
@@ -835,6 +856,7 @@ if HAS_TRITON:
                 DENSE,
                 TILE_ALIGNED,
                 ITEM_TILES,
+                EARLY,
             )
 
     @triton.jit
@@ -857,7 +879,7 @@ def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 # Direct launches. On every call Triton's JIT binds all arguments, builds a
 # specialization key, looks up its kernel cache and builds launch metadata for
-# its hooks: for the checksum kernel's 30 arguments, host time on every engine
+# its hooks: for the checksum kernel's 32 arguments, host time on every engine
 # step (R142). A launch whose specialized arguments never change keeps the
 # kernel its first JIT call compiled and hands later arguments straight to
 # that kernel's launcher. (Triton's own `CompiledKernel[grid](...)` does the
@@ -1071,6 +1093,7 @@ class KVChecksumLaunch:
             WIDE=config.wide_weights,
             **self._vector_constants(tile, head_tiles, token_tile > 0),
             ITEM_TILES=self._item_tiles(tile, head_tiles or token_tile > 0),
+            EARLY=config.early_loads,
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
         self._direct: CompiledLaunch | None = None
