@@ -303,6 +303,7 @@ def config_label(config: Any) -> str:
     if vector and not getattr(config, "token_order_tiles", True):
         vector += " (head order)"
     static = ", static tiles" if getattr(config, "static_tiles", False) else ""
+    static += ", early loads" if getattr(config, "early_loads", False) else ""
     return (
         f"{mode}, chunk {config.chunk_pieces}, tile {config.max_tile}, "
         f"{config.num_warps}w/{config.warp_pieces}{wide}{vector}{static}"
@@ -385,7 +386,10 @@ def run_kernel_benchmarks(
         main_config = default
     report = Report(json_path, environment())
     report.data["meta"].update(
-        iters=iters, default_config=vars(default), main_config=vars(main_config)
+        iters=iters,
+        default_config=vars(default),
+        main_config=vars(main_config),
+        sorted_rows=SORTED_ROWS,
     )
     meta = report.data["meta"]
     print(
@@ -878,7 +882,25 @@ def variant_configs() -> dict[str, dict]:
         "static tiles": {"static_tiles": True},
         "static tiles chunk 2048": {"static_tiles": True, "chunk_pieces": 2048},
         "static tiles chunk 4096": {"static_tiles": True, "chunk_pieces": 4096},
-        "chunk 2048": {"chunk_pieces": 2048},
+        # One copy of the loop a row kind (40 registers, as the fast read) and
+        # an item's fields in one round (2026-12-03b's next trial).
+        "static tiles chunk 4096 wide": {
+            "static_tiles": True,
+            "chunk_pieces": 4096,
+            "wide_weights": True,
+        },
+        "static tiles chunk 2048 wide early": {
+            "static_tiles": True,
+            "chunk_pieces": 2048,
+            "wide_weights": True,
+            "early_loads": True,
+        },
+        "static tiles chunk 4096 wide early": {
+            "static_tiles": True,
+            "chunk_pieces": 4096,
+            "wide_weights": True,
+            "early_loads": True,
+        },
     }
 
 
@@ -1234,6 +1256,11 @@ def main() -> None:
         help="static_tiles for the main table (compile-time tile counts)",
     )
     parser.add_argument(
+        "--early-loads",
+        action="store_true",
+        help="early_loads for the main table (an item's fields in one round)",
+    )
+    parser.add_argument(
         "--sorted-rows",
         action="store_true",
         help="rows' blocks in ascending order (SORTED_ROWS)",
@@ -1269,6 +1296,8 @@ def main() -> None:
         overrides["vector_full_tiles"] = True
     if args.static_tiles:
         overrides["static_tiles"] = True
+    if args.early_loads:
+        overrides["early_loads"] = True
     met = True
     if args.mode in ("kernel", "all"):
         met &= run_kernel_benchmarks(
