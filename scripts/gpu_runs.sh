@@ -36,7 +36,8 @@
 #                                             # 26 item 5), kernel-variants,
 #                                             # cuda-tests, device-calls,
 #                                             # trial-zero-copy, trial-kernel,
-#                                             # trial-jit-launch (issue 30),
+#                                             # trial-jit-launch, kernel-trials
+#                                             # (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
@@ -276,6 +277,27 @@ kernel-variants)
     rc=$?
     tail -n 30 "$out/kernel_variants.log"
     exit $rc
+    ;;
+# Issue 30 item 1: the next R143 trial as main-table runs in one call (no
+# bundle needed), the default first as the control: each run's queued
+# kernel / plain read per shape and its R143 line (bit identity: no MISMATCH).
+kernel-trials)
+    mkdir -p "$out"
+    i=0
+    for opts in "" "--static-tiles --chunk 4096 --wide" \
+        "--static-tiles --chunk 4096 --wide --early-loads" \
+        "--static-tiles --chunk 2048 --wide --early-loads" \
+        "--static-tiles --chunk 4096"; do
+        # shellcheck disable=SC2086
+        (cd "$repo" && PYTHONPATH= timeout 120 python3 \
+            benchmarks/kernels/benchmark_kv_checksum.py --mode kernel --iters 30 \
+            $opts --json "$out/kernel_trial_$i.json") >"$out/kernel_trial_$i.log" 2>&1
+        echo "== trial $i (${opts:-default}): exit $?"
+        grep -E "^kernel configuration|R143|MISMATCH" "$out/kernel_trial_$i.log"
+        sed -n '/Queued timing/,/R143 with/p' "$out/kernel_trial_$i.log" |
+            grep '^| (' | awk -F'|' '{print $2, $8}'
+        i=$((i + 1))
+    done
     ;;
 # Issues 26, 30, 31: does a step record's small copy wait behind offload
 # stores on the copy engine, and does a zero-copy kernel write avoid it?
