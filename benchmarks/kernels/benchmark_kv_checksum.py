@@ -845,6 +845,12 @@ def run_anchor_sweep(t: TimingTable) -> None:
         print(f"| {name} | " + " | ".join(row.get(k, "") for k in keys) + " |")
 
 
+# Overrides the static-tile variants share.
+STATIC_2048 = {"static_tiles": True, "chunk_pieces": 2048}
+STATIC_4096 = {"static_tiles": True, "chunk_pieces": 4096}
+WIDE_EARLY = {"wide_weights": True, "early_loads": True}
+
+
 def variant_configs() -> dict[str, dict]:
     """Kernel variants timed by --variants, as overrides of the default
     LaunchConfig; the default first (the baseline of the time ratios)."""
@@ -880,27 +886,13 @@ def variant_configs() -> dict[str, dict]:
         # ones: the anchor sweep's mixed read reached 0.96-0.97 of the plain
         # read only with a few unrolled tiles a program (2026-12-03b).
         "static tiles": {"static_tiles": True},
-        "static tiles chunk 2048": {"static_tiles": True, "chunk_pieces": 2048},
-        "static tiles chunk 4096": {"static_tiles": True, "chunk_pieces": 4096},
+        "static tiles chunk 2048": dict(STATIC_2048),
+        "static tiles chunk 4096": dict(STATIC_4096),
         # One copy of the loop a row kind (40 registers, as the fast read) and
         # an item's fields in one round (2026-12-03b's next trial).
-        "static tiles chunk 4096 wide": {
-            "static_tiles": True,
-            "chunk_pieces": 4096,
-            "wide_weights": True,
-        },
-        "static tiles chunk 2048 wide early": {
-            "static_tiles": True,
-            "chunk_pieces": 2048,
-            "wide_weights": True,
-            "early_loads": True,
-        },
-        "static tiles chunk 4096 wide early": {
-            "static_tiles": True,
-            "chunk_pieces": 4096,
-            "wide_weights": True,
-            "early_loads": True,
-        },
+        "static tiles chunk 4096 wide": {**STATIC_4096, "wide_weights": True},
+        "static tiles chunk 2048 wide early": {**STATIC_2048, **WIDE_EARLY},
+        "static tiles chunk 4096 wide early": {**STATIC_4096, **WIDE_EARLY},
     }
 
 
