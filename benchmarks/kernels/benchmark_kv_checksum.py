@@ -765,9 +765,31 @@ def arithmetic_times(
     }
 
 
-# The permuted reads of the anchor sweep: plain and mixed.
-PERMUTED = ("plain", "mixed")
-PERMUTED_SUMS = tuple(f"{m} permuted" for m in PERMUTED)
+def sweep_reads(
+    plain: ModuleType, words: torch.Tensor, out: torch.Tensor
+) -> Iterator[tuple[str, Callable[[], None], bool]]:
+    """The anchor sweep's reads of `words` into `out`: (name, call, whether
+    its sum is the plain one rather than the mixed one). Permuted reads only
+    where `words` is a whole number of their chunks."""
+    for config in plain.CHUNKED_SWEEP:
+        call = functools.partial(plain.chunked_sum, words, out, True, config)
+        yield f"chunked {config.label}", call, False
+    for config in plain.GRID_SWEEP:
+        yield (
+            f"grid {config.label}",
+            functools.partial(plain.mixed_sum, words, out, config),
+            False,
+        )
+    for config in plain.PERMUTED_SWEEP:
+        if words.numel() % config.chunk:
+            continue
+        order = plain.chunk_order(words, config.chunk)
+        for mixed in (False, True):
+            call = functools.partial(
+                plain.permuted_chunked_sum, words, out, mixed, config, order
+            )
+            kind = "mixed" if mixed else "plain"
+            yield f"{kind} permuted {config.label}", call, not mixed
 
 
 def run_anchor_sweep(t: TimingTable) -> None:
@@ -781,11 +803,6 @@ def run_anchor_sweep(t: TimingTable) -> None:
     def timer(fn: Callable[[], object]) -> float:
         return time_ms(fn, t.iters, t.flush, AHEAD_CYCLES)
 
-    configs = (
-        [("chunked", c) for c in t.plain.CHUNKED_SWEEP]
-        + [("grid", c) for c in t.plain.GRID_SWEEP]
-        + [(f"{m} permuted", c) for c in t.plain.PERMUTED_SWEEP for m in PERMUTED]
-    )
     keys = []
     columns: dict[str, dict[str, str]] = {}
     for run in t.runs:
@@ -794,37 +811,18 @@ def run_anchor_sweep(t: TimingTable) -> None:
         if not queued:
             continue
         keys.append(key)
-        expected = t.plain.mixed_sum_reference(run.words, t.kernels.mix_int64)
-        plain_sum = int(run.words.sum())
+        expected = {
+            False: t.plain.mixed_sum_reference(run.words, t.kernels.mix_int64),
+            True: int(run.words.sum()),
+        }
         out = torch.zeros(1, dtype=torch.int64, device=run.words.device)
         sweep = t.report.data["shapes"][key].setdefault("anchor_sweep", {})
-        for kind, config in configs:
-            if kind == "chunked":
-                call = functools.partial(
-                    t.plain.chunked_sum, run.words, out, True, config
-                )
-            elif kind in PERMUTED_SUMS:
-                if run.words.numel() % config.chunk:
-                    continue  # not a whole number of chunks: not timed
-                is_mixed = kind == "mixed permuted"
-                order = t.plain.chunk_order(run.words, config.chunk)
-                call = functools.partial(
-                    t.plain.permuted_chunked_sum,
-                    run.words,
-                    out,
-                    is_mixed,
-                    config,
-                    order,
-                )
-            else:
-                call = functools.partial(t.plain.mixed_sum, run.words, out, config)
-            name = f"{kind} {config.label}"
+        for name, call, is_plain in sweep_reads(t.plain, run.words, out):
             try:
                 ms = timer(call)
                 out.zero_()
                 call()
-                want = plain_sum if kind == "plain permuted" else expected
-                ok = int(out[0]) == want
+                ok = int(out[0]) == expected[is_plain]
             except Exception as exc:  # noqa: BLE001 - report and go on
                 t.report.error(f"anchor sweep {name} on {key}", exc)
                 columns.setdefault(name, {})[key] = "error"

@@ -122,7 +122,8 @@ def test_variants_table_smoke(tmp_path: Path) -> None:
         # The mixed and kernel-shape reads ran for real (interpreter) and
         # matched torch's sums.
         assert entry["arithmetic"]["checked"] is True
-        # Every launch shape of the sweep ran and matched torch's mixed sum.
+        # Every launch shape of the anchor sweep (R143's diagnosis) ran and
+        # matched torch's sum.
         sweep = entry["anchor_sweep"]
         assert len(sweep) >= 24
         swept.update(sweep)

@@ -844,10 +844,11 @@ INTERPRETER_CONFIGS = {
     "interpreter_small_vector_static": (16, 64, 0, False, True, True),
 }
 # Configurations that also give the tile loops compile-time trip counts
-# (static_tiles, issue 30 item 1): with 16-piece tiles and 64-piece items,
-# blocks span several items of several tiles each. Bug caught: ITEM_TILES
-# taken for a launch whose items hold different tile counts (a block not a
-# whole number of items) would skip or repeat tiles, and a sum would differ.
+# (static_tiles, issue 30 item 1; R58's tiling, R143): with 16-piece tiles
+# and 64-piece items, blocks span several items of several tiles each. Bug
+# caught: ITEM_TILES taken for a launch whose items hold different tile
+# counts (a block not a whole number of items) would skip or repeat tiles,
+# and a sum would differ.
 # The ragged_items cases hold blocks that are not a whole number of items.
 # The static one also loads each item's row and table fields early
 # (early_loads): a field read from the wrong row or layer would differ too.
@@ -1020,10 +1021,10 @@ def test_token_order_tiles_inside_a_row(path: str) -> None:
 @pytest.mark.parametrize("layout", ["head", "token"])
 @pytest.mark.parametrize("path", PATHS)
 def test_ragged_items(path: str, layout: str) -> None:
-    """Blocks of 80 and 96 pieces under 64-piece work items (issue 30 item
-    1). Bug caught: static_tiles giving such a launch a compile-time tile
-    count (4 tiles for the 16- or 32-piece last item) reads past the block or
-    the next head, and a sum differs."""
+    """R58, R143: blocks of 80 and 96 pieces under 64-piece work items (issue
+    30 item 1) still sum every piece once. Bug caught: static_tiles giving
+    such a launch a compile-time tile count (4 tiles for the 16- or 32-piece
+    last item) reads past the block or the next head, and a sum differs."""
     check_case(f"ragged_items_{layout}_major", path)
 
 
@@ -1114,11 +1115,12 @@ def launch_constants(
 def test_item_tiles(
     heads: int, tokens: int, chunk: int, static: bool, tiled: bool, layout: str
 ) -> None:
-    """ITEM_TILES (issue 30 item 1): a compile-time tile count only when every
-    work item of the launch holds the same whole number of tiles; otherwise
-    the loops count per item (0). Bug caught: a block that is not a whole
-    number of items given its first items' count, so the last item would read
-    past the block or skip tiles (the interpreter cases hold no such block)."""
+    """R58, R143: ITEM_TILES (issue 30 item 1), a compile-time tile count
+    only when every work item of the launch holds the same whole number of
+    tiles; otherwise the loops count per item (0). Bug caught: a block that
+    is not a whole number of items given its first items' count, so the last
+    item would read past the block or skip tiles (the host side of
+    test_ragged_items)."""
     pieces = 32
     if layout == "head":
         view = torch.zeros((4, heads, tokens, pieces), dtype=torch.int64)

@@ -69,10 +69,11 @@ VECTOR_FULL_TILES = True
 # did not change (benchmark --variants, "vector 4w head order";
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
-# Full rows' loops with a compile-time trip count (ITEM_TILES) where every
-# work item of a launch holds the same whole number of tiles, so the compiler
-# can unroll them and issue several tiles' loads at once; off until an H200
-# run shows it helps (issue 30 item 1, R143; benchmark --static-tiles).
+# The head-tile and memory-order loops (full and masked rows) with a
+# compile-time trip count (ITEM_TILES) where every work item of a launch holds
+# the same whole number of tiles, so the compiler can unroll them and issue
+# several tiles' loads at once; off until an H200 run shows it helps (issue 30
+# item 1, R143; benchmark --static-tiles).
 STATIC_TILES = False
 # Every field of a work item's row and layer-table entry loaded in one round
 # before its valid-count branch, not the rest after it (one dependent round
@@ -116,8 +117,10 @@ class LaunchConfig:
     128-bit loads), and with it `token_order_tiles` walks blocks stored
     contiguously token-major in memory order (contiguous tiles there too).
     `direct_launch` launches the kernel compiled by the first call directly;
-    `static_tiles` gives full rows' loops a compile-time trip count where
-    every work item holds the same whole number of tiles; `early_loads`
+    `static_tiles` gives the head-tile and memory-order loops a compile-time
+    trip count where every work item holds the same whole number of tiles
+    (the item never exceeds its block: chunks and tiles are powers of two, so
+    only the block can leave a ragged last item); `early_loads`
     loads a work item's row and table fields in one round.
     """
 
