@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import (
     STATS_KEY,
     KVChecksumStats,
+    TrackedRecount,
     split_stats,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.prom_metrics import (
@@ -400,6 +401,40 @@ def test_tracked_requests_gauge(pd_pair):
         if data.get("tracked_requests") == 1:
             assert sample("vllm:kv_checksum_tracked_requests", logger) == 1.0
     assert sample("vllm:kv_checksum_tracked_requests", logger) == 0.0
+
+
+def test_tracked_recount_schedule():
+    """R141, R142: the gauge's recount runs when the engine drains, on the
+    first step after, and every `every` busy steps between (expected by hand
+    for every=4). Catches a recount that never runs while the engine stays
+    busy (a frozen gauge) and one that runs only when the engine drains."""
+    recount = TrackedRecount(every=4)
+    empty = [False] * 9 + [True] + [False] * 2
+    expected = [True, False, False, False, True, False, False, False, True]
+    expected += [True, True, False]
+    assert [recount.due(e) for e in empty] == expected
+
+
+def test_tracked_requests_recounted_every_16_busy_steps(pd_pair, monkeypatch):
+    """R141, R142: a consumer request decoding 30 tokens keeps its engine busy
+    for more than 30 steps; the requests holding checksum state are recounted
+    on at most one step in 16 (plus its start and end), not on every step,
+    and the gauge still reads 1 while it runs and 0 after. Catches the
+    recount on every step (a Python walk over every tracked request each
+    step, R142)."""
+    producer, consumer = pd_pair
+    params = produce(producer, "p-long", prompt(0))
+    kcs = consumer.scheduler.kv_checksum_scheduler
+    recounts = []
+    tracked = kcs.tracked_request_ids
+    monkeypatch.setattr(
+        kcs, "tracked_request_ids", lambda: recounts.append(1) or tracked()
+    )
+    consume(consumer, producer, "c-long", prompt(0), params, max_tokens=30)
+    steps = len(consumer.scheduler_stats)
+    assert steps > 30
+    assert 2 <= len(recounts) <= steps // 16 + 2
+    assert tracked_series(consumer) == [1, 0]
 
 
 def test_tracked_requests_round_trip():

@@ -22,6 +22,11 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
 # The key of the checksum counts in SchedulerStats.kv_connector_stats (R130).
 STATS_KEY = "kv_checksum"
 
+# Busy steps between two recounts of the requests holding checksum state (R141):
+# a recount walks every such request, so a busy engine does not pay it every
+# step (R142).
+TRACKED_RECOUNT_STEPS = 16
+
 
 def _counts(value: Any) -> Counter:
     """A Counter of str -> non-negative int from a plain mapping; drops the rest."""
@@ -141,6 +146,28 @@ class KVChecksumStats:
         for f in fields(self):
             setattr(self, f.name, getattr(fresh, f.name))
         return taken
+
+
+@dataclass
+class TrackedRecount:
+    """When to recount the requests holding checksum state for the R141 gauge:
+    on a step that leaves the engine with no request, on the first step after
+    such a step, and every `every` busy steps between. Starting and draining
+    are exact; a busy engine's gauge lags at most `every` steps."""
+
+    every: int = TRACKED_RECOUNT_STEPS
+    _since: int = field(default=0, init=False)
+    _was_empty: bool = field(default=True, init=False)
+
+    def due(self, engine_empty: bool) -> bool:
+        """Whether this step recounts; `engine_empty`: the engine holds no
+        request after the step."""
+        self._since += 1
+        due = engine_empty or self._was_empty or self._since >= self.every
+        self._was_empty = engine_empty
+        if due:
+            self._since = 0
+        return due
 
 
 def split_stats(data: Mapping[str, Any]) -> tuple[Any, dict[str, Any] | None]:

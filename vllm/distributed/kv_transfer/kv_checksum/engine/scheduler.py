@@ -31,7 +31,10 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.consumer import (
     HitSourcesFn,
     KVChecksumConsumer,
 )
-from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import KVChecksumStats
+from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import (
+    KVChecksumStats,
+    TrackedRecount,
+)
 from vllm.distributed.kv_transfer.kv_checksum.engine.producer import (
     KVChecksumProducer,
 )
@@ -124,6 +127,8 @@ class KVChecksumScheduler:
         self.disabled_workers: set[WorkerKey] = set()
         # Request ids of per-request state kept next to this one (R141).
         self.tracked_sources: list[Callable[[], Iterable[str]]] = []
+        # When the R141 gauge recounts `tracked_request_ids` (R142).
+        self.tracked_recount = TrackedRecount()
 
     @property
     def on_failed_load(self) -> FailedLoadFn | None:

@@ -55,17 +55,20 @@ def install_metrics_hooks() -> None:
         the counts as a plain dict under "kv_checksum" into a copy of its
         kv_connector_stats dict; an error disables checksums for the engine
         (R134). The number of requests holding checksum state goes with
-        them when it changed since it was last sent (R141, a gauge).
+        them when it changed since it was last sent (R141, a gauge), recounted
+        when `TrackedRecount` says (the engine starting or draining, and every
+        16 busy steps: a recount walks every tracked request, R142).
         Upstream: a checksum stats field."""
         stats = original(self, *args, **kwargs)
         kcs = getattr(self, "kv_checksum_scheduler", None)
         if stats is None or kcs is None:
             return stats
         with _guard(self, "kv_checksum_scheduler", "make_stats"):
-            tracked = len(kcs.tracked_request_ids())
-            if tracked != self.__dict__.get("_kv_checksum_tracked_sent"):
-                kcs.stats.tracked_requests = tracked
-                self._kv_checksum_tracked_sent = tracked
+            if kcs.tracked_recount.due(not self.requests):
+                tracked = len(kcs.tracked_request_ids())
+                if tracked != self.__dict__.get("_kv_checksum_tracked_sent"):
+                    kcs.stats.tracked_requests = tracked
+                    self._kv_checksum_tracked_sent = tracked
             if not kcs.stats.is_empty():
                 merged = {
                     **(stats.kv_connector_stats or {}),
