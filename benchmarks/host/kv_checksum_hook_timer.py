@@ -28,6 +28,13 @@ the package's work inside it (its `_update_after_schedule` hook, the block
 pool's instance hooks of prefix-hit verification), `allocate_slots` (those
 block pool hooks alone) and the executor's model call (the worker's hooks
 and the forward's host time).
+With KV_CHECKSUM_HOOK_TIMER_RUNNING=1 vLLM's `Scheduler.schedule` also notes
+how many requests were running at its start (`len(self.running)`) and puts
+that step, and the hooks' own time of each call, in a bucket of
+`RUNNING_BUCKETS` ("0" for none): the package's cost per step at 8, 64 or 256
+running requests (issue 30 item 2), under "by_running". A step counts in the
+bucket current at its end (its own schedule's), a hook's call in the one
+current when it returns (calls between steps: the last step's).
 Each process writes its totals to
 DIR/PID.json every two seconds. `python kv_checksum_hook_timer.py summarize
 DIR` prints per process the package's time per step and per hook, with
@@ -72,9 +79,17 @@ VLLM_PARTS = (
     ("vllm.v1.executor.uniproc_executor", "UniProcExecutor", "execute_model"),
     ("vllm.v1.executor.uniproc_executor", "UniProcExecutor", "sample_tokens"),
 )
+# Running-request buckets of ..._RUNNING=1: (name, low, high or None), in
+# order; an empty running list is bucket "0".
+RUNNING_BUCKETS: tuple[tuple[str, int, int | None], ...] = (
+    ("1-15", 1, 15),
+    ("16-127", 16, 127),
+    ("128+", 128, None),
+)
 _DUMP_EVERY_S = 2.0
 
 _CPU = os.environ.get("KV_CHECKSUM_HOOK_TIMER_CPU") == "1"
+_RUNNING = os.environ.get("KV_CHECKSUM_HOOK_TIMER_RUNNING") == "1"
 
 _whole: dict[str, float] = defaultdict(float)
 _wrapped: dict[str, float] = defaultdict(float)
@@ -87,10 +102,58 @@ _last_dump = [0.0]
 _gc_counts = [0, 0, 0]
 _gc_seconds = [0.0, 0.0, 0.0]
 _gc_start = [0.0]
+# With _RUNNING: the bucket and running count of the last schedule() call,
+# and per bucket the hooks' own seconds, the steps, their seconds and the
+# sum of their running counts.
+_current_bucket = "0"
+_current_running = 0
+_bucket_own: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+_bucket_steps: dict[str, int] = defaultdict(int)
+_bucket_step_s: dict[str, float] = defaultdict(float)
+_bucket_running_sum: dict[str, int] = defaultdict(int)
 
 
 def _cpu_now() -> float:
     return time.thread_time() if _CPU else 0.0
+
+
+def running_bucket(running: int) -> str:
+    """The `RUNNING_BUCKETS` name of `running` requests ("0" for none)."""
+    if running <= 0:
+        return "0"
+    for name, low, high in RUNNING_BUCKETS:
+        if running >= low and (high is None or running <= high):
+            return name
+    return RUNNING_BUCKETS[-1][0]
+
+
+def _track_running(scheduler_cls: type) -> None:
+    """Set the current bucket from `len(self.running)` at the start of each
+    `schedule()` (the requests a step starts with)."""
+    schedule = scheduler_cls.schedule  # type: ignore[attr-defined]
+
+    @functools.wraps(schedule)
+    def tracked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _current_bucket, _current_running
+        _current_running = len(self.running)
+        _current_bucket = running_bucket(_current_running)
+        return schedule(self, *args, **kwargs)
+
+    scheduler_cls.schedule = tracked  # type: ignore[attr-defined]
+
+
+def _by_running_record() -> dict[str, dict[str, Any]]:
+    """The per-bucket totals as `_dump` writes them."""
+    buckets = dict.fromkeys([*_bucket_steps, *_bucket_own])
+    return {
+        bucket: {
+            "steps": _bucket_steps.get(bucket, 0),
+            "step_s": _bucket_step_s.get(bucket, 0.0),
+            "running_sum": _bucket_running_sum.get(bucket, 0),
+            "own": dict(_bucket_own.get(bucket, {})),
+        }
+        for bucket in buckets
+    }
 
 
 def _on_gc(phase: str, info: dict) -> None:
@@ -232,6 +295,8 @@ def _dump(out_dir: str) -> None:
         "gc_seconds": list(_gc_seconds),
         "request_steps": _requests.record(),
     }
+    if _RUNNING:
+        record["by_running"] = _by_running_record()
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(record, f)
@@ -266,8 +331,36 @@ def _timed_wrap(out_dir: str) -> Any:
                     _calls[key] += 1
                     _dump(out_dir)
 
-            wrapper.__kv_checksum_original__ = original  # type: ignore[attr-defined]
-            setattr(cls, name, wrapper)
+            @functools.wraps(original)
+            def running_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+                # This call's wrapped time, apart from the running totals (a
+                # hook may call its original more than once, or not at all).
+                inner = [0.0]
+
+                def call_original(*a: Any, **k: Any) -> Any:
+                    start, cpu = time.perf_counter(), _cpu_now()
+                    try:
+                        return original(*a, **k)
+                    finally:
+                        elapsed = time.perf_counter() - start
+                        inner[0] += elapsed
+                        _wrapped[key] += elapsed
+                        _wrapped_cpu[key] += _cpu_now() - cpu
+
+                start, cpu = time.perf_counter(), _cpu_now()
+                try:
+                    return hook(call_original, self, *args, **kwargs)
+                finally:
+                    whole = time.perf_counter() - start
+                    _whole[key] += whole
+                    _whole_cpu[key] += _cpu_now() - cpu
+                    _calls[key] += 1
+                    _bucket_own[_current_bucket][key] += whole - inner[0]
+                    _dump(out_dir)
+
+            timed = running_wrapper if _RUNNING else wrapper
+            timed.__kv_checksum_original__ = original  # type: ignore[attr-defined]
+            setattr(cls, name, timed)
             return hook
 
         return decorator
@@ -290,8 +383,15 @@ def _time_steps(out_dir: str) -> None:
             try:
                 return _o(self, *a, **k)
             finally:
-                _whole[_k] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                _whole[_k] += elapsed
                 _calls[_k] += 1
+                if _RUNNING:
+                    # The bucket at the step's end: its own schedule() ran
+                    # inside it.
+                    _bucket_steps[_current_bucket] += 1
+                    _bucket_step_s[_current_bucket] += elapsed
+                    _bucket_running_sum[_current_bucket] += _current_running
                 _dump(out_dir)
 
         setattr(EngineCore, name, wrapper)
@@ -384,6 +484,12 @@ class _WiringFinder(importlib.abc.MetaPathFinder):
                 # Before install(): the package's hooks wrap these, so the
                 # trace sees vLLM's own calls on and off alike.
                 _trace_requests(Scheduler)
+            if _RUNNING:
+                from vllm.v1.core.sched.scheduler import Scheduler
+
+                # Before install(), as above: the bucket is set before the
+                # package's hooks of the step run.
+                _track_running(Scheduler)
             if os.environ.get("KV_CHECKSUM_HOOK_TIMER_VLLM") == "1":
                 _time_vllm_parts(out_dir)
 
@@ -477,7 +583,44 @@ def summarize(out_dir: str) -> dict:
             "calls": calls,
             "request_steps": _request_summary(record.get("request_steps") or {}),
         }
+        if "by_running" in record:
+            result[str(record["pid"])]["by_running"] = _running_summary(
+                record["by_running"], calls
+            )
     return result
+
+
+def _running_summary(by_running: dict, calls: dict) -> dict:
+    """Per running-request bucket with steps (`RUNNING_BUCKETS` order): steps,
+    mean running count, mean step ms and the hooks' own µs per step; hooks
+    that ran once overall (constructors: start-up) left out, as
+    `own_us_per_step_without_start_up`."""
+    order = ["0", *(name for name, _, _ in RUNNING_BUCKETS)]
+    names = [b for b in order if b in by_running]
+    names += sorted(b for b in by_running if b not in order)
+    summary = {}
+    for bucket in names:
+        row = by_running[bucket]
+        steps = row.get("steps", 0)
+        if not steps:
+            continue
+        own = {
+            k: v
+            for k, v in row.get("own", {}).items()
+            if calls.get(k, 0) > 1
+            and not k.startswith(("EngineCore.", "core:", "vllm:"))
+        }
+        summary[bucket] = {
+            "steps": steps,
+            "running_mean": round(row.get("running_sum", 0) / steps, 2),
+            "step_ms_mean": round(1e3 * row.get("step_s", 0.0) / steps, 4),
+            "own_us_per_step": round(1e6 * sum(own.values()) / steps, 2),
+            "hooks_us_per_step": {
+                k: round(1e6 * v / steps, 2)
+                for k, v in sorted(own.items(), key=lambda kv: -kv[1])
+            },
+        }
+    return summary
 
 
 def _request_summary(record: dict) -> dict:

@@ -4,7 +4,9 @@
 own time, and its summary divides by the engine's steps."""
 
 import json
+import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -292,3 +294,177 @@ def test_vllm_parts_are_vllm_0_33_methods_and_stay_transparent(
     assert Part().run(2) == 6 and Part().run(3) == 9
     assert timer._calls["vllm:Part.run"] == 2
     assert timer._whole["vllm:Part.run"] >= 0.0
+
+
+class _FakeClock:
+    """`time.perf_counter` that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_us(self, us: float) -> None:
+        self.now += us * 1e-6
+
+
+def test_running_buckets_get_each_steps_hook_time(tmp_path, monkeypatch) -> None:
+    """Issue 30 item 2, R142 (diagnosis): with KV_CHECKSUM_HOOK_TIMER_RUNNING=1
+    a step's hooks' own time goes to the bucket of the running count its own
+    schedule() saw (3 -> "1-15", 70 -> "16-127", 0 -> "0"), each call counted
+    as that call's whole - its own wrapped time, and the summary gives per
+    bucket the steps, mean running count, mean step ms and own µs per step
+    without the once-run constructor; checked against a hand computation on
+    a fake clock. Bugs caught (tried): a step in the previous step's bucket (the
+    bucket read at the step's start, before its schedule()), a hook's own
+    time taken against the cumulative wrapped total instead of this call's
+    (a second call in a step, with a different wrapped time, comes out
+    wrong), and a constructor spread over one bucket's steps."""
+    from vllm.v1.engine.core import EngineCore
+
+    monkeypatch.setenv("KV_CHECKSUM_HOOK_TIMER_RUNNING", "1")
+    timer = load_script("kv_checksum_hook_timer_running", SCRIPT)
+    clock = _FakeClock()
+    monkeypatch.setattr(timer.time, "perf_counter", clock)
+    assert [timer.running_bucket(n) for n in (0, 1, 15, 16, 127, 128, 4096)] == [
+        "0",
+        "1-15",
+        "1-15",
+        "16-127",
+        "16-127",
+        "128+",
+        "128+",
+    ]
+
+    class FakeScheduler:
+        """Stands in for vLLM's Scheduler: `running` and `schedule`."""
+
+        def __init__(self) -> None:
+            self.running: list[int] = []
+
+        def schedule(self) -> None:
+            clock.advance_us(1)
+
+        def update_from_output(self, wrapped_us: int) -> int:
+            clock.advance_us(wrapped_us)
+            return wrapped_us
+
+    class Conn:
+        def setup(self) -> None:
+            clock.advance_us(3)
+
+    def hook(original: Any, self: Any, own_us: int, wrapped_us: int) -> int:
+        clock.advance_us(own_us)
+        return original(self, wrapped_us)
+
+    def setup_hook(original: Any, self: Any) -> None:
+        clock.advance_us(500)  # start-up work: ran once
+        original(self)
+
+    scheduler = FakeScheduler()
+    timer._track_running(FakeScheduler)
+    timed_wrap = timer._timed_wrap(str(tmp_path))
+    timed_wrap(FakeScheduler, "update_from_output")(hook)
+    timed_wrap(Conn, "setup")(setup_hook)
+
+    def fake_step(core: Any) -> None:
+        clock.advance_us(core.rest_us)
+        scheduler.running = list(range(core.running))
+        scheduler.schedule()
+        if core.setup:
+            Conn().setup()
+        for own_us, wrapped_us in core.calls:
+            assert scheduler.update_from_output(own_us, wrapped_us) == wrapped_us
+
+    # Restored after the test: _time_steps replaces both with its wrappers.
+    monkeypatch.setattr(EngineCore, "step", fake_step)
+    monkeypatch.setattr(
+        EngineCore, "step_with_batch_queue", EngineCore.step_with_batch_queue
+    )
+    timer._time_steps(str(tmp_path))
+
+    # (bucket expected, running, hook calls as (own us, wrapped us), other us,
+    # constructor in this step)
+    plan = [
+        ("1-15", 3, [(2, 10)], 100, True),
+        ("16-127", 70, [(7, 20), (3, 5)], 200, False),
+        ("1-15", 5, [(1, 30)], 50, False),
+        ("16-127", 70, [(4, 40)], 300, False),
+        ("0", 0, [], 10, False),
+    ]
+    for _, running, calls, rest_us, setup in plan:
+        EngineCore.step(
+            SimpleNamespace(running=running, calls=calls, rest_us=rest_us, setup=setup)
+        )
+
+    expected: dict[str, dict[str, Any]] = {}
+    for bucket, running, calls, rest_us, setup in plan:
+        row = expected.setdefault(bucket, {"steps": 0, "run": 0, "us": 0, "own": 0})
+        row["steps"] += 1
+        row["run"] += running
+        row["own"] += sum(own for own, _ in calls)
+        row["us"] += rest_us + 1 + sum(o + w for o, w in calls) + 503 * setup
+    assert dict(timer._bucket_steps) == {b: r["steps"] for b, r in expected.items()}
+    assert timer._bucket_own["16-127"]["FakeScheduler.update_from_output"] == (
+        pytest.approx(14e-6)
+    )
+
+    timer._last_dump[0] = float("-inf")
+    timer._dump(str(tmp_path))
+    by_running = timer.summarize(str(tmp_path))[str(os.getpid())]["by_running"]
+    assert list(by_running) == ["0", "1-15", "16-127"]
+    for bucket, row in expected.items():
+        got = by_running[bucket]
+        assert got["steps"] == row["steps"]
+        assert got["running_mean"] == pytest.approx(row["run"] / row["steps"])
+        assert got["step_ms_mean"] == pytest.approx(
+            row["us"] / 1e3 / row["steps"], abs=1e-4
+        )
+        assert got["own_us_per_step"] == pytest.approx(
+            row["own"] / row["steps"], abs=0.01
+        )
+        hooks = {"FakeScheduler.update_from_output": got["own_us_per_step"]}
+        assert got["hooks_us_per_step"] == (hooks if row["own"] else {})
+    # The literal figures of the plan above, for the reader.
+    assert by_running["1-15"]["running_mean"] == 4.0
+    assert by_running["1-15"]["own_us_per_step"] == 1.5  # (2 + 1) / 2
+    assert by_running["16-127"]["own_us_per_step"] == 7.0  # (7 + 3 + 4) / 2
+
+
+def test_running_buckets_stay_out_without_the_variable(tmp_path, monkeypatch) -> None:
+    """Issue 30 item 2, R142 (diagnosis): without KV_CHECKSUM_HOOK_TIMER_RUNNING
+    the records and the summary carry no "by_running" and hooks fill no
+    bucket (the other modes' figures unchanged); and vLLM 0.33's Scheduler
+    has the `schedule` and `running` the mode reads, wrapped transparently.
+    Bugs caught: the mode on by default, and a tracker that drops the
+    original (`__wrapped__` not vLLM's method)."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.delenv("KV_CHECKSUM_HOOK_TIMER_RUNNING", raising=False)
+    timer = load_script("kv_checksum_hook_timer_running_off", SCRIPT)
+
+    class Target:
+        def step(self) -> int:
+            return 1
+
+    timer._timed_wrap(str(tmp_path))(Target, "step")(
+        lambda original, self: original(self)
+    )
+    assert Target().step() == 1 and Target().step() == 1
+    timer._calls["EngineCore.step"] += 1
+    timer._whole["EngineCore.step"] += 0.001
+    assert not timer._bucket_own and not timer._bucket_steps
+    timer._last_dump[0] = float("-inf")
+    timer._dump(str(tmp_path))
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert "by_running" not in record
+    assert "by_running" not in timer.summarize(str(tmp_path))[str(record["pid"])]
+
+    original = vars(Scheduler)["schedule"]
+    monkeypatch.setattr(Scheduler, "schedule", original)  # restored after
+    timer._track_running(Scheduler)
+    assert vars(Scheduler)["schedule"].__wrapped__ is original
+    assert "self.running" in inspect.getsource(Scheduler.__init__)
