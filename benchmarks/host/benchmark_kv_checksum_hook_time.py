@@ -37,16 +37,27 @@ import kv_checksum_hook_timer as timer  # noqa: E402, I001
 import benchmark_kv_checksum_step as step_bench  # noqa: E402
 
 
-def measure(model_dir: str, name: str, n: int, rounds: int, steps: int) -> dict:
+def measure(
+    model_dir: str,
+    name: str,
+    n: int,
+    rounds: int,
+    steps: int,
+    recount_every: int | None = None,
+) -> dict:
     """Own us per step of the on and the off engine, per round (alternating),
     and each hook's own us per step over all rounds, per engine (`hooks_us`:
     the timer is one per process, so each round's per-hook difference is the
-    engine's that ran in it)."""
+    engine's that ran in it). `recount_every`: the on engine's R141 gauge
+    recount period in busy steps (1: every step, as before 2026-12-04)."""
     connector, extra = step_bench.CONNECTORS[name]
     benches = {
         mode: step_bench.Bench(model_dir, connector, extra, mode == "on", n)
         for mode in ("on", "off")
     }
+    if recount_every is not None:
+        kcs = benches["on"].scheduler.kv_checksum_scheduler
+        kcs.tracked_recount.every = recount_every
     for bench in benches.values():
         for _ in range(steps // 4 + 1):  # warm
             bench.step()
@@ -70,6 +81,7 @@ def measure(model_dir: str, name: str, n: int, rounds: int, steps: int) -> dict:
     return {
         "connector": name,
         "running": n,
+        "recount_every": recount_every,
         "on_us": statistics.median(per_round["on"]),
         "off_us": statistics.median(per_round["off"]),
         "on_minus_off_us": statistics.median(diffs),
@@ -85,8 +97,8 @@ def measure(model_dir: str, name: str, n: int, rounds: int, steps: int) -> dict:
 def print_hooks(rows: list[dict], least_us: float = 0.5) -> None:
     """Each hook's own us per step, on and off, largest on - off first; hooks
     under `least_us` in both engines left out."""
-    print("\n| connector | running | hook | on | off | on - off |")
-    print("|---|---|---|---|---|---|")
+    print("\n| connector | running | recount every | hook | on | off | on - off |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         on, off = row["hooks_us"]["on"], row["hooks_us"]["off"]
         hooks = sorted(set(on) | set(off), key=lambda k: off.get(k, 0) - on.get(k, 0))
@@ -94,7 +106,8 @@ def print_hooks(rows: list[dict], least_us: float = 0.5) -> None:
             a, b = on.get(hook, 0.0), off.get(hook, 0.0)
             if max(a, b) >= least_us:
                 print(
-                    f"| {row['connector']} | {row['running']} | `{hook}` | "
+                    f"| {row['connector']} | {row['running']} | "
+                    f"{row.get('recount_every') or 'default'} | `{hook}` | "
                     f"{a:.1f} | {b:.1f} | {a - b:+.1f} |"
                 )
 
@@ -109,25 +122,35 @@ def main() -> None:
     parser.add_argument(
         "--per-hook", action="store_true", help="also a table of each hook's time"
     )
+    parser.add_argument(
+        "--recount-every",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="the on engine's R141 gauge recount period in busy steps, one row "
+        "each (1: every step, as before 2026-12-04; default: the package's)",
+    )
     args = parser.parse_args()
     step_bench.plugin.register()
     step_bench.register_carrier_connector()
     model_dir = step_bench.write_model_dir(Path(tempfile.mkdtemp()))
     rows = [
-        measure(model_dir, name, n, args.rounds, args.steps)
+        measure(model_dir, name, n, args.rounds, args.steps, every)
         for name in args.connectors
         for n in args.requests
+        for every in args.recount_every
     ]
     print(
         f"\nOwn time of the scheduler hooks per decode step, microseconds "
         f"(median of {args.rounds} alternating rounds of {args.steps} steps):"
     )
-    print("| connector | running | on | off | on - off | spread |")
-    print("|---|---|---|---|---|---|")
+    print("| connector | running | recount every | on | off | on - off | spread |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         low, high = row["spread"]
+        every = row["recount_every"] or "default"
         print(
-            f"| {row['connector']} | {row['running']} | {row['on_us']:.1f} | "
+            f"| {row['connector']} | {row['running']} | {every} | {row['on_us']:.1f} | "
             f"{row['off_us']:.1f} | {row['on_minus_off_us']:+.1f} | "
             f"{low:+.1f} .. {high:+.1f} |"
         )
