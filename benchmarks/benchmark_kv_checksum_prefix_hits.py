@@ -188,6 +188,10 @@ WORKLOADS = [
     # GPU cache of the running requests plus 2 prefixes: most reuses load the
     # prefix back from host memory (about 8 s a run at 8B on an H200).
     Workload("host16_c8", "prefix_repetition", 2048, 256, 32, 8, 192, 16),
+    # The same at 64 and 256 at a time (the GPU cache sized for them): the
+    # host cost per step at those running counts (issue 30 item 2).
+    Workload("host16_c64", "prefix_repetition", 2048, 256, 32, 64, 384, 16),
+    Workload("host16_c256", "prefix_repetition", 2048, 256, 32, 256, 768, 16),
 ]
 
 
