@@ -7,7 +7,11 @@
 #                                             #  tree too: since 2026-12-02c move
 #                                             #  benchmarks/results/ out of the
 #                                             #  clone for this call (no run reads
-#                                             #  it) and back after
+#                                             #  it) and back after, or (2026-12-04)
+#                                             #  carry gpu_bundle/so, the tarball
+#                                             #  and the two scripts here and
+#                                             #  gpu_bundle/whl with the next call:
+#                                             #  pip install --target $SITE whl/*.whl
 #   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve: the
 #                                             #  `vllm serve` wheels and vllm-router,
 #                                             #  gpu_mooncake/slim; gpu_moe: the
