@@ -265,6 +265,45 @@ def test_summary_keeps_start_up_and_vllm_parts_apart(tmp_path) -> None:
     assert "vllm:Scheduler.schedule" not in row["hooks_us_per_step"]
 
 
+def test_summary_gives_each_hooks_cpu_time_without_start_up(tmp_path) -> None:
+    """Issue 30 item 2 (diagnosis): thread CPU time per hook and per step,
+    start-up (hooks run once) left out, beside the wall figures, so a hook
+    whose wall time is well above its CPU time shows as waiting. Bug caught
+    (2026-12-04 run): a constructor's CPU seconds in the per-step CPU total
+    made it exceed the per-step wall figure (1,586 against 573 us)."""
+    timer = load_script("kv_checksum_hook_timer_cpu", SCRIPT)
+    engine = {
+        "pid": 31,
+        "ppid": 1,
+        "whole": {
+            "EngineCore.step": 1.0,
+            "ActiveKVConnector.__init__": 0.5,
+            "OffloadingConnector.build_connector_meta": 0.016,
+        },
+        "wrapped": {"OffloadingConnector.build_connector_meta": 0.001},
+        "whole_cpu": {
+            "ActiveKVConnector.__init__": 0.4,
+            "OffloadingConnector.build_connector_meta": 0.005,
+        },
+        "wrapped_cpu": {"OffloadingConnector.build_connector_meta": 0.001},
+        "calls": {
+            "EngineCore.step": 100,
+            "ActiveKVConnector.__init__": 1,
+            "OffloadingConnector.build_connector_meta": 100,
+        },
+    }
+    (tmp_path / "31.json").write_text(json.dumps(engine))
+    row = timer.summarize(str(tmp_path))["31"]
+    # own wall: (0.016 - 0.001) s / 100 steps = 150 us; own CPU (0.005 -
+    # 0.001) s / 100 = 40 us; the constructor's 0.4 s is start-up.
+    assert row["own_us_per_step_without_start_up"] == 150.0
+    assert row["own_cpu_us_per_step_without_start_up"] == 40.0
+    assert row["hooks_cpu_us_per_step"] == {
+        "OffloadingConnector.build_connector_meta": 40.0
+    }
+    assert abs(row["own_cpu_us_per_step"] - 4040.0) < 1e-6
+
+
 def test_vllm_parts_are_vllm_0_33_methods_and_stay_transparent(
     tmp_path, monkeypatch
 ) -> None:
