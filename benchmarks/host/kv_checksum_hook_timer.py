@@ -12,7 +12,8 @@ also times every method of the core classes in `DEEP` (inclusive: nested
 calls count in their callers too), to tell which part of a hook costs;
 with KV_CHECKSUM_HOOK_TIMER_HOOKS=0 it leaves the hooks alone and counts
 only steps and garbage collections (a nearly untouched engine). Garbage
-collections are always counted, with their time, per generation. With
+collections are always counted, with their time, per generation, and per
+hook those its own code set off (they count in its own time). With
 KV_CHECKSUM_HOOK_TIMER_CPU=1 each hook also counts its thread's CPU time
 (`time.thread_time`): own wall time well above own CPU time means the engine
 thread waited inside the hook (for the GIL, or off its core) rather than
@@ -102,6 +103,12 @@ _last_dump = [0.0]
 _gc_counts = [0, 0, 0]
 _gc_seconds = [0.0, 0.0, 0.0]
 _gc_start = [0.0]
+# Seconds of every collection so far, and per hook those that ran inside the
+# hook's call and inside the vLLM method it wraps: whole - wrapped is the
+# collections the hook's own code set off, counted in its own time.
+_gc_total = [0.0]
+_whole_gc: dict[str, float] = defaultdict(float)
+_wrapped_gc: dict[str, float] = defaultdict(float)
 # With _RUNNING: the bucket and running count of the last schedule() call,
 # and per bucket the hooks' own seconds, the steps, their seconds and the
 # sum of their running counts.
@@ -162,7 +169,9 @@ def _on_gc(phase: str, info: dict) -> None:
         return
     generation = min(int(info.get("generation", 0)), 2)
     _gc_counts[generation] += 1
-    _gc_seconds[generation] += time.perf_counter() - _gc_start[0]
+    seconds = time.perf_counter() - _gc_start[0]
+    _gc_seconds[generation] += seconds
+    _gc_total[0] += seconds
 
 
 class RequestSteps:
@@ -293,6 +302,8 @@ def _dump(out_dir: str) -> None:
         "wrapped_cpu": dict(_wrapped_cpu),
         "gc_counts": list(_gc_counts),
         "gc_seconds": list(_gc_seconds),
+        "whole_gc": dict(_whole_gc),
+        "wrapped_gc": dict(_wrapped_gc),
         "request_steps": _requests.record(),
     }
     if _RUNNING:
@@ -313,21 +324,23 @@ def _timed_wrap(out_dir: str) -> Any:
             original = getattr(cls, name)
 
             def timed_original(*args: Any, **kwargs: Any) -> Any:
-                start, cpu = time.perf_counter(), _cpu_now()
+                start, cpu, gc_at = time.perf_counter(), _cpu_now(), _gc_total[0]
                 try:
                     return original(*args, **kwargs)
                 finally:
                     _wrapped[key] += time.perf_counter() - start
                     _wrapped_cpu[key] += _cpu_now() - cpu
+                    _wrapped_gc[key] += _gc_total[0] - gc_at
 
             @functools.wraps(original)
             def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-                start, cpu = time.perf_counter(), _cpu_now()
+                start, cpu, gc_at = time.perf_counter(), _cpu_now(), _gc_total[0]
                 try:
                     return hook(timed_original, self, *args, **kwargs)
                 finally:
                     _whole[key] += time.perf_counter() - start
                     _whole_cpu[key] += _cpu_now() - cpu
+                    _whole_gc[key] += _gc_total[0] - gc_at
                     _calls[key] += 1
                     _dump(out_dir)
 
@@ -338,7 +351,7 @@ def _timed_wrap(out_dir: str) -> Any:
                 inner = [0.0]
 
                 def call_original(*a: Any, **k: Any) -> Any:
-                    start, cpu = time.perf_counter(), _cpu_now()
+                    start, cpu, gc_at = time.perf_counter(), _cpu_now(), _gc_total[0]
                     try:
                         return original(*a, **k)
                     finally:
@@ -346,14 +359,16 @@ def _timed_wrap(out_dir: str) -> Any:
                         inner[0] += elapsed
                         _wrapped[key] += elapsed
                         _wrapped_cpu[key] += _cpu_now() - cpu
+                        _wrapped_gc[key] += _gc_total[0] - gc_at
 
-                start, cpu = time.perf_counter(), _cpu_now()
+                start, cpu, gc_at = time.perf_counter(), _cpu_now(), _gc_total[0]
                 try:
                     return hook(call_original, self, *args, **kwargs)
                 finally:
                     whole = time.perf_counter() - start
                     _whole[key] += whole
                     _whole_cpu[key] += _cpu_now() - cpu
+                    _whole_gc[key] += _gc_total[0] - gc_at
                     _calls[key] += 1
                     _bucket_own[_current_bucket][key] += whole - inner[0]
                     _dump(out_dir)
@@ -551,6 +566,10 @@ def summarize(out_dir: str) -> dict:
             for k, v in record.get("whole_cpu", {}).items()
             if not k.startswith(("EngineCore.", "core:", "vllm:"))
         }
+        own_gc = {
+            k: v - record.get("wrapped_gc", {}).get(k, 0.0)
+            for k, v in record.get("whole_gc", {}).items()
+        }
         step_s = sum(v for k, v in record["whole"].items() if k.startswith("Engine"))
         result[str(record["pid"])] = {
             "ppid": record["ppid"],
@@ -576,6 +595,14 @@ def summarize(out_dir: str) -> dict:
                 k: round(1e6 * v / steps, 2)
                 for k, v in sorted(own_cpu.items(), key=lambda kv: -kv[1])
                 if k not in once
+            },
+            # Collections set off by a hook's own code, in its own time
+            # (start-up left out): hooks_us_per_step less these is the hook's
+            # code alone.
+            "hooks_gc_us_per_step": {
+                k: round(1e6 * v / steps, 2)
+                for k, v in sorted(own_gc.items(), key=lambda kv: -kv[1])
+                if k not in once and v > 0
             },
             "gc_us_per_step": round(1e6 * sum(record.get("gc_seconds", [])) / steps, 2),
             "gc_counts": record.get("gc_counts"),

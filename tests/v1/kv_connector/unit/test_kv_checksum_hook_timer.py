@@ -48,6 +48,53 @@ def test_timed_wrap_counts_the_hook_and_the_method_it_wraps(tmp_path) -> None:
     assert 0.0 <= timer._wrapped_cpu[key] <= timer._whole_cpu[key]
 
 
+def test_collections_in_a_hooks_own_code_are_its_own(tmp_path, monkeypatch) -> None:
+    """Issue 30 item 2 (diagnosis): a garbage collection that starts in a
+    hook's own code counts in the hook's own collection time; one inside
+    the vLLM method it wraps does not (whole - wrapped), and the summary
+    reports it per hook. Collections are driven through the timer's own gc
+    callback on a fake clock: 3 ms in the hook, 5 ms in the wrapped method.
+    Bug caught (tried): the wrapped method's collections counted as the
+    hook's (8 ms)."""
+    timer = load_script("kv_checksum_hook_timer_gc", SCRIPT)
+    clock = [100.0]
+    monkeypatch.setattr(timer.time, "perf_counter", lambda: clock[0])
+
+    def collect(seconds: float) -> None:
+        timer._on_gc("start", {"generation": 0})
+        clock[0] += seconds
+        timer._on_gc("stop", {"generation": 0})
+
+    class Target:
+        def step(self) -> None:
+            collect(0.005)
+
+    def hook(original: Any, self: Any) -> None:
+        collect(0.003)
+        original(self)
+
+    timer._timed_wrap(str(tmp_path))(Target, "step")(hook)
+    for _ in range(2):
+        Target().step()
+    key = "Target.step"
+    assert abs(timer._whole_gc[key] - 0.016) < 1e-9
+    assert abs(timer._wrapped_gc[key] - 0.010) < 1e-9
+    record = {
+        "pid": 41,
+        "ppid": 1,
+        "whole": {"EngineCore.step": 1.0, key: timer._whole[key]},
+        "wrapped": {key: timer._wrapped[key]},
+        "whole_gc": dict(timer._whole_gc),
+        "wrapped_gc": dict(timer._wrapped_gc),
+        "calls": {"EngineCore.step": 2, key: 2},
+    }
+    (tmp_path / "41.json").write_text(json.dumps(record))
+    row = timer.summarize(str(tmp_path))["41"]
+    # 6 ms of the hook's own collections over 2 steps: 3,000 us a step.
+    assert row["hooks_gc_us_per_step"] == {key: 3000.0}
+    assert row["hooks_us_per_step"] == {key: 3000.0}
+
+
 def test_own_time_by_hook_for_the_per_hook_table() -> None:
     """R142 (diagnosis), issue 30: `own_by_hook` (the hook-time benchmark's
     --per-hook table, differenced per round) gives each hook's whole - wrapped
