@@ -139,10 +139,14 @@ WORKLOADS = [
     # running counts (issue 30 item 2); run only when named (EXPLICIT_ONLY).
     Workload("1k32_c64", 1024, 32, 64, 256),
     Workload("1k32_c256", 1024, 32, 256, 512),
+    # 1k32_c256 kept the consumer below 128 running (H200, 2026-12-04): a
+    # request decoded 32 tokens and left before the producer sent the next
+    # ones. With 256 out, requests stay long enough for 256 to run at once.
+    Workload("1k256_c256", 1024, 256, 256, 512),
 ]
 # Workloads left out of the default --workloads (every other entry): callers
 # that rely on the default keep the five they ran before.
-EXPLICIT_ONLY = frozenset({"1k32_c64", "1k32_c256"})
+EXPLICIT_ONLY = frozenset({"1k32_c64", "1k32_c256", "1k256_c256"})
 DEFAULT_WORKLOADS = ",".join(w.name for w in WORKLOADS if w.name not in EXPLICIT_ONLY)
 
 
