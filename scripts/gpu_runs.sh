@@ -29,7 +29,8 @@
 #                                             # item 3; -multi needs gpu_nixl),
 #                                             # bench-simple-offload (issue 30),
 #                                             # host-step, hook-timer,
-#                                             # hook-timer-serve (issue 30), mla,
+#                                             # hook-timer-serve, hook-timer-pd
+#                                             # (issue 30), mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
@@ -395,13 +396,17 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # hook-timer-serve: the same around the serve benchmark's P/D pairs (each
 # engine's record names its NIXL side channel port: 5600 + 20 x shift for a
 # producer, 5700 + 20 x shift for a consumer; --together shifts the second
-# pair by 10).
-hook-timer | hook-timer-serve)
+# pair by 10). hook-timer-pd: the same around the P/D driver (pass --connector,
+# e.g. nixl-push, which the serve benchmark has no mode for; its batched
+# rounds run 25 at a time).
+hook-timer | hook-timer-serve | hook-timer-pd)
     export KV_CHECKSUM_HOOK_TIMER_DIR=/tmp/kv_checksum_hook_timer
     rm -rf "$KV_CHECKSUM_HOOK_TIMER_DIR"
     cp "$repo/benchmarks/host/kv_checksum_hook_timer.py" "$site/sitecustomize.py"
     if [ "$what" = hook-timer ]; then
         run hook-timer benchmarks/benchmark_kv_checksum_prefix_hits.py --bench-batch "$@"
+    elif [ "$what" = hook-timer-pd ]; then
+        run hook-timer-pd "$pd" --parallel-start "$@"
     else
         run hook-timer-serve benchmarks/benchmark_kv_checksum_serve.py "$@"
     fi
