@@ -90,3 +90,33 @@ def test_R142_add_send_runs_for_producer_requests_only(
     assert "kv_checksums" in params
     assert calls and set(calls) == {"prod"}
     assert not kcs.producer._producers
+
+
+@pytest.mark.parametrize(
+    ("groups", "scans"),
+    [("full", 0), ("mla", 0), ("sliding", 1), ("both", 1)],
+)
+def test_R142_finished_producer_scans_held_blocks_only_where_vllm_frees_early(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch, groups: str, scans: int
+) -> None:
+    """R66, R142: a finishing producer looks for blocks freed since its prompt
+    was checksummed only when a group can free them (sliding window); full
+    attention and MLA hold every block, so the per-block scan is skipped and
+    the payload is the same as with it. Bugs caught: the scan skipped for a
+    sliding-window group (then its freed chunks are sent, a false mismatch:
+    also `test_window_blocks_freed_before_the_transfer_are_not_sent`), or run
+    for every group as before (the count)."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine import producer
+
+    engine = SimEngine(model_dir, SideConfig(groups=groups), "P")  # type: ignore[arg-type]
+    calls: list[str] = []
+    original = producer._held_groups
+
+    def held_groups(*args: Any) -> Any:
+        calls.append("scan")
+        return original(*args)
+
+    monkeypatch.setattr(producer, "_held_groups", held_groups)
+    params = produce(engine, "prod", [9] * 80)
+    assert "kv_checksums" in params
+    assert len(calls) == scans

@@ -904,3 +904,52 @@ def test_R71_a_steps_record_keeps_its_own_empty_parts() -> None:
     assert list(second.reqs_to_recv) == ["consumer"]
     assert list(second.reqs_to_load) == ["offload"]
     assert kcs.build_checksum_meta() is None
+
+
+def test_scheduler_groups_hold_all_blocks_for_full_attention_only() -> None:
+    """R66, R142: only exact full-attention and MLA groups are marked as
+    holding every block until the request is freed; sliding-window,
+    chunked-local and full-attention subclasses (sink tokens) may free
+    blocks earlier, so a finishing producer keeps checking those. Bug caught:
+    an `isinstance(spec, FullAttentionSpec)` test, which also matches
+    subclasses with other allocation rules."""
+    import torch
+
+    from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
+        _transfer_groups,
+    )
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SinkFullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    common = {"block_size": 16, "num_kv_heads": 1, "head_size": 8}
+    specs = [
+        FullAttentionSpec(**common, dtype=torch.float16),
+        MLAAttentionSpec(**common, dtype=torch.float16),
+        SlidingWindowSpec(**common, dtype=torch.float16, sliding_window=32),
+        ChunkedLocalAttentionSpec(
+            **common, dtype=torch.float16, attention_chunk_size=32
+        ),
+        SinkFullAttentionSpec(**common, dtype=torch.float16, sink_len=4),
+    ]
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)
+        ],
+    )
+    groups = _transfer_groups(config)
+    assert {g: s.holds_all_blocks for g, s in groups.items()} == {
+        0: True,
+        1: True,
+        2: False,
+        3: False,
+        4: False,
+    }

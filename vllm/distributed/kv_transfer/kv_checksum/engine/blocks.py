@@ -32,6 +32,11 @@ class SchedulerGroup:
     mamba_spec_blocks: int | None = None
     # False for Mamba state without TP splits, not replicated (R85).
     tp_comparable: bool = True
+    # True only for full attention: vLLM holds every block of a request until
+    # it frees the request, so a finishing producer need not look for freed
+    # blocks (R66; issue 30: no per-block scan per finished request). False
+    # (look) for every other kind, whose blocks may be freed earlier.
+    holds_all_blocks: bool = False
 
 
 def sliding_window_transfer_blocks(sliding_window: int, block_size: int) -> int:

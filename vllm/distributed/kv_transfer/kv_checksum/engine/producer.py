@@ -127,7 +127,11 @@ class KVChecksumProducer:
         payload = build_producer_payload(
             send.reports, send.blocks, setup.num_workers, setup.tp_size, infos
         )
-        if not isinstance(payload, str) and kv_cache_manager is not None:
+        if (
+            not isinstance(payload, str)
+            and kv_cache_manager is not None
+            and self._may_free_blocks(payload)
+        ):
             held = kv_cache_manager.get_blocks(req_id).blocks
             payload.groups = _held_groups(payload, send.blocks, held, infos)
         if isinstance(payload, str):
@@ -145,6 +149,12 @@ class KVChecksumProducer:
             self.log.stats.record_sent()
             self._outgoing[req_id] = payload.to_bytes()
         return kv_transfer_params
+
+    def _may_free_blocks(self, payload: KVChecksumPayload) -> bool:
+        """Whether a payload group's blocks may have been freed before the
+        request finished (R66): not for full attention, which holds them."""
+        groups = self.setup.groups
+        return not all(groups[g.group_id].holds_all_blocks for g in payload.groups)
 
     def take_kv_checksums_to_send(self, req_id: str) -> bytes | None:
         """The CONNECTOR-carried bytes of a finished producer request, once."""

@@ -317,7 +317,12 @@ class KVChecksumScheduler:
 
 def _transfer_groups(kv_cache_config: Any) -> dict[int, SchedulerGroup]:
     """The scheduler's view of vLLM's transfer groups (R64-R67, R85)."""
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups: dict[int, SchedulerGroup] = {}
     for group_id in kv_cache_config.transfer_group_ids:
@@ -334,5 +339,9 @@ def _transfer_groups(kv_cache_config: Any) -> dict[int, SchedulerGroup]:
                 tp_comparable=is_tp_comparable(spec),
             )
             continue
-        groups[group_id] = SchedulerGroup(spec.block_size, window)
+        # Exact types: a subclass may free blocks early (R66).
+        holds_all = type(spec) in (FullAttentionSpec, MLAAttentionSpec)
+        groups[group_id] = SchedulerGroup(
+            spec.block_size, window, holds_all_blocks=holds_all
+        )
     return groups
