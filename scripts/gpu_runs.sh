@@ -386,7 +386,8 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # sitecustomize (every hook's time minus the vLLM method it wraps, and the
 # engine steps); pass --tier. The summary lands in $OUT/hook_timer.json
 # (hook_timer-T.json with KV_CHECKSUM_RUN_TAG=T).
-# KV_CHECKSUM_HOOK_TIMER_DEEP=1: core methods too; KV_CHECKSUM_HOOK_TIMER_CPU=1:
+# KV_CHECKSUM_HOOK_TIMER_DEEP=1: core methods too (=Class,Class: those classes
+# only, e.g. KVChecksumPendingRecord); KV_CHECKSUM_HOOK_TIMER_CPU=1:
 # the hooks' thread CPU time beside their wall time (waiting or working?);
 # KV_CHECKSUM_HOOK_TIMER_REQUESTS=1: per request, the steps and ms from arrival
 # to its load's finish, its first scheduled tokens and its first token (does a

@@ -9,7 +9,9 @@ counts its calls, its whole time and the time of the vLLM method it wraps;
 `whole - wrapped` is the package's own time in that hook. It also counts
 engine steps (`EngineCore.step*`). With KV_CHECKSUM_HOOK_TIMER_DEEP=1 it
 also times every method of the core classes in `DEEP` (inclusive: nested
-calls count in their callers too), to tell which part of a hook costs;
+calls count in their callers too), to tell which part of a hook costs
+(KV_CHECKSUM_HOOK_TIMER_DEEP=Class,Class...: those classes only, e.g.
+KVChecksumPendingRecord, whose `finalize` waits for the step's host copy);
 with KV_CHECKSUM_HOOK_TIMER_HOOKS=0 it leaves the hooks alone and counts
 only steps and garbage collections (a nearly untouched engine). Garbage
 collections are always counted, with their time, per generation, and per
@@ -428,11 +430,28 @@ def _time_function(owner: Any, name: str, key: str, out_dir: str) -> None:
     setattr(owner, name, wrapper)
 
 
+def deep_classes(setting: str) -> list[tuple[str, str]]:
+    """The `DEEP` entries KV_CHECKSUM_HOOK_TIMER_DEEP names: "1" for all of
+    them, else a comma-separated list of class names (e.g.
+    "KVChecksumPendingRecord,KVChecksumConsumer": fewer wrappers, and a run
+    that times one suspect alone); an unknown name is reported and skipped."""
+    if setting.strip() == "1":
+        return list(DEEP)
+    names = [name.strip() for name in setting.split(",") if name.strip()]
+    known = {class_name for _, class_name in DEEP}
+    for name in names:
+        if name not in known:
+            print(f"[hook-timer] {name} is not in DEEP; not timed", file=sys.stderr)
+    return [(m, c) for m, c in DEEP if c in names]
+
+
 def _time_core(out_dir: str) -> None:
-    """Deep mode: every plain method of the `DEEP` classes."""
+    """Deep mode: every plain method of the `DEEP` classes (or those named)."""
     import importlib
 
-    for module_name, class_name in DEEP:
+    for module_name, class_name in deep_classes(
+        os.environ.get("KV_CHECKSUM_HOOK_TIMER_DEEP", "1")
+    ):
         try:
             module = importlib.import_module(f"{PACKAGE}.{module_name}")
         except Exception as e:

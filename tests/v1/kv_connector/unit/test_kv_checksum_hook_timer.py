@@ -554,3 +554,19 @@ def test_running_buckets_stay_out_without_the_variable(tmp_path, monkeypatch) ->
     timer._track_running(Scheduler)
     assert vars(Scheduler)["schedule"].__wrapped__ is original
     assert "self.running" in inspect.getsource(Scheduler.__init__)
+
+
+def test_deep_mode_times_the_named_classes_only(capsys) -> None:
+    """Issue 30 (diagnosis): KV_CHECKSUM_HOOK_TIMER_DEEP=1 times every `DEEP`
+    class; a list of class names times those alone, in `DEEP` order, and an
+    unknown name is reported, not timed. Bugs caught: "1" read as a class
+    name (nothing timed), a list timing every class, a misspelt name dropped
+    silently."""
+    timer = load_script("kv_checksum_hook_timer_deep", SCRIPT)
+    assert timer.deep_classes("1") == list(timer.DEEP)
+    picked = timer.deep_classes(" KVChecksumConsumer, KVChecksumPendingRecord,Nope")
+    assert picked == [
+        ("engine.records", "KVChecksumPendingRecord"),
+        ("engine.consumer", "KVChecksumConsumer"),
+    ]
+    assert "Nope is not in DEEP" in capsys.readouterr().err
