@@ -39,7 +39,8 @@ running requests (issue 30 item 2), under "by_running". A step counts in the
 bucket current at its end (its own schedule's), a hook's call in the one
 current when it returns (calls between steps: the last step's).
 Each process writes its totals to
-DIR/PID.json every two seconds. `python kv_checksum_hook_timer.py summarize
+DIR/PID.json every two seconds (on a timed call, or from a daemon thread
+when the process is idle). `python kv_checksum_hook_timer.py summarize
 DIR` prints per process the package's time per step and per hook, with
 checksums on and off told apart by whether any hook did work of its own.
 """
@@ -52,6 +53,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -101,6 +103,13 @@ _whole_cpu: dict[str, float] = defaultdict(float)
 _wrapped_cpu: dict[str, float] = defaultdict(float)
 _calls: dict[str, int] = defaultdict(int)
 _last_dump = [0.0]
+# One writer at a time; the engine thread skips its dump while the flusher
+# writes. The flusher: a daemon thread per process that writes the record
+# when no timed call did for `_DUMP_EVERY_S` (an engine idle after its last
+# requests would otherwise leave up to that long of them unwritten).
+_dump_lock = threading.Lock()
+_flusher_pid = [0]
+_flusher_on = [False]  # set by `activate()` (an engine), not by tests' loads
 # Garbage collections per generation: count and seconds.
 _gc_counts = [0, 0, 0]
 _gc_seconds = [0.0, 0.0, 0.0]
@@ -289,7 +298,53 @@ def _dump(out_dir: str) -> None:
     now = time.perf_counter()
     if now - _last_dump[0] < _DUMP_EVERY_S:
         return
-    _last_dump[0] = now
+    if _flusher_on[0]:
+        _start_flusher(out_dir)
+    if not _dump_lock.acquire(blocking=False):
+        return  # the flusher is writing
+    try:
+        _last_dump[0] = now
+        _write(out_dir)
+    finally:
+        _dump_lock.release()
+
+
+def flush_if_idle(out_dir: str) -> bool:
+    """The flusher's work: write the record if no dump did for
+    `_DUMP_EVERY_S`; False if not due, or if the engine thread changed a
+    table while it was read (the next round writes it)."""
+    with _dump_lock:
+        now = time.perf_counter()
+        if now - _last_dump[0] < _DUMP_EVERY_S:
+            return False
+        try:
+            _write(out_dir)
+        except RuntimeError:  # "dictionary changed size during iteration"
+            return False
+        _last_dump[0] = now
+        return True
+
+
+def _start_flusher(out_dir: str) -> None:
+    """Start this process's flusher once (a forked child starts its own)."""
+    if _flusher_pid[0] == os.getpid():
+        return
+    _flusher_pid[0] = os.getpid()
+
+    def run() -> None:
+        while True:
+            time.sleep(_DUMP_EVERY_S)
+            try:
+                flush_if_idle(out_dir)
+            except Exception as e:  # never into the engine; report once
+                print(f"[hook-timer] flusher stopped: {e!r}", file=sys.stderr)
+                return
+
+    threading.Thread(target=run, name="kv-checksum-hook-timer", daemon=True).start()
+
+
+def _write(out_dir: str) -> None:
+    """This process's totals to OUT_DIR/PID.json (through a temporary file)."""
     path = os.path.join(out_dir, f"{os.getpid()}.json")
     record = {
         "pid": os.getpid(),
@@ -538,6 +593,7 @@ def activate() -> None:
     os.makedirs(out_dir, exist_ok=True)
     sys.meta_path.insert(0, _WiringFinder(out_dir))
     gc.callbacks.append(_on_gc)
+    _flusher_on[0] = True
 
 
 def own_by_hook() -> dict[str, float]:
