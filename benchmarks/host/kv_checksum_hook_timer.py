@@ -301,10 +301,15 @@ def _dump(out_dir: str) -> None:
     if _flusher_on[0]:
         _start_flusher(out_dir)
     if not _dump_lock.acquire(blocking=False):
-        return  # the flusher is writing
+        return  # the flusher (or another thread) is writing
     try:
-        _last_dump[0] = now
         _write(out_dir)
+        _last_dump[0] = now
+    except RuntimeError:
+        # A table changed under a timed call on another thread while it was
+        # read ("dictionary changed size during iteration"): never into the
+        # engine; the next dump writes it.
+        pass
     finally:
         _dump_lock.release()
 

@@ -609,3 +609,31 @@ def test_an_idle_engines_last_calls_are_written_by_the_flusher(
     assert written_steps() == 2
     assert not timer.flush_if_idle(out)  # just written
     assert timer._flusher_pid[0] == 0  # loaded without activate(): no thread
+
+
+def test_a_dump_that_meets_a_changing_table_never_raises(tmp_path, monkeypatch) -> None:
+    """Issue 30 (diagnosis): a timed call on another thread can change a table
+    while a dump reads it; the dump must not raise into the engine (the
+    wrapper's `finally` would carry it into vLLM's call) and the next dump
+    writes the record. Bugs caught: the RuntimeError let through, or the
+    failed dump counted as written (then nothing is written for 2 s)."""
+    timer = load_script("kv_checksum_hook_timer_race", SCRIPT)
+    now = [50.0]
+    monkeypatch.setattr(timer.time, "perf_counter", lambda: now[0])
+    out = str(tmp_path)
+    real_write = timer._write
+    fail = [True]
+
+    def write(out_dir: str) -> None:
+        if fail[0]:
+            raise RuntimeError("dictionary changed size during iteration")
+        real_write(out_dir)
+
+    monkeypatch.setattr(timer, "_write", write)
+    timer._calls["EngineCore.step"] += 1
+    timer._dump(out)  # meets the change: no exception, nothing written
+    assert not list(tmp_path.glob("*.json"))
+    fail[0] = False
+    now[0] += 0.1  # well within 2 s of the failed attempt
+    timer._dump(out)
+    assert len(list(tmp_path.glob("*.json"))) == 1
