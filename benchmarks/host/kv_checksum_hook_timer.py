@@ -303,13 +303,7 @@ def _dump(out_dir: str) -> None:
     if not _dump_lock.acquire(blocking=False):
         return  # the flusher (or another thread) is writing
     try:
-        _write(out_dir)
-        _last_dump[0] = now
-    except RuntimeError:
-        # A table changed under a timed call on another thread while it was
-        # read ("dictionary changed size during iteration"): never into the
-        # engine; the next dump writes it.
-        pass
+        _write_at(out_dir, now)
     finally:
         _dump_lock.release()
 
@@ -320,14 +314,20 @@ def flush_if_idle(out_dir: str) -> bool:
     table while it was read (the next round writes it)."""
     with _dump_lock:
         now = time.perf_counter()
-        if now - _last_dump[0] < _DUMP_EVERY_S:
-            return False
-        try:
-            _write(out_dir)
-        except RuntimeError:  # "dictionary changed size during iteration"
-            return False
-        _last_dump[0] = now
-        return True
+        return now - _last_dump[0] >= _DUMP_EVERY_S and _write_at(out_dir, now)
+
+
+def _write_at(out_dir: str, now: float) -> bool:
+    """`_write`, then `now` is the last dump; with the lock held. False when a
+    table changed under a timed call on another thread while it was read
+    ("dictionary changed size during iteration"): never raised into the
+    engine, and the next dump writes it."""
+    try:
+        _write(out_dir)
+    except RuntimeError:
+        return False
+    _last_dump[0] = now
+    return True
 
 
 def _start_flusher(out_dir: str) -> None:
@@ -385,29 +385,8 @@ def _timed_wrap(out_dir: str) -> Any:
         def decorator(hook: Any) -> Any:
             original = getattr(cls, name)
 
-            def timed_original(*args: Any, **kwargs: Any) -> Any:
-                start, cpu, gc_at = time.perf_counter(), _cpu_now(), _gc_total[0]
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    _wrapped[key] += time.perf_counter() - start
-                    _wrapped_cpu[key] += _cpu_now() - cpu
-                    _wrapped_gc[key] += _gc_total[0] - gc_at
-
             @functools.wraps(original)
-            def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-                start, cpu, gc_at = time.perf_counter(), _cpu_now(), _gc_total[0]
-                try:
-                    return hook(timed_original, self, *args, **kwargs)
-                finally:
-                    _whole[key] += time.perf_counter() - start
-                    _whole_cpu[key] += _cpu_now() - cpu
-                    _whole_gc[key] += _gc_total[0] - gc_at
-                    _calls[key] += 1
-                    _dump(out_dir)
-
-            @functools.wraps(original)
-            def running_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
                 # This call's wrapped time, apart from the running totals (a
                 # hook may call its original more than once, or not at all).
                 inner = [0.0]
@@ -432,10 +411,10 @@ def _timed_wrap(out_dir: str) -> Any:
                     _whole_cpu[key] += _cpu_now() - cpu
                     _whole_gc[key] += _gc_total[0] - gc_at
                     _calls[key] += 1
-                    _bucket_own[_current_bucket][key] += whole - inner[0]
+                    if _RUNNING:
+                        _bucket_own[_current_bucket][key] += whole - inner[0]
                     _dump(out_dir)
 
-            timed = running_wrapper if _RUNNING else wrapper
             timed.__kv_checksum_original__ = original  # type: ignore[attr-defined]
             setattr(cls, name, timed)
             return hook

@@ -49,7 +49,7 @@ def test_timed_wrap_counts_the_hook_and_the_method_it_wraps(tmp_path) -> None:
 
 
 def test_collections_in_a_hooks_own_code_are_its_own(tmp_path, monkeypatch) -> None:
-    """Issue 30 item 2 (diagnosis): a garbage collection that starts in a
+    """Issue 30 item 2, R142 (diagnosis): a garbage collection that starts in a
     hook's own code counts in the hook's own collection time; one inside
     the vLLM method it wraps does not (whole - wrapped), and the summary
     reports it per hook. Collections are driven through the timer's own gc
@@ -278,6 +278,24 @@ def test_request_steps_trace_a_real_scheduler_alike_on_and_off(
     assert counted[True] == counted[False]
 
 
+def _summary_row(
+    timer, tmp_path, pid: int, whole: dict, wrapped: dict, calls: dict, **extra
+) -> dict:
+    """`summarize`'s row of one engine record: 100 steps of 1 s in all, a
+    constructor (`ActiveKVConnector.__init__`, 0.5 s, one call) and the given
+    hook totals (`extra`: further record fields, e.g. the CPU times)."""
+    record = {
+        "pid": pid,
+        "ppid": 1,
+        "whole": {"EngineCore.step": 1.0, "ActiveKVConnector.__init__": 0.5, **whole},
+        "wrapped": wrapped,
+        "calls": {"EngineCore.step": 100, "ActiveKVConnector.__init__": 1, **calls},
+        **extra,
+    }
+    (tmp_path / f"{pid}.json").write_text(json.dumps(record))
+    return timer.summarize(str(tmp_path))[str(pid)]
+
+
 def test_summary_keeps_start_up_and_vllm_parts_apart(tmp_path) -> None:
     """R142 (diagnosis), issue 30: a hook that ran once (a constructor) is
     start-up cost, left out of the per-step figure beside the total, and
@@ -287,25 +305,14 @@ def test_summary_keeps_start_up_and_vllm_parts_apart(tmp_path) -> None:
     300 us "per step"), and vLLM's `schedule` counted as the package's own
     time."""
     timer = load_script("kv_checksum_hook_timer_parts", SCRIPT)
-    engine = {
-        "pid": 21,
-        "ppid": 1,
-        "whole": {
-            "EngineCore.step": 1.0,
-            "ActiveKVConnector.__init__": 0.5,
-            "Scheduler.update_from_output": 0.004,
-            "vllm:Scheduler.schedule": 0.02,
-        },
-        "wrapped": {"Scheduler.update_from_output": 0.002},
-        "calls": {
-            "EngineCore.step": 100,
-            "ActiveKVConnector.__init__": 1,
-            "Scheduler.update_from_output": 100,
-            "vllm:Scheduler.schedule": 100,
-        },
-    }
-    (tmp_path / "21.json").write_text(json.dumps(engine))
-    row = timer.summarize(str(tmp_path))["21"]
+    row = _summary_row(
+        timer,
+        tmp_path,
+        21,
+        whole={"Scheduler.update_from_output": 0.004, "vllm:Scheduler.schedule": 0.02},
+        wrapped={"Scheduler.update_from_output": 0.002},
+        calls={"Scheduler.update_from_output": 100, "vllm:Scheduler.schedule": 100},
+    )
     assert abs(row["own_us_per_step"] - 5020.0) < 1e-6
     assert row["own_us_per_step_without_start_up"] == 20.0
     assert row["vllm_us_per_step"] == {"Scheduler.schedule": 200.0}
@@ -313,34 +320,25 @@ def test_summary_keeps_start_up_and_vllm_parts_apart(tmp_path) -> None:
 
 
 def test_summary_gives_each_hooks_cpu_time_without_start_up(tmp_path) -> None:
-    """Issue 30 item 2 (diagnosis): thread CPU time per hook and per step,
+    """Issue 30 item 2, R142 (diagnosis): thread CPU time per hook and per step,
     start-up (hooks run once) left out, beside the wall figures, so a hook
     whose wall time is well above its CPU time shows as waiting. Bug caught
     (2026-12-04 run): a constructor's CPU seconds in the per-step CPU total
     made it exceed the per-step wall figure (1,586 against 573 us)."""
     timer = load_script("kv_checksum_hook_timer_cpu", SCRIPT)
-    engine = {
-        "pid": 31,
-        "ppid": 1,
-        "whole": {
-            "EngineCore.step": 1.0,
-            "ActiveKVConnector.__init__": 0.5,
-            "OffloadingConnector.build_connector_meta": 0.016,
-        },
-        "wrapped": {"OffloadingConnector.build_connector_meta": 0.001},
-        "whole_cpu": {
+    row = _summary_row(
+        timer,
+        tmp_path,
+        31,
+        whole={"OffloadingConnector.build_connector_meta": 0.016},
+        wrapped={"OffloadingConnector.build_connector_meta": 0.001},
+        calls={"OffloadingConnector.build_connector_meta": 100},
+        whole_cpu={
             "ActiveKVConnector.__init__": 0.4,
             "OffloadingConnector.build_connector_meta": 0.005,
         },
-        "wrapped_cpu": {"OffloadingConnector.build_connector_meta": 0.001},
-        "calls": {
-            "EngineCore.step": 100,
-            "ActiveKVConnector.__init__": 1,
-            "OffloadingConnector.build_connector_meta": 100,
-        },
-    }
-    (tmp_path / "31.json").write_text(json.dumps(engine))
-    row = timer.summarize(str(tmp_path))["31"]
+        wrapped_cpu={"OffloadingConnector.build_connector_meta": 0.001},
+    )
     # own wall: (0.016 - 0.001) s / 100 steps = 150 us; own CPU (0.005 -
     # 0.001) s / 100 = 40 us; the constructor's 0.4 s is start-up.
     assert row["own_us_per_step_without_start_up"] == 150.0
@@ -557,7 +555,7 @@ def test_running_buckets_stay_out_without_the_variable(tmp_path, monkeypatch) ->
 
 
 def test_deep_mode_times_the_named_classes_only(capsys) -> None:
-    """Issue 30 (diagnosis): KV_CHECKSUM_HOOK_TIMER_DEEP=1 times every `DEEP`
+    """Issue 30, R142 (diagnosis): KV_CHECKSUM_HOOK_TIMER_DEEP=1 times every `DEEP`
     class; a list of class names times those alone, in `DEEP` order, and an
     unknown name is reported, not timed. Bugs caught: "1" read as a class
     name (nothing timed), a list timing every class, a misspelt name dropped
@@ -575,7 +573,7 @@ def test_deep_mode_times_the_named_classes_only(capsys) -> None:
 def test_an_idle_engines_last_calls_are_written_by_the_flusher(
     tmp_path, monkeypatch
 ) -> None:
-    """Issue 30 (diagnosis): the record is written on a timed call at most every
+    """Issue 30, R142 (diagnosis): the record is written on a timed call at most every
     2 s, so the calls of an engine's last 2 s before it goes idle stayed
     unwritten (2026-12-04b: an on producer recorded 1,424 of 1,552
     requests). `flush_if_idle` (the flusher thread's work) writes them once
@@ -612,7 +610,7 @@ def test_an_idle_engines_last_calls_are_written_by_the_flusher(
 
 
 def test_a_dump_that_meets_a_changing_table_never_raises(tmp_path, monkeypatch) -> None:
-    """Issue 30 (diagnosis): a timed call on another thread can change a table
+    """Issue 30, R142 (diagnosis): a timed call on another thread can change a table
     while a dump reads it; the dump must not raise into the engine (the
     wrapper's `finally` would carry it into vLLM's call) and the next dump
     writes the record. Bugs caught: the RuntimeError let through, or the

@@ -57,7 +57,8 @@ def install_metrics_hooks() -> None:
         (R134). The number of requests holding checksum state goes with
         them when it changed since it was last sent (R141, a gauge), recounted
         when `TrackedRecount` says (the engine starting or draining, and every
-        16 busy steps: a recount walks every tracked request, R142).
+        `TRACKED_RECOUNT_STEPS` busy steps: a recount walks every tracked
+        request, R142).
         Upstream: a checksum stats field."""
         stats = original(self, *args, **kwargs)
         kcs = getattr(self, "kv_checksum_scheduler", None)
