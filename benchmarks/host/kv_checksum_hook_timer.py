@@ -75,6 +75,20 @@ DEEP = (
     ("offload.offloading", "HostEntryTable"),
     ("offload.loads", "KVChecksumOffloadLoads"),
     ("definition.kernels", "KVChecksumLaunch"),
+    ("definition.kernels", "CompiledLaunch"),
+    ("wire.payload", "KVChecksumPayload"),
+)
+# (module under the package, name): module-level functions timed in deep mode
+# where that module looks them up (a class there: its construction), keyed
+# "core:module.name"; KV_CHECKSUM_HOOK_TIMER_DEEP names them by name.
+DEEP_FUNCTIONS = (
+    ("engine.launches", "segment_rows"),
+    ("engine.launches", "upload_segments"),
+    ("engine.launches", "_Layout"),
+    ("engine.consumer", "select_blocks"),
+    ("engine.consumer", "verify_load"),
+    ("engine.producer", "select_blocks"),
+    ("engine.producer", "build_producer_payload"),
 )
 # (module, class, method): vLLM's step parts timed with ..._VLLM=1; one a
 # vLLM version lacks is skipped.
@@ -469,28 +483,41 @@ def _time_function(owner: Any, name: str, key: str, out_dir: str) -> None:
     setattr(owner, name, wrapper)
 
 
+def _deep_names(setting: str) -> set[str] | None:
+    """The names KV_CHECKSUM_HOOK_TIMER_DEEP lists, None for "1" (all); an
+    unknown name is reported and skipped."""
+    if setting.strip() == "1":
+        return None
+    names = {name.strip() for name in setting.split(",") if name.strip()}
+    known = {c for _, c in DEEP} | {f for _, f in DEEP_FUNCTIONS}
+    for name in sorted(names - known):
+        print(f"[hook-timer] {name} is not in DEEP; not timed", file=sys.stderr)
+    return names
+
+
 def deep_classes(setting: str) -> list[tuple[str, str]]:
     """The `DEEP` entries KV_CHECKSUM_HOOK_TIMER_DEEP names: "1" for all of
-    them, else a comma-separated list of class names (e.g.
-    "KVChecksumPendingRecord,KVChecksumConsumer": fewer wrappers, and a run
-    that times one suspect alone); an unknown name is reported and skipped."""
-    if setting.strip() == "1":
-        return list(DEEP)
-    names = [name.strip() for name in setting.split(",") if name.strip()]
-    known = {class_name for _, class_name in DEEP}
-    for name in names:
-        if name not in known:
-            print(f"[hook-timer] {name} is not in DEEP; not timed", file=sys.stderr)
-    return [(m, c) for m, c in DEEP if c in names]
+    them, else a comma-separated list of class (or `DEEP_FUNCTIONS` function)
+    names (e.g. "KVChecksumPendingRecord,KVChecksumConsumer": fewer wrappers,
+    and a run that times one suspect alone); an unknown name is reported and
+    skipped."""
+    names = _deep_names(setting)
+    return [(m, c) for m, c in DEEP if names is None or c in names]
+
+
+def deep_functions(setting: str) -> list[tuple[str, str]]:
+    """The `DEEP_FUNCTIONS` entries the same setting names ("1": all)."""
+    names = _deep_names(setting)
+    return [(m, f) for m, f in DEEP_FUNCTIONS if names is None or f in names]
 
 
 def _time_core(out_dir: str) -> None:
-    """Deep mode: every plain method of the `DEEP` classes (or those named)."""
+    """Deep mode: every plain method of the `DEEP` classes and every
+    `DEEP_FUNCTIONS` function (or those named)."""
     import importlib
 
-    for module_name, class_name in deep_classes(
-        os.environ.get("KV_CHECKSUM_HOOK_TIMER_DEEP", "1")
-    ):
+    setting = os.environ.get("KV_CHECKSUM_HOOK_TIMER_DEEP", "1")
+    for module_name, class_name in deep_classes(setting):
         try:
             module = importlib.import_module(f"{PACKAGE}.{module_name}")
         except Exception as e:
@@ -503,6 +530,14 @@ def _time_core(out_dir: str) -> None:
             if name.startswith("__") or not callable(value) or isinstance(value, type):
                 continue
             _time_function(cls, name, f"core:{class_name}.{name}", out_dir)
+    for module_name, name in deep_functions(setting):
+        try:
+            module = importlib.import_module(f"{PACKAGE}.{module_name}")
+        except Exception as e:
+            print(f"[hook-timer] {module_name} not timed: {e!r}", file=sys.stderr)
+            continue
+        if name in vars(module):
+            _time_function(module, name, f"core:{module_name}.{name}", out_dir)
 
 
 def _time_vllm_parts(out_dir: str) -> None:

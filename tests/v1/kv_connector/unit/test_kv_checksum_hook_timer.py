@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
@@ -568,6 +569,38 @@ def test_deep_mode_times_the_named_classes_only(capsys) -> None:
         ("engine.consumer", "KVChecksumConsumer"),
     ]
     assert "Nope is not in DEEP" in capsys.readouterr().err
+
+
+def test_deep_mode_times_named_module_functions_where_they_are_looked_up(
+    tmp_path, monkeypatch
+) -> None:
+    """Issue 30, R142 (diagnosis): a `DEEP_FUNCTIONS` name in
+    KV_CHECKSUM_HOOK_TIMER_DEEP times that function in the module that calls
+    it (the launcher's `segment_rows`, imported by name there), keyed
+    "core:engine.launches.segment_rows", and leaves the other functions and
+    the classes alone. Bugs caught: the function wrapped in its defining
+    module only (the launcher's calls go uncounted), every function timed
+    for one name, a class timed for a function's name."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+        KVChecksumBlocks,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.engine import launches
+
+    timer = load_script("kv_checksum_hook_timer_functions", SCRIPT)
+    assert timer.deep_functions("1") == list(timer.DEEP_FUNCTIONS)
+    assert timer.deep_functions("segment_rows,KVChecksumConsumer") == [
+        ("engine.launches", "segment_rows")
+    ]
+    assert timer.deep_classes("segment_rows") == []
+    for name in ("segment_rows", "upload_segments", "_Layout"):
+        monkeypatch.setattr(launches, name, getattr(launches, name))  # restored
+    monkeypatch.setenv("KV_CHECKSUM_HOOK_TIMER_DEEP", "segment_rows")
+    timer._time_core(str(tmp_path))
+    blocks = KVChecksumBlocks(num_tokens=32, groups={0: (0, np.array([3, 5]))})
+    _, _, counts, rows = launches.segment_rows([("r", blocks)], 0, 16)
+    assert list(counts) == [2] and rows.shape == (3, 2)
+    assert dict(timer._calls) == {"core:engine.launches.segment_rows": 1}
+    assert not hasattr(launches.upload_segments, "__wrapped__")
 
 
 def test_an_idle_engines_last_calls_are_written_by_the_flusher(
