@@ -1131,27 +1131,73 @@ def test_received_only_on_first_worker(tp_rank, pp_rank):
 
 def test_side_stream_copy_without_host_sync(lifecycle, cuda_stream_stubs):
     """R55: results are copied on the worker's side stream, which first waits for
-    the compute stream; an event recorded there is waited on only in finalize.
+    the compute stream (an event recorded there this step, then waited on); an
+    event recorded after the copy is waited on only in finalize.
 
-    Catches a host synchronization in the engine step or a copy not ordered
-    after the checksum kernels."""
+    Catches a host synchronization in the engine step, a copy not ordered
+    after the checksum kernels, and (issue 30: one ordering event for good)
+    the side stream waiting before this step's record (on the last step's
+    kernels only)."""
     worker, want = lifecycle
     state = cuda_stream_stubs
     compute = state.current
     pending = send(worker, {REQ: blocks(28, (0, 0, [2, 5]))})  # finalized
     assert hexes(pending.checksums[REQ][0].values[:, 0]) == hexes(want)
-    worker.bind(_scheduled("send", {REQ: blocks(28, (0, 0, [2, 5]))}))
-    pending = worker.post_forward(finished_recving=())
     side = [s for s in state.created_streams if s is not compute]
     assert len(side) == 1  # one side stream, reused across steps
-    assert side[0].waited_streams[-1] is compute
+    order: list[tuple[str, object]] = []
+    ordering = worker.launcher._compute_done
+    record, wait = ordering.record, side[0].wait_event
+    ordering.record = lambda stream=None: (
+        order.append(("record", stream)) or record(stream)
+    )
+    side[0].wait_event = lambda event: order.append(("wait", event)) or wait(event)
+    waits = {id(e): e.num_synchronize for e in state.created_events}
+    worker.bind(_scheduled("send", {REQ: blocks(28, (0, 0, [2, 5]))}))
+    pending = worker.post_forward(finished_recving=())
+    assert order == [("record", compute), ("wait", ordering)]
+    assert len(state.created_streams) == 1  # one side stream, reused
     event = pending.event
-    assert event.recorded_on == [side[0]]
-    assert event.num_synchronize == 0 and compute.num_synchronize == 0
+    assert event.recorded_on[-1] is side[0]
+    # No wait in the step (the event may be one reused, waited on before).
+    assert event.num_synchronize == waits.get(id(event), 0)
+    assert compute.num_synchronize == 0
     assert state.current is compute  # the stream context was left
     record = pending.finalize()
-    assert event.num_synchronize == 1
+    assert event.num_synchronize == waits.get(id(event), 0) + 1
     assert hexes(record.checksums[REQ][0].values[:, 0]) == hexes(want)
+
+
+def test_R55_side_copy_holds_its_device_run_and_reuses_waited_events(
+    lifecycle, cuda_stream_stubs
+):
+    """R55, issue 30 (driver calls per step): a record holds the device run its
+    side-stream copy reads until `finalize` waited for the copy (what
+    `record_stream` guarded: the allocator handing that memory to the next
+    kernels mid-copy), then lets it go; a waited-for event goes back to the
+    launcher and the next step records it again, while an event still
+    unwaited is never handed out twice. Bugs caught: the run dropped at the
+    step's end (a read of reused memory), an event reused before its reader
+    waited (finalize would wait for a later step's copy), events never
+    reused (a create and a destroy every step)."""
+    worker, want = lifecycle
+    worker.bind(_scheduled("send", {REQ: blocks(28, (0, 0, [2, 5]))}))
+    first = worker.post_forward(finished_recving=())
+    assert first.device_run is not None
+    run, result = first.device_run, first.results[0].device
+    assert run.untyped_storage().data_ptr() == result.untyped_storage().data_ptr()
+    worker.bind(_scheduled("send", {REQ: blocks(28, (0, 0, [2, 5]))}))
+    second = worker.post_forward(finished_recving=())
+    assert second.event is not first.event  # first's reader has not waited
+    first_event = first.event
+    record = first.finalize()
+    assert first.device_run is None and first.event is None
+    assert hexes(record.checksums[REQ][0].values[:, 0]) == hexes(want)
+    worker.bind(_scheduled("send", {REQ: blocks(28, (0, 0, [2, 5]))}))
+    third = worker.post_forward(finished_recving=())
+    assert third.event is first_event  # waited for, so reused
+    assert hexes(third.finalize().checksums[REQ][0].values[:, 0]) == hexes(want)
+    assert hexes(second.finalize().checksums[REQ][0].values[:, 0]) == hexes(want)
 
 
 @pytest.mark.parametrize("index", [1, None])

@@ -43,6 +43,9 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# Waited-for result events kept for reuse; a step hands out one.
+EVENT_POOL_SIZE = 8
+
 Requests = Sequence[tuple[str, KVChecksumBlocks]]
 
 
@@ -59,8 +62,14 @@ class ChecksumLauncher:
         self.groups = groups
         self.topology = topology
         self.table = table
-        # Made at the first copy (`_side_streams`).
+        # Made at the first copy (`_side_streams`), with the event the side
+        # stream waits on (recorded on the compute stream every copy: one
+        # event for good, not a new one per `wait_stream`, issue 30).
         self._streams: _SideStreams | None = None
+        self._compute_done: Any = None
+        # Result events their readers waited for (`finalize` gives them
+        # back): reused, so a step creates and destroys none (issue 30).
+        self._events: deque[Any] = deque(maxlen=EVENT_POOL_SIZE)
         # Zero-copy results: pinned buffers the device may still be writing,
         # held until their events completed so no allocation reuses them.
         self.zero_copy = False
@@ -231,6 +240,11 @@ class ChecksumLauncher:
             host, event = self._write_to_host(run)
         else:
             host, event = self._copy_on_side_stream(run)
+            # Held by the record until its reader waited for the copy, so the
+            # allocator cannot hand `run` to the compute stream's next
+            # kernels while the side stream reads it (no record_stream).
+            pending.device_run = run
+            pending.event_pool = self._events
         base, size = run.data_ptr(), run.element_size()
         for result in pending.results:
             result.host_at = (result.device.data_ptr() - base) // size
@@ -272,18 +286,17 @@ class ChecksumLauncher:
         """`flat` copied to one pinned buffer on the side stream, after the
         compute stream's work so far; the event follows. The side stream is
         current for the copy only; then the compute stream is again, and the
-        device that was current before (setting a stream selects its device)."""
+        device that was current before (setting a stream selects its device).
+        The caller keeps `flat` alive until the event is waited for."""
         on_device = self.topology.device.type != "cpu"
         if self._streams is None:
             self._streams = self._side_streams()
+            self._compute_done = torch.cuda.Event()
         streams = self._streams
         side, index = streams.side, streams.device_index
         compute = streams.current()
-        side.wait_stream(compute)
-        if on_device:
-            # The upload, allocated on the compute stream, read here: not
-            # reused before this copy.
-            flat.record_stream(side)
+        self._compute_done.record(compute)
+        side.wait_event(self._compute_done)
         host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
         previous = None if index is None else torch.accelerator.current_device_index()
         streams.set_current(side)
@@ -293,7 +306,7 @@ class ChecksumLauncher:
             streams.set_current(compute)
             if previous is not None and previous != index:
                 torch.accelerator.set_device_index(previous)
-        event = torch.cuda.Event()
+        event = self._events.pop() if self._events else torch.cuda.Event()
         event.record(side)
         return host, event
 

@@ -8,6 +8,7 @@ waits for that copy only when the record is read (R55).
 """
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -50,6 +51,12 @@ class KVChecksumPendingRecord:
     # The pinned host buffer every result's values land in, and its event.
     host: torch.Tensor | None = None
     event: object | None = None
+    # Side-stream copies: the device run being copied, held until the copy
+    # is waited for (instead of the allocator's record_stream), and the
+    # launcher's pool the event goes back to once waited for (issue 30: an
+    # event's create and destroy are driver calls of the engine step).
+    device_run: torch.Tensor | None = None
+    event_pool: deque | None = None
     _record: KVChecksumRecord | None = field(default=None, repr=False)
 
     def __reduce__(self) -> tuple:
@@ -62,6 +69,10 @@ class KVChecksumPendingRecord:
             return self._record
         if self.event is not None:
             self.event.synchronize()  # type: ignore[attr-defined]
+            if self.event_pool is not None:
+                self.event_pool.append(self.event)  # complete: free to reuse
+            self.event, self.event_pool = None, None
+        self.device_run = None  # the copy is done: the allocator may reuse it
         checksums: dict[str, dict[int, KVChecksumGroup]] = {r: {} for r in self.req_ids}
         words = None if self.host is None else self.host.numpy().view(np.uint64)
         for result in self.results:
