@@ -118,15 +118,22 @@ def call_rows(count: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, out
 
 
-def expected_call(launch: Any, rows: torch.Tensor, out: torch.Tensor) -> list[Any]:
-    """The kernel's parameters as the JIT binds them for this call, by name."""
+def expected_call(
+    launch: Any, rows: torch.Tensor, out: torch.Tensor, addresses: bool = False
+) -> list[Any]:
+    """The kernel's parameters as the JIT binds them for this call, by name;
+    with `addresses`, the three pointers as the direct launch passes them
+    (their addresses: the launcher then skips a driver call per tensor)."""
     block, kernel_block, head, token, piece = launch.views[0].stride()
+    pointers: tuple[Any, Any, Any] = (launch._table, rows, out)
+    if addresses:
+        pointers = tuple(t.data_ptr() for t in pointers)  # type: ignore[assignment]
     values = dict(
-        table_ptr=launch._table,
-        rows_ptr=rows,
+        table_ptr=pointers[0],
+        rows_ptr=pointers[1],
         rows_field_stride=rows.stride(0),
         rows_row_stride=rows.stride(1),
-        out_ptr=out,
+        out_ptr=pointers[2],
         out_row_stride=out.stride(0),
         out_col_stride=out.stride(1),
         num_rows=rows.shape[1],
@@ -147,16 +154,19 @@ def expected_call(launch: Any, rows: torch.Tensor, out: torch.Tensor) -> list[An
 
 def test_direct_launch_passes_what_the_jit_binds(fakes: SimpleNamespace) -> None:
     """Later calls reach the launcher, not the JIT, with the arguments the
-    JIT binds (the kernel's parameters in signature order), the current
-    device's stream and no launch metadata or hooks. Bugs: constexprs in
-    another order than the signature's; a profiler hook passed; a per-call
-    stride or count taken from the first call; the stream of device 0."""
+    JIT binds (the kernel's parameters in signature order; the table, rows
+    and output as their addresses, issue 30), the current device's stream
+    and no launch metadata or hooks. Bugs: constexprs in another order than
+    the signature's; a profiler hook passed; a per-call stride, count or
+    address taken from the first call; the stream of device 0."""
     fakes.device.index = 1
     launch = triton_launch(layers=3)
     launch(*call_rows(1))
     assert len(fakes.jit.calls) == 1 and not fakes.jit.compiled.launches
+    held = []  # every call's tensors alive: no address reused across calls
     for count, width in ((5, 0), (2, 3), (7, 1)):
         rows, out = call_rows(count, width)
+        held.append((rows, out))
         launch(rows, out)
         assert len(fakes.jit.calls) == 1, "the JIT ran again"
         call = fakes.jit.compiled.launches[-1]
@@ -165,7 +175,9 @@ def test_direct_launch_passes_what_the_jit_binds(fakes: SimpleNamespace) -> None
         assert call[4] is fakes.jit.compiled.function
         assert call[5] is fakes.jit.compiled.packed_metadata
         assert call[6:9] == (None, None, None)
-        assert same_values(list(call[9:]), expected_call(launch, rows, out))
+        want = expected_call(launch, rows, out, addresses=True)
+        assert same_values(list(call[9:]), want)
+        assert call[10] == rows.data_ptr() and call[13] == out.data_ptr()
 
 
 def same_values(actual: list[Any], expected: list[Any]) -> bool:

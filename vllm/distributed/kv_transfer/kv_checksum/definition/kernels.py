@@ -957,15 +957,15 @@ class CompiledLaunch:
         is set, so the caller takes the JIT path."""
         if launch_hooks_set():
             return False
-        device = driver.active.get_current_device()
+        active = driver.active
+        device = active.get_current_device()
         if device != self.device:
             return False
-        stream = driver.active.get_current_stream(device)
         self.launcher(
             grid[0],
             grid[1],
             grid[2],
-            stream,
+            active.get_current_stream(device),
             self.function,
             self.packed_metadata,
             None,
@@ -1099,6 +1099,7 @@ class KVChecksumLaunch:
             EARLY=config.early_loads,
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
+        self._table_address = self._table.data_ptr()
         self._direct: CompiledLaunch | None = None
         self._capture_direct = config.direct_launch
 
@@ -1186,25 +1187,25 @@ class KVChecksumLaunch:
             grid = (min(items, self._programs), 1, 1)
         else:
             grid = (num_rows, self._num_chunks, num_layers)
-        args = (
-            self._table,
-            rows,
+        per_call = (
             rows.stride(0),
             rows.stride(1),
-            out,
             out.stride(0),
             out.stride(1),
             num_rows,
             num_layers,
-            *self._strides,
         )
         direct = self._direct
         if direct is not None and _direct_args_ok(rows, out, num_rows):
             try:
-                if direct.launch(grid, args):
+                # Pointers as addresses: the launcher then makes no driver
+                # call (cuPointerGetAttribute) per tensor (issue 30).
+                addresses = (self._table_address, rows.data_ptr(), out.data_ptr())
+                if direct.launch(grid, _kernel_args(addresses, per_call, self._strides)):
                     return
             except Exception:  # noqa: BLE001 - any launcher error: JIT for good
                 self._direct = None
+        args = _kernel_args((self._table, rows, out), per_call, self._strides)
         kernel = _kv_checksum_kernel[grid](*args, **self._constants)
         if direct is None and self._capture_direct:
             # One capture attempt: the JIT path stays if this Triton lacks one.
@@ -1268,6 +1269,30 @@ class KVChecksumLaunch:
         per_head = pieces.sum(dim=(1, 3, 4))
         start_term = (per_head * self._start_factors[layer]).sum(dim=1)
         return at_start + first_tokens * start_term
+
+
+def _kernel_args(
+    pointers: tuple[object, object, object],
+    per_call: tuple[int, ...],
+    view_strides: tuple[int, ...],
+) -> tuple[object, ...]:
+    """The kernel's arguments before its constexprs, in its signature's order:
+    table, rows and out (tensors, or their addresses for a direct launch),
+    the per-call strides and counts, then the views' strides."""
+    table, rows, out = pointers
+    rows_field, rows_row, out_row, out_col, num_rows, num_layers = per_call
+    return (
+        table,
+        rows,
+        rows_field,
+        rows_row,
+        out,
+        out_row,
+        out_col,
+        num_rows,
+        num_layers,
+        *view_strides,
+    )
 
 
 def _direct_args_ok(rows: torch.Tensor, out: torch.Tensor, num_rows: int) -> bool:
