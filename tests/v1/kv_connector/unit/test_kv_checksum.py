@@ -1200,6 +1200,57 @@ def test_R55_side_copy_holds_its_device_run_and_reuses_waited_events(
     assert hexes(second.finalize().checksums[REQ][0].values[:, 0]) == hexes(want)
 
 
+def test_R55_step_buffers_reused_only_once_waited_for_and_zeroed(
+    lifecycle, cuda_stream_stubs
+):
+    """R55, R53, issue 30 (no allocation a pass): a step's upload, device copy
+    and host results live in step buffers that go back to the launcher when
+    the record's reader waited for them; the next step reuses them, its
+    rows and scratch zeroed over what a wider step left there, and a record
+    not yet waited for keeps its own. Values checked against the independent
+    reference every step. Bugs caught: reused scratch not zeroed (sums added
+    onto the last step's rows), buffers handed out before their reader
+    waited (a step overwriting results not yet read), buffers never reused."""
+    worker, want = lifecycle
+    wide = {f"r{i}": blocks(28, (0, 0, [2, 5])) for i in range(3)}
+    worker.bind(_scheduled("send", wide))
+    first = worker.post_forward(finished_recving=())
+    assert first.buffers is not None
+    first_buffers = first.buffers
+    worker.bind(_scheduled("send", {REQ: blocks(28, (0, 0, [2, 5]))}))
+    second = worker.post_forward(finished_recving=())
+    assert second.buffers is not first_buffers  # first not waited for yet
+    record = first.finalize()
+    assert first.buffers is None
+    for req_id in wide:
+        assert hexes(record.checksums[req_id][0].values[:, 0]) == hexes(want)
+    # The narrower step reuses the wide step's buffers, whose first columns
+    # (where its scratch now sits) held the wide step's block rows.
+    worker.bind(_scheduled("send", {REQ: blocks(28, (0, 0, [2, 5]))}))
+    third = worker.post_forward(finished_recving=())
+    assert third.buffers is first_buffers
+    assert hexes(third.finalize().checksums[REQ][0].values[:, 0]) == hexes(want)
+    assert hexes(second.finalize().checksums[REQ][0].values[:, 0]) == hexes(want)
+
+
+def test_R55_step_buffers_too_small_are_replaced(lifecycle, cuda_stream_stubs):
+    """Issue 30: an upload wider than every pooled buffer gets new, larger
+    buffers (a power of two of columns), and the result is still the
+    reference's. Bug caught: a pooled buffer used whatever its size (a view
+    past its end raises, or the upload is cut short)."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine import launches
+
+    worker, want = lifecycle
+    small = launches.StepBuffers.allocate(8, torch.device("cpu"))
+    worker.launcher._buffers.append(small)
+    many = {f"r{i}": blocks(28, (0, 0, [2, 5])) for i in range(600)}
+    record = send(worker, many)
+    assert all(hexes(record.checksums[r][0].values[:, 0]) == hexes(want) for r in many)
+    (reused,) = worker.launcher._buffers
+    assert reused is not small and reused.columns >= 2 * 1200
+    assert reused.columns & (reused.columns - 1) == 0
+
+
 @pytest.mark.parametrize("index", [1, None])
 def test_R55_side_copy_reads_the_workers_device_stream(
     monkeypatch: pytest.MonkeyPatch, index: int | None

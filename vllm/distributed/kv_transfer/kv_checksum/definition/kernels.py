@@ -1201,7 +1201,9 @@ class KVChecksumLaunch:
                 # Pointers as addresses: the launcher then makes no driver
                 # call (cuPointerGetAttribute) per tensor (issue 30).
                 addresses = (self._table_address, rows.data_ptr(), out.data_ptr())
-                if direct.launch(grid, _kernel_args(addresses, per_call, self._strides)):
+                if direct.launch(
+                    grid, _kernel_args(addresses, per_call, self._strides)
+                ):
                     return
             except Exception:  # noqa: BLE001 - any launcher error: JIT for good
                 self._direct = None

@@ -87,6 +87,12 @@ def _valid_tokens(rows: np.ndarray, ends: np.ndarray | int, block_size: int) -> 
     np.minimum(valid, block_size, out=valid)
 
 
+def packed_width(sizes: Sequence[int]) -> int:
+    """Columns of the array `pack_segments` lays out for parts and reserved
+    segments of these widths (each at an even column, at least 2)."""
+    return max(sum(size + (size & 1) for size in sizes), 2)
+
+
 def pack_segments(
     parts: Sequence[np.ndarray],
     zeros: Callable[[tuple[int, int]], np.ndarray] = lambda shape: np.zeros(
@@ -104,32 +110,51 @@ def pack_segments(
     """
     columns: list[int] = []
     width = 0
-    for size in [part.shape[1] for part in parts] + list(reserve):
+    sizes = [part.shape[1] for part in parts] + list(reserve)
+    for size in sizes:
         columns.append(width)
         width += size + (size & 1)
-    packed = zeros((3, max(width, 2)))
+    packed = zeros((3, packed_width(sizes)))
     for column, part in zip(columns, parts):
         packed[:, column : column + part.shape[1]] = part
     return packed, columns
 
 
 def upload_segments(
-    parts: Sequence[np.ndarray], device: torch.device, reserve: Sequence[int] = ()
+    parts: Sequence[np.ndarray],
+    device: torch.device,
+    reserve: Sequence[int] = (),
+    staging: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """`pack_segments` straight into pinned host memory, then one non-blocking
     copy to `device` (no pageable array pinned by a copy of its own, issue
-    30); on CPU the packed tensor itself. Returns it and the columns."""
+    30); on CPU the packed tensor itself. Returns it and the columns.
+
+    `staging` (pinned, flat int64) and `target` (flat int64 on `device`),
+    both long enough, take the packed array and its device copy instead of
+    new allocations; the caller owns their reuse."""
     on_device = device.type != "cpu"
     host: list[torch.Tensor] = []
 
     def zeros(shape: tuple[int, int]) -> np.ndarray:
-        host.append(torch.zeros(shape, dtype=torch.int64, pin_memory=on_device))
-        return host[-1].numpy()
+        if staging is None:
+            host.append(torch.zeros(shape, dtype=torch.int64, pin_memory=on_device))
+            return host[-1].numpy()
+        host.append(staging[: shape[0] * shape[1]].view(shape))
+        array = host[-1].numpy()
+        array.fill(0)
+        return array
 
     _, columns = pack_segments(parts, zeros, reserve)
+    packed = host[0]
     if not on_device:
-        return host[0], columns
-    return host[0].to(device, non_blocking=True), columns
+        return packed, columns
+    if target is None:
+        return packed.to(device, non_blocking=True), columns
+    uploaded = target[: packed.numel()].view(packed.shape)
+    uploaded.copy_(packed, non_blocking=True)
+    return uploaded, columns
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     RowSegment,
+    packed_width,
     segment_rows,
     upload_segments,
 )
@@ -43,8 +44,12 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Waited-for result events kept for reuse; a step hands out one.
+# Waited-for result events and step buffers kept for reuse; a step takes one
+# of each.
 EVENT_POOL_SIZE = 8
+BUFFER_POOL_SIZE = 4
+# A new step buffer's columns: at least this, else the next power of two.
+MIN_BUFFER_COLUMNS = 1024
 
 Requests = Sequence[tuple[str, KVChecksumBlocks]]
 
@@ -70,6 +75,9 @@ class ChecksumLauncher:
         # Result events their readers waited for (`finalize` gives them
         # back): reused, so a step creates and destroys none (issue 30).
         self._events: deque[Any] = deque(maxlen=EVENT_POOL_SIZE)
+        # Step buffers whose record was waited for (`finalize` gives them
+        # back): a pass allocates no pinned or device memory (issue 30).
+        self._buffers: deque[StepBuffers] = deque(maxlen=BUFFER_POOL_SIZE)
         # Zero-copy results: pinned buffers the device may still be writing,
         # held until their events completed so no allocation reuses them.
         self.zero_copy = False
@@ -109,7 +117,7 @@ class ChecksumLauncher:
         sends: Requests,
         checks: Requests = (),
         saves: Sequence[EntryRows] = (),
-    ) -> tuple[list[PassResult], torch.Tensor | None]:
+    ) -> tuple[list[PassResult], torch.Tensor | None, "StepBuffers | None"]:
         """Build all rows, copy them once to the device and queue every launch.
 
         P/D receives and sends are checksummed per chunk (R135), offloaded-KV
@@ -117,8 +125,10 @@ class ChecksumLauncher:
         (R117, R140). `saves` are the step's prefix entries (R140): written
         first, from the same upload, so that a hit on a block cached this
         step reads its entry; a group's entry write and its hit checks share
-        one launch (issue 30). Returns the results and the one device run
-        holding them all, for `copy_to_host` (None without a pass).
+        one launch (issue 30). Returns the results, the one device run
+        holding them all and the step buffers it lives in, for
+        `copy_to_host` (None, None without a pass: saves alone use buffers
+        of their own, as no record waits for them).
         """
         # (group, plan, whether it reads stored entries, req ids, starts, counts)
         passes: list[
@@ -149,10 +159,18 @@ class ChecksumLauncher:
                     passes.append((plans, plan, reads, req_ids, starts, counts))
                     parts.append(rows)
         if not passes and not saves:
-            return [], None
+            return [], None, None
         layout = _Layout(self.groups, passes, parts, saves, checks_at)
+        buffers = None
+        if passes and not self.zero_copy:
+            sizes = [part.shape[1] for part in layout.parts] + layout.reserve
+            buffers = self._step_buffers(packed_width(sizes))
         rows_dev, columns = upload_segments(
-            layout.parts, self.topology.device, layout.reserve
+            layout.parts,
+            self.topology.device,
+            layout.reserve,
+            None if buffers is None else buffers.staging,
+            None if buffers is None else buffers.device,
         )
         scratch = rows_dev[0]
         part_columns = iter(columns[: len(layout.order)])
@@ -209,9 +227,20 @@ class ChecksumLauncher:
                 )
             results.append(result)
         if not passes:
-            return [], None
+            return [], None, None
         first_out = columns[len(layout.parts)]
-        return results, scratch[first_out : columns[-1] + layout.reserve[-1]]
+        run = scratch[first_out : columns[-1] + layout.reserve[-1]]
+        return results, run, buffers
+
+    def _step_buffers(self, columns: int) -> "StepBuffers":
+        """Buffers for an upload of `columns`: a pooled one large enough (a
+        smaller one popped is dropped), else new ones."""
+        while self._buffers:
+            buffers = self._buffers.pop()
+            if buffers.columns >= columns:
+                return buffers
+        size = max(MIN_BUFFER_COLUMNS, 1 << (columns - 1).bit_length())
+        return StepBuffers.allocate(size, self.topology.device)
 
     def _write_entries(
         self,
@@ -229,22 +258,30 @@ class ChecksumLauncher:
             rows_dev[0, column : column + count],
         )
 
-    def copy_to_host(self, pending: KVChecksumPendingRecord, run: torch.Tensor) -> None:
+    def copy_to_host(
+        self,
+        pending: KVChecksumPendingRecord,
+        run: torch.Tensor,
+        buffers: "StepBuffers | None" = None,
+    ) -> None:
         """Copy the step's results, `run` from `launch`, to one pinned host
         buffer on a side stream (or by the zero-copy kernel,
         `enable_zero_copy`); record an event. One buffer and one copy per
         step, whatever the passes; each result's host values sit where its
         device segment sits in `run` (offsets only: no host tensor views on
-        the step, issue 30)."""
+        the step, issue 30). The record holds the step's `buffers` until its
+        reader waited for the copy, then gives them back for reuse."""
         if self.zero_copy:
             host, event = self._write_to_host(run)
         else:
-            host, event = self._copy_on_side_stream(run)
+            target = None if buffers is None else buffers.host[: run.numel()]
+            host, event = self._copy_on_side_stream(run, target)
             # Held by the record until its reader waited for the copy, so the
             # allocator cannot hand `run` to the compute stream's next
             # kernels while the side stream reads it (no record_stream).
             pending.device_run = run
             pending.event_pool = self._events
+            pending.buffers, pending.buffer_pool = buffers, self._buffers
         base, size = run.data_ptr(), run.element_size()
         for result in pending.results:
             result.host_at = (result.device.data_ptr() - base) // size
@@ -281,13 +318,14 @@ class ChecksumLauncher:
         )
 
     def _copy_on_side_stream(
-        self, flat: torch.Tensor
+        self, flat: torch.Tensor, host: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """`flat` copied to one pinned buffer on the side stream, after the
-        compute stream's work so far; the event follows. The side stream is
-        current for the copy only; then the compute stream is again, and the
-        device that was current before (setting a stream selects its device).
-        The caller keeps `flat` alive until the event is waited for."""
+        """`flat` copied to one pinned buffer (`host`, or a new one) on the
+        side stream, after the compute stream's work so far; the event
+        follows. The side stream is current for the copy only; then the
+        compute stream is again, and the device that was current before
+        (setting a stream selects its device). The caller keeps `flat` alive
+        until the event is waited for."""
         on_device = self.topology.device.type != "cpu"
         if self._streams is None:
             self._streams = self._side_streams()
@@ -297,7 +335,8 @@ class ChecksumLauncher:
         compute = streams.current()
         self._compute_done.record(compute)
         side.wait_event(self._compute_done)
-        host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
+        if host is None:
+            host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
         previous = None if index is None else torch.accelerator.current_device_index()
         streams.set_current(side)
         try:
@@ -325,6 +364,34 @@ class ChecksumLauncher:
         event.record()
         self._in_flight.append((event, host))
         return host, event
+
+
+@dataclass
+class StepBuffers:
+    """A step's pinned upload (`staging`, [3, columns] flat), its device copy
+    (`device`; None on CPU, where the kernels read `staging`) and the pinned
+    results (`host`, the upload's first row at most). Reused once the step's
+    record waited for its copy: that event follows the upload's copy, the
+    kernels and the copy back (issue 30: no allocation a pass)."""
+
+    staging: torch.Tensor
+    device: torch.Tensor | None
+    host: torch.Tensor
+
+    @property
+    def columns(self) -> int:
+        return self.host.numel()
+
+    @classmethod
+    def allocate(cls, columns: int, device: torch.device) -> "StepBuffers":
+        pinned = device.type != "cpu"
+        return cls(
+            torch.empty(3 * columns, dtype=torch.int64, pin_memory=pinned),
+            torch.empty(3 * columns, dtype=torch.int64, device=device)
+            if pinned
+            else None,
+            torch.empty(columns, dtype=torch.int64, pin_memory=pinned),
+        )
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,12 @@ class KVChecksumPendingRecord:
     # is waited for (instead of the allocator's record_stream), and the
     # launcher's pool the event goes back to once waited for (issue 30: an
     # event's create and destroy are driver calls of the engine step).
-    device_run: torch.Tensor | None = None
-    event_pool: deque | None = None
+    device_run: torch.Tensor | None = field(default=None, repr=False)
+    event_pool: deque | None = field(default=None, repr=False)
+    # The launcher's step buffers holding this step's upload and results,
+    # and the pool they go back to once waited for (issue 30).
+    buffers: object | None = field(default=None, repr=False)
+    buffer_pool: deque | None = field(default=None, repr=False)
     _record: KVChecksumRecord | None = field(default=None, repr=False)
 
     def __reduce__(self) -> tuple:
@@ -103,6 +107,11 @@ class KVChecksumPendingRecord:
         )
         self.results = []
         self.host = None
+        if self.buffer_pool is not None and self.buffers is not None:
+            # Waited for, values copied out: the upload, its device copy and
+            # the host results are free for another step.
+            self.buffer_pool.append(self.buffers)
+        self.buffers, self.buffer_pool = None, None
         return self._record
 
 

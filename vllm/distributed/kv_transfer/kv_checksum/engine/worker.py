@@ -171,7 +171,7 @@ class KVChecksumWorker:
             if saves:
                 self.launcher.launch((), (), (), (), saves)
             return None
-        results, run = self.launcher.launch(recvs, loads, sends, checks, saves)
+        results, run, buffers = self.launcher.launch(recvs, loads, sends, checks, saves)
         pending = KVChecksumPendingRecord(
             pp_rank=self.topology.pp_rank,
             tp_rank=self.topology.tp_rank,
@@ -182,7 +182,7 @@ class KVChecksumWorker:
             received=received,
         )
         if run is not None:
-            self.launcher.copy_to_host(pending, run)
+            self.launcher.copy_to_host(pending, run, buffers)
         return pending
 
     # ------------------------------------------------------------------
