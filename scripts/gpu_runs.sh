@@ -41,7 +41,8 @@
 #                                             # 26 item 5), kernel-variants,
 #                                             # cuda-tests, device-calls,
 #                                             # trial-zero-copy, trial-kernel,
-#                                             # trial-jit-launch, kernel-trials
+#                                             # trial-jit-launch,
+#                                             # trial-step-buffers, kernel-trials
 #                                             # (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
@@ -356,6 +357,15 @@ trial-zero-copy | trial-kernel | trial-jit-launch)
         sed -i 's/^ZERO_COPY_RESULTS = False$/ZERO_COPY_RESULTS = True/' "$kernels_py"
     fi
     grep -nE "^(ZERO_COPY_RESULTS|VECTOR_FULL_TILES|NUM_WARPS|CHUNK_PIECES|DIRECT_LAUNCH) " "$kernels_py"
+    ;;
+# trial-step-buffers: every checksum pass reuses its pinned upload, device
+# copy and pinned results once the step's record was waited for
+# (REUSE_STEP_BUFFERS, off until taken on a GPU): run it, then cuda-tests
+# and an engine run (hook-timer-serve, bench-serve) in the same call.
+trial-step-buffers)
+    launches_py="$site/vllm/distributed/kv_transfer/kv_checksum/engine/launches.py"
+    sed -i 's/^REUSE_STEP_BUFFERS = False$/REUSE_STEP_BUFFERS = True/' "$launches_py"
+    grep -n "^REUSE_STEP_BUFFERS " "$launches_py"
     ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.

@@ -1200,8 +1200,32 @@ def test_R55_side_copy_holds_its_device_run_and_reuses_waited_events(
     assert hexes(second.finalize().checksums[REQ][0].values[:, 0]) == hexes(want)
 
 
-def test_R55_step_buffers_reused_only_once_waited_for_and_zeroed(
+@pytest.fixture
+def step_buffers_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """REUSE_STEP_BUFFERS on (off by default until a GPU run took it)."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine import launches
+
+    monkeypatch.setattr(launches, "REUSE_STEP_BUFFERS", True)
+
+
+def test_R55_step_buffers_off_by_default_allocate_per_pass(
     lifecycle, cuda_stream_stubs
+):
+    """Issue 30: with REUSE_STEP_BUFFERS off (the default) a pass takes no
+    step buffers and the record holds none. Bug caught: the flag ignored."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine import launches
+
+    worker, want = lifecycle
+    assert launches.REUSE_STEP_BUFFERS is False
+    worker.bind(_scheduled("send", {REQ: blocks(28, (0, 0, [2, 5]))}))
+    pending = worker.post_forward(finished_recving=())
+    assert pending.buffers is None
+    assert hexes(pending.finalize().checksums[REQ][0].values[:, 0]) == hexes(want)
+    assert not worker.launcher._buffers
+
+
+def test_R55_step_buffers_reused_only_once_waited_for_and_zeroed(
+    lifecycle, cuda_stream_stubs, step_buffers_on
 ):
     """R55, R53, issue 30 (no allocation a pass): a step's upload, device copy
     and host results live in step buffers that go back to the launcher when
@@ -1233,7 +1257,9 @@ def test_R55_step_buffers_reused_only_once_waited_for_and_zeroed(
     assert hexes(second.finalize().checksums[REQ][0].values[:, 0]) == hexes(want)
 
 
-def test_R55_step_buffers_too_small_are_replaced(lifecycle, cuda_stream_stubs):
+def test_R55_step_buffers_too_small_are_replaced(
+    lifecycle, cuda_stream_stubs, step_buffers_on
+):
     """Issue 30: an upload wider than every pooled buffer gets new, larger
     buffers (a power of two of columns), and the result is still the
     reference's. Bug caught: a pooled buffer used whatever its size (a view

@@ -50,6 +50,11 @@ EVENT_POOL_SIZE = 8
 BUFFER_POOL_SIZE = 4
 # A new step buffer's columns: at least this, else the next power of two.
 MIN_BUFFER_COLUMNS = 1024
+# Reuse step buffers (`StepBuffers`): built and CPU-tested, off until the
+# CUDA tests and an engine run have taken it on a GPU (issue 30;
+# `scripts/gpu_runs.sh trial-step-buffers`). Off: every pass allocates its
+# pinned upload, device copy and pinned results.
+REUSE_STEP_BUFFERS = False
 
 Requests = Sequence[tuple[str, KVChecksumBlocks]]
 
@@ -162,7 +167,7 @@ class ChecksumLauncher:
             return [], None, None
         layout = _Layout(self.groups, passes, parts, saves, checks_at)
         buffers = None
-        if passes and not self.zero_copy:
+        if passes and REUSE_STEP_BUFFERS and not self.zero_copy:
             sizes = [part.shape[1] for part in layout.parts] + layout.reserve
             buffers = self._step_buffers(packed_width(sizes))
         rows_dev, columns = upload_segments(
