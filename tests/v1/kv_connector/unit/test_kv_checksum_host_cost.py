@@ -120,3 +120,58 @@ def test_R142_finished_producer_scans_held_blocks_only_where_vllm_frees_early(
     params = produce(engine, "prod", [9] * 80)
     assert "kv_checksums" in params
     assert len(calls) == scans
+
+
+def _reference_selection(
+    blocks: list[Any], begin: int, end: int, window: int
+) -> tuple[int, list[int]] | None:
+    """R64-R66 by hand: the blocks at positions [begin, end), clipped to the
+    last `window` (0: all); leading null blocks dropped; None if none is left
+    or a null block follows a held one."""
+    positions = list(range(begin, min(end, len(blocks))))
+    if window and len(positions) > window:
+        positions = positions[-window:]
+    while positions and blocks[positions[0]].is_null:
+        positions.pop(0)
+    if not positions or any(blocks[p].is_null for p in positions):
+        return None
+    return positions[0], [blocks[p].block_id for p in positions]
+
+
+def test_R64_select_blocks_equals_a_reference_with_and_without_null_blocks() -> None:
+    """R64-R66, R142: `select_blocks` (whose common case, no null block,
+    takes one pass since issue 30) picks what a by-hand reference picks, over
+    random block lists with none, leading and misplaced null blocks, full and
+    sliding-window groups. Bugs caught: the no-null shortcut taken with a
+    null block present (a null block checksummed), an empty range reported
+    as a group, leading nulls kept."""
+    import random
+
+    from vllm.distributed.kv_transfer.kv_checksum.engine.blocks import (
+        SchedulerGroup,
+        select_blocks,
+    )
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    rng = random.Random(30)
+    for case in range(400):
+        count = rng.randint(0, 12)
+        blocks = [KVCacheBlock(block_id=100 + i) for i in range(count)]
+        shape = case % 4
+        if shape == 1 and count:  # leading nulls (out of a window)
+            for i in range(rng.randint(1, count)):
+                blocks[i] = KVCacheBlock(block_id=0, is_null=True)
+        elif shape == 2 and count > 1:  # a null after a held block
+            blocks[rng.randint(1, count - 1)] = KVCacheBlock(block_id=0, is_null=True)
+        window = rng.choice([0, 0, 2, 3])
+        group = SchedulerGroup(block_size=16, sliding_window_blocks=window)
+        first = rng.randint(0, 16 * count + 8)
+        end = rng.randint(first, 16 * count + 16)
+        selected = select_blocks([blocks], {0: group}, first, end)
+        want = _reference_selection(blocks, first // 16, -(-end // 16), window)
+        got = selected.groups.get(0)
+        if want is None:
+            assert got is None, (case, got)
+        else:
+            assert got is not None, (case, want)
+            assert got[0] == want[0] and got[1].tolist() == want[1], (case, got, want)

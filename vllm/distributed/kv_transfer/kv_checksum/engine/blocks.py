@@ -63,6 +63,9 @@ def _group_blocks(
         selected = selected[drop:]
         begin += drop
     is_null = _null_mask(selected)
+    if not is_null.any():  # most requests: every block held (issue 30)
+        ids = np.fromiter(map(_BLOCK_ID, selected), dtype=np.int64, count=len(selected))
+        return (begin, ids) if ids.size else None
     real = np.flatnonzero(~is_null)
     if real.size == 0:
         return None
