@@ -260,9 +260,15 @@ def test_request_steps_trace_a_real_scheduler_alike_on_and_off(
     from tests.v1.kv_connector.unit.test_kv_checksum_offload_connectors import (
         offload_side,
     )
+    from vllm.distributed.kv_transfer.kv_checksum import plugin
     from vllm.v1.core.sched.scheduler import Scheduler
 
     timer = load_script("kv_checksum_hook_timer_real", SCRIPT)
+    # The hooks first (once per process): the methods restored after the test
+    # are then the hooked ones. Installed inside the test, on top of the
+    # tracer, they were undone by the restore while the plugin stayed marked
+    # installed, and later tests in the process ran vLLM without its hooks.
+    plugin.register()
     monkeypatch.setattr(Scheduler, "add_request", Scheduler.add_request)
     monkeypatch.setattr(Scheduler, "update_from_output", Scheduler.update_from_output)
     timer._trace_requests(Scheduler)
