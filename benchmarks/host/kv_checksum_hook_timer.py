@@ -704,6 +704,9 @@ def summarize(out_dir: str) -> dict:
                 k: round(1e6 * v / steps, 2)
                 for k, v in sorted(core.items(), key=lambda kv: -kv[1])
             },
+            # Per call (deep mode): what one pass, load or payload costs,
+            # methods called once (warm-up, start-up) left out.
+            "core_us_per_call": _per_call(core, calls),
             "vllm_us_per_step": {
                 k: round(1e6 * v / steps, 2)
                 for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
@@ -716,6 +719,20 @@ def summarize(out_dir: str) -> dict:
                 record["by_running"], calls
             )
     return result
+
+
+def _per_call(core: dict[str, float], calls: dict[str, int]) -> dict[str, float]:
+    """Deep mode's microseconds a call of each timed method or function (key
+    without "core:"), largest first; those called at most once left out."""
+    per_call = {
+        name: 1e6 * seconds / calls[f"core:{name}"]
+        for name, seconds in core.items()
+        if calls.get(f"core:{name}", 0) > 1
+    }
+    return {
+        name: round(us, 1)
+        for name, us in sorted(per_call.items(), key=lambda kv: -kv[1])
+    }
 
 
 def _running_summary(by_running: dict, calls: dict) -> dict:

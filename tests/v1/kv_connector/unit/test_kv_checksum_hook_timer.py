@@ -609,6 +609,39 @@ def test_deep_mode_times_named_module_functions_where_they_are_looked_up(
     assert not hasattr(launches.upload_segments, "__wrapped__")
 
 
+def test_summary_reports_deep_calls_per_call_without_start_up(tmp_path) -> None:
+    """Issue 30 (diagnosis): deep mode's summary gives each timed method's
+    microseconds a call (its time over its own calls, not the steps), largest
+    first, and leaves out what ran once (a warm-up). Bugs caught: time per
+    call divided by the steps (a pass on one step in ten read as a tenth of
+    its cost), a warm-up's compile reported as a call's cost."""
+    timer = load_script("kv_checksum_hook_timer_per_call", SCRIPT)
+    row = _summary_row(
+        timer,
+        tmp_path,
+        9,
+        {
+            "core:ChecksumLauncher.launch": 0.003,
+            "core:KVChecksumWorker.warm_up": 2.0,
+            "core:engine.launches.segment_rows": 0.0005,
+        },
+        {},
+        {
+            "core:ChecksumLauncher.launch": 10,
+            "core:KVChecksumWorker.warm_up": 1,
+            "core:engine.launches.segment_rows": 10,
+        },
+    )
+    assert row["core_us_per_call"] == {
+        "ChecksumLauncher.launch": 300.0,
+        "engine.launches.segment_rows": 50.0,
+    }
+    assert list(row["core_us_per_call"]) == [
+        "ChecksumLauncher.launch",
+        "engine.launches.segment_rows",
+    ]
+
+
 def test_an_idle_engines_last_calls_are_written_by_the_flusher(
     tmp_path, monkeypatch
 ) -> None:
