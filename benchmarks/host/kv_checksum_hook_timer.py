@@ -511,19 +511,23 @@ def deep_functions(setting: str) -> list[tuple[str, str]]:
     return [(m, f) for m, f in DEEP_FUNCTIONS if names is None or f in names]
 
 
+def _package_module(module_name: str) -> Any:
+    """A module under the package, None (reported) if it does not import."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"{PACKAGE}.{module_name}")
+    except Exception as e:
+        print(f"[hook-timer] {module_name} not timed: {e!r}", file=sys.stderr)
+        return None
+
+
 def _time_core(out_dir: str) -> None:
     """Deep mode: every plain method of the `DEEP` classes and every
     `DEEP_FUNCTIONS` function (or those named)."""
-    import importlib
-
     setting = os.environ.get("KV_CHECKSUM_HOOK_TIMER_DEEP", "1")
     for module_name, class_name in deep_classes(setting):
-        try:
-            module = importlib.import_module(f"{PACKAGE}.{module_name}")
-        except Exception as e:
-            print(f"[hook-timer] {module_name} not timed: {e!r}", file=sys.stderr)
-            continue
-        cls = getattr(module, class_name, None)
+        cls = getattr(_package_module(module_name), class_name, None)
         if cls is None:
             continue
         for name, value in list(vars(cls).items()):
@@ -531,12 +535,8 @@ def _time_core(out_dir: str) -> None:
                 continue
             _time_function(cls, name, f"core:{class_name}.{name}", out_dir)
     for module_name, name in deep_functions(setting):
-        try:
-            module = importlib.import_module(f"{PACKAGE}.{module_name}")
-        except Exception as e:
-            print(f"[hook-timer] {module_name} not timed: {e!r}", file=sys.stderr)
-            continue
-        if name in vars(module):
+        module = _package_module(module_name)
+        if module is not None and name in vars(module):
             _time_function(module, name, f"core:{module_name}.{name}", out_dir)
 
 
