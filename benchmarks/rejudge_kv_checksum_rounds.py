@@ -13,10 +13,16 @@ anywhere (no vLLM, no GPU):
 With `--pool`, the rounds of every summary are judged as one run (each file's
 launches kept apart, so its pairs stay its own): the verdict over runs of one
 shape taken on different machines.
+
+Each workload also gets a 95 % interval of the pairs' mean throughput on/off
+and mean TTFT on - off (the pairs resampled with replacement, a fixed seed):
+a target outside it is missed or met whatever the noise, one inside it is not
+resolved by these pairs.
 """
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +53,35 @@ def pair_line(name: str, row: dict[str, Any]) -> str:
         f"median of pairs {ttft_pairs['median_on_minus_off']:+.2f} ms "
         f"({ttft_pairs['min_on_minus_off']:+.2f} .. "
         f"{ttft_pairs['max_on_minus_off']:+.2f})"
+    )
+
+
+def bootstrap_interval(
+    values: list[float], resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of the mean of `values`: the pairs
+    drawn with replacement `resamples` times with a fixed seed, so the same
+    pairs always give the same interval."""
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def interval_line(name: str, row: dict[str, Any]) -> str:
+    """The 95 % intervals of the pairs' mean throughput on/off and mean TTFT
+    on - off, in one line ("" without pairs)."""
+    rps_pairs = row["request_throughput"].get("paired") or {}
+    ttft_pairs = row["median_ttft_ms"].get("paired") or {}
+    if not rps_pairs or not ttft_pairs:
+        return ""
+    ratios, deltas = rps_pairs["on_over_off"], ttft_pairs["on_minus_off"]
+    low, high = bootstrap_interval(ratios)
+    ttft_low, ttft_high = bootstrap_interval(deltas)
+    return (
+        f"{name}: 95 % interval over {len(ratios)} pairs (resampled): mean req/s "
+        f"on/off {low:.3f} .. {high:.3f}, mean TTFT on - off {ttft_low:+.2f} .. "
+        f"{ttft_high:+.2f} ms"
     )
 
 
@@ -106,6 +141,7 @@ def print_serve_verdict(
     print_serve_tables(launches, summary)
     for name, row in summary["workloads"].items():
         print(pair_line(name, row))
+        print(interval_line(name, row))
 
 
 def judged_as(config: dict[str, Any]) -> tuple[str, bool]:
@@ -121,6 +157,7 @@ def print_verdict(title: str, rounds: list[dict[str, Any]], config: dict) -> Non
     print_tables(rounds, verdict)
     for name, row in verdict["workloads"].items():
         print(pair_line(name, row))
+        print(interval_line(name, row))
 
 
 def main() -> None:

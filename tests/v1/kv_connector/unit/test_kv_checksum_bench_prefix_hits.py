@@ -198,6 +198,28 @@ def test_rejudge_prints_pairs_of_a_recorded_summary(tmp_path: Path) -> None:
     assert f"req/s on/off of the means {means:.3f}" in out
     assert "median of 3 pairs 0.900 (0.900 .. 0.941)" in out
     assert "median of pairs +1.00 ms (+1.00 .. +7.00)" in out
+    assert "95 % interval over 3 pairs (resampled): mean req/s on/off" in out
+
+
+def test_rejudge_interval_brackets_the_pairs_mean_and_narrows_with_pairs() -> None:
+    """Issue 30 (judging wide spreads): the 95 % bootstrap interval of the
+    pairs' mean is the same on every call (fixed seed), lies inside the
+    pairs' range and around their mean, is one point when every pair agrees,
+    and narrows as the same spread of pairs grows from 4 to 64. Bugs caught:
+    an unseeded draw (a record's interval changing on re-reading), the
+    interval of one resample (no spread), percentiles taken over the pairs
+    instead of their resampled means (as wide at 64 pairs as at 4)."""
+    rejudge = load_script(
+        "rejudge_rounds", ROOT / "benchmarks/rejudge_kv_checksum_rounds.py"
+    )
+    few = [0.8, 1.0, 0.9, 0.95]
+    low, high = rejudge.bootstrap_interval(few)
+    assert (low, high) == rejudge.bootstrap_interval(few)
+    assert 0.8 <= low < sum(few) / 4 < high <= 1.0
+    assert rejudge.bootstrap_interval([0.9] * 6) == (0.9, 0.9)
+    many_low, many_high = rejudge.bootstrap_interval(few * 16)
+    assert many_low < sum(few) / 4 < many_high
+    assert many_high - many_low < (high - low) / 2
 
 
 def test_rejudge_pools_runs_per_workload(tmp_path: Path) -> None:
