@@ -202,7 +202,7 @@ def test_rejudge_prints_pairs_of_a_recorded_summary(tmp_path: Path) -> None:
 
 
 def test_rejudge_interval_brackets_the_pairs_mean_and_narrows_with_pairs() -> None:
-    """Issue 30 (judging wide spreads): the 95 % bootstrap interval of the
+    """R142, issue 30 (judging wide spreads): the 95 % bootstrap interval of the
     pairs' mean is the same on every call (fixed seed), lies inside the
     pairs' range and around their mean, is one point when every pair agrees,
     and narrows as the same spread of pairs grows from 4 to 64. Bugs caught:

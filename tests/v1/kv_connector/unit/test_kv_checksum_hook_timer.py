@@ -610,7 +610,7 @@ def test_deep_mode_times_named_module_functions_where_they_are_looked_up(
 
 
 def test_summary_reports_deep_calls_per_call_without_start_up(tmp_path) -> None:
-    """Issue 30 (diagnosis): deep mode's summary gives each timed method's
+    """Issue 30, R142 (diagnosis): deep mode's summary gives each timed method's
     microseconds a call (its time over its own calls, not the steps), largest
     first, and leaves out what ran once (a warm-up). Bugs caught: time per
     call divided by the steps (a pass on one step in ten read as a tenth of

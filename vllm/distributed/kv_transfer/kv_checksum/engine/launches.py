@@ -77,11 +77,11 @@ class ChecksumLauncher:
         # event for good, not a new one per `wait_stream`, issue 30).
         self._streams: _SideStreams | None = None
         self._compute_done: Any = None
-        # Result events their readers waited for (`finalize` gives them
-        # back): reused, so a step creates and destroys none (issue 30).
+        # Result events and step buffers whose record was waited for
+        # (`finalize` gives them back, `_give_back`): reused, so a step
+        # creates and destroys no event and a pass allocates no pinned or
+        # device memory (issue 30).
         self._events: deque[Any] = deque(maxlen=EVENT_POOL_SIZE)
-        # Step buffers whose record was waited for (`finalize` gives them
-        # back): a pass allocates no pinned or device memory (issue 30).
         self._buffers: deque[StepBuffers] = deque(maxlen=BUFFER_POOL_SIZE)
         # Zero-copy results: pinned buffers the device may still be writing,
         # held until their events completed so no allocation reuses them.
@@ -284,9 +284,8 @@ class ChecksumLauncher:
             # Held by the record until its reader waited for the copy, so the
             # allocator cannot hand `run` to the compute stream's next
             # kernels while the side stream reads it (no record_stream).
-            pending.device_run = run
-            pending.event_pool = self._events
-            pending.buffers, pending.buffer_pool = buffers, self._buffers
+            pending.device_run, pending.buffers = run, buffers
+            pending.give_back = self._give_back
         base, size = run.data_ptr(), run.element_size()
         for result in pending.results:
             result.host_at = (result.device.data_ptr() - base) // size
@@ -294,6 +293,13 @@ class ChecksumLauncher:
                 result.stored_at = (result.stored_device.data_ptr() - base) // size
         pending.host = host
         pending.event = event
+
+    def _give_back(self, event: Any, buffers: "StepBuffers | None") -> None:
+        """A record's event and step buffers, once its reader waited for the
+        copy and read it (any thread: deque appends are atomic)."""
+        self._events.append(event)
+        if buffers is not None:
+            self._buffers.append(buffers)
 
     def _side_streams(self) -> "_SideStreams":
         """The side copy's streams. On CUDA: a side stream on the worker's own

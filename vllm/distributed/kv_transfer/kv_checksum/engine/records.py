@@ -8,9 +8,9 @@ waits for that copy only when the record is read (R55).
 """
 
 import math
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,14 +53,12 @@ class KVChecksumPendingRecord:
     event: object | None = None
     # Side-stream copies: the device run being copied, held until the copy
     # is waited for (instead of the allocator's record_stream), and the
-    # launcher's pool the event goes back to once waited for (issue 30: an
-    # event's create and destroy are driver calls of the engine step).
+    # launcher's step buffers holding the upload and results (issue 30).
     device_run: torch.Tensor | None = field(default=None, repr=False)
-    event_pool: deque | None = field(default=None, repr=False)
-    # The launcher's step buffers holding this step's upload and results,
-    # and the pool they go back to once waited for (issue 30).
     buffers: object | None = field(default=None, repr=False)
-    buffer_pool: deque | None = field(default=None, repr=False)
+    # give_back(event, buffers): once waited for and read, the launcher
+    # reuses them (issue 30: no driver calls or allocations a step for them).
+    give_back: Callable[[Any, Any], None] | None = field(default=None, repr=False)
     _record: KVChecksumRecord | None = field(default=None, repr=False)
 
     def __reduce__(self) -> tuple:
@@ -73,9 +71,6 @@ class KVChecksumPendingRecord:
             return self._record
         if self.event is not None:
             self.event.synchronize()  # type: ignore[attr-defined]
-            if self.event_pool is not None:
-                self.event_pool.append(self.event)  # complete: free to reuse
-            self.event, self.event_pool = None, None
         self.device_run = None  # the copy is done: the allocator may reuse it
         checksums: dict[str, dict[int, KVChecksumGroup]] = {r: {} for r in self.req_ids}
         words = None if self.host is None else self.host.numpy().view(np.uint64)
@@ -107,11 +102,11 @@ class KVChecksumPendingRecord:
         )
         self.results = []
         self.host = None
-        if self.buffer_pool is not None and self.buffers is not None:
-            # Waited for, values copied out: the upload, its device copy and
-            # the host results are free for another step.
-            self.buffer_pool.append(self.buffers)
-        self.buffers, self.buffer_pool = None, None
+        if self.give_back is not None and self.event is not None:
+            # Waited for, values copied out: the event, the upload, its
+            # device copy and the host results are free for another step.
+            self.give_back(self.event, self.buffers)
+        self.event, self.buffers, self.give_back = None, None, None
         return self._record
 
 
