@@ -360,8 +360,9 @@ trial-zero-copy | trial-kernel | trial-jit-launch)
     ;;
 # trial-step-buffers: every checksum pass reuses its pinned upload, device
 # copy and pinned results once the step's record was waited for
-# (REUSE_STEP_BUFFERS, off until taken on a GPU): run it, then cuda-tests
-# and an engine run (hook-timer-serve, bench-serve) in the same call.
+# (REUSE_STEP_BUFFERS, off by SPEC R52; taken on a GPU 2026-12-04d): run
+# it, then cuda-tests and an engine run (hook-timer-serve, bench-serve) in
+# the same call.
 trial-step-buffers)
     launches_py="$site/vllm/distributed/kv_transfer/kv_checksum/engine/launches.py"
     sed -i 's/^REUSE_STEP_BUFFERS = False$/REUSE_STEP_BUFFERS = True/' "$launches_py"

@@ -50,10 +50,11 @@ EVENT_POOL_SIZE = 8
 BUFFER_POOL_SIZE = 4
 # A new step buffer's columns: at least this, else the next power of two.
 MIN_BUFFER_COLUMNS = 1024
-# Reuse step buffers (`StepBuffers`): built and CPU-tested, off until the
-# CUDA tests and an engine run have taken it on a GPU (issue 30;
-# `scripts/gpu_runs.sh trial-step-buffers`). Off: every pass allocates its
-# pinned upload, device copy and pinned results.
+# Reuse step buffers (`StepBuffers`). Off, as SPEC R52 rules out a reusable
+# staging pool. On an H200 (2026-12-04d) the CUDA tests passed with it and an
+# engine run verified every load, and it saved 36-57 us of a ~450 us pass
+# (issue 30; `scripts/gpu_runs.sh trial-step-buffers`). Off: every pass
+# allocates its pinned upload, device copy and pinned results.
 REUSE_STEP_BUFFERS = False
 
 Requests = Sequence[tuple[str, KVChecksumBlocks]]
