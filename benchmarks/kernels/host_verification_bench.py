@@ -3,10 +3,21 @@
 """Host-side cost of verifying one load's KV checksums (R133).
 
 The target: verifying a 128K-token load (one group, 16-token blocks, 8
-consumer workers) within 1 ms. Run as a script to print the time.
+consumer workers) within 1 ms. Run as a script to print the time;
+`--against REV` also times `verify_load` as of git revision REV in the same
+run, alternating calls, on the tiny model's load sizes too (issue 30):
+
+    python benchmarks/kernels/host_verification_bench.py --against HEAD~1
 """
 
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -79,9 +90,70 @@ def bench_verification(
     return (time.perf_counter() - start) / iterations * 1e6
 
 
+_MODULE = "vllm/distributed/kv_transfer/kv_checksum/wire/verification.py"
+
+
+def module_at(revision: str) -> ModuleType:
+    """The verification module as of git `revision`, imported under its own name."""
+    repo = Path(__file__).resolve().parents[2]
+    source = subprocess.run(
+        ["git", "-C", str(repo), "show", f"{revision}:{_MODULE}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "verification_at_revision.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare(revision: str, rounds: int = 15) -> list[str]:
+    """Median us a `verify_load` call now and at `revision`, rounds alternating
+    which goes first; every call must verify."""
+    import vllm.distributed.kv_transfer.kv_checksum.wire.verification as now
+
+    then = module_at(revision)
+    lines = []
+    for num_tokens, workers in ((1024, 1), (2048, 1), (1024, 2), (128 * 1024, 8)):
+        payload, reports = _make_load(num_tokens, 16, workers)
+        block_ids = np.arange(-(-num_tokens // 16), dtype=np.int64)
+        scheduled = KVChecksumBlocks(num_tokens, {0: (0, block_ids)})
+        calls = 300 if num_tokens < 10_000 else 30
+        times: dict[str, list[float]] = {"now": [], revision: []}
+        for i in range(rounds):
+            order = [("now", now), (revision, then)]
+            for name, module in order if i % 2 else order[::-1]:
+                groups = {0: module.KVChecksumGroupInfo(16)}
+                start = time.perf_counter()
+                for _ in range(calls):
+                    verdict = module.verify_load(
+                        payload, None, reports, scheduled, workers, workers, groups
+                    )
+                times[name].append((time.perf_counter() - start) / calls * 1e6)
+                assert verdict.status.value == "verified", verdict
+        ours = statistics.median(times["now"])
+        theirs = statistics.median(times[revision])
+        lines.append(
+            f"| {num_tokens} | {workers} | {theirs:.1f} | {ours:.1f} | "
+            f"{ours / theirs:.3f} |"
+        )
+    return lines
+
+
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", help="also time verify_load at this git rev")
+    args = parser.parse_args()
     micros = bench_verification()
     print(
         f"verify_load, 128K tokens, 16-token blocks, 8 workers: {micros:.1f} us "
         "(target 1000 us)"
     )
+    if args.against:
+        print(f"\n| tokens | workers | {args.against} us | now us | now / then |")
+        print("|---|---|---|---|---|")
+        print("\n".join(compare(args.against)))

@@ -678,6 +678,22 @@ def test_missing_replica_is_unverified():
     assert reasons(verdict) == [UnverifiedReason.REPLICA_MISSING]
 
 
+def test_one_copy_sum_only_when_every_worker_holds_one_copy():
+    """R91 (issue 30's one-copy sum): TP2 where rank 1 also reports a (2, 1)
+    column. Check 0 then needs T[(2, 0)], which no worker reported, so the
+    load is unverified. Catches summing column 0 of every worker whenever
+    some worker holds one copy (rank 1's second column never checked)."""
+    case = make_case(consumer=Side(layout=Layout(tp=2)))
+    assert_verified(case.verify())
+    entry = case.reports[(0, 1)].groups[0]
+    extra = np.zeros((entry.values.shape[0], 1), dtype=U64)
+    entry.values = np.concatenate([entry.values, extra], axis=1)
+    entry.replica_keys = ((1, 0), (2, 1))
+    verdict = case.verify()
+    assert verdict.status is KVChecksumStatus.UNVERIFIED
+    assert reasons(verdict) == [UnverifiedReason.REPLICA_MISSING]
+
+
 @pytest.mark.parametrize("replicas", [(1, 4), (2, 4), (1, 2, 4)], ids=str)
 def test_mixed_replica_counts_verify_and_catch_one_copy(replicas):
     """R91, R40: attention at (1,0) or (2,r) plus an indexer on every rank at

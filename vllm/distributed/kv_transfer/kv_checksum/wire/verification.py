@@ -298,6 +298,10 @@ def _valid_tokens(chunks: np.ndarray, chunk_size: int, num_tokens: int) -> np.nd
     return np.minimum(np.maximum(n_tokens - chunks * chunk_size, 0), chunk_size)
 
 
+# The replica keys of a worker holding one copy of each of its layers (R84).
+_ONE_COPY: tuple[ReplicaKey, ...] = ((1, 0),)
+
+
 def _replica_totals(entries: list[KVChecksumGroup]) -> dict[ReplicaKey, np.ndarray]:
     """T[(R, r)]: per replica key, the workers' columns summed (R91)."""
     totals: dict[ReplicaKey, np.ndarray] = {}
@@ -317,6 +321,13 @@ def _replica_checks(entries: list[KVChecksumGroup], num_positions: int) -> np.nd
     Each check covers every layer once; together they cover every copy, so a
     corrupted copy on one rank fails its replica's check.
     """
+    if entries and all(entry.replica_keys == _ONE_COPY for entry in entries):
+        # Every worker holds one copy (R91 with R = 1: the one check is T[(1,
+        # 0)]): the usual case, summed without the per-key tables (issue 30).
+        check = entries[0].values[:, 0].astype(np.uint64, copy=True)
+        for entry in entries[1:]:
+            check += entry.values[:, 0]
+        return check[None, :]
     totals = _replica_totals(entries)
     if not totals:
         raise _GroupUnverified(UnverifiedReason.REPLICA_MISSING, "no replica columns")
@@ -400,8 +411,11 @@ def _equal_token_counts(
     """Which chunks hold as many tokens on both sides, None if all do (R90).
 
     Chunks before the shorter side's last full chunk hold `chunk_size` tokens on
-    both sides, so only the tail needs counting.
+    both sides, so only the tail needs counting; equal token counts hold as
+    many tokens in every chunk (the usual load, issue 30).
     """
+    if tokens[0] == tokens[1]:
+        return None
     tail = max(chunks.start, min(min(tokens) // chunk_size, chunks.stop))
     if tail >= chunks.stop:
         return None
