@@ -73,6 +73,8 @@ DEEP = (
     ("offload.offloading", "OffloadWorkerSide"),
     ("offload.offloading", "OffloadSchedulerSide"),
     ("offload.offloading", "HostEntryTable"),
+    ("offload.simple_cpu_offload", "SimpleOffloadWorkerSide"),
+    ("offload.simple_cpu_offload", "SimpleOffloadSchedulerSide"),
     ("offload.loads", "KVChecksumOffloadLoads"),
     ("definition.kernels", "KVChecksumLaunch"),
     ("definition.kernels", "CompiledLaunch"),

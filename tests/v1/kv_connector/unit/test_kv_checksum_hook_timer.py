@@ -577,6 +577,23 @@ def test_deep_mode_times_the_named_classes_only(capsys) -> None:
     assert "Nope is not in DEEP" in capsys.readouterr().err
 
 
+def test_every_deep_entry_names_a_class_and_function_of_the_package() -> None:
+    """Issue 30 (diagnosis): each `DEEP` class and `DEEP_FUNCTIONS` name
+    resolves in its module, since the timer skips a missing one silently.
+    Bug caught: a misspelt or moved entry that leaves a suspect untimed in
+    a GPU run (the run's figures then lack it, and nothing says why)."""
+    import importlib
+    import inspect
+
+    timer = load_script("kv_checksum_hook_timer_entries", SCRIPT)
+    for module_name, class_name in timer.DEEP:
+        module = importlib.import_module(f"{timer.PACKAGE}.{module_name}")
+        assert inspect.isclass(getattr(module, class_name, None)), class_name
+    for module_name, name in timer.DEEP_FUNCTIONS:
+        module = importlib.import_module(f"{timer.PACKAGE}.{module_name}")
+        assert callable(getattr(module, name, None)), (module_name, name)
+
+
 def test_deep_mode_times_named_module_functions_where_they_are_looked_up(
     tmp_path, monkeypatch
 ) -> None:
