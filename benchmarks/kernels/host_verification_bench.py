@@ -11,9 +11,9 @@ run, alternating calls, on the tiny model's load sizes too (issue 30):
 """
 
 import argparse
-import importlib.util
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,16 +21,19 @@ from types import ModuleType
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script  # noqa: E402
+from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (  # noqa: E402
     KVChecksumBlocks,
     KVChecksumGroup,
 )
-from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (  # noqa: E402
     KV_CHECKSUM_PAYLOAD_VERSION,
     KVChecksumPayload,
     KVChecksumPayloadGroup,
 )
-from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (  # noqa: E402
     KVChecksumGroupInfo,
     KVChecksumStatus,
     KVChecksumWorkerReport,
@@ -102,13 +105,10 @@ def module_at(revision: str) -> ModuleType:
         capture_output=True,
         text=True,
     ).stdout
-    path = Path(tempfile.mkdtemp()) / "verification_at_revision.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "verification_at_revision.py"
+        path.write_text(source)
+        return load_script(path.stem, path)
 
 
 def compare(revision: str, rounds: int = 15) -> list[str]:

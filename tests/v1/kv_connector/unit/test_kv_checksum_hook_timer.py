@@ -578,7 +578,7 @@ def test_deep_mode_times_the_named_classes_only(capsys) -> None:
 
 
 def test_every_deep_entry_names_a_class_and_function_of_the_package() -> None:
-    """Issue 30 (diagnosis): each `DEEP` class and `DEEP_FUNCTIONS` name
+    """R142, issue 30 (diagnosis): each `DEEP` class and `DEEP_FUNCTIONS` name
     resolves in its module, since the timer skips a missing one silently.
     Bug caught: a misspelt or moved entry that leaves a suspect untimed in
     a GPU run (the run's figures then lack it, and nothing says why)."""

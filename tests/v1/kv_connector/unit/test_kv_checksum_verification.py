@@ -681,8 +681,8 @@ def test_missing_replica_is_unverified():
 def test_one_copy_sum_only_when_every_worker_holds_one_copy():
     """R91 (issue 30's one-copy sum): TP2 where rank 1 also reports a (2, 1)
     column. Check 0 then needs T[(2, 0)], which no worker reported, so the
-    load is unverified. Catches summing column 0 of every worker whenever
-    some worker holds one copy (rank 1's second column never checked)."""
+    load is unverified. Catches the one-copy check taken while another
+    replica key is present (rank 1's second column never checked)."""
     case = make_case(consumer=Side(layout=Layout(tp=2)))
     assert_verified(case.verify())
     entry = case.reports[(0, 1)].groups[0]

@@ -298,8 +298,8 @@ def _valid_tokens(chunks: np.ndarray, chunk_size: int, num_tokens: int) -> np.nd
     return np.minimum(np.maximum(n_tokens - chunks * chunk_size, 0), chunk_size)
 
 
-# The replica keys of a worker holding one copy of each of its layers (R84).
-_ONE_COPY: tuple[ReplicaKey, ...] = ((1, 0),)
+# The replica key of a cache held once over the TP ranks (R84).
+_ONE_COPY: ReplicaKey = (1, 0)
 
 
 def _replica_totals(entries: list[KVChecksumGroup]) -> dict[ReplicaKey, np.ndarray]:
@@ -321,16 +321,13 @@ def _replica_checks(entries: list[KVChecksumGroup], num_positions: int) -> np.nd
     Each check covers every layer once; together they cover every copy, so a
     corrupted copy on one rank fails its replica's check.
     """
-    if entries and all(entry.replica_keys == _ONE_COPY for entry in entries):
-        # Every worker holds one copy (R91 with R = 1: the one check is T[(1,
-        # 0)]): the usual case, summed without the per-key tables (issue 30).
-        check = entries[0].values[:, 0].astype(np.uint64, copy=True)
-        for entry in entries[1:]:
-            check += entry.values[:, 0]
-        return check[None, :]
     totals = _replica_totals(entries)
     if not totals:
         raise _GroupUnverified(UnverifiedReason.REPLICA_MISSING, "no replica columns")
+    if len(totals) == 1 and _ONE_COPY in totals:
+        # One copy of every layer (R = 1): the one check is T[(1, 0)] itself,
+        # no table to fill (the usual load, issue 30).
+        return totals[_ONE_COPY][None, :]
     counts = sorted({count for count, _ in totals})
     checks = np.zeros((counts[-1], num_positions), dtype=np.uint64)
     with np.errstate(over="ignore"):
