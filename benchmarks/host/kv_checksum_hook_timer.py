@@ -91,6 +91,9 @@ DEEP_FUNCTIONS = (
     ("engine.consumer", "verify_load"),
     ("engine.producer", "select_blocks"),
     ("engine.producer", "build_producer_payload"),
+    ("engine.block_table", "block_checksum_tags"),
+    ("engine.block_table", "upload_segments"),
+    ("engine.block_table", "host_to_device"),
 )
 # (module, class, method): vLLM's step parts timed with ..._VLLM=1; one a
 # vLLM version lacks is skipped.
