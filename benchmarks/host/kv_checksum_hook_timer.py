@@ -78,6 +78,7 @@ DEEP = (
     ("offload.loads", "KVChecksumOffloadLoads"),
     ("definition.kernels", "KVChecksumLaunch"),
     ("definition.kernels", "CompiledLaunch"),
+    ("definition.entry_kernels", "EntryKernels"),
     ("wire.payload", "KVChecksumPayload"),
 )
 # (module under the package, name): module-level functions timed in deep mode

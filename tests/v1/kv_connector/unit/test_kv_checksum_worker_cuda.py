@@ -14,11 +14,21 @@ import numpy as np
 import pytest
 import torch
 
+from tests.v1.kv_connector.unit.kv_checksum_entry_cases import (
+    check_entry_kernels,
+    check_out_of_range_skipped,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition import (
+    entry_kernels as entry_kernel_module,
+)
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumRecord,
     KVChecksumScheduled,
     block_checksum_tags,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.entry_kernels import (
+    EntryKernels,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
 from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
@@ -361,3 +371,60 @@ def test_reused_step_buffers_on_cuda_behind_queued_work(
             want.checksums[req_id][0].values,
         )
     assert len(seen) <= 3  # reused across 15 steps, not one set a step
+
+
+def test_entry_kernels_on_cuda_jit_then_direct_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The entry write and move kernels (issue 30) against the independent
+    reference: first through the JIT (which captures each variant's launch),
+    then with the JIT made to fail, so every call is a direct launch; indices
+    out of range are skipped. Bugs: a direct launch given its arguments in
+    another order or reusing the first call's counts (wrong entries or a
+    fault), a column or a tag left out, an unmasked index."""
+    kernels = EntryKernels(torch.device("cuda"))
+    assert kernels.triton
+    check_entry_kernels(kernels, "cuda", seed=3)
+    check_out_of_range_skipped(kernels, "cuda")
+    if not kernels._direct or None in kernels._direct.values():
+        pytest.skip("this Triton offers no direct launch")
+    assert len(kernels._direct) == 4  # write and move, each with two variants
+
+    def no_jit(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the JIT ran after the first calls")
+
+    monkeypatch.setattr(entry_kernel_module._write_entries_kernel, "run", no_jit)
+    monkeypatch.setattr(entry_kernel_module._move_entries_kernel, "run", no_jit)
+    check_entry_kernels(kernels, "cuda", seed=4)
+    check_out_of_range_skipped(kernels, "cuda")
+
+
+def test_entry_kernels_queue_without_host_sync() -> None:
+    """A write with its slot copy and a move queue behind a GPU sleep with
+    torch's sync debug mode on (R55), and their results match the PyTorch
+    path. Bug: a kernel call that reads a count from the device or copies
+    an index array to the host."""
+    kernels = EntryKernels(torch.device("cuda"))
+    reference = EntryKernels(torch.device("cuda"), triton=False)
+    rng = np.random.default_rng(5)
+    sums = torch.from_numpy(rng.integers(-(1 << 62), 1 << 62, (40, 2))).cuda()
+    tags = torch.from_numpy(rng.integers(-(1 << 62), 1 << 62, 40)).cuda()
+    ids = torch.from_numpy(rng.permutation(100)[:40].astype(np.int64)).cuda()
+    slots = torch.from_numpy(rng.permutation(60)[:40].astype(np.int64)).cuda()
+    results = []
+    for each in (kernels, reference, kernels):
+        table = torch.zeros(100, dtype=torch.int64, device="cuda")
+        dest = torch.zeros(60, dtype=torch.int64, device="cuda")
+        back = torch.zeros(40, dtype=torch.int64, device="cuda")
+        torch.cuda._sleep(20_000_000)
+        if each is kernels:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            each.write(sums.clone(), tags, ids, table, slots, dest)
+            each.move(dest, slots, back)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append((table.cpu(), dest.cpu(), back.cpu()))
+    for got, want in zip(results[::2], [results[1]] * 2):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)

@@ -17,6 +17,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     block_checksum_tags,
 )
+from vllm.distributed.kv_transfer.kv_checksum.definition.entry_kernels import (
+    entry_kernels,
+)
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
     BlockRun,
     EntryCopy,
@@ -49,6 +52,8 @@ class BlockChecksumTable:
         self.groups = groups
         self.topology = topology
         self.tensor: torch.Tensor | None = None
+        # Entry writes and moves: one kernel each on CUDA (issue 30).
+        self.kernels = entry_kernels(topology.device)
         # Groups whose entries offloaded-KV loads (R117) and prefix hits read.
         self.stored_groups: set[int] = set()
         self.prefix_groups: set[int] = set()
@@ -89,6 +94,8 @@ class BlockChecksumTable:
         entries.bitwise_xor_(scratch[0, :1])
         scratch[0].index_copy_(0, index, entries)
         scratch[1].index_copy_(0, index, scratch[0].index_select(0, index))
+        if self.kernels.triton:
+            self.kernels.warm_up(device)
 
     def new_step(self) -> None:
         """A new engine step: forget the blocks the last one stored."""
@@ -157,7 +164,7 @@ class BlockChecksumTable:
             indices = host_to_device(
                 np.stack([copied.block_ids, copied.slots]), self.topology.device
             )
-            copied.dest.index_copy_(0, indices[1], table.index_select(0, indices[0]))
+            self.kernels.move(table, indices[0], copied.dest, indices[1])
 
     def entry_rows(self, blocks: FullBlocks, allowed: set[int]) -> list[EntryRows]:
         """Per allowed group, in the order groups first appear, the rows and
@@ -191,16 +198,18 @@ class BlockChecksumTable:
         return per_group
 
     def write_entries(
-        self, sums: torch.Tensor, tags: torch.Tensor, block_ids: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        sums: torch.Tensor,
+        tags: torch.Tensor,
+        block_ids: torch.Tensor,
+        slots: torch.Tensor | None = None,
+        dest: torch.Tensor | None = None,
+    ) -> None:
         """Queue the table write of entries from a launch's output `sums`
-        [n, width], the blocks' `tags` and ids (device tensors); return them."""
+        [n, width], the blocks' `tags` and ids (device tensors), and with
+        `slots`, the same entries into `dest[slots]` (R117, R118)."""
         assert self.tensor is not None
-        # One column (one replica key): the sum over columns is that column.
-        entries = sums[:, 0] if sums.shape[1] == 1 else sums.sum(dim=1)
-        entries.bitwise_xor_(tags)
-        self.tensor.index_copy_(0, block_ids, entries)
-        return entries
+        self.kernels.write(sums, tags, block_ids, self.tensor, slots, dest)
 
     def _save_group_entries(
         self, entry_rows: EntryRows, copy: EntryCopy | None = None
@@ -226,18 +235,22 @@ class BlockChecksumTable:
         out_column = columns[-1]
         out = uploaded[0, out_column : out_column + count * width].view(count, width)
         plan.run(uploaded[:, :count], out)
-        entries = self.write_entries(
-            out, uploaded[0, columns[1] : columns[1] + count], uploaded[0, :count]
+        tags, block_ids = (
+            uploaded[0, columns[1] : columns[1] + count],
+            uploaded[0, :count],
         )
         if copy is None:
+            self.write_entries(out, tags, block_ids)
             return
         column = columns[2]
         slots = uploaded[1, column : column + len(copy.slots)]
         if np.array_equal(copy.block_ids, entry_rows.rows[0]):
-            copy.dest.index_copy_(0, slots, entries)  # the blocks just saved
+            # The blocks just saved: their entries go to the slots as written.
+            self.write_entries(out, tags, block_ids, slots, copy.dest)
         else:
+            self.write_entries(out, tags, block_ids)
             ids = uploaded[0, column : column + len(copy.slots)]
-            copy.dest.index_copy_(0, slots, self.tensor.index_select(0, ids))
+            self.kernels.move(self.tensor, ids, copy.dest, slots)
 
 
 def _groups_in_order(groups: np.ndarray, allowed: set[int]) -> tuple[list[int], bool]:

@@ -225,12 +225,10 @@ class ChecksumLauncher:
             result = PassResult(segment, plan.replica_keys, out)
             if reads:
                 assert self.table.tensor is not None
-                result.stored_device = torch.index_select(
-                    self.table.tensor,
-                    0,
-                    rows_dev[0, column : column + n],
-                    out=scratch[stored_at : stored_at + n],
-                )
+                stored = scratch[stored_at : stored_at + n]
+                ids = rows_dev[0, column : column + n]
+                self.table.kernels.move(self.table.tensor, ids, stored)
+                result.stored_device = stored
             results.append(result)
         if not passes:
             return [], None, None

@@ -32,6 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.distributed.kv_transfer.kv_checksum.definition.entry_kernels import (
+    entry_kernels,
+)
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
     EntryCopy,
     FullBlocks,
@@ -199,6 +202,7 @@ class HostEntryTable:
             dtype=torch.int64,
             device=block_table.device,
         )
+        self.kernels = entry_kernels(block_table.device)
 
     def indices(
         self, transfers: Sequence[tuple[Any, Any]]
@@ -229,7 +233,7 @@ class HostEntryTable:
         """The entries of the host `slots` go to `gpu_ids` (parallel)."""
         gpu, host = self._pair(gpu_ids, slots)
         if len(host):
-            self.block_table.index_copy_(0, gpu, self.entries.index_select(0, host))
+            self.kernels.move(self.entries, host, self.block_table, gpu)
 
     def _pair(
         self, gpu_ids: IndexLike, slots: IndexLike

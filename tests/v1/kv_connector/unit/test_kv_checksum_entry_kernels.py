@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The block table's entry writes and moves (R117, R118; issue 30) against an
+independent reference (`kv_checksum_entry_cases.py`): the PyTorch path here,
+the Triton kernels under Triton's interpreter in a subprocess (the interpreter
+must be on before Triton is imported). The same checks run on a GPU in
+test_kv_checksum_cuda.py, JIT and direct launch.
+
+Bugs caught: the tag XORed before the columns are summed or not at all, a
+column left out of the sum (width > 1), a grid one program short (rows past
+the first 128 lost), the slot copy writing the table's old entry, an unmasked
+index (a write past the table or the slots: device memory of another tensor),
+a gather that writes at the source index instead of in order."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit.kv_checksum_entry_cases import check_entry_kernels
+
+pytestmark = pytest.mark.cpu
+entry_kernels = pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_checksum.definition.entry_kernels"
+)
+
+ROOT = Path(__file__).resolve().parents[4]
+CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from tests.v1.kv_connector.unit.kv_checksum_entry_cases import (
+    check_entry_kernels, check_out_of_range_skipped,
+)
+from vllm.distributed.kv_transfer.kv_checksum.definition.entry_kernels import (
+    EntryKernels,
+)
+import torch
+kernels = EntryKernels(torch.device("cpu"), triton=True)
+check_entry_kernels(kernels, "cpu", seed=1)
+check_out_of_range_skipped(kernels, "cpu")
+print("ok")
+"""
+
+
+def test_R117_torch_path_matches_the_reference() -> None:
+    """The reference path itself (CPU engines and CUDA with the kernels off)."""
+    kernels = entry_kernels.EntryKernels(torch.device("cpu"))
+    assert not kernels.triton
+    check_entry_kernels(kernels, "cpu")
+
+
+def test_R117_triton_kernels_match_the_reference_in_the_interpreter() -> None:
+    """Both kernels, every variant, under Triton's interpreter: sums over
+    columns that wrap, tags, several programs, slot copies, gathers and
+    scatters, and indices out of range skipped."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, str(ROOT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
+
+
+def test_kernels_are_the_cuda_default_and_cpu_keeps_torch() -> None:
+    """A CUDA table takes the kernels unless FUSED_ENTRY_KERNELS is off; a CPU
+    table never does (its engine has no Triton device)."""
+    cpu = entry_kernels.EntryKernels(torch.device("cpu"))
+    cuda = entry_kernels.EntryKernels(torch.device("cuda", 0))
+    assert not cpu.triton
+    assert cuda.triton == entry_kernels.HAS_TRITON
