@@ -410,7 +410,7 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # producer, 5700 + 20 x shift for a consumer; --together shifts the second
 # pair by 10). hook-timer-pd: the same around the P/D driver (pass --connector,
 # e.g. nixl-push, which the serve benchmark has no mode for; its batched
-# rounds run 25 at a time).
+# rounds run 25 at a time, --pd-batch N for N, e.g. 64 or 256).
 hook-timer | hook-timer-serve | hook-timer-pd)
     export KV_CHECKSUM_HOOK_TIMER_DIR=/tmp/kv_checksum_hook_timer
     rm -rf "$KV_CHECKSUM_HOOK_TIMER_DIR"

@@ -23,7 +23,8 @@ them add concurrency and measure the numerical noise floor of batching):
    with ``VLLM_GPU_SYNC_CHECK=error`` (any host sync fails the engine).
    Batched: 25 at a time on ``ref`` twice and on ``producer`` (reported).
 2. pd: prompts prefilled on ``producer``, decoded on ``consumer`` after a NIXL
-   pull, one per launch and then 25 at a time (new prompts): no mismatch or
+   pull, one per launch and then 25 at a time (``--pd-batch``; new prompts): no
+   mismatch or
    unverified load may be logged, every request must load KV, and the same
    loads through ``consumer_off`` must give the same outputs (`pd_outputs_ok`).
    Equality with ``ref``'s greedy output computed the same way (``ref`` runs
@@ -784,8 +785,10 @@ def pd_phase(
     seed: int,
     max_tokens: int,
     one_past_block: bool = False,
+    batch: int = 25,
 ) -> dict[str, Any]:
-    """P/D through ``consumer`` (one request per launch, then batched by 25).
+    """P/D through ``consumer`` (one request per launch, then `batch` at a
+    time, the result under "batched by <batch>").
 
     With ``consumer_off`` the same loads also go through a consumer with
     checksums off, so any output difference can be told apart from the
@@ -813,16 +816,16 @@ def pd_phase(
         result.update(on_vs_off(on_out, off_out))
         result["P/D off equal_to_fresh_prefill"] = count - len(differing(fresh, off))
         result["P/D off equal_to_cached_prefix"] = count - len(differing(cached, off))
-        # Concurrency: new prompts, 25 loads at a time, on and off.
+        # Concurrency: new prompts, `batch` loads at a time, on and off.
         b_prompts = prompts(count, seed + 100, 16, 2048, one_past_block)
         b_fresh, b_cached, b_on, b_off = [], [], [], []
-        for batch in batches(b_prompts, 25):
-            f, c = single_engine(ref, batch, max_tokens)
+        for group in batches(b_prompts, batch):
+            f, c = single_engine(ref, group, max_tokens)
             b_fresh += f
             b_cached += c
-            out, metrics = pd_round(prod, consumer, batch, max_tokens)
+            out, metrics = pd_round(prod, consumer, group, max_tokens)
             b_on += out
-            b_off += pd_round(prod, consumer_off, batch, max_tokens)[0]
+            b_off += pd_round(prod, consumer_off, group, max_tokens)[0]
         batched = compare_pd(
             b_fresh,
             b_cached,
@@ -831,9 +834,14 @@ def pd_phase(
             [len(p) for p in b_prompts],
         )
         batched.update(on_vs_off(b_on, b_off))
-        result["batched by 25"] = batched
+        result[f"batched by {batch}"] = batched
     result["metrics"] = metrics
     return result
+
+
+def batched_result(result: dict[str, Any]) -> dict[str, Any]:
+    """The pd phase's batched rounds ("batched by N"), {} without them."""
+    return next((v for k, v in result.items() if k.startswith("batched by ")), {})
 
 
 def on_vs_off(on: list[dict], off: list[dict]) -> dict[str, Any]:
@@ -1020,6 +1028,13 @@ def main() -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--num-equality", type=int, default=100)
     parser.add_argument("--num-pd", type=int, default=200)
+    parser.add_argument(
+        "--pd-batch",
+        type=int,
+        default=25,
+        help="pd phase: requests sent at once in its batched rounds (issue 30: "
+        "64 or 256 for the hook timer's host profile at that concurrency)",
+    )
     parser.add_argument("--num-faults", type=int, default=100)
     parser.add_argument("--fault-rate", type=float, default=0.3)
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -1236,13 +1251,14 @@ def main() -> int:
                 seed,
                 args.max_tokens,
                 args.one_past_block,
+                args.pd_batch,
             )
             equal = result["equal_to_single_engine"]
             print(f"[gpu] {phase}: {equal}/{count} equal, {time.time() - t0:.0f}s")
             with open(os.path.join(args.out, f"{phase}.json"), "w") as f:
                 json.dump(result, f, indent=1, default=str)
-            if "batched by 25" in result:
-                equal = result["batched by 25"]["equal_to_single_engine"]
+            if batched_result(result):
+                equal = batched_result(result)["equal_to_single_engine"]
                 print(f"[gpu] {phase} batched: {equal}/{count} equal", flush=True)
             ok &= pd_outputs_ok(result, count, args.model in HYBRID_MODELS)
         if "containment" in phases:
@@ -1307,7 +1323,7 @@ def pd_outputs_ok(result: dict[str, Any], count: int, hybrid: bool) -> bool:
         if hybrid:
             return True
         return result["recomputed_equal_to_fresh_prefill"] == result["recomputed"]
-    batched = result.get("batched by 25", {})
+    batched = batched_result(result)
     print(
         f"[gpu] on vs off differing {result['P/D on vs P/D off differing']}, "
         f"batched {batched.get('P/D on vs P/D off differing')}, loaded "

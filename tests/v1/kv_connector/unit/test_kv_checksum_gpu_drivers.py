@@ -198,6 +198,27 @@ def test_pd_output_check_compares_with_the_checksums_off_consumer_r4(
     assert not pd_gpu.pd_outputs_ok(wrong, 4, hybrid=False)
 
 
+def test_pd_output_check_reads_batched_rounds_of_any_size_r4(
+    drivers: tuple[ModuleType, ModuleType],
+) -> None:
+    """`--pd-batch 64` (issue 30: the host profile at 64 running) files the
+    batched rounds under "batched by 64"; the R4 check reads them as it reads
+    "batched by 25". Bug: a reader still keyed on "batched by 25", which finds
+    no batched rounds at another size (a clean run then fails on its missing
+    load count, a wrong batched output is never looked at)."""
+    pd_gpu, _ = drivers
+    batched = {"P/D on vs P/D off differing": [], "kv_loaded": 4}
+    clean = {
+        "P/D on vs P/D off differing": [],
+        "kv_loaded": 4,
+        "batched by 64": batched,
+    }
+    assert pd_gpu.pd_outputs_ok(clean, 4, hybrid=False)
+    wrong = {**batched, "P/D on vs P/D off differing": [3]}
+    assert not pd_gpu.pd_outputs_ok({**clean, "batched by 64": wrong}, 4, hybrid=False)
+    assert pd_gpu.batched_result({"kv_loaded": 4}) == {}
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["list", "flat"])
 def test_top_logprobs_reads_vllm_logprobs_r139(
     drivers: tuple[ModuleType, ModuleType], flat: bool
