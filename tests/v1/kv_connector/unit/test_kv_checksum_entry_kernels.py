@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.entry_kernels import (
     EntryKernels,
 )
 import torch
-kernels = EntryKernels(torch.device("cpu"), triton=True)
+kernels = EntryKernels(torch.device("cpu"), use_kernels=True)
 check_entry_kernels(kernels, "cpu", seed=1)
 check_out_of_range_skipped(kernels, "cpu")
 print("ok")
@@ -48,7 +48,7 @@ print("ok")
 def test_R117_torch_path_matches_the_reference() -> None:
     """The reference path itself (CPU engines and CUDA with the kernels off)."""
     kernels = entry_kernels.EntryKernels(torch.device("cpu"))
-    assert not kernels.triton
+    assert not kernels.use_kernels
     check_entry_kernels(kernels, "cpu")
 
 
@@ -69,10 +69,30 @@ def test_R117_triton_kernels_match_the_reference_in_the_interpreter() -> None:
     assert done.stdout.strip().endswith("ok")
 
 
-def test_kernels_are_the_cuda_default_and_cpu_keeps_torch() -> None:
-    """A CUDA table takes the kernels unless FUSED_ENTRY_KERNELS is off; a CPU
-    table never does (its engine has no Triton device)."""
+def test_kernels_are_the_cuda_default_and_cpu_keeps_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA table takes the kernels where Triton offers the direct launch;
+    a CPU table never does (its engine has no Triton device), nor a CUDA one
+    on a Triton outside the direct launch's range. Bug: kernels whose every
+    call goes through the JIT (its per-call binding and pointer queries cost
+    more than the PyTorch operations they replace)."""
+    pytest.importorskip("triton")
     cpu = entry_kernels.EntryKernels(torch.device("cpu"))
     cuda = entry_kernels.EntryKernels(torch.device("cuda", 0))
-    assert not cpu.triton
-    assert cuda.triton == entry_kernels.HAS_TRITON
+    assert not cpu.use_kernels
+    assert cuda.use_kernels
+    monkeypatch.setattr(entry_kernels.triton, "__version__", "2.3.0")
+    assert not entry_kernels.EntryKernels(torch.device("cuda", 0)).use_kernels
+
+
+def test_a_failed_capture_falls_back_to_torch_unless_forced() -> None:
+    """When a launch cannot be captured (or a direct launch fails), later
+    calls take the PyTorch operations; kernels a caller forced (the
+    interpreter tests) stay. Bug: the JIT on every later call."""
+    chosen = entry_kernels.EntryKernels(torch.device("cuda", 0))
+    forced = entry_kernels.EntryKernels(torch.device("cuda", 0), use_kernels=True)
+    chosen._no_direct_launch()
+    forced._no_direct_launch()
+    assert not chosen.use_kernels
+    assert forced.use_kernels

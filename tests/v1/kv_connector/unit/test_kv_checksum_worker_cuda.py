@@ -383,7 +383,7 @@ def test_entry_kernels_on_cuda_jit_then_direct_launch(
     another order or reusing the first call's counts (wrong entries or a
     fault), a column or a tag left out, an unmasked index."""
     kernels = EntryKernels(torch.device("cuda"))
-    assert kernels.triton
+    assert kernels.use_kernels
     check_entry_kernels(kernels, "cuda", seed=3)
     check_out_of_range_skipped(kernels, "cuda")
     if not kernels._direct or None in kernels._direct.values():
@@ -405,7 +405,7 @@ def test_entry_kernels_queue_without_host_sync() -> None:
     path. Bug: a kernel call that reads a count from the device or copies
     an index array to the host."""
     kernels = EntryKernels(torch.device("cuda"))
-    reference = EntryKernels(torch.device("cuda"), triton=False)
+    reference = EntryKernels(torch.device("cuda"), use_kernels=False)
     rng = np.random.default_rng(5)
     sums = torch.from_numpy(rng.integers(-(1 << 62), 1 << 62, (40, 2))).cuda()
     tags = torch.from_numpy(rng.integers(-(1 << 62), 1 << 62, 40)).cuda()

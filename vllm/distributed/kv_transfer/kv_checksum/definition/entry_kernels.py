@@ -12,8 +12,9 @@ of host time (issue 30); here each is one launch, handed straight to the
 compiled kernel's launcher after the first call (`CompiledLaunch`).
 
 Indices outside the destination or source are skipped, never written or read.
-The PyTorch path (CPU, no Triton, or `FUSED_ENTRY_KERNELS` off) is the
-reference. This module imports only torch, Triton and the kernel module.
+The PyTorch path (CPU, no Triton or no direct launch, or `FUSED_ENTRY_KERNELS`
+off) is the reference. This module imports torch, Triton, the kernel module
+and vLLM's logger only.
 """
 
 import functools
@@ -25,14 +26,19 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (
     DIRECT_LAUNCH,
     HAS_TRITON,
     CompiledLaunch,
+    direct_launch_supported,
 )
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-# Entry writes and moves on CUDA as the kernels below (issue 30); off: the
-# PyTorch operations.
+# Entry writes and moves on CUDA as the kernels below (issue 30), where their
+# launches go straight to the compiled kernel (the JIT's per-call work would
+# cost more than the PyTorch operations); off: the PyTorch operations.
 FUSED_ENTRY_KERNELS = True
 # Entries per program.
 ENTRY_BLOCK = 128
@@ -120,15 +126,23 @@ if HAS_TRITON:
 
 
 class EntryKernels:
-    """Entry writes and moves on one device: the kernels above on CUDA (with
-    `triton=True`, also wherever Triton runs, e.g. its interpreter in tests),
-    else the PyTorch reference. Every tensor is int64 and one-dimensional,
-    except `sums` ([n, width], rows contiguous)."""
+    """Entry writes and moves on one device: the kernels above on CUDA with a
+    direct launch, else the PyTorch reference. `use_kernels=True` forces the
+    kernels wherever Triton runs (its interpreter in tests), False forces the
+    reference. Every tensor is int64 and one-dimensional, except `sums`
+    ([n, width], rows contiguous)."""
 
-    def __init__(self, device: torch.device, triton: bool | None = None) -> None:
-        if triton is None:
-            triton = FUSED_ENTRY_KERNELS and HAS_TRITON and device.type == "cuda"
-        self.triton = triton
+    def __init__(self, device: torch.device, use_kernels: bool | None = None) -> None:
+        self.forced = use_kernels is not None
+        if use_kernels is None:
+            use_kernels = (
+                FUSED_ENTRY_KERNELS
+                and HAS_TRITON
+                and DIRECT_LAUNCH
+                and device.type == "cuda"
+                and direct_launch_supported(triton.__version__)
+            )
+        self.use_kernels = use_kernels
         self._direct: dict[tuple[str, bool], CompiledLaunch | None] = {}
 
     def write(
@@ -147,7 +161,7 @@ class EntryKernels:
         copy = slots is not None and dest is not None
         if not n:
             return
-        if not self.triton:
+        if not self.use_kernels:
             # One column: that column itself, XORed in place (no reduction).
             entries = sums[:, 0] if width == 1 else sums.sum(dim=1)
             entries.bitwise_xor_(tags)
@@ -184,7 +198,7 @@ class EntryKernels:
         n = src_idx.numel()
         if not n:
             return
-        if not self.triton:
+        if not self.use_kernels:
             if dst_idx is None:
                 torch.index_select(src, 0, src_idx, out=dst[:n])
             else:
@@ -240,6 +254,7 @@ class EntryKernels:
                     return
             except Exception:  # noqa: BLE001 - any launcher error: JIT for good
                 self._direct[key] = None
+                self._no_direct_launch()
         compiled = kernel[grid](*args, **constants)  # type: ignore[index]
         names = getattr(kernel, "arg_names", None)
         if key in self._direct or not DIRECT_LAUNCH or names is None:
@@ -248,6 +263,15 @@ class EntryKernels:
             self._direct[key] = CompiledLaunch.capture(
                 compiled, names, len(args), constants
             )
+            if self._direct[key] is None:
+                self._no_direct_launch()
+
+    def _no_direct_launch(self) -> None:
+        """Without a direct launch every call would pay the JIT's per-call
+        work: later calls take the PyTorch operations (unless forced)."""
+        if not self.forced:
+            logger.info("KV checksums: entry writes use PyTorch operations.")
+            self.use_kernels = False
 
 
 @functools.cache

@@ -94,7 +94,7 @@ class BlockChecksumTable:
         entries.bitwise_xor_(scratch[0, :1])
         scratch[0].index_copy_(0, index, entries)
         scratch[1].index_copy_(0, index, scratch[0].index_select(0, index))
-        if self.kernels.triton:
+        if self.kernels.use_kernels:
             self.kernels.warm_up(device)
 
     def new_step(self) -> None:
