@@ -122,6 +122,11 @@ _wrapped: dict[str, float] = defaultdict(float)
 _whole_cpu: dict[str, float] = defaultdict(float)
 _wrapped_cpu: dict[str, float] = defaultdict(float)
 _calls: dict[str, int] = defaultdict(int)
+# Deep mode: timed `warm_up` calls in progress. Core calls inside one (a
+# kernel's first, compiling call) are kept under "warm-up:" keys, apart from
+# the serving calls whose cost per call the summary reports.
+_warming = [0]
+WARM_UP = "warm-up:"
 _last_dump = [0.0]
 # One writer at a time; the engine thread skips its dump while the flusher
 # writes. The flusher: a daemon thread per process that writes the record
@@ -476,14 +481,21 @@ def _time_steps(out_dir: str) -> None:
 def _time_function(owner: Any, name: str, key: str, out_dir: str) -> None:
     original = owner.__dict__[name]
 
+    warm_up = name == "warm_up"
+
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
+        if warm_up:
+            _warming[0] += 1
         try:
             return original(*args, **kwargs)
         finally:
-            _whole[key] += time.perf_counter() - start
-            _calls[key] += 1
+            if warm_up:
+                _warming[0] -= 1
+            timed = WARM_UP + key if _warming[0] and not warm_up else key
+            _whole[timed] += time.perf_counter() - start
+            _calls[timed] += 1
             _dump(out_dir)
 
     setattr(owner, name, wrapper)
@@ -627,7 +639,7 @@ def own_by_hook() -> dict[str, float]:
     return {
         key: _whole[key] - _wrapped.get(key, 0.0)
         for key in list(_whole)
-        if not key.startswith(("EngineCore.", "core:"))
+        if not key.startswith(("EngineCore.", "core:", WARM_UP))
     }
 
 
@@ -647,7 +659,7 @@ def summarize(out_dir: str) -> dict:
         own = {
             k: record["whole"][k] - record["wrapped"].get(k, 0.0)
             for k in record["whole"]
-            if not k.startswith(("EngineCore.", "core:", "vllm:"))
+            if not k.startswith(("EngineCore.", "core:", "vllm:", WARM_UP))
         }
         core = {
             k[len("core:") :]: v
@@ -711,8 +723,14 @@ def summarize(out_dir: str) -> dict:
                 for k, v in sorted(core.items(), key=lambda kv: -kv[1])
             },
             # Per call (deep mode): what one pass, load or payload costs,
-            # methods called once (warm-up, start-up) left out.
+            # methods called once (warm-up, start-up) and calls inside a
+            # warm-up left out.
             "core_us_per_call": _per_call(core, calls),
+            "core_warm_up_ms": {
+                k[len(WARM_UP + "core:") :]: round(1e3 * v, 2)
+                for k, v in sorted(record["whole"].items(), key=lambda kv: -kv[1])
+                if k.startswith(WARM_UP + "core:")
+            },
             "vllm_us_per_step": {
                 k: round(1e6 * v / steps, 2)
                 for k, v in sorted(parts.items(), key=lambda kv: -kv[1])

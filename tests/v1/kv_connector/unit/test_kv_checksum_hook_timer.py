@@ -659,6 +659,42 @@ def test_summary_reports_deep_calls_per_call_without_start_up(tmp_path) -> None:
     ]
 
 
+def test_deep_calls_inside_a_warm_up_are_kept_apart(tmp_path, monkeypatch) -> None:
+    """Issue 30, R142 (diagnosis): a core method that a warm-up also calls
+    (the entry kernels' first, compiling launches, 2026-12-04e: 739 us "a
+    call" that were mostly the start-up compile) is timed per serving call
+    only; its calls inside `warm_up` go to "warm-up:" keys, reported as
+    start-up milliseconds and never as a hook's own time. Bugs caught: the
+    compile spread over the serving calls, the warm-up keys counted as hook
+    time."""
+    timer = load_script("kv_checksum_hook_timer_warm_up", SCRIPT)
+    now = [10.0]
+    monkeypatch.setattr(timer.time, "perf_counter", lambda: now[0])
+
+    class Kernels:
+        def write(self, seconds: float) -> None:
+            now[0] += seconds
+
+        def warm_up(self) -> None:
+            self.write(2.0)  # the compile
+
+    for name in ("write", "warm_up"):
+        timer._time_function(Kernels, name, f"core:Kernels.{name}", str(tmp_path))
+    kernels = Kernels()
+    kernels.warm_up()
+    for _ in range(4):
+        kernels.write(0.00005)
+    timer._calls["EngineCore.step"] += 10
+    timer._whole["EngineCore.step"] += 0.01
+    now[0] += 10.0
+    timer._dump(str(tmp_path))
+    (row,) = timer.summarize(str(tmp_path)).values()
+    assert row["core_us_per_call"] == {"Kernels.write": 50.0}
+    assert row["core_warm_up_ms"] == {"Kernels.write": 2000.0}
+    assert "warm-up:core:Kernels.write" not in row["hooks_us_per_step"]
+    assert timer.own_by_hook() == {}  # steps and core calls are no hook
+
+
 def test_an_idle_engines_last_calls_are_written_by_the_flusher(
     tmp_path, monkeypatch
 ) -> None:
