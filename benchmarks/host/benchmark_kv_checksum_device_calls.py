@@ -38,6 +38,7 @@ import gc
 import pstats
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -161,6 +162,99 @@ def _paired(
         statistics.median(b for _, b in per_round),
         ratio,
     )
+
+
+class CopyThread:
+    """A background thread that copies `megabytes` of KV blocks (`layers`
+    layers of `blocks` blocks) to pinned host memory in a loop and waits for
+    each batch: the work of vLLM's SimpleCPUOffloadConnector copy thread,
+    through vLLM's own `cuMemcpyBatchAsync` path (`copy_blocks`, one driver
+    call a batch from Python, the GIL released inside) where vLLM is
+    importable on CUDA, else one torch copy a block (and on CPU, host copies
+    for the tests). Does it make the engine thread's device calls dearer
+    (2026-12-04e: 2-3 times the NIXL engines' cost a call)?"""
+
+    def __init__(
+        self, device: torch.device, megabytes: int, blocks: int = 64, layers: int = 4
+    ) -> None:
+        words = max(1, (megabytes << 17) // (blocks * layers))
+        on_cuda = device.type == "cuda"
+        shape = (layers, blocks, words)
+        self.source = torch.ones(shape, dtype=torch.int64, device=device)
+        self.host = torch.empty(shape, dtype=torch.int64, pin_memory=on_cuda)
+        self.stream = torch.cuda.Stream() if on_cuda else None
+        self.batches = 0
+        self.how = "torch copies"
+        self._batch_copy: Callable[[], None] | None = None
+        if on_cuda:
+            self._batch_copy = self._vllm_batch_copy()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _vllm_batch_copy(self) -> Callable[[], None] | None:
+        """vLLM's batch copy of every block of every layer, or None."""
+        try:
+            from vllm.v1.simple_kv_offload import cuda_mem_ops
+
+            params = cuda_mem_ops.build_params(
+                {f"layer{i}": t for i, t in enumerate(self.source)},
+                {f"layer{i}": t for i, t in enumerate(self.host)},
+                self.stream,
+                cuda_mem_ops.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            )
+        except Exception as e:  # noqa: BLE001 - any failure: torch copies
+            print(f"<!-- copy thread: vLLM's batch copy unavailable: {e!r} -->")
+            return None
+        ids = list(range(self.source.shape[1]))
+        self.how = "vLLM's cuMemcpyBatchAsync"
+        return lambda: cuda_mem_ops.copy_blocks(ids, ids, params)
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self.stream is None:
+                self.host.copy_(self.source)
+            else:
+                with torch.cuda.stream(self.stream):
+                    if self._batch_copy is not None:
+                        self._batch_copy()
+                    else:
+                        for layer in range(len(self.source)):
+                            for i in range(self.source.shape[1]):
+                                self.host[layer, i].copy_(
+                                    self.source[layer, i], non_blocking=True
+                                )
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+                event.synchronize()
+            self.batches += 1
+
+
+def with_and_without(
+    fn: Callable[[], Any], calls: int, rounds: int, thread: Any
+) -> tuple[float, float]:
+    """Mean us a call of `fn` without and with `thread` running, the two in
+    alternation round by round (drift hits both): the medians over rounds."""
+    alone: list[float] = []
+    beside: list[float] = []
+    for _ in range(rounds):
+        alone.append(_timed(fn, calls, 1))
+        thread.start()
+        try:
+            beside.append(_timed(fn, calls, 1))
+        finally:
+            thread.stop()
+    return statistics.median(alone), statistics.median(beside)
 
 
 @contextlib.contextmanager
@@ -301,6 +395,14 @@ def main() -> None:
         help="instead of timing, print each path's top N functions by own "
         "time under cProfile (the send pass of a P/D producer included)",
     )
+    parser.add_argument(
+        "--copy-thread",
+        type=int,
+        default=0,
+        help="also time each path and device call without and with a thread "
+        "copying this many MB of blocks to pinned host memory in a loop "
+        "(SimpleCPUOffloadConnector's copy thread)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if args.cuda else "cpu")
     evict = cache_evictor(args.cold_mb) if args.cold_mb else None
@@ -392,6 +494,29 @@ def main() -> None:
                     f"| pinned upload, {outstanding} earlier freed copies pending "
                     f"| {us:.1f} |"
                 )
+        if args.copy_thread:
+            copier = CopyThread(device, args.copy_thread)
+            print(
+                f"\n| call | us a call | with a {args.copy_thread} MB copy "
+                "thread | with / without |"
+            )
+            print("|---|---|---|---|")
+            n = args.blocks[-1]  # the paths of the last block count
+            timed = {
+                f"{name}, {n} blocks": fn
+                for name, fn in (
+                    ("save", save),
+                    ("load", load),
+                    ("restore", restore),
+                )
+            }
+            if args.cuda:
+                timed.update(primitives(device))
+            for name, fn in timed.items():
+                fn()
+                alone, beside = with_and_without(fn, args.calls, args.rounds, copier)
+                print(f"| {name} | {alone:.1f} | {beside:.1f} | {beside / alone:.2f} |")
+            print(f"<!-- copy thread: {copier.batches} batches, {copier.how} -->")
 
 
 if __name__ == "__main__":

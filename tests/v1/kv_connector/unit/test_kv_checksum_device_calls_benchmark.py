@@ -96,3 +96,52 @@ def test_paired_timing_alternates_the_two_paths(monkeypatch) -> None:
     )
     assert (one, two, ratio) == pytest.approx((3.0, 6.0, 2.0))
     assert order == ["evict", "one", "evict", "two"] * 12
+
+
+def test_copy_thread_timing_alternates_without_and_with(monkeypatch) -> None:
+    """Issue 30 (diagnosis): `--copy-thread` times each call without and with
+    the copy thread in alternating rounds, the thread running only in the
+    second half of each (a fake thread and clock: calls take 2 us alone and
+    5 us beside it). Bugs caught: the thread left running into the next
+    round's "without" half, the two halves swapped, one half never timed."""
+    bench = _load()
+    clock = [0.0]
+    running = [False]
+    states: list[bool] = []
+
+    class FakeThread:
+        def start(self) -> None:
+            running[0] = True
+
+        def stop(self) -> None:
+            running[0] = False
+
+    def call() -> None:
+        states.append(running[0])
+        clock[0] += 5e-6 if running[0] else 2e-6
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    alone, beside = bench.with_and_without(call, calls=3, rounds=4, thread=FakeThread())
+    assert (alone, beside) == pytest.approx((2.0, 5.0))
+    assert states == ([False] * 3 + [True] * 3) * 4
+    assert not running[0]
+
+
+def test_copy_thread_copies_until_stopped() -> None:
+    """The copy thread (on CPU: host copies) copies its blocks in batches
+    while started and stops when told. Bug: a thread that never runs (the
+    "with" column would time nothing beside the call) or never stops."""
+    import time
+
+    import torch
+
+    bench = _load()
+    thread = bench.CopyThread(torch.device("cpu"), megabytes=1, blocks=4, layers=2)
+    thread.start()
+    while thread.batches < 3 and thread._thread.is_alive():
+        time.sleep(0.001)  # a crashed thread ends the wait (then fails below)
+    assert thread.batches >= 3
+    thread.stop()
+    done = thread.batches
+    assert torch.equal(thread.host, thread.source)
+    assert thread.batches == done  # stopped: no batch after stop()
