@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Import a script of the repository (a benchmark or an example) as a module,
-for the tests that check its pure logic."""
+for the tests that check its pure logic; run a check under Triton's
+interpreter."""
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -18,3 +21,18 @@ def load_script(name: str, path: Path) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_interpreted(check: str, *argv: str, timeout: int = 600) -> None:
+    """Run the Python source `check` (with `argv`) in a subprocess with
+    TRITON_INTERPRET=1, which must be set before Triton is imported; it
+    must exit 0 and print "ok" last."""
+    done = subprocess.run(
+        [sys.executable, "-c", check, *argv],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")

@@ -12,15 +12,13 @@ the first 128 lost), the slot copy writing the table's old entry, an unmasked
 index (a write past the table or the slots: device memory of another tensor),
 a gather that writes at the source index instead of in order."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_entry_cases import check_entry_kernels
+from tests.v1.kv_connector.unit.kv_checksum_scripts import run_interpreted
 
 pytestmark = pytest.mark.cpu
 entry_kernels = pytest.importorskip(
@@ -57,16 +55,7 @@ def test_R117_triton_kernels_match_the_reference_in_the_interpreter() -> None:
     columns that wrap, tags, several programs, slot copies, gathers and
     scatters, and indices out of range skipped."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-c", CHECK, str(ROOT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("ok")
+    run_interpreted(CHECK, str(ROOT))
 
 
 def test_kernels_are_the_cuda_default_and_cpu_keeps_torch(

@@ -9,12 +9,11 @@ overwritten: in pinned memory shared with other buffers), a grid one program sho
 last partial block lost). The interpreter must be on before Triton is imported, so the
 checks run in a subprocess."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.v1.kv_connector.unit.kv_checksum_scripts import run_interpreted
 
 pytestmark = pytest.mark.cpu
 
@@ -41,13 +40,4 @@ print("ok")
 
 def test_zero_copy_writes_exactly_n_words() -> None:
     script = ROOT / "benchmarks/kernels/copy_engine_probe.py"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-c", CHECK, str(ROOT), str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().endswith("ok")
+    run_interpreted(CHECK, str(ROOT), str(script), timeout=300)

@@ -241,7 +241,6 @@ class EntryKernels:
         counts fit the 32 bits it was compiled for, else the JIT (whose
         first call is captured)."""
         grid = ((n + ENTRY_BLOCK - 1) // ENTRY_BLOCK, 1, 1)
-        constants = dict(constexprs, BLOCK=ENTRY_BLOCK)
         key = (name, variant)
         direct = self._direct.get(key)
         counts = [a for a in args if isinstance(a, int)]
@@ -255,6 +254,7 @@ class EntryKernels:
             except Exception:  # noqa: BLE001 - any launcher error: JIT for good
                 self._direct[key] = None
                 self._no_direct_launch()
+        constants = dict(constexprs, BLOCK=ENTRY_BLOCK)  # the JIT path only
         compiled = kernel[grid](*args, **constants)  # type: ignore[index]
         names = getattr(kernel, "arg_names", None)
         if key in self._direct or not DIRECT_LAUNCH or names is None:
