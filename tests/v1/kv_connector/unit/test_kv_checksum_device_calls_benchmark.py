@@ -99,7 +99,7 @@ def test_paired_timing_alternates_the_two_paths(monkeypatch) -> None:
 
 
 def test_copy_thread_timing_alternates_without_and_with(monkeypatch) -> None:
-    """Issue 30 (diagnosis): `--copy-thread` times each call without and with
+    """R142, issue 30 (diagnosis): `--copy-thread` times each call without and with
     the copy thread in alternating rounds, the thread running only in the
     second half of each (a fake thread and clock: calls take 2 us alone and
     5 us beside it). Bugs caught: the thread left running into the next
@@ -128,7 +128,7 @@ def test_copy_thread_timing_alternates_without_and_with(monkeypatch) -> None:
 
 
 def test_copy_thread_copies_until_stopped() -> None:
-    """The copy thread (on CPU: host copies) copies its blocks in batches
+    """R142 (diagnosis): the copy thread (on CPU: host copies) copies its blocks in batches
     while started and stops when told. Bug: a thread that never runs (the
     "with" column would time nothing beside the call) or never stops."""
     import time

@@ -61,7 +61,7 @@ def test_R117_triton_kernels_match_the_reference_in_the_interpreter() -> None:
 def test_kernels_are_the_cuda_default_and_cpu_keeps_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A CUDA table takes the kernels where Triton offers the direct launch;
+    """R142: a CUDA table takes the kernels where Triton offers the direct launch;
     a CPU table never does (its engine has no Triton device), nor a CUDA one
     on a Triton outside the direct launch's range. Bug: kernels whose every
     call goes through the JIT (its per-call binding and pointer queries cost
@@ -76,7 +76,7 @@ def test_kernels_are_the_cuda_default_and_cpu_keeps_torch(
 
 
 def test_a_failed_capture_falls_back_to_torch_unless_forced() -> None:
-    """When a launch cannot be captured (or a direct launch fails), later
+    """R142: when a launch cannot be captured (or a direct launch fails), later
     calls take the PyTorch operations; kernels a caller forced (the
     interpreter tests) stay. Bug: the JIT on every later call."""
     chosen = entry_kernels.EntryKernels(torch.device("cuda", 0))

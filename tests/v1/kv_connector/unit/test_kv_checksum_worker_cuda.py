@@ -376,7 +376,7 @@ def test_reused_step_buffers_on_cuda_behind_queued_work(
 def test_entry_kernels_on_cuda_jit_then_direct_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The entry write and move kernels (issue 30) against the independent
+    """R117, R118: the entry write and move kernels (issue 30) against the independent
     reference: first through the JIT (which captures each variant's launch),
     then with the JIT made to fail, so every call is a direct launch; indices
     out of range are skipped. Bugs: a direct launch given its arguments in
@@ -400,7 +400,7 @@ def test_entry_kernels_on_cuda_jit_then_direct_launch(
 
 
 def test_entry_kernels_queue_without_host_sync() -> None:
-    """A write with its slot copy and a move queue behind a GPU sleep with
+    """R55: a write with its slot copy and a move queue behind a GPU sleep with
     torch's sync debug mode on (R55), and their results match the PyTorch
     path. Bug: a kernel call that reads a count from the device or copies
     an index array to the host."""
