@@ -129,8 +129,9 @@ def test_copy_thread_timing_alternates_without_and_with(monkeypatch) -> None:
 
 def test_copy_thread_copies_until_stopped() -> None:
     """R142 (diagnosis): the copy thread (on CPU: host copies) copies its
-    blocks in batches while started and stops when told. Bug: a thread that never runs (the
-    "with" column would time nothing beside the call) or never stops."""
+    blocks in batches while started and stops when told. Bug: a thread that
+    never runs (the "with" column would time nothing beside the call) or
+    never stops."""
     import time
 
     import torch
