@@ -185,6 +185,7 @@ class CopyThread:
         self.stream = torch.cuda.Stream() if on_cuda else None
         self.batches = 0
         self.how = "torch copies"
+        self.error: str | None = None
         self._batch_copy: Callable[[], None] | None = None
         if on_cuda:
             self._batch_copy = self._vllm_batch_copy()
@@ -221,6 +222,17 @@ class CopyThread:
             self._thread = None
 
     def _loop(self) -> None:
+        try:
+            self._copy_until_stopped()
+        except Exception as e:  # noqa: BLE001 - kept for the report
+            self.error = repr(e)
+
+    def _copy_until_stopped(self) -> None:
+        if self.stream is not None:
+            # A new thread has no current CUDA context for the driver call
+            # (vLLM's copy loop sets the device first too; without it the
+            # batch copy failed with err=1 on the H200, 2026-12-04f).
+            torch.cuda.set_device(self.source.device)
         while not self._stop.is_set():
             if self.stream is None:
                 self.host.copy_(self.source)
@@ -517,6 +529,9 @@ def main() -> None:
                 alone, beside = with_and_without(fn, args.calls, args.rounds, copier)
                 print(f"| {name} | {alone:.1f} | {beside:.1f} | {beside / alone:.2f} |")
             print(f"<!-- copy thread: {copier.batches} batches, {copier.how} -->")
+            if copier.error is not None or copier.batches == 0:
+                print(f"copy thread FAILED ({copier.error}): the with column is void")
+                raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -146,3 +146,20 @@ def test_copy_thread_copies_until_stopped() -> None:
     done = thread.batches
     assert torch.equal(thread.host, thread.source)
     assert thread.batches == done  # stopped: no batch after stop()
+
+
+def test_copy_thread_failure_is_recorded() -> None:
+    """R142 (diagnosis): a copy thread whose copy fails keeps the error and
+    copies no batch, so the run is reported void. Bug (2026-12-04f on the
+    H200): the thread died on its first batch and the table still printed a
+    "with" column timed beside no copies."""
+    import torch
+
+    bench = _load()
+    thread = bench.CopyThread(torch.device("cpu"), megabytes=1, blocks=4, layers=2)
+
+    thread.host = None  # the CPU copy then raises, as the driver call did
+    thread.start()
+    thread._thread.join()
+    assert thread.batches == 0
+    assert thread.error is not None and "NoneType" in thread.error
