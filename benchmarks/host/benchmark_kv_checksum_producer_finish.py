@@ -10,8 +10,16 @@ Both run interleaved in one process on plain inputs (no vLLM scheduler), so
 the ratio is what the skipped scan saves; the absolute figures depend on the
 machine.
 
+With `--compare`, each group kind instead runs the finish path as it was
+before the 2026-12-04f rework (`_ReferenceProducer`: the payload built,
+checked and encoded by the code of tree f2303ef, kept here only as the
+reference) against the package's current one, interleaved step by step on
+the same inputs; both must return the same kv_transfer_params (the same
+payload bytes).
+
     python benchmarks/host/benchmark_kv_checksum_producer_finish.py \
-        [--requests 16] [--blocks 64] [--rounds 5] [--steps 200] [--json OUT]
+        [--requests 16] [--blocks 64] [--rounds 5] [--steps 200] [--compare] \
+        [--json OUT]
 """
 
 import argparse
@@ -25,17 +33,49 @@ from typing import Any
 import numpy as np
 
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+    KV_TRANSFER_PARAMS_KEY,
+    KVChecksumBlocks,
     KVChecksumCarrier,
     KVChecksumGroup,
     KVChecksumRecord,
+    chunk_tokens,
 )
-from vllm.distributed.kv_transfer.kv_checksum.engine.blocks import SchedulerGroup
+from vllm.distributed.kv_transfer.kv_checksum.engine.blocks import (
+    SchedulerGroup,
+    _null_mask,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.producer import (
+    KVChecksumProducer,
+    Params,
+    _reason_kind,
+)
 from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
     KVChecksumScheduler,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
+    _ENCODER,
+    KV_CHECKSUM_PAYLOAD_VERSION,
+    KVChecksumPayload,
+    KVChecksumPayloadGroup,
+    KVChecksumPayloadLimits,
+    _check_payload,
+    body_hash,
+    pybase64,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
+    KVChecksumGroupInfo,
+    KVChecksumWorkerReport,
+    WorkerKey,
+    completeness_detail,
+    other_blocks_detail,
+    whole_model_fingerprints,
 )
 
 BLOCK_SIZE = 16
 MODES = {"scan (before)": False, "full attention (skips the scan)": True}
+# --compare: the group kinds, and the finish path before and after 2026-12-04f.
+KINDS = {"may free blocks (scans, R66)": False, "full attention (no scan)": True}
+PATHS = ("before", "after")
 
 
 @dataclass
@@ -54,8 +94,184 @@ class _BlockManager:
         return SimpleNamespace(blocks=(self.blocks[req_id],))
 
 
-def _scheduler(holds_all_blocks: bool) -> KVChecksumScheduler:
-    return KVChecksumScheduler(
+# --------------------------------------------------------------------------
+# The finish path before 2026-12-04f (tree f2303ef), the --compare reference.
+# --------------------------------------------------------------------------
+
+
+def _ref_chunk_tokens(info: KVChecksumGroupInfo) -> int:
+    """KVChecksumGroupInfo.chunk_tokens as it was: computed on every read."""
+    return 1 if info.is_mamba else chunk_tokens(info.block_size)
+
+
+def _ref_chunks_per_block(info: KVChecksumGroupInfo) -> int:
+    return 1 if info.is_mamba else info.block_size // _ref_chunk_tokens(info)
+
+
+def _ref_sum_columns(entries: list[KVChecksumGroup], num_positions: int) -> np.ndarray:
+    total = np.zeros(num_positions, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for entry in entries:
+            total += entry.values.sum(axis=1, dtype=np.uint64)
+    return total
+
+
+def _ref_build_producer_payload(
+    reports: dict[WorkerKey, KVChecksumWorkerReport],
+    scheduled: KVChecksumBlocks,
+    num_workers: int,
+    tp_size: int,
+    groups: dict[int, KVChecksumGroupInfo],
+) -> KVChecksumPayload | str:
+    """`build_producer_payload` of f2303ef."""
+    detail = completeness_detail(len(reports), num_workers)
+    if detail is not None:
+        return detail
+    skipped = {gid for report in reports.values() for gid in report.skipped_groups}
+    fingerprints = whole_model_fingerprints(reports)
+    payload_groups: list[KVChecksumPayloadGroup] = []
+    for group_id in sorted(scheduled.groups):
+        start, block_ids = scheduled.groups[group_id]
+        info = groups[group_id]
+        chunk, per_block = _ref_chunk_tokens(info), _ref_chunks_per_block(info)
+        first, count = start * per_block, len(block_ids) * per_block
+        detail = other_blocks_detail(reports, group_id, first, count)
+        if detail is not None:
+            return f"group {group_id}: {detail}"
+        entries = [
+            report.groups[group_id]
+            for _, report in sorted(reports.items())
+            if group_id in report.groups
+        ]
+        if group_id in skipped or not entries:
+            continue
+        end = min(first + count, -(-scheduled.num_tokens // chunk))
+        payload_groups.append(
+            KVChecksumPayloadGroup(
+                group_id=group_id,
+                fingerprint=fingerprints.get(group_id, 0),
+                chunk_tokens=chunk,
+                start=first,
+                values=_ref_sum_columns(entries, count)[: max(0, end - first)],
+            )
+        )
+    return KVChecksumPayload(
+        version=KV_CHECKSUM_PAYLOAD_VERSION,
+        tp_size=tp_size,
+        num_tokens=scheduled.num_tokens,
+        groups=payload_groups,
+    )
+
+
+def _ref_to_bytes(payload: KVChecksumPayload) -> bytes:
+    """`KVChecksumPayload.to_bytes` of f2303ef: the full field check."""
+    _check_payload(payload, KVChecksumPayloadLimits())
+    groups = [
+        [
+            int(group.group_id),
+            int(group.fingerprint),
+            int(group.chunk_tokens),
+            int(group.start),
+            np.ascontiguousarray(group.values, dtype=np.dtype("<u8")).data,
+        ]
+        for group in payload.groups
+    ]
+    body = _ENCODER.encode([int(payload.tp_size), int(payload.num_tokens), groups])
+    return _ENCODER.encode([int(payload.version), body_hash(body), body])
+
+
+def _ref_to_base64(payload: KVChecksumPayload) -> str:
+    return pybase64.b64encode(_ref_to_bytes(payload)).decode("ascii")
+
+
+def _ref_first_held_position(blocks: Any, start: int, count: int) -> int | None:
+    """`first_held_position` of f2303ef: the NumPy mask of every block."""
+    selected = blocks[start : start + count]
+    is_null = _null_mask(selected)
+    if is_null.size < count or (is_null.size and is_null[-1]):
+        return None
+    nulls = np.flatnonzero(is_null)
+    return start + (int(nulls[-1]) + 1 if nulls.size else 0)
+
+
+def _ref_held_groups(
+    payload: KVChecksumPayload,
+    scheduled: KVChecksumBlocks,
+    held: Any,
+    infos: dict[int, KVChecksumGroupInfo],
+) -> list:
+    groups = []
+    for group in payload.groups:
+        if infos[group.group_id].is_mamba:
+            groups.append(group)
+            continue
+        start, block_ids = scheduled.groups[group.group_id]
+        first = _ref_first_held_position(held[group.group_id], start, len(block_ids))
+        if first is None:
+            continue
+        cut = (first - start) * _ref_chunks_per_block(infos[group.group_id])
+        cut = min(cut, len(group.values))
+        group.start += cut
+        group.values = group.values[cut:]
+        groups.append(group)
+    return groups
+
+
+def _ref_finished_normally(request: Any) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
+
+
+class _ReferenceProducer(KVChecksumProducer):
+    """The producer half with `request_finished` as of f2303ef."""
+
+    def request_finished(
+        self, request: Any, kv_transfer_params: Params, kv_cache_manager: Any
+    ) -> Params:
+        req_id = request.request_id
+        self._producers.pop(req_id, None)
+        send = self._sends.pop(req_id, None)
+        if send is None or not _ref_finished_normally(request):
+            return kv_transfer_params
+        setup = self.setup
+        infos = setup.group_infos
+        payload = _ref_build_producer_payload(
+            send.reports, send.blocks, setup.num_workers, setup.tp_size, infos
+        )
+        if (
+            not isinstance(payload, str)
+            and kv_cache_manager is not None
+            and self._may_free_blocks(payload)
+        ):
+            held = kv_cache_manager.get_blocks(req_id).blocks
+            payload.groups = _ref_held_groups(payload, send.blocks, held, infos)
+        if isinstance(payload, str):
+            self.log.warn_once(f"KV checksums not sent: {_reason_kind(payload)}.")
+            self.log.stats.record_not_sent(_reason_kind(payload))
+            return kv_transfer_params
+        carrier = self.setup.carrier(request, False)
+        if carrier == KVChecksumCarrier.KV_TRANSFER_PARAMS:
+            if kv_transfer_params is None:
+                return None
+            self.log.stats.record_sent()
+            return {
+                **kv_transfer_params,
+                KV_TRANSFER_PARAMS_KEY: _ref_to_base64(payload),
+            }
+        if carrier == KVChecksumCarrier.CONNECTOR:
+            self.log.stats.record_sent()
+            self._outgoing[req_id] = _ref_to_bytes(payload)
+        return kv_transfer_params
+
+
+def _scheduler(holds_all_blocks: bool, reference: bool = False) -> KVChecksumScheduler:
+    """One engine's checksum scheduler; `reference`: the finish path before
+    2026-12-04f."""
+    kcs = KVChecksumScheduler(
         {0: SchedulerGroup(BLOCK_SIZE, holds_all_blocks=holds_all_blocks)},
         num_workers=1,
         tp_size=1,
@@ -63,6 +279,9 @@ def _scheduler(holds_all_blocks: bool) -> KVChecksumScheduler:
         carrier=lambda request, receiving: KVChecksumCarrier.KV_TRANSFER_PARAMS,
         hit_sources=lambda request, n: set(),
     )
+    if reference:
+        kcs.producer = _ReferenceProducer(kcs.producer.setup)
+    return kcs
 
 
 def finish_step(
@@ -151,6 +370,46 @@ def run(num_requests: int, num_blocks: int, rounds: int, steps: int) -> dict:
     }
 
 
+def run_compare(num_requests: int, num_blocks: int, rounds: int, steps: int) -> dict:
+    """Per group kind and path (before/after 2026-12-04f), the median over
+    rounds of the us per finished request; the four sides alternate step by
+    step (same process, same inputs) and must send the same params."""
+    sides = {
+        (kind, path): (_scheduler(hold, path == "before"), _BlockManager())
+        for kind, hold in KINDS.items()
+        for path in PATHS
+    }
+    per_round: dict[tuple[str, str], list[float]] = {key: [] for key in sides}
+    for side in sides.values():  # warm-up
+        finish_step(*side, 0, num_requests, num_blocks)
+    for _ in range(rounds):
+        totals = dict.fromkeys(sides, 0.0)
+        for step in range(steps):
+            sent: dict[tuple[str, str], list[Any]] = {}
+            for key, side in sides.items():
+                elapsed, params = finish_step(*side, step, num_requests, num_blocks)
+                totals[key] += elapsed
+                sent[key] = params
+            for kind in KINDS:  # the same payload bytes either way
+                assert sent[(kind, "before")] == sent[(kind, "after")], kind
+        for key in sides:
+            per_round[key].append(1e6 * totals[key] / (steps * num_requests))
+    medians = {key: statistics.median(v) for key, v in per_round.items()}
+    return {
+        "requests_per_step": num_requests,
+        "blocks_per_request": num_blocks,
+        "us_per_request": {
+            kind: {path: medians[(kind, path)] for path in PATHS} for kind in KINDS
+        },
+        "rounds_us_per_request": {
+            kind: {path: per_round[(kind, path)] for path in PATHS} for kind in KINDS
+        },
+        "after_over_before": {
+            kind: medians[(kind, "after")] / medians[(kind, "before")] for kind in KINDS
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=16)
@@ -158,17 +417,35 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="the finish path before 2026-12-04f against the current one",
+    )
     args = parser.parse_args()
-    result = run(args.requests, args.blocks, args.rounds, args.steps)
-    print(
+    shape = (
         f"{args.requests} producers a step, {args.blocks} blocks each, "
         f"{args.rounds} rounds of {args.steps} steps (median of rounds):"
     )
-    print("| request_finished | us a request |")
-    print("|---|---|")
-    for name, value in result["us_per_request"].items():
-        print(f"| {name} | {value:.1f} |")
-    print(f"after / before: {result['after_over_before']:.3f}")
+    if args.compare:
+        result = run_compare(args.requests, args.blocks, args.rounds, args.steps)
+        print(shape)
+        print("| group kind | before (us a request) | after | after / before |")
+        print("|---|---|---|---|")
+        for kind, paths in result["us_per_request"].items():
+            ratio = result["after_over_before"][kind]
+            print(
+                f"| {kind} | {paths['before']:.1f} | {paths['after']:.1f} "
+                f"| {ratio:.3f} |"
+            )
+    else:
+        result = run(args.requests, args.blocks, args.rounds, args.steps)
+        print(shape)
+        print("| request_finished | us a request |")
+        print("|---|---|")
+        for name, value in result["us_per_request"].items():
+            print(f"| {name} | {value:.1f} |")
+        print(f"after / before: {result['after_over_before']:.3f}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=1)

@@ -44,3 +44,32 @@ def test_both_modes_send_the_reported_sums() -> None:
         assert manager.blocks == {}
     result = bench.run(num_requests=2, num_blocks=4, rounds=1, steps=2)
     assert set(result["us_per_request"]) == set(bench.MODES)
+
+
+def test_compare_times_the_reference_and_current_paths_on_equal_payloads() -> None:
+    """R74, R77, R142: `--compare` runs the finish path of f2303ef (the
+    benchmark's `_ReferenceProducer`) and the package's current one on the
+    same inputs; both send the reported sums as the same base64 payload, and
+    the result has a before and after figure per group kind. Bugs caught: a
+    reference that is not the old path (the package's producer timed twice),
+    or a current path whose payload bytes differ from the old one's (the
+    comparison in `run_compare` asserts equal params every step)."""
+    bench = load_script("_producer_finish_bench_compare", SCRIPT)
+    for hold in bench.KINDS.values():
+        sent = []
+        for reference in (True, False):
+            kcs = bench._scheduler(hold, reference)
+            assert isinstance(kcs.producer, bench._ReferenceProducer) is reference
+            _, params = bench.finish_step(
+                kcs, bench._BlockManager(), 2, num_requests=2, num_blocks=3
+            )
+            sent.append(params)
+        assert sent[0] == sent[1]
+        for p in sent[0]:
+            payload = KVChecksumPayload.from_base64(p[KV_TRANSFER_PARAMS_KEY])
+            (group,) = payload.groups
+            assert np.array_equal(group.values, np.arange(3, dtype=np.uint64) + 3)
+    result = bench.run_compare(num_requests=2, num_blocks=4, rounds=1, steps=2)
+    assert set(result["us_per_request"]) == set(bench.KINDS)
+    for paths in result["us_per_request"].values():
+        assert set(paths) == set(bench.PATHS) and all(v > 0 for v in paths.values())

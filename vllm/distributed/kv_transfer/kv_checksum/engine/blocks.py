@@ -53,6 +53,13 @@ def _null_mask(blocks: Sequence) -> np.ndarray:
     return np.fromiter(map(_IS_NULL, blocks), dtype=bool, count=len(blocks))
 
 
+def _any_null(blocks: Sequence) -> bool:
+    """Whether any of `blocks` is vLLM's null block: a scan in C that stops
+    at the first one and builds no array, about twice as fast as the mask
+    for the usual case of none (issue 30)."""
+    return any(map(_IS_NULL, blocks))
+
+
 def _group_blocks(
     blocks: Sequence, group: SchedulerGroup, begin: int, end: int
 ) -> tuple[int, np.ndarray] | None:
@@ -62,10 +69,10 @@ def _group_blocks(
         drop = len(selected) - group.sliding_window_blocks
         selected = selected[drop:]
         begin += drop
-    is_null = _null_mask(selected)
-    if not is_null.any():  # most requests: every block held (issue 30)
+    if not _any_null(selected):  # most requests: every block held (issue 30)
         ids = np.fromiter(map(_BLOCK_ID, selected), dtype=np.int64, count=len(selected))
         return (begin, ids) if ids.size else None
+    is_null = _null_mask(selected)
     real = np.flatnonzero(~is_null)
     if real.size == 0:
         return None
@@ -101,11 +108,14 @@ def first_held_position(blocks: Sequence, start: int, count: int) -> int | None:
     them, so a producer must not send their checksums.
     """
     selected = blocks[start : start + count]
-    is_null = _null_mask(selected)
-    if is_null.size < count or (is_null.size and is_null[-1]):
+    if len(selected) < count:
         return None
-    nulls = np.flatnonzero(is_null)
-    return start + (int(nulls[-1]) + 1 if nulls.size else 0)
+    if not _any_null(selected):  # most requests: every block held (issue 30)
+        return start
+    is_null = _null_mask(selected)
+    if is_null[-1]:
+        return None
+    return start + int(np.flatnonzero(is_null)[-1]) + 1
 
 
 def select_blocks(

@@ -8,6 +8,7 @@ summed into the payload its carrier moves (R74), in kv_transfer_params or as
 bytes the connector sends itself.
 """
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -189,12 +190,16 @@ def _held_groups(
 
 def _finished_normally(request: Any) -> bool:
     """Stop or length: only those producers' KV is used by a consumer (R74)."""
+    return request.status in _normal_finishes()
+
+
+@functools.cache
+def _normal_finishes() -> tuple[Any, ...]:
+    """vLLM's stop and length statuses, imported on first use and then kept,
+    not imported again by every finishing request (issue 30)."""
     from vllm.v1.request import RequestStatus
 
-    return request.status in (
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH_CAPPED,
-    )
+    return (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 def _reason_kind(detail: str) -> str:

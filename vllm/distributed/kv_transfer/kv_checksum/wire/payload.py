@@ -139,7 +139,7 @@ class KVChecksumPayload:
     def to_bytes(self) -> bytes:
         """Version 2 msgpack bytes with the body hash (R136); ValueError on
         fields a decoder without limits would reject."""
-        _check_payload(self, KVChecksumPayloadLimits())
+        _check_encodable(self)
         groups = [
             [
                 int(group.group_id),
@@ -403,6 +403,52 @@ def _check_payload(
         seen.add(group_id)
 
 
+# What `to_bytes` checks against: a decoder without limits (R79).
+_NO_LIMITS = KVChecksumPayloadLimits()
+
+
+def _check_encodable(payload: KVChecksumPayload) -> None:
+    """`_check_payload(payload, _NO_LIMITS)`, fast for what a producer builds.
+
+    A finishing producer encodes every payload (issue 30): fields that are
+    plain ints in range and values that are 1-D unsigned arrays of at most 8
+    bytes pass here without building any error message; anything else goes
+    through the full check, which raises exactly as before.
+    """
+    if (
+        type(payload.version) is int
+        and payload.version == KV_CHECKSUM_PAYLOAD_VERSION
+        and type(payload.tp_size) is int
+        and 1 <= payload.tp_size <= _NO_LIMITS.max_tp_size
+        and type(payload.num_tokens) is int
+        and payload.num_tokens >= 0
+        and type(payload.groups) is list
+    ):
+        seen: set[int] = set()
+        for group in payload.groups:
+            group_id, values = group.group_id, group.values
+            if not (
+                type(group_id) is int
+                and group_id >= 0
+                and group_id not in seen
+                and type(group.fingerprint) is int
+                and 0 <= group.fingerprint < _U64_LIMIT
+                and type(group.chunk_tokens) is int
+                and group.chunk_tokens >= 1
+                and type(group.start) is int
+                and group.start >= 0
+                and type(values) is np.ndarray
+                and values.ndim == 1
+                and values.dtype.kind == "u"
+                and values.dtype.itemsize <= 8
+            ):
+                break
+            seen.add(group_id)
+        else:
+            return
+    _check_payload(payload, _NO_LIMITS)
+
+
 def _check_group(
     group: KVChecksumPayloadGroup, limits: KVChecksumPayloadLimits | None
 ) -> int:
@@ -470,5 +516,9 @@ def _check_max(value: int, maximum: int, name: str) -> int:
 
 
 def _values_buffer(values: np.ndarray) -> memoryview:
-    """The values as little-endian uint64 bytes, without a copy when possible."""
+    """The values as little-endian uint64 bytes, without a copy when possible
+    (the usual contiguous little-endian uint64 values skip the conversion
+    call: issue 30)."""
+    if values.dtype == _VALUE_DTYPE and values.flags.c_contiguous:
+        return values.data
     return np.ascontiguousarray(values, dtype=_VALUE_DTYPE).data

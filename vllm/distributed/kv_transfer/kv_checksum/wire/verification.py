@@ -9,6 +9,7 @@ replica keys only, never over block positions.
 """
 
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -93,12 +94,14 @@ class KVChecksumGroupInfo:
     # checksums only compare between equal TP sizes.
     tp_comparable: bool = True
 
-    @property
+    # Cached: read per group of every finishing producer (issue 30); the
+    # fields they derive from are frozen.
+    @functools.cached_property
     def chunk_tokens(self) -> int:
         """Tokens per value both sides report for P/D transfers (R135)."""
         return 1 if self.is_mamba else chunk_tokens(self.block_size)
 
-    @property
+    @functools.cached_property
     def chunks_per_block(self) -> int:
         return 1 if self.is_mamba else self.block_size // self.chunk_tokens
 
@@ -192,11 +195,18 @@ def other_blocks_detail(
 
 
 def _sum_columns(entries: list[KVChecksumGroup], num_positions: int) -> np.ndarray:
-    """Σ over workers and over columns of their values, uint64 [positions]."""
-    total = np.zeros(num_positions, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for entry in entries:
-            total += entry.values.sum(axis=1, dtype=np.uint64)
+    """Σ over workers and over columns of their values, uint64 [positions].
+
+    Integer array arithmetic wraps mod 2^64 without a warning, so no errstate
+    is needed; the first entry's sum is the total's buffer (no zeros to add
+    to) and `np.add.reduce` skips `ndarray.sum`'s Python wrapper: one NumPy
+    call per worker on the finish path (issue 30).
+    """
+    if not entries:
+        return np.zeros(num_positions, dtype=np.uint64)
+    total = np.add.reduce(entries[0].values, axis=1, dtype=np.uint64)
+    for entry in entries[1:]:
+        total += np.add.reduce(entry.values, axis=1, dtype=np.uint64)
     return total
 
 
@@ -220,7 +230,10 @@ def build_producer_payload(
     detail = completeness_detail(len(reports), num_workers)
     if detail is not None:
         return detail
-    skipped = {gid for report in reports.values() for gid in report.skipped_groups}
+    # Sorted once, not per group: the workers' order of the sums and of
+    # `other_blocks_detail` (issue 30).
+    ordered = [reports[key] for key in sorted(reports)]
+    skipped = {gid for report in ordered for gid in report.skipped_groups}
     fingerprints = whole_model_fingerprints(reports)
     payload_groups: list[KVChecksumPayloadGroup] = []
     for group_id in sorted(scheduled.groups):
@@ -228,14 +241,13 @@ def build_producer_payload(
         info = groups[group_id]
         chunk, per_block = info.chunk_tokens, info.chunks_per_block
         first, count = start * per_block, len(block_ids) * per_block
-        detail = other_blocks_detail(reports, group_id, first, count)
-        if detail is not None:
-            return f"group {group_id}: {detail}"
         entries = [
-            report.groups[group_id]
-            for _, report in sorted(reports.items())
-            if group_id in report.groups
+            report.groups[group_id] for report in ordered if group_id in report.groups
         ]
+        for entry in entries:
+            if entry.start != first or entry.values.shape[0] != count:
+                detail = other_blocks_detail(reports, group_id, first, count)
+                return f"group {group_id}: {detail}"
         if group_id in skipped or not entries:
             continue
         # Chunks past the last token hold nothing: not sent.
