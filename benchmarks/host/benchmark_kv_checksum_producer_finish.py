@@ -11,11 +11,11 @@ the ratio is what the skipped scan saves; the absolute figures depend on the
 machine.
 
 With `--compare`, each group kind instead runs the finish path as it was
-before the 2026-12-04f rework (`_ReferenceProducer`: the payload built,
-checked and encoded by the code of tree f2303ef, kept here only as the
-reference) against the package's current one, interleaved step by step on
-the same inputs; both must return the same kv_transfer_params (the same
-payload bytes).
+before the 2026-12-04f rework (`_ReferenceProducer`: the package's own
+`request_finished` with the pieces the rework changed swapped back for the
+versions of tree f2303ef, kept here only as the reference) against the
+package's current one, interleaved step by step on the same inputs; both
+must return the same kv_transfer_params (the same payload bytes).
 
     python benchmarks/host/benchmark_kv_checksum_producer_finish.py \
         [--requests 16] [--blocks 64] [--rounds 5] [--steps 200] [--compare] \
@@ -23,22 +23,27 @@ payload bytes).
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
-    KV_TRANSFER_PARAMS_KEY,
     KVChecksumBlocks,
     KVChecksumCarrier,
     KVChecksumGroup,
     KVChecksumRecord,
     chunk_tokens,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine import (
+    producer as producer_module,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.blocks import (
     SchedulerGroup,
@@ -46,21 +51,18 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.blocks import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.producer import (
     KVChecksumProducer,
-    Params,
-    _reason_kind,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
     KVChecksumScheduler,
 )
+from vllm.distributed.kv_transfer.kv_checksum.wire import payload as payload_module
 from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
-    _ENCODER,
+    _VALUE_DTYPE,
     KV_CHECKSUM_PAYLOAD_VERSION,
     KVChecksumPayload,
     KVChecksumPayloadGroup,
     KVChecksumPayloadLimits,
     _check_payload,
-    body_hash,
-    pybase64,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumGroupInfo,
@@ -95,7 +97,9 @@ class _BlockManager:
 
 
 # --------------------------------------------------------------------------
-# The finish path before 2026-12-04f (tree f2303ef), the --compare reference.
+# The finish path before 2026-12-04f (tree f2303ef), the --compare reference:
+# the package's own `request_finished` with only the pieces the rework changed
+# swapped back for their old versions (`reference_pieces`).
 # --------------------------------------------------------------------------
 
 
@@ -105,10 +109,12 @@ def _ref_chunk_tokens(info: KVChecksumGroupInfo) -> int:
 
 
 def _ref_chunks_per_block(info: KVChecksumGroupInfo) -> int:
-    return 1 if info.is_mamba else info.block_size // _ref_chunk_tokens(info)
+    """KVChecksumGroupInfo.chunks_per_block as it was: computed on every read."""
+    return 1 if info.is_mamba else info.block_size // info.chunk_tokens
 
 
 def _ref_sum_columns(entries: list[KVChecksumGroup], num_positions: int) -> np.ndarray:
+    """`_sum_columns` of f2303ef: zeros, errstate and `ndarray.sum`."""
     total = np.zeros(num_positions, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for entry in entries:
@@ -123,7 +129,8 @@ def _ref_build_producer_payload(
     tp_size: int,
     groups: dict[int, KVChecksumGroupInfo],
 ) -> KVChecksumPayload | str:
-    """`build_producer_payload` of f2303ef."""
+    """`build_producer_payload` of f2303ef: the workers sorted again for every
+    group, `other_blocks_detail` run on every group, the old sums."""
     detail = completeness_detail(len(reports), num_workers)
     if detail is not None:
         return detail
@@ -133,7 +140,7 @@ def _ref_build_producer_payload(
     for group_id in sorted(scheduled.groups):
         start, block_ids = scheduled.groups[group_id]
         info = groups[group_id]
-        chunk, per_block = _ref_chunk_tokens(info), _ref_chunks_per_block(info)
+        chunk, per_block = info.chunk_tokens, info.chunks_per_block
         first, count = start * per_block, len(block_ids) * per_block
         detail = other_blocks_detail(reports, group_id, first, count)
         if detail is not None:
@@ -146,42 +153,25 @@ def _ref_build_producer_payload(
         if group_id in skipped or not entries:
             continue
         end = min(first + count, -(-scheduled.num_tokens // chunk))
+        values = _ref_sum_columns(entries, count)[: max(0, end - first)]
+        fingerprint = fingerprints.get(group_id, 0)
         payload_groups.append(
-            KVChecksumPayloadGroup(
-                group_id=group_id,
-                fingerprint=fingerprints.get(group_id, 0),
-                chunk_tokens=chunk,
-                start=first,
-                values=_ref_sum_columns(entries, count)[: max(0, end - first)],
-            )
+            KVChecksumPayloadGroup(group_id, fingerprint, chunk, first, values)
         )
     return KVChecksumPayload(
-        version=KV_CHECKSUM_PAYLOAD_VERSION,
-        tp_size=tp_size,
-        num_tokens=scheduled.num_tokens,
-        groups=payload_groups,
+        KV_CHECKSUM_PAYLOAD_VERSION, tp_size, scheduled.num_tokens, payload_groups
     )
 
 
-def _ref_to_bytes(payload: KVChecksumPayload) -> bytes:
-    """`KVChecksumPayload.to_bytes` of f2303ef: the full field check."""
+def _ref_check_encodable(payload: KVChecksumPayload) -> None:
+    """`to_bytes`'s check of f2303ef: the full field check, against limits
+    built on every call."""
     _check_payload(payload, KVChecksumPayloadLimits())
-    groups = [
-        [
-            int(group.group_id),
-            int(group.fingerprint),
-            int(group.chunk_tokens),
-            int(group.start),
-            np.ascontiguousarray(group.values, dtype=np.dtype("<u8")).data,
-        ]
-        for group in payload.groups
-    ]
-    body = _ENCODER.encode([int(payload.tp_size), int(payload.num_tokens), groups])
-    return _ENCODER.encode([int(payload.version), body_hash(body), body])
 
 
-def _ref_to_base64(payload: KVChecksumPayload) -> str:
-    return pybase64.b64encode(_ref_to_bytes(payload)).decode("ascii")
+def _ref_values_buffer(values: np.ndarray) -> memoryview:
+    """`_values_buffer` of f2303ef: every values array converted."""
+    return np.ascontiguousarray(values, dtype=_VALUE_DTYPE).data
 
 
 def _ref_first_held_position(blocks: Any, start: int, count: int) -> int | None:
@@ -194,30 +184,8 @@ def _ref_first_held_position(blocks: Any, start: int, count: int) -> int | None:
     return start + (int(nulls[-1]) + 1 if nulls.size else 0)
 
 
-def _ref_held_groups(
-    payload: KVChecksumPayload,
-    scheduled: KVChecksumBlocks,
-    held: Any,
-    infos: dict[int, KVChecksumGroupInfo],
-) -> list:
-    groups = []
-    for group in payload.groups:
-        if infos[group.group_id].is_mamba:
-            groups.append(group)
-            continue
-        start, block_ids = scheduled.groups[group.group_id]
-        first = _ref_first_held_position(held[group.group_id], start, len(block_ids))
-        if first is None:
-            continue
-        cut = (first - start) * _ref_chunks_per_block(infos[group.group_id])
-        cut = min(cut, len(group.values))
-        group.start += cut
-        group.values = group.values[cut:]
-        groups.append(group)
-    return groups
-
-
 def _ref_finished_normally(request: Any) -> bool:
+    """`_finished_normally` of f2303ef: vLLM's statuses imported every call."""
     from vllm.v1.request import RequestStatus
 
     return request.status in (
@@ -226,46 +194,37 @@ def _ref_finished_normally(request: Any) -> bool:
     )
 
 
-class _ReferenceProducer(KVChecksumProducer):
-    """The producer half with `request_finished` as of f2303ef."""
+# (owner, name looked up at call time, the f2303ef version). The producer
+# module binds the helpers it calls by name, as the payload module does the
+# check and buffer helpers of `KVChecksumPayload.to_bytes`; the group info's
+# properties were plain (a data descriptor on the class wins over a value
+# that cached_property left in an instance's __dict__).
+_REFERENCE_PIECES: tuple[tuple[Any, str, Any], ...] = (
+    (producer_module, "build_producer_payload", _ref_build_producer_payload),
+    (producer_module, "first_held_position", _ref_first_held_position),
+    (producer_module, "_finished_normally", _ref_finished_normally),
+    (payload_module, "_check_encodable", _ref_check_encodable),
+    (payload_module, "_values_buffer", _ref_values_buffer),
+    (KVChecksumGroupInfo, "chunk_tokens", property(_ref_chunk_tokens)),
+    (KVChecksumGroupInfo, "chunks_per_block", property(_ref_chunks_per_block)),
+)
 
-    def request_finished(
-        self, request: Any, kv_transfer_params: Params, kv_cache_manager: Any
-    ) -> Params:
-        req_id = request.request_id
-        self._producers.pop(req_id, None)
-        send = self._sends.pop(req_id, None)
-        if send is None or not _ref_finished_normally(request):
-            return kv_transfer_params
-        setup = self.setup
-        infos = setup.group_infos
-        payload = _ref_build_producer_payload(
-            send.reports, send.blocks, setup.num_workers, setup.tp_size, infos
-        )
-        if (
-            not isinstance(payload, str)
-            and kv_cache_manager is not None
-            and self._may_free_blocks(payload)
-        ):
-            held = kv_cache_manager.get_blocks(req_id).blocks
-            payload.groups = _ref_held_groups(payload, send.blocks, held, infos)
-        if isinstance(payload, str):
-            self.log.warn_once(f"KV checksums not sent: {_reason_kind(payload)}.")
-            self.log.stats.record_not_sent(_reason_kind(payload))
-            return kv_transfer_params
-        carrier = self.setup.carrier(request, False)
-        if carrier == KVChecksumCarrier.KV_TRANSFER_PARAMS:
-            if kv_transfer_params is None:
-                return None
-            self.log.stats.record_sent()
-            return {
-                **kv_transfer_params,
-                KV_TRANSFER_PARAMS_KEY: _ref_to_base64(payload),
-            }
-        if carrier == KVChecksumCarrier.CONNECTOR:
-            self.log.stats.record_sent()
-            self._outgoing[req_id] = _ref_to_bytes(payload)
-        return kv_transfer_params
+
+@contextlib.contextmanager
+def reference_pieces() -> Iterator[None]:
+    """The package's finish path as of f2303ef while inside: every piece the
+    2026-12-04f rework changed is swapped for its old version, and restored
+    on exit (also on an exception)."""
+    with contextlib.ExitStack() as stack:
+        for owner, name, old in _REFERENCE_PIECES:
+            stack.enter_context(mock.patch.object(owner, name, old))
+        yield
+
+
+class _ReferenceProducer(KVChecksumProducer):
+    """The package's producer, marked as the reference: `finish_step` runs
+    it inside `reference_pieces`, so its `request_finished` is the path of
+    f2303ef."""
 
 
 def _scheduler(holds_all_blocks: bool, reference: bool = False) -> KVChecksumScheduler:
@@ -292,52 +251,58 @@ def finish_step(
     num_blocks: int,
 ) -> tuple[float, list[Any]]:
     """One step of `num_requests` producers: registered, reported and
-    finished; returns the seconds `request_finished` took and its params."""
+    finished; returns the seconds `request_finished` took and its params.
+
+    A reference producer's whole step runs inside `reference_pieces`: the
+    swap and its restore are outside the timed calls."""
     from vllm.v1.request import RequestStatus
 
-    tokens = num_blocks * BLOCK_SIZE
-    requests = []
-    for i in range(num_requests):
-        req_id = f"s{step}-r{i}"
-        first = i * num_blocks
-        manager.blocks[req_id] = [_Block(first + j) for j in range(num_blocks)]
-        request = SimpleNamespace(
-            request_id=req_id,
-            kv_transfer_params={"do_remote_decode": True},
-            num_computed_tokens=tokens,
-            num_prompt_tokens=tokens,
-            status=RequestStatus.RUNNING,
+    reference = isinstance(kcs.producer, _ReferenceProducer)
+    with reference_pieces() if reference else contextlib.nullcontext():
+        tokens = num_blocks * BLOCK_SIZE
+        requests = []
+        for i in range(num_requests):
+            req_id = f"s{step}-r{i}"
+            first = i * num_blocks
+            manager.blocks[req_id] = [_Block(first + j) for j in range(num_blocks)]
+            request = SimpleNamespace(
+                request_id=req_id,
+                kv_transfer_params={"do_remote_decode": True},
+                num_computed_tokens=tokens,
+                num_prompt_tokens=tokens,
+                status=RequestStatus.RUNNING,
+            )
+            kcs.on_new_request(request)
+            requests.append(request)
+        kcs.add_sends(
+            {r.request_id: tokens for r in requests},
+            {r.request_id: r for r in requests},
+            manager,
         )
-        kcs.on_new_request(request)
-        requests.append(request)
-    kcs.add_sends(
-        {r.request_id: tokens for r in requests},
-        {r.request_id: r for r in requests},
-        manager,
-    )
-    scheduled = kcs.build_checksum_meta()
-    assert scheduled is not None
-    values = np.arange(num_blocks, dtype=np.uint64).reshape(num_blocks, 1)
-    record = KVChecksumRecord(
-        0,
-        0,
-        checksums={
-            req_id: {0: KVChecksumGroup(0, ((1, 0),), values + np.uint64(step + 1))}
-            for req_id in scheduled.reqs_to_send
-        },
-        fingerprints={0: 0x1234},
-    )
-    kcs.update_from_output([record], None)
-    for request in requests:
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    start = time.perf_counter()
-    params = [
-        kcs.request_finished(r, {"do_remote_decode": True}, manager) for r in requests
-    ]
-    elapsed = time.perf_counter() - start
-    for request in requests:
-        del manager.blocks[request.request_id]
-    return elapsed, params
+        scheduled = kcs.build_checksum_meta()
+        assert scheduled is not None
+        values = np.arange(num_blocks, dtype=np.uint64).reshape(num_blocks, 1)
+        record = KVChecksumRecord(
+            0,
+            0,
+            checksums={
+                req_id: {0: KVChecksumGroup(0, ((1, 0),), values + np.uint64(step + 1))}
+                for req_id in scheduled.reqs_to_send
+            },
+            fingerprints={0: 0x1234},
+        )
+        kcs.update_from_output([record], None)
+        for request in requests:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        start = time.perf_counter()
+        params = [
+            kcs.request_finished(r, {"do_remote_decode": True}, manager)
+            for r in requests
+        ]
+        elapsed = time.perf_counter() - start
+        for request in requests:
+            del manager.blocks[request.request_id]
+        return elapsed, params
 
 
 def run(num_requests: int, num_blocks: int, rounds: int, steps: int) -> dict:
