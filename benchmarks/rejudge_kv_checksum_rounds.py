@@ -113,16 +113,24 @@ def is_serve(record: dict[str, Any]) -> bool:
 
 
 def pooled_launches(
-    records: list[dict[str, Any]], paths: list[Path]
+    records: list[dict[str, Any]], paths: list[Path], drop_half_pair: bool = False
 ) -> list[dict[str, Any]]:
     """The launch records of every serve summary, in order, launch numbers
     renumbered per file: its pairs are neighbours (0 and 1, 2 and 3, ...), so
-    each file must bring whole pairs and no pair joins two runs."""
+    each file must bring whole pairs and no pair joins two runs. A run cut
+    short by its time limit ends in half a pair: refused, or with
+    `drop_half_pair` its last record left out (said on stderr)."""
     launches: list[dict[str, Any]] = []
     offset = 0
     for record, path in zip(records, paths):
         own = record["launches"]
-        if len(own) % 2:
+        if len(own) % 2 and drop_half_pair:
+            print(
+                f"--pool: {path.name}: last record left out (half a pair)",
+                file=sys.stderr,
+            )
+            own = own[:-1]
+        elif len(own) % 2:
             sys.exit(f"--pool: {path.name} has an odd number of launch records")
         launches += [{**r, "launch": (r.get("launch") or 0) + offset} for r in own]
         offset += 1 + max((r.get("launch") or 0 for r in own), default=0)
@@ -166,6 +174,11 @@ def main() -> None:
     parser.add_argument(
         "--pool", action="store_true", help="judge all summaries' rounds as one run"
     )
+    parser.add_argument(
+        "--drop-half-pair",
+        action="store_true",
+        help="--pool: leave out a serve run's last record when its pair was cut short",
+    )
     args = parser.parse_args()
     records = [json.loads(path.read_text()) for path in args.summaries]
     serve = [is_serve(record) for record in records]
@@ -177,7 +190,7 @@ def main() -> None:
             sys.exit("--pool: an A/A control never joins real runs")
         if args.pool:
             files = ", ".join(path.name for path in args.summaries)
-            launches = pooled_launches(records, args.summaries)
+            launches = pooled_launches(records, args.summaries, args.drop_half_pair)
             print_serve_verdict(f"pooled: {files}", launches, controls.pop())
             return
         for path, record in zip(args.summaries, records):

@@ -296,7 +296,8 @@ def test_rejudge_pools_serve_summaries(tmp_path: Path) -> None:
     `benchmark_kv_checksum_serve.py` summaries too, pairs within each file.
     Run 1's pairs are (10, 9) and (8.5, 8), run 2's (6, 6.6): 3 pairs, median
     ratio 0.941. Bugs caught: only the first file pooled (2 pairs), a file
-    with half a pair accepted (a pair across two runs), an A/A control
+    with half a pair accepted (a pair across two runs) or, with
+    `--drop-half-pair`, its whole pairs dropped too, an A/A control
     pooled with real runs, and a run of one pair (no off spread) crashing
     the pair line."""
     paths = _write_summaries(
@@ -310,6 +311,10 @@ def test_rejudge_pools_serve_summaries(tmp_path: Path) -> None:
     odd.write_text(json.dumps(_serve_summary([6.0, 6.6, 7.0])))
     refused = _rejudge("--pool", paths[0], odd, check=False)
     assert refused.returncode != 0 and "odd number" in refused.stderr
+    # A run cut short: its half pair left out on request, the rest pooled.
+    dropped = _rejudge("--pool", "--drop-half-pair", paths[0], odd)
+    assert "median of 3 pairs 0.941 (0.900 .. 1.100)" in dropped.stdout
+    assert "last record left out" in dropped.stderr
     control = tmp_path / "control.json"
     control.write_text(json.dumps(_serve_summary([6.0, 6.1], control=True)))
     mixed = _rejudge("--pool", *paths, control, check=False)
