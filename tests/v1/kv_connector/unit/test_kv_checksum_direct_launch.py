@@ -252,7 +252,7 @@ def test_a_failing_launcher_leaves_the_jit_for_good(fakes: SimpleNamespace) -> N
     launch(*call_rows(2))
     launch(*call_rows(3))
     assert len(fakes.jit.calls) == 3 and not fakes.jit.compiled.launches
-    assert launch._direct is None
+    assert launch._direct.compiled is None
 
 
 def test_direct_launch_off_keeps_the_jit(
@@ -275,7 +275,7 @@ def test_a_triton_without_a_launcher_keeps_the_jit(fakes: SimpleNamespace) -> No
     launch = triton_launch()
     launch(*call_rows(1))
     launch(*call_rows(2))
-    assert len(fakes.jit.calls) == 2 and launch._direct is None
+    assert len(fakes.jit.calls) == 2 and launch._direct.compiled is None
 
 
 @pytest.mark.parametrize(
@@ -298,5 +298,5 @@ def test_only_read_triton_versions_launch_directly(
     launch = triton_launch()
     launch(*call_rows(1))
     launch(*call_rows(2))
-    assert (launch._direct is not None) == direct
+    assert (launch._direct.compiled is not None) == direct
     assert len(fakes.jit.compiled.launches) == int(direct)

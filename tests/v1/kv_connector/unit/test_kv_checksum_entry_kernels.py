@@ -85,3 +85,79 @@ def test_a_failed_capture_falls_back_to_torch_unless_forced() -> None:
     forced._no_direct_launch()
     assert not chosen.use_kernels
     assert forced.use_kernels
+
+
+class _FakeLaunch:
+    """A captured launch that records its calls, or raises."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls: list[tuple] = []
+
+    def launch(self, grid: tuple, args: list) -> bool:
+        self.calls.append((grid, list(args)))
+        if self.fail:
+            raise RuntimeError("launcher failed")
+        return True
+
+
+class _FakeKernel:
+    """A JIT kernel: records its calls and returns a compiled stand-in."""
+
+    arg_names = ["src", "n", "BLOCK"]
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getitem__(self, grid: tuple):
+        def call(*args: object, **constants: object) -> str:
+            self.calls.append((grid, args))
+            return "compiled"
+
+        return call
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_entry_launch_captures_once_and_leaves_a_failing_launcher(
+    monkeypatch: pytest.MonkeyPatch, forced: bool
+) -> None:
+    """R142 (issue 30): the first call of a variant goes through the JIT and
+    is captured; later calls are direct, with tensors passed as addresses; a
+    count past 32 bits takes the JIT; a launcher that raises costs its call
+    nothing (the JIT runs it), is never tried again, and turns the kernels
+    off unless forced. Bugs: a capture on every call, a tensor passed to the
+    launcher as an object, the error raised into the step, the failing
+    launcher retried every call, the kernels left on behind the JIT."""
+    kernel_module = pytest.importorskip(
+        "vllm.distributed.kv_transfer.kv_checksum.definition.kernels"
+    )
+    launches = [_FakeLaunch(), _FakeLaunch(fail=True)]
+    captured: list[tuple] = []
+
+    def capture(compiled: object, names: list, num_args: int, constants: dict):
+        captured.append((compiled, tuple(names), num_args, constants))
+        return launches[len(captured) - 1]
+
+    monkeypatch.setattr(kernel_module.CompiledLaunch, "capture", staticmethod(capture))
+    monkeypatch.setattr(entry_kernels, "DIRECT_LAUNCH", True)
+    # Kernels on, as the CUDA default chooses them (not forced) or forced.
+    chosen = entry_kernels.EntryKernels(torch.device("cpu"), use_kernels=True)
+    chosen.forced = forced
+    kernel = _FakeKernel()
+    src = torch.zeros(4, dtype=torch.int64)
+    chosen._launch("move", False, kernel, (src, 4), 4)
+    chosen._launch("move", False, kernel, (src, 4), 4)
+    assert len(kernel.calls) == 1 and len(captured) == 1
+    assert captured[0][1:3] == (("src", "n", "BLOCK"), 2)
+    assert launches[0].calls == [((1, 1, 1), [src.data_ptr(), 4])]
+    # A count the capture's 32-bit arguments cannot take: the JIT.
+    chosen._launch("move", False, kernel, (src, 1 << 31), 4)
+    assert len(kernel.calls) == 2 and len(launches[0].calls) == 1
+    # Another variant: its own capture, whose launcher raises.
+    chosen._launch("move", True, kernel, (src, 4), 4)
+    chosen._launch("move", True, kernel, (src, 4), 4)
+    assert len(captured) == 2 and len(kernel.calls) == 4
+    assert chosen.use_kernels == forced
+    chosen._launch("move", True, kernel, (src, 4), 4)
+    assert len(kernel.calls) == 5 and len(captured) == 2
+    assert len(launches[1].calls) == 1  # tried once, never again

@@ -9,7 +9,7 @@ table and the host slots (a load's restore, a store of blocks whose entries
 exist) or gathers a pass's stored entries. In PyTorch these are two to four
 operations each, and inside a serving engine each costs tens of microseconds
 of host time (issue 30); here each is one launch, handed straight to the
-compiled kernel's launcher after the first call (`CompiledLaunch`).
+compiled kernel's launcher after the first call (`DirectLaunch`).
 
 Indices outside the destination or source are skipped, never written or read.
 The PyTorch path (CPU, no Triton or no direct launch, or `FUSED_ENTRY_KERNELS`
@@ -25,7 +25,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (
     DIRECT_LAUNCH,
     HAS_TRITON,
-    CompiledLaunch,
+    DirectLaunch,
     direct_launch_supported,
 )
 from vllm.logger import init_logger
@@ -143,7 +143,7 @@ class EntryKernels:
                 and direct_launch_supported(triton.__version__)
             )
         self.use_kernels = use_kernels
-        self._direct: dict[tuple[str, bool], CompiledLaunch | None] = {}
+        self._direct: dict[tuple[str, bool], DirectLaunch] = {}
 
     def write(
         self,
@@ -243,27 +243,25 @@ class EntryKernels:
         grid = ((n + ENTRY_BLOCK - 1) // ENTRY_BLOCK, 1, 1)
         key = (name, variant)
         direct = self._direct.get(key)
-        counts = [a for a in args if isinstance(a, int)]
-        if direct is not None and max(counts) <= _INT32_MAX:
+        fits = max(a for a in args if isinstance(a, int)) <= _INT32_MAX
+        if direct is not None and direct.compiled is not None and fits:
             addresses = [
                 a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args
             ]
-            try:
-                if direct.launch(grid, addresses):
-                    return
-            except Exception:  # noqa: BLE001 - any launcher error: JIT for good
-                self._direct[key] = None
+            if direct.launch(grid, addresses):
+                return
+            if direct.failed:  # the launcher raised
                 self._no_direct_launch()
         constants = dict(constexprs, BLOCK=ENTRY_BLOCK)  # the JIT path only
         compiled = kernel[grid](*args, **constants)  # type: ignore[index]
         names = getattr(kernel, "arg_names", None)
-        if key in self._direct or not DIRECT_LAUNCH or names is None:
+        if not DIRECT_LAUNCH or names is None or not fits:
             return
-        if max(counts) <= _INT32_MAX:
-            self._direct[key] = CompiledLaunch.capture(
-                compiled, names, len(args), constants
-            )
-            if self._direct[key] is None:
+        if direct is None:
+            direct = self._direct[key] = DirectLaunch()
+        if direct.pending:
+            direct.capture(compiled, names, len(args), constants)
+            if direct.failed:
                 self._no_direct_launch()
 
     def _no_direct_launch(self) -> None:

@@ -977,6 +977,46 @@ class CompiledLaunch:
         return True
 
 
+class DirectLaunch:
+    """A kernel's direct launch beside its JIT path, the one state machine of
+    every kernel here (issue 30): captured from one JIT call, used while its
+    launcher takes a call, given up for good once that launcher raises."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.compiled: CompiledLaunch | None = None
+        # One capture attempt: a Triton without a launcher keeps the JIT.
+        self.pending = enabled
+        # The capture found no launcher, or the launcher raised.
+        self.failed = False
+
+    def launch(self, grid: tuple[int, int, int], args: Sequence[object]) -> bool:
+        """Queue the call without the JIT; False (nothing queued) when there
+        is no launch, it declines, or it raised (then never again)."""
+        compiled = self.compiled
+        if compiled is None:
+            return False
+        try:
+            return compiled.launch(grid, args)
+        except Exception:  # noqa: BLE001 - any launcher error: JIT for good
+            self.compiled, self.failed = None, True
+            return False
+
+    def capture(
+        self,
+        kernel: object,
+        arg_names: Sequence[str],
+        num_args: int,
+        constants: dict[str, object],
+    ) -> None:
+        """After a JIT call (its return value `kernel`): take its launch, if
+        the one attempt is still pending (`CompiledLaunch.capture`)."""
+        if not self.pending:
+            return
+        self.pending = False
+        self.compiled = CompiledLaunch.capture(kernel, arg_names, num_args, constants)
+        self.failed = self.compiled is None
+
+
 class KVChecksumLaunch:
     """One fused launch: every layer view sharing one layout (R61).
 
@@ -1100,8 +1140,7 @@ class KVChecksumLaunch:
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
         self._table_address = self._table.data_ptr()
-        self._direct: CompiledLaunch | None = None
-        self._capture_direct = config.direct_launch
+        self._direct = DirectLaunch(config.direct_launch)
 
     def _item_tiles(self, tile: int, tiled: bool) -> int:
         """ITEM_TILES with `static_tiles`: the tiles of every work item when a
@@ -1196,25 +1235,17 @@ class KVChecksumLaunch:
             num_layers,
         )
         direct = self._direct
-        if direct is not None and _direct_args_ok(rows, out, num_rows):
-            try:
-                # Pointers as addresses: the launcher then makes no driver
-                # call (cuPointerGetAttribute) per tensor (issue 30).
-                addresses = (self._table_address, rows.data_ptr(), out.data_ptr())
-                if direct.launch(
-                    grid, _kernel_args(addresses, per_call, self._strides)
-                ):
-                    return
-            except Exception:  # noqa: BLE001 - any launcher error: JIT for good
-                self._direct = None
+        if direct.compiled is not None and _direct_args_ok(rows, out, num_rows):
+            # Pointers as addresses: the launcher then makes no driver call
+            # (cuPointerGetAttribute) per tensor (issue 30).
+            addresses = (self._table_address, rows.data_ptr(), out.data_ptr())
+            if direct.launch(grid, _kernel_args(addresses, per_call, self._strides)):
+                return
         args = _kernel_args((self._table, rows, out), per_call, self._strides)
         kernel = _kv_checksum_kernel[grid](*args, **self._constants)
-        if direct is None and self._capture_direct:
-            # One capture attempt: the JIT path stays if this Triton lacks one.
-            self._capture_direct = False
-            self._direct = CompiledLaunch.capture(
-                kernel, _kv_checksum_kernel.arg_names, len(args), self._constants
-            )
+        direct.capture(
+            kernel, _kv_checksum_kernel.arg_names, len(args), self._constants
+        )
 
     # PyTorch backend.
 
