@@ -26,12 +26,13 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-from unittest import mock
 
 import numpy as np
 
@@ -72,6 +73,9 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     other_blocks_detail,
     whole_model_fingerprints,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_checksum_pieces import swapped  # noqa: E402, I001
 
 BLOCK_SIZE = 16
 MODES = {"scan (before)": False, "full attention (skips the scan)": True}
@@ -215,9 +219,7 @@ def reference_pieces() -> Iterator[None]:
     """The package's finish path as of f2303ef while inside: every piece the
     2026-12-04f rework changed is swapped for its old version, and restored
     on exit (also on an exception)."""
-    with contextlib.ExitStack() as stack:
-        for owner, name, old in _REFERENCE_PIECES:
-            stack.enter_context(mock.patch.object(owner, name, old))
+    with swapped(_REFERENCE_PIECES):
         yield
 
 

@@ -8,7 +8,7 @@ waits for that copy only when the record is read (R55).
 """
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,12 +82,9 @@ class KVChecksumPendingRecord:
                 assert result.stored_device is not None
                 stored = _words(words, result.stored_at, result.stored_device.shape)
             seg = result.segment
-            bounds = np.cumsum(seg.counts)
-            for i, req_id in enumerate(seg.req_ids):
-                end = int(bounds[i])
-                begin = end - int(seg.counts[i])
+            for req_id, start, begin, end in _segment_rows(seg):
                 checksums[req_id][seg.group_id] = KVChecksumGroup(
-                    start=int(seg.starts[i]),
+                    start=start,
                     replica_keys=result.replica_keys,
                     values=values[begin:end].copy(),
                     stored=None if stored is None else stored[begin:end].copy(),
@@ -113,6 +110,17 @@ class KVChecksumPendingRecord:
 def _words(words: np.ndarray, at: int, shape: tuple[int, ...]) -> np.ndarray:
     """The host values of a device result of `shape` at offset `at`."""
     return words[at : at + math.prod(shape)].reshape(shape)
+
+
+def _segment_rows(seg: RowSegment) -> Iterator[tuple[str, int, int, int]]:
+    """(request, start position, first row, end row) of each request of a
+    segment; plain ints read once a segment, no NumPy scalars (issue 30)."""
+    end = 0
+    for req_id, start, count in zip(
+        seg.req_ids, seg.starts.tolist(), seg.counts.tolist()
+    ):
+        begin, end = end, end + count
+        yield req_id, start, begin, end
 
 
 def _same(record: KVChecksumRecord) -> KVChecksumRecord:

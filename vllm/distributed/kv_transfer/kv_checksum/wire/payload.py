@@ -172,7 +172,8 @@ class KVChecksumPayload:
                 f"{buffer.nbytes} bytes exceed the limit of {limits.max_encoded_bytes}"
             )
         payload = _decode(buffer, limits.max_groups)
-        _check_payload(payload, limits)
+        if not _plainly_valid(payload, limits):  # decoded payloads pass here
+            _check_payload(payload, limits)
         return payload
 
     @classmethod
@@ -408,45 +409,65 @@ _NO_LIMITS = KVChecksumPayloadLimits()
 
 
 def _check_encodable(payload: KVChecksumPayload) -> None:
-    """`_check_payload(payload, _NO_LIMITS)`, fast for what a producer builds.
+    """`_check_payload(payload, _NO_LIMITS)`, fast for what a producer builds
+    (issue 30: a finishing producer encodes every payload)."""
+    if not _plainly_valid(payload, _NO_LIMITS):
+        _check_payload(payload, _NO_LIMITS)
 
-    A finishing producer encodes every payload (issue 30): fields that are
-    plain ints in range and values that are 1-D unsigned arrays of at most 8
-    bytes pass here without building any error message; anything else goes
-    through the full check, which raises exactly as before.
+
+def _plainly_valid(payload: KVChecksumPayload, limits: KVChecksumPayloadLimits) -> bool:
+    """Whether every field is a plain int in range and every values array a
+    1-D unsigned array of at most 8 bytes, all within `limits`.
+
+    A strict subset of what `_check_payload` accepts, checked without building
+    any error message (issue 30); False sends a payload to the full check,
+    which raises exactly as before.
     """
-    if (
+    max_groups, max_len = limits.max_groups, limits.max_model_len
+    max_positions = limits.max_positions
+    groups, tp_size, num_tokens = payload.groups, payload.tp_size, payload.num_tokens
+    if not (
         type(payload.version) is int
         and payload.version == KV_CHECKSUM_PAYLOAD_VERSION
-        and type(payload.tp_size) is int
-        and 1 <= payload.tp_size <= _NO_LIMITS.max_tp_size
-        and type(payload.num_tokens) is int
-        and payload.num_tokens >= 0
-        and type(payload.groups) is list
+        and type(tp_size) is int
+        and 1 <= tp_size <= limits.max_tp_size
+        and type(num_tokens) is int
+        and num_tokens >= 0
+        and (max_len is None or num_tokens <= max_len)
+        and type(groups) is list
+        and (max_groups is None or len(groups) <= max_groups)
     ):
-        seen: set[int] = set()
-        for group in payload.groups:
-            group_id, values = group.group_id, group.values
-            if not (
-                type(group_id) is int
-                and group_id >= 0
-                and group_id not in seen
-                and type(group.fingerprint) is int
-                and 0 <= group.fingerprint < _U64_LIMIT
-                and type(group.chunk_tokens) is int
-                and group.chunk_tokens >= 1
-                and type(group.start) is int
-                and group.start >= 0
-                and type(values) is np.ndarray
-                and values.ndim == 1
-                and values.dtype.kind == "u"
-                and values.dtype.itemsize <= 8
-            ):
-                break
-            seen.add(group_id)
-        else:
-            return
-    _check_payload(payload, _NO_LIMITS)
+        return False
+    seen: set[int] = set()
+    for group in groups:
+        group_id, chunk, start = group.group_id, group.chunk_tokens, group.start
+        values = group.values
+        if not (
+            type(group_id) is int
+            and group_id >= 0
+            and (max_groups is None or group_id < max_groups)
+            and group_id not in seen
+            and type(group.fingerprint) is int
+            and 0 <= group.fingerprint < _U64_LIMIT
+            and type(chunk) is int
+            and chunk >= 1
+            and type(start) is int
+            and start >= 0
+            and type(values) is np.ndarray
+            and values.ndim == 1
+            and values.dtype.kind == "u"
+            and values.dtype.itemsize <= 8
+            and (max_positions is None or len(values) <= max_positions)
+            and (
+                max_len is None
+                or (
+                    chunk <= max_len and start + len(values) <= -(-max_len // chunk) + 1
+                )
+            )
+        ):
+            return False
+        seen.add(group_id)
+    return True
 
 
 def _check_group(

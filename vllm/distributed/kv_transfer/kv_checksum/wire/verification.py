@@ -296,8 +296,8 @@ def _chunk_sums(
     if n == 1:
         return _ChunkSums(first, last, window)
     shape = window.shape[:-1] + (last - first, n)
-    with np.errstate(over="ignore"):
-        sums = window.reshape(shape).sum(axis=-1, dtype=np.uint64)
+    # Integer sums wrap mod 2^64 without a warning: no errstate (issue 30).
+    sums = np.add.reduce(window.reshape(shape), axis=-1, dtype=np.uint64)
     return _ChunkSums(first, last, sums)
 
 
@@ -315,15 +315,17 @@ _ONE_COPY: ReplicaKey = (1, 0)
 
 
 def _replica_totals(entries: list[KVChecksumGroup]) -> dict[ReplicaKey, np.ndarray]:
-    """T[(R, r)]: per replica key, the workers' columns summed (R91)."""
+    """T[(R, r)]: per replica key, the workers' columns summed (R91).
+
+    Integer array sums wrap mod 2^64 without a warning: no errstate (issue 30).
+    """
     totals: dict[ReplicaKey, np.ndarray] = {}
-    with np.errstate(over="ignore"):
-        for entry in entries:
-            for column, key in enumerate(entry.replica_keys):
-                if key in totals:
-                    totals[key] += entry.values[:, column]
-                else:
-                    totals[key] = entry.values[:, column].astype(np.uint64, copy=True)
+    for entry in entries:
+        for column, key in enumerate(entry.replica_keys):
+            if key in totals:
+                totals[key] += entry.values[:, column]
+            else:
+                totals[key] = entry.values[:, column].astype(np.uint64, copy=True)
     return totals
 
 
@@ -342,15 +344,14 @@ def _replica_checks(entries: list[KVChecksumGroup], num_positions: int) -> np.nd
         return totals[_ONE_COPY][None, :]
     counts = sorted({count for count, _ in totals})
     checks = np.zeros((counts[-1], num_positions), dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for k in range(counts[-1]):
-            for count in counts:
-                key = (count, k % count)
-                if key not in totals:
-                    raise _GroupUnverified(
-                        UnverifiedReason.REPLICA_MISSING, f"replica key {key} missing"
-                    )
-                checks[k] += totals[key]
+    for k in range(counts[-1]):
+        for count in counts:
+            key = (count, k % count)
+            if key not in totals:
+                raise _GroupUnverified(
+                    UnverifiedReason.REPLICA_MISSING, f"replica key {key} missing"
+                )
+            checks[k] += totals[key]
     return checks
 
 
@@ -370,17 +371,37 @@ def _block_sizes(
     return b_d, b_p
 
 
-def _consumer_side(
-    reports: Mapping[WorkerKey, KVChecksumWorkerReport], group_id: int
-) -> list[KVChecksumGroup] | None:
-    """The consumer workers' entries, None if the consumer left the group out."""
-    entries = [
-        report.groups[group_id]
-        for _, report in sorted(reports.items())
-        if group_id in report.groups
-    ]
-    skipped = any(group_id in report.skipped_groups for report in reports.values())
-    return None if skipped or not entries else entries
+@dataclass
+class _ConsumerReports:
+    """The consumer workers' reports of a load, sorted and summed up once for
+    all its groups (issue 30)."""
+
+    reports: Mapping[WorkerKey, KVChecksumWorkerReport]
+    # The reports in worker order, the groups any worker skipped and the
+    # whole model's fingerprints (R87).
+    ordered: list[KVChecksumWorkerReport]
+    skipped: frozenset[int]
+    fingerprints: dict[int, int]
+
+    @classmethod
+    def of(
+        cls, reports: Mapping[WorkerKey, KVChecksumWorkerReport]
+    ) -> "_ConsumerReports":
+        ordered = [reports[key] for key in sorted(reports)]
+        skipped = frozenset(gid for r in ordered for gid in r.skipped_groups)
+        return cls(reports, ordered, skipped, whole_model_fingerprints(reports))
+
+    def entries(
+        self, group_id: int, first: int, count: int
+    ) -> list[KVChecksumGroup] | None:
+        """The workers' entries of a group, None if the consumer left it out;
+        OTHER_BLOCKS unless every entry holds positions [first, first + count)."""
+        entries = [r.groups[group_id] for r in self.ordered if group_id in r.groups]
+        for entry in entries:
+            if entry.start != first or entry.values.shape[0] != count:
+                detail = other_blocks_detail(self.reports, group_id, first, count)
+                raise _GroupUnverified(UnverifiedReason.OTHER_BLOCKS, detail or "")
+        return None if group_id in self.skipped or not entries else entries
 
 
 def _both_sides(
@@ -464,10 +485,21 @@ def _bad_chunks(
         return np.arange(chunks.start, chunks.stop, dtype=np.int64)
     checks = ours.sums[:, chunks.start - ours.first : chunks.stop - ours.first]
     expected = theirs.sums[chunks.start - theirs.first : chunks.stop - theirs.first]
-    bad = (checks != expected).any(axis=0)
+    return _differing(checks, expected, equal) + chunks.start
+
+
+def _differing(
+    checks: np.ndarray, expected: np.ndarray, equal: np.ndarray | None
+) -> np.ndarray:
+    """Columns where a check differs from `expected`, of those `equal` marks.
+
+    The ufunc's reduce and the 1-D array's nonzero skip NumPy's Python
+    wrappers of `any` and `flatnonzero` (issue 30).
+    """
+    bad = np.logical_or.reduce(checks != expected, axis=0)
     if equal is not None:
         bad &= equal
-    return np.flatnonzero(bad) + chunks.start
+    return bad.nonzero()[0]
 
 
 def _compare_group(
@@ -507,9 +539,15 @@ def _compare_group(
     bad_chunks = _bad_chunks(
         ours, theirs, chunk_size, (num_tokens, producer_tokens), info.is_mamba
     )
-    # Every loaded consumer position of a bad chunk is reported (R92).
+    return _bad_positions(bad_chunks, n_d, start + num_positions)
+
+
+def _bad_positions(bad_chunks: np.ndarray, n_d: int, end: int) -> np.ndarray:
+    """Every loaded consumer position below `end` of a bad chunk (R92)."""
+    if not bad_chunks.size:  # the usual load: none, no arrays to build
+        return bad_chunks
     positions = (bad_chunks[:, None] * n_d + np.arange(n_d)).ravel()
-    return positions[positions < start + num_positions]
+    return positions[positions < end]
 
 
 def verify_load(
@@ -540,7 +578,7 @@ def verify_load(
         verdict.reasons.append((reason, expected_detail))
         return verdict
     producer_groups = {group.group_id: group for group in expected.groups}
-    fingerprints = whole_model_fingerprints(reports)
+    consumer = _ConsumerReports.of(reports)
     for group_id in sorted(scheduled.groups):
         try:
             _verify_group(
@@ -549,8 +587,7 @@ def verify_load(
                 groups[group_id],
                 expected,
                 producer_groups.get(group_id),
-                reports,
-                fingerprints.get(group_id, 0),
+                consumer,
                 scheduled,
                 tp_size,
             )
@@ -568,8 +605,7 @@ def _verify_group(
     info: KVChecksumGroupInfo,
     expected: KVChecksumPayload,
     producer: KVChecksumPayloadGroup | None,
-    reports: Mapping[WorkerKey, KVChecksumWorkerReport],
-    consumer_fingerprint: int,
+    consumer: _ConsumerReports,
     scheduled: KVChecksumBlocks,
     tp_size: int,
 ) -> None:
@@ -581,13 +617,10 @@ def _verify_group(
     # Consumer workers report one value per chunk of each loaded block (R135).
     per_block = info.chunks_per_block
     first, count = start * per_block, len(block_ids) * per_block
-    detail = other_blocks_detail(reports, group_id, first, count)
-    if detail is not None:
-        raise _GroupUnverified(UnverifiedReason.OTHER_BLOCKS, detail)
-    sides = _both_sides(_consumer_side(reports, group_id), producer)
+    sides = _both_sides(consumer.entries(group_id, first, count), producer)
     if sides is None:
         return
-    _check_fingerprint(sides[1], consumer_fingerprint)
+    _check_fingerprint(sides[1], consumer.fingerprints.get(group_id, 0))
     blocks = (first, count, scheduled.num_tokens)
     chunks = _compare_group(info, *sides, blocks, expected.num_tokens)
     verdict.compared_groups.append(group_id)
