@@ -967,3 +967,106 @@ def test_inspect_cli_subprocess():
     assert "invalid KV checksums" in done.stderr
     assert "not a multiple of 8" in done.stderr
     assert done.stdout == ""
+
+
+# Fields at and around every bound the full check applies, mostly plain ints
+# near the limits below (so that many payloads pass the fast check), and now
+# and then a value the full check treats apart (a NumPy int, a bool, a
+# float, None).
+_EDGES = {
+    "version": [2, 2, 2, 2, 2, 1, 3],
+    "tp": [1, 1, 1, 1, 2, 8, 9, 0, 2**16, 2**16 + 1],
+    "tokens": [0, 1, 16, 16, 63, 64, 65, 1024, 1025, -1],
+    "group": [0, 0, 0, 0, 1, 1, 2, 3, -1],
+    "fingerprint": [0, 5, 5, U64_MAX, U64_MAX + 1, -1],
+    "chunk": [16, 16, 16, 8, 1, 2, 17, 64, 65, 0, -1],
+    "start": [0, 0, 0, 0, 1, 2, 4, 5, 60, 65, -1],
+    "max_groups": [None, 1, 2, 3],
+    "max_positions": [None, 4, 64],
+    "max_model_len": [None, None, 16, 64, 1024],
+    "max_tp_size": [1, 8, MAX_TP_SIZE],
+}
+_ODD: list[object] = [np.int64(0), np.int64(2), True, False, 1.0, None]
+
+
+def _values(rng) -> object:
+    """Mostly uint64 arrays of lengths around the positions caps; now and
+    then a narrower, signed, 2-D or object array, or a list."""
+    n = rng.choice([0, 1, 1, 3, 3, 4, 5, 17, 63, 64, 65, 66, 70])
+    kind = rng.randrange(10)
+    if kind == 0:
+        return np.arange(min(n, 4), dtype=np.uint32)
+    if kind == 1:
+        return np.arange(min(n, 4), dtype=np.int64)
+    if kind == 2:
+        return np.zeros((1 + n % 3, 2), dtype=np.uint64)
+    if kind == 3:
+        return np.arange(min(n, 3), dtype=np.uint64).astype(object)
+    if kind == 4:
+        return list(range(min(n, 3)))
+    return np.arange(n, dtype=np.uint64)
+
+
+def test_fast_field_check_accepts_only_what_the_full_check_accepts():
+    """R79, R129, R134: the plain-field check that decoded and producer-built
+    payloads take first (issue 30) accepts a strict subset of what the full
+    check accepts, under any limits: whatever it passes, `_check_payload`
+    passes too (30,000 payloads around every bound). Bugs caught: a bound of
+    the full check missing from the fast one (a group id, positions, start,
+    chunk size or token count past the consumer's sizes accepted, a group
+    twice), or a value the full check rejects (a bool, a float, a narrow
+    signed, 2-D or object values array, a tuple of groups) taken as valid."""
+    import random
+
+    from vllm.distributed.kv_transfer.kv_checksum.wire import payload as module
+
+    rng = random.Random(20261204)
+
+    def field(kind: str) -> object:
+        if kind.startswith("max_") or rng.random() >= 0.04:
+            return rng.choice(_EDGES[kind])
+        return rng.choice(_ODD)
+
+    accepted_with_groups = 0
+    for _ in range(30_000):
+        limits = KVChecksumPayloadLimits(
+            max_groups=field("max_groups"),  # type: ignore[arg-type]
+            max_positions=field("max_positions"),  # type: ignore[arg-type]
+            max_model_len=field("max_model_len"),  # type: ignore[arg-type]
+            max_tp_size=field("max_tp_size"),  # type: ignore[arg-type]
+        )
+        groups: list | tuple = [
+            KVChecksumPayloadGroup(
+                field("group"),
+                field("fingerprint"),
+                field("chunk"),
+                field("start"),
+                _values(rng),
+            )
+            for _ in range(rng.choice([0, 1, 1, 1, 2, 3]))
+        ]
+        if rng.random() < 0.02:
+            groups = tuple(groups)
+        payload = KVChecksumPayload(
+            field("version"), field("tp"), field("tokens"), groups
+        )
+        if module._plainly_valid(payload, limits):
+            module._check_payload(payload, limits)  # must not raise
+            accepted_with_groups += bool(groups)
+    assert accepted_with_groups > 300  # the fast path is exercised (448)
+
+
+def test_fast_field_check_takes_a_producer_built_payload():
+    """R142: a payload as the producer builds it (plain ints, uint64 values)
+    passes the fast check, so the full check is not run on every encode and
+    decode. Bug caught: a fast check that never accepts (every payload pays
+    the full check again)."""
+    from vllm.distributed.kv_transfer.kv_checksum.wire import payload as module
+
+    group = KVChecksumPayloadGroup(0, 5, 16, 0, u64(1, 2, 3))
+    payload = KVChecksumPayload(2, 1, 48, [group])
+    limits = KVChecksumPayloadLimits(max_groups=1, max_model_len=1024)
+    assert module._plainly_valid(payload, limits)
+    assert module._plainly_valid(payload, module._NO_LIMITS)
+    decoded = KVChecksumPayload.from_bytes(payload.to_bytes(), limits)
+    assert module._plainly_valid(decoded, limits)
