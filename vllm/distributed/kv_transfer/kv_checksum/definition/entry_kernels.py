@@ -250,7 +250,7 @@ class EntryKernels:
             ]
             if direct.launch(grid, addresses):
                 return
-            if direct.failed:  # the launcher raised
+            if direct.compiled is None:  # the launcher raised
                 self._no_direct_launch()
         constants = dict(constexprs, BLOCK=ENTRY_BLOCK)  # the JIT path only
         compiled = kernel[grid](*args, **constants)  # type: ignore[index]
@@ -261,7 +261,7 @@ class EntryKernels:
             direct = self._direct[key] = DirectLaunch()
         if direct.pending:
             direct.capture(compiled, names, len(args), constants)
-            if direct.failed:
+            if direct.compiled is None:  # no launcher to capture
                 self._no_direct_launch()
 
     def _no_direct_launch(self) -> None:

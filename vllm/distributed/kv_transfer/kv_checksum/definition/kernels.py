@@ -986,8 +986,6 @@ class DirectLaunch:
         self.compiled: CompiledLaunch | None = None
         # One capture attempt: a Triton without a launcher keeps the JIT.
         self.pending = enabled
-        # The capture found no launcher, or the launcher raised.
-        self.failed = False
 
     def launch(self, grid: tuple[int, int, int], args: Sequence[object]) -> bool:
         """Queue the call without the JIT; False (nothing queued) when there
@@ -998,7 +996,7 @@ class DirectLaunch:
         try:
             return compiled.launch(grid, args)
         except Exception:  # noqa: BLE001 - any launcher error: JIT for good
-            self.compiled, self.failed = None, True
+            self.compiled = None
             return False
 
     def capture(
@@ -1014,7 +1012,6 @@ class DirectLaunch:
             return
         self.pending = False
         self.compiled = CompiledLaunch.capture(kernel, arg_names, num_args, constants)
-        self.failed = self.compiled is None
 
 
 class KVChecksumLaunch:
