@@ -95,6 +95,18 @@ DEEP_FUNCTIONS = (
     ("engine.block_table", "block_checksum_tags"),
     ("engine.block_table", "upload_segments"),
     ("engine.block_table", "host_to_device"),
+    ("definition.rows", "pack_segments"),
+    ("offload.simple_cpu_offload", "block_places"),
+)
+# (module under the package, torch function): torch calls timed in deep mode
+# where that module makes them (its `torch` name becomes a proxy that times
+# these and passes every other attribute through), keyed
+# "core:module.torch.name", with the elements they allocate beside ("what an
+# upload's pinned buffer costs, and how large it is"). An upload less its
+# `pack_segments` (which holds the pinned zeros) is its device copy.
+DEEP_TORCH = (
+    ("definition.rows", "zeros"),
+    ("engine.launches", "empty"),
 )
 # (module, class, method): vLLM's step parts timed with ..._VLLM=1; one a
 # vLLM version lacks is skipped.
@@ -122,6 +134,8 @@ _wrapped: dict[str, float] = defaultdict(float)
 _whole_cpu: dict[str, float] = defaultdict(float)
 _wrapped_cpu: dict[str, float] = defaultdict(float)
 _calls: dict[str, int] = defaultdict(int)
+# Deep mode's timed torch calls (`DEEP_TORCH`): elements allocated, by key.
+_elements: dict[str, int] = defaultdict(int)
 # Deep mode: timed `warm_up` calls in progress. Core calls inside one (a
 # kernel's first, compiling call) are kept under "warm-up:" keys, apart from
 # the serving calls whose cost per call the summary reports.
@@ -385,6 +399,7 @@ def _write(out_dir: str) -> None:
         "whole": dict(_whole),
         "wrapped": dict(_wrapped),
         "calls": dict(_calls),
+        "elements": dict(_elements),
         "whole_cpu": dict(_whole_cpu),
         "wrapped_cpu": dict(_wrapped_cpu),
         "gc_counts": list(_gc_counts),
@@ -556,6 +571,41 @@ def _time_core(out_dir: str) -> None:
         module = _package_module(module_name)
         if module is not None and name in vars(module):
             _time_function(module, name, f"core:{module_name}.{name}", out_dir)
+    if setting.strip() == "1":
+        for module_name, name in DEEP_TORCH:
+            module = _package_module(module_name)
+            if module is not None and "torch" in vars(module):
+                _time_torch_call(module, name, f"core:{module_name}.torch.{name}")
+
+
+class _TimedTorch:
+    """A module's `torch` with some functions timed (`DEEP_TORCH`); every
+    other attribute is the real module's."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _time_torch_call(module: Any, name: str, key: str) -> None:
+    """Time `module`'s calls of torch.`name` and count what they allocate."""
+    proxy = module.torch
+    if not isinstance(proxy, _TimedTorch):
+        proxy = _TimedTorch(proxy)
+        module.torch = proxy
+    original = getattr(proxy._real, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        tensor = original(*args, **kwargs)
+        _whole[key] += time.perf_counter() - start
+        _calls[key] += 1
+        _elements[key] += tensor.numel()
+        return tensor
+
+    setattr(proxy, name, timed)
 
 
 def _time_vllm_parts(out_dir: str) -> None:
@@ -726,6 +776,12 @@ def summarize(out_dir: str) -> dict:
             # methods called once (warm-up, start-up) and calls inside a
             # warm-up left out.
             "core_us_per_call": _per_call(core, calls),
+            # Timed torch allocations (`DEEP_TORCH`): elements a call.
+            "core_elements_per_call": {
+                k[len("core:") :]: round(v / calls[k], 1)
+                for k, v in (record.get("elements") or {}).items()
+                if calls.get(k)
+            },
             "core_warm_up_ms": {
                 k[len(WARM_UP + "core:") :]: round(1e3 * v, 2)
                 for k, v in sorted(record["whole"].items(), key=lambda kv: -kv[1])

@@ -626,6 +626,41 @@ def test_deep_mode_times_named_module_functions_where_they_are_looked_up(
     assert not hasattr(launches.upload_segments, "__wrapped__")
 
 
+def test_deep_mode_times_a_modules_torch_allocations_and_their_size(
+    tmp_path, monkeypatch
+) -> None:
+    """Issue 30, R142 (diagnosis): with KV_CHECKSUM_HOOK_TIMER_DEEP=1 the
+    pinned zeros of an upload are timed where the rows module makes them,
+    with the elements they allocate, while the module's other torch names
+    stay the real ones and the upload's result is unchanged; the summary
+    gives elements a call. Bugs caught: the proxy breaking an attribute the
+    module reads (`torch.int64`), elements counted per call instead of
+    summed, torch patched globally (every vLLM `torch.zeros` counted)."""
+    import torch
+
+    from vllm.distributed.kv_transfer.kv_checksum.definition import rows
+
+    timer = load_script("kv_checksum_hook_timer_torch", SCRIPT)
+    for module_name, name in timer.DEEP_TORCH:
+        module = __import__(f"{timer.PACKAGE}.{module_name}", fromlist=["torch"])
+        assert callable(getattr(module.torch, name)), (module_name, name)
+    monkeypatch.setattr(rows, "torch", rows.torch)  # restored after the test
+    monkeypatch.setenv("KV_CHECKSUM_HOOK_TIMER_DEEP", "1")
+    timer._time_torch_call(rows, "zeros", "core:definition.rows.torch.zeros")
+    parts = [np.arange(6, dtype=np.int64).reshape(3, 2)]
+    for _ in range(2):
+        packed, columns = rows.upload_segments(parts, torch.device("cpu"), (3,))
+    assert columns == [0, 2] and packed.shape == (3, 6)
+    assert packed[:, :2].tolist() == parts[0].tolist()
+    assert torch.zeros is not rows.torch.zeros and rows.torch.int64 is torch.int64
+    key = "core:definition.rows.torch.zeros"
+    assert timer._calls[key] == 2 and timer._elements[key] == 36
+    row = _summary_row(
+        timer, tmp_path, 4, {key: 0.001}, {}, {key: 2}, elements={key: 36}
+    )
+    assert row["core_elements_per_call"] == {"definition.rows.torch.zeros": 18.0}
+
+
 def test_summary_reports_deep_calls_per_call_without_start_up(tmp_path) -> None:
     """Issue 30, R142 (diagnosis): deep mode's summary gives each timed method's
     microseconds a call (its time over its own calls, not the steps), largest
