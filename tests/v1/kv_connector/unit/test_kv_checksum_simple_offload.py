@@ -77,6 +77,64 @@ def test_R117_block_places_from_cache_keys() -> None:
     ]
 
 
+def _reference_place(
+    cache_key: bytes | None, covered: int | None, sizes: list[int]
+) -> tuple[int, int, bytes]:
+    """R117 for one block, from its definition: the group is the key's last
+    4 bytes (big-endian), the position covered tokens / its group's block
+    size - 1 when that divides, the hash the key less those 4 bytes."""
+    if cache_key is None or not covered:
+        return -1, -1, b""
+    group = int.from_bytes(cache_key[-4:], "big")
+    if group >= len(sizes) or covered % sizes[group]:
+        return group, -1, b""
+    return group, covered // sizes[group] - 1, cache_key[:-4]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_R117_R142_block_places_of_a_prefill_store_match_the_definition(
+    seed: int,
+) -> None:
+    """R117, R142: a prefill step's stores (hundreds of blocks, read with
+    NumPy) get the places of the definition block by block, whatever their
+    mix: partial blocks, unknown groups, uncached blocks, a key of another
+    length (those last two take the plain pass); and regular keys do take
+    the NumPy path. Bugs caught (tried): the group read little-endian, a
+    partial block keeping its hash, an unknown group's block placed by group
+    0's size, a cached block with 0 covered tokens given a group, the NumPy
+    path never taken (every prefill's stores read one by one)."""
+    from vllm.distributed.kv_transfer.kv_checksum.offload import (
+        simple_cpu_offload as simple_offload,
+    )
+
+    rng = np.random.default_rng(seed)
+    sizes = [16, 32, 64][: 1 + seed % 3]
+    count = int(rng.integers(simple_offload.VECTOR_PLACES_FROM, 600))
+    keys: list[tuple[bytes | None, int | None]] = []
+    for _ in range(count):
+        group = int(rng.choice([0, 0, 0, 1, 2, 5, 70000]))
+        digest = rng.integers(0, 256, 32, dtype=np.uint8).tobytes()
+        size = sizes[group] if group < len(sizes) else 16
+        covered = size * int(rng.integers(1, 300))
+        if rng.random() < 0.05:
+            covered += int(rng.integers(1, size))  # ends inside the block
+        if rng.random() < 0.01:
+            covered = 0
+        keys.append((digest + group.to_bytes(4, "big"), covered))
+    if seed % 4 == 1:
+        keys[int(rng.integers(count))] = (None, None)
+    if seed % 4 == 2:
+        keys[int(rng.integers(count))] = (bytes(20) + bytes(4), 16)
+    expected = [_reference_place(k, n, sizes) for k, n in keys]
+    places = block_places(keys, sizes)
+    assert places.groups.tolist() == [g for g, _, _ in expected]
+    assert places.positions.tolist() == [p for _, p, _ in expected]
+    assert places.hashes == [h for _, _, h in expected]
+    assert places.groups.dtype == places.positions.dtype == np.int64
+    joined = simple_offload._places_from_joined_keys(keys, sizes)
+    assert (joined is None) == (seed % 4 in (1, 2))
+
+
 def test_R118_store_runs_sorted_and_cut() -> None:
     """Runs of consecutive positions per group, whatever the store order (lazy
     mode stores a request's tail first); each block keeps its own hash.

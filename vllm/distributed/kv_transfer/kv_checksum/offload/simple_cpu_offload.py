@@ -35,6 +35,7 @@ Nothing here knows vLLM's wiring; wiring.py calls in with plain callables.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -88,14 +89,33 @@ def block_places(keys: Sequence[BlockKey], block_sizes: Sequence[int]) -> BlockP
     A full block at position p of group g covers (p + 1) * block_sizes[g]
     tokens, and its hash is the request's hash at its last token (vLLM's
     `cache_full_blocks`), which is what its entry is tagged with (R117).
+    From `VECTOR_PLACES_FROM` blocks on (a prefill's stores) the keys are
+    read with NumPy; below, and for keys NumPy cannot take whole (a block
+    not cached, keys of mixed lengths), in one plain pass.
     """
+    if len(keys) >= VECTOR_PLACES_FROM:
+        places = _places_from_joined_keys(keys, block_sizes)
+        if places is not None:
+            return places
+    return _places_one_by_one(keys, block_sizes)
+
+
+# From this many stored blocks on NumPy reads the keys faster than a plain
+# pass: its fixed cost lost below about 80 blocks (2026-12-02h: 0.86 of the
+# pass's speed at 51 blocks, 1.30 times it at 128), and a decode step stores
+# a few dozen, a prefill step hundreds.
+VECTOR_PLACES_FROM = 96
+
+
+def _places_one_by_one(
+    keys: Sequence[BlockKey], block_sizes: Sequence[int]
+) -> BlockPlaces:
+    """`block_places` in one plain-Python pass: few blocks, where a dozen
+    NumPy calls cost more than the pass (R142)."""
     sizes = list(block_sizes)
     groups: list[int] = []
     positions: list[int] = []
     hashes: list[bytes] = []
-    # One pass in plain Python: the keys are Python objects read one by one
-    # anyway, and a step stores a few blocks, where a dozen NumPy calls cost
-    # more than the pass (R142).
     for key, num_tokens in keys:
         group, position, digest = -1, -1, b""
         if key is not None and num_tokens:
@@ -111,6 +131,38 @@ def block_places(keys: Sequence[BlockKey], block_sizes: Sequence[int]) -> BlockP
         np.asarray(positions, dtype=np.int64),
         hashes,
     )
+
+
+def _places_from_joined_keys(
+    keys: Sequence[BlockKey], block_sizes: Sequence[int]
+) -> BlockPlaces | None:
+    """`block_places` with NumPy over the keys joined into one buffer: no
+    Python loop over blocks (R142) but over those without a place. None
+    (the caller takes the plain pass) unless every block is cached, under
+    keys of one length, with its covered tokens."""
+    digests, covered = zip(*keys)
+    if None in covered or None in digests or not block_sizes:
+        return None
+    width = len(digests[0])
+    joined = b"".join(digests)
+    if width <= _GROUP_BYTES or len(joined) != width * len(digests):
+        return None
+    raw = np.frombuffer(joined, dtype=np.uint8).reshape(len(digests), width)
+    groups = raw[:, -_GROUP_BYTES:].copy().view(">u4").reshape(-1).astype(np.int64)
+    num_tokens = np.asarray(covered, dtype=np.int64)
+    sizes = np.asarray(block_sizes, dtype=np.int64)
+    cached = num_tokens != 0
+    placed = cached & (groups < len(sizes))
+    size = sizes[np.where(placed, groups, 0)]
+    placed &= num_tokens % size == 0
+    positions = np.where(placed, num_tokens // size - 1, -1)
+    hashes = list(map(_WITHOUT_GROUP, digests))
+    for i in np.flatnonzero(~placed).tolist():  # partial blocks: few, if any
+        hashes[i] = b""
+    return BlockPlaces(np.where(cached, groups, -1), positions, hashes)
+
+
+_WITHOUT_GROUP = itemgetter(slice(None, -_GROUP_BYTES))
 
 
 def store_runs(

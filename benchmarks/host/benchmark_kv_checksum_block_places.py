@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""SimpleCPUOffloadConnector's store places per step, on CPU (issue 30, R142).
+
+At about 190 running requests the eager tier's `build_connector_meta` hook
+took 0.5-0.9 ms of an H200 engine's step (2026-12-04h), most of it
+`SimpleOffloadSchedulerSide.attach` reading the stored blocks' places from
+their cache keys, one block at a time, for the hundreds of blocks a prefill
+step stores. This times, interleaved call by call on the same keys, the
+plain pass (`_places_one_by_one`, what every store took before) against
+`block_places` (NumPy over the joined keys from `VECTOR_PLACES_FROM` blocks
+on), and `attach` as a whole; both must give the same places.
+
+    python benchmarks/host/benchmark_kv_checksum_block_places.py \
+        [--blocks 16 64 96 128 256 512] [--rounds 7] [--calls 200] [--json OUT]
+"""
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_checksum.offload import (
+    simple_cpu_offload as simple_offload,
+)
+
+BLOCK_SIZE = 16
+# (name, function of (keys, block sizes)) timed against each other.
+PATHS: tuple[tuple[str, Callable[..., Any]], ...] = (
+    ("one_by_one", simple_offload._places_one_by_one),
+    ("block_places", simple_offload.block_places),
+)
+
+
+def prefill_keys(num_blocks: int, seed: int = 0) -> list[tuple[bytes, int]]:
+    """Cache keys of a prefill's stored blocks: requests of up to 128 full
+    blocks each, in order, one group, as vLLM's block pool keeps them."""
+    rng = random.Random(seed)
+    keys = []
+    for i in range(num_blocks):
+        digest = bytes(rng.getrandbits(8) for _ in range(32))
+        keys.append((digest + (0).to_bytes(4, "big"), BLOCK_SIZE * (i % 128 + 1)))
+    return keys
+
+
+def _per_call_us(fn: Callable[..., Any], calls: int, *args: Any) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
+def run(num_blocks: int, rounds: int, calls: int) -> dict[str, Any]:
+    """Median microseconds a call of each path and of `attach`, the paths
+    alternating within each round (collector off while timing)."""
+    keys = prefill_keys(num_blocks)
+    sizes = [BLOCK_SIZE]
+    places = [fn(keys, sizes) for _, fn in PATHS]
+    for other in places[1:]:
+        assert other.groups.tolist() == places[0].groups.tolist()
+        assert other.positions.tolist() == places[0].positions.tolist()
+        assert other.hashes == places[0].hashes
+    ids = list(range(num_blocks))
+
+    def stored_keys(block_ids: Any) -> list[tuple[bytes, int]]:
+        return [keys[i] for i in block_ids]
+
+    side = simple_offload.SimpleOffloadSchedulerSide(
+        sizes, stored_keys, stored_keys, lambda req_id: None, lambda cpu_id: None
+    )
+    meta = SimpleNamespace(store_gpu_blocks=ids, store_cpu_blocks=ids)
+    timings: dict[str, list[float]] = {name: [] for name, _ in PATHS}
+    timings["attach"] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for name, fn in PATHS:
+                timings[name].append(_per_call_us(fn, calls, keys, sizes))
+            timings["attach"].append(_per_call_us(side.attach, calls, meta))
+    finally:
+        gc.enable()
+    us = {name: round(statistics.median(v), 2) for name, v in timings.items()}
+    return {
+        "blocks": num_blocks,
+        "us_per_call": us,
+        "block_places_over_one_by_one": round(us["block_places"] / us["one_by_one"], 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--blocks", type=int, nargs="+", default=[16, 64, 96, 128, 256, 512]
+    )
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results = [run(n, args.rounds, args.calls) for n in args.blocks]
+    print("| blocks | one by one, us | block_places, us | ratio | attach, us |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        us = r["us_per_call"]
+        print(
+            f"| {r['blocks']} | {us['one_by_one']} | {us['block_places']} | "
+            f"{r['block_places_over_one_by_one']} | {us['attach']} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpus": os.cpu_count(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

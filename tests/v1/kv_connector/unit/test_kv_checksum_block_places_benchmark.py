@@ -1,0 +1,29 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The store-places benchmark measures what it says (issue 30, R142)."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
+
+pytestmark = pytest.mark.cpu
+
+SCRIPT = (
+    Path(__file__).resolve().parents[4]
+    / "benchmarks/host/benchmark_kv_checksum_block_places.py"
+)
+
+
+def test_both_paths_time_the_same_places_and_attach_stores_them() -> None:
+    """R117, R142: the benchmark's keys are a prefill's (every block placed,
+    positions 0..127 per request), both paths are timed on them, and the
+    timed `attach` is among the results. Bugs caught: keys that place no
+    block (a benchmark timing the early outs), a result missing a path."""
+    bench = load_script("_block_places_bench", SCRIPT)
+    places = bench.simple_offload.block_places(bench.prefill_keys(130), [16])
+    assert places.positions.tolist() == list(range(128)) + [0, 1]
+    result = bench.run(num_blocks=130, rounds=1, calls=2)
+    assert set(result["us_per_call"]) == {"one_by_one", "block_places", "attach"}
+    assert all(v > 0 for v in result["us_per_call"].values())
