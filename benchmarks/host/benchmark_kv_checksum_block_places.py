@@ -9,7 +9,9 @@ their cache keys, one block at a time, for the hundreds of blocks a prefill
 step stores. This times, interleaved call by call on the same keys, the
 plain pass (`_places_one_by_one`, what every store took before) against
 `block_places` (NumPy over the joined keys from `VECTOR_PLACES_FROM` blocks
-on), and `attach` as a whole; both must give the same places.
+on), and `attach` as a whole on each (`attach_one_by_one`: the package's
+own `attach` with only `block_places` swapped back for the plain pass); both
+must give the same places.
 
     python benchmarks/host/benchmark_kv_checksum_block_places.py \
         [--blocks 16 64 96 128 256 512] [--rounds 7] [--calls 200] [--json OUT]
@@ -21,10 +23,15 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_checksum_pieces import swapped  # noqa: E402, I001
 
 from vllm.distributed.kv_transfer.kv_checksum.offload import (
     simple_cpu_offload as simple_offload,
@@ -77,6 +84,8 @@ def run(num_blocks: int, rounds: int, calls: int) -> dict[str, Any]:
     meta = SimpleNamespace(store_gpu_blocks=ids, store_cpu_blocks=ids)
     timings: dict[str, list[float]] = {name: [] for name, _ in PATHS}
     timings["attach"] = []
+    timings["attach_one_by_one"] = []
+    plain_pass = [(simple_offload, "block_places", simple_offload._places_one_by_one)]
     gc.collect()
     gc.disable()
     try:
@@ -84,6 +93,10 @@ def run(num_blocks: int, rounds: int, calls: int) -> dict[str, Any]:
             for name, fn in PATHS:
                 timings[name].append(_per_call_us(fn, calls, keys, sizes))
             timings["attach"].append(_per_call_us(side.attach, calls, meta))
+            with swapped(plain_pass):
+                timings["attach_one_by_one"].append(
+                    _per_call_us(side.attach, calls, meta)
+                )
     finally:
         gc.enable()
     us = {name: round(statistics.median(v), 2) for name, v in timings.items()}
@@ -104,13 +117,17 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = [run(n, args.rounds, args.calls) for n in args.blocks]
-    print("| blocks | one by one, us | block_places, us | ratio | attach, us |")
-    print("|---|---|---|---|---|")
+    print(
+        "| blocks | one by one, us | block_places, us | ratio "
+        "| attach one by one, us | attach, us |"
+    )
+    print("|---|---|---|---|---|---|")
     for r in results:
         us = r["us_per_call"]
         print(
             f"| {r['blocks']} | {us['one_by_one']} | {us['block_places']} | "
-            f"{r['block_places_over_one_by_one']} | {us['attach']} |"
+            f"{r['block_places_over_one_by_one']} | {us['attach_one_by_one']} | "
+            f"{us['attach']} |"
         )
     if args.json:
         with open(args.json, "w") as f:
