@@ -98,11 +98,13 @@ def test_R117_R142_block_places_of_a_prefill_store_match_the_definition(
     """R117, R142: a prefill step's stores (hundreds of blocks, read with
     NumPy) get the places of the definition block by block, whatever their
     mix: partial blocks, unknown groups, uncached blocks, a key of another
-    length (those last two take the plain pass); and regular keys do take
+    length, two keys whose odd lengths add up to two regular ones (those
+    last three take the plain pass); and regular keys do take
     the NumPy path. Bugs caught (tried): the group read little-endian, a
     partial block keeping its hash, an unknown group's block placed by group
     0's size, a cached block with 0 covered tokens given a group, the NumPy
-    path never taken (every prefill's stores read one by one)."""
+    path never taken (every prefill's stores read one by one), keys of
+    mixed lengths read whole because their total matched."""
     from vllm.distributed.kv_transfer.kv_checksum.offload import (
         simple_cpu_offload as simple_offload,
     )
@@ -125,6 +127,9 @@ def test_R117_R142_block_places_of_a_prefill_store_match_the_definition(
         keys[int(rng.integers(count))] = (None, None)
     if seed % 4 == 2:
         keys[int(rng.integers(count))] = (bytes(20) + bytes(4), 16)
+    if seed % 4 == 3:  # two odd lengths that add up to two regular keys
+        keys[1] = (bytes(2) + keys[1][0], keys[1][1])
+        keys[-1] = (keys[-1][0][2:], keys[-1][1])
     expected = [_reference_place(k, n, sizes) for k, n in keys]
     places = block_places(keys, sizes)
     assert places.groups.tolist() == [g for g, _, _ in expected]
@@ -132,7 +137,7 @@ def test_R117_R142_block_places_of_a_prefill_store_match_the_definition(
     assert places.hashes == [h for _, _, h in expected]
     assert places.groups.dtype == places.positions.dtype == np.int64
     joined = simple_offload._places_from_joined_keys(keys, sizes)
-    assert (joined is None) == (seed % 4 in (1, 2))
+    assert (joined is None) == (seed % 4 != 0)
 
 
 def test_R118_store_runs_sorted_and_cut() -> None:

@@ -143,10 +143,11 @@ def _places_from_joined_keys(
     digests, covered = zip(*keys)
     if None in covered or None in digests or not block_sizes:
         return None
-    width = len(digests[0])
-    joined = b"".join(digests)
-    if width <= _GROUP_BYTES or len(joined) != width * len(digests):
+    lengths = set(map(len, digests))
+    width = lengths.pop()
+    if lengths or width <= _GROUP_BYTES:
         return None
+    joined = b"".join(digests)
     raw = np.frombuffer(joined, dtype=np.uint8).reshape(len(digests), width)
     groups = raw[:, -_GROUP_BYTES:].copy().view(">u4").reshape(-1).astype(np.int64)
     num_tokens = np.asarray(covered, dtype=np.int64)
