@@ -63,6 +63,14 @@ BlockKeysFn = Callable[[Sequence[int]], list[BlockKey]]
 LoadBlocksFn = Callable[[str], Sequence[int] | None]
 
 _GROUP_BYTES = 4
+# A cache key less its group id: the block hash.
+_WITHOUT_GROUP = itemgetter(slice(None, -_GROUP_BYTES))
+
+# From this many stored blocks on NumPy reads the keys faster than a plain
+# pass: its fixed cost lost below about 80 blocks (2026-12-02h: 0.86 of the
+# pass's speed at 51 blocks, 1.30 times it at 128), and a decode step stores
+# a few dozen, a prefill step hundreds.
+VECTOR_PLACES_FROM = 96
 
 
 @dataclass(frozen=True)
@@ -98,13 +106,6 @@ def block_places(keys: Sequence[BlockKey], block_sizes: Sequence[int]) -> BlockP
         if places is not None:
             return places
     return _places_one_by_one(keys, block_sizes)
-
-
-# From this many stored blocks on NumPy reads the keys faster than a plain
-# pass: its fixed cost lost below about 80 blocks (2026-12-02h: 0.86 of the
-# pass's speed at 51 blocks, 1.30 times it at 128), and a decode step stores
-# a few dozen, a prefill step hundreds.
-VECTOR_PLACES_FROM = 96
 
 
 def _places_one_by_one(
@@ -161,9 +162,6 @@ def _places_from_joined_keys(
     for i in np.flatnonzero(~placed).tolist():  # partial blocks: few, if any
         hashes[i] = b""
     return BlockPlaces(np.where(cached, groups, -1), positions, hashes)
-
-
-_WITHOUT_GROUP = itemgetter(slice(None, -_GROUP_BYTES))
 
 
 def store_runs(
