@@ -11,7 +11,10 @@ plain pass (`_places_one_by_one`, what every store took before) against
 `block_places` (NumPy over the joined keys from `VECTOR_PLACES_FROM` blocks
 on), and `attach` as a whole on each (`attach_one_by_one`: the package's
 own `attach` with only `block_places` swapped back for the plain pass); both
-must give the same places.
+must give the same places. The workers then tag each stored block
+(`block_checksum_tags`, SHA-256 a block, R116): `tags` against
+`tags_methodcaller`, the same function with its digest call swapped back to
+`operator.methodcaller("digest")` (before 2026-12-04h); the same tags.
 
     python benchmarks/host/benchmark_kv_checksum_block_places.py \
         [--blocks 16 64 96 128 256 512] [--rounds 7] [--calls 200] [--json OUT]
@@ -20,6 +23,7 @@ must give the same places.
 import argparse
 import gc
 import json
+import operator
 import os
 import random
 import statistics
@@ -33,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_checksum_pieces import swapped  # noqa: E402, I001
 
+from vllm.distributed.kv_transfer.kv_checksum.definition import checksum
 from vllm.distributed.kv_transfer.kv_checksum.offload import (
     simple_cpu_offload as simple_offload,
 )
@@ -86,6 +91,14 @@ def run(num_blocks: int, rounds: int, calls: int) -> dict[str, Any]:
     timings["attach"] = []
     timings["attach_one_by_one"] = []
     plain_pass = [(simple_offload, "block_places", simple_offload._places_one_by_one)]
+    old_digest = [(checksum, "_DIGEST", operator.methodcaller("digest"))]
+    hashes = places[0].hashes
+    fingerprint = 0x0123456789ABCDEF
+    tags = checksum.block_checksum_tags(hashes, fingerprint)
+    with swapped(old_digest):
+        assert (checksum.block_checksum_tags(hashes, fingerprint) == tags).all()
+    timings["tags"] = []
+    timings["tags_methodcaller"] = []
     gc.collect()
     gc.disable()
     try:
@@ -96,6 +109,12 @@ def run(num_blocks: int, rounds: int, calls: int) -> dict[str, Any]:
             with swapped(plain_pass):
                 timings["attach_one_by_one"].append(
                     _per_call_us(side.attach, calls, meta)
+                )
+            tag = checksum.block_checksum_tags
+            timings["tags"].append(_per_call_us(tag, calls, hashes, fingerprint))
+            with swapped(old_digest):
+                timings["tags_methodcaller"].append(
+                    _per_call_us(tag, calls, hashes, fingerprint)
                 )
     finally:
         gc.enable()
@@ -119,15 +138,15 @@ def main() -> None:
     results = [run(n, args.rounds, args.calls) for n in args.blocks]
     print(
         "| blocks | one by one, us | block_places, us | ratio "
-        "| attach one by one, us | attach, us |"
+        "| attach one by one, us | attach, us | tags methodcaller, us | tags, us |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         us = r["us_per_call"]
         print(
             f"| {r['blocks']} | {us['one_by_one']} | {us['block_places']} | "
             f"{r['block_places_over_one_by_one']} | {us['attach_one_by_one']} | "
-            f"{us['attach']} |"
+            f"{us['attach']} | {us['tags_methodcaller']} | {us['tags']} |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -20,8 +20,9 @@ def test_both_paths_time_the_same_places_and_attach_stores_them() -> None:
     """R117, R142: the benchmark's keys are a prefill's (every block placed,
     positions 0..127 per request), both paths are timed on them, and the
     timed `attach` runs on each path, the package's `block_places` back in
-    place after. Bugs caught: keys that place no block (a benchmark timing
-    the early outs), a result missing a path, the plain pass left swapped in."""
+    place after; so are both digest calls of the entry tags. Bugs caught:
+    keys that place no block (a benchmark timing the early outs), a result
+    missing a path, the plain pass or the old digest call left swapped in."""
     bench = load_script("_block_places_bench", SCRIPT)
     places = bench.simple_offload.block_places(bench.prefill_keys(130), [16])
     assert places.positions.tolist() == list(range(128)) + [0, 1]
@@ -31,6 +32,9 @@ def test_both_paths_time_the_same_places_and_attach_stores_them() -> None:
         "block_places",
         "attach",
         "attach_one_by_one",
+        "tags",
+        "tags_methodcaller",
     }
     assert bench.simple_offload.block_places is not bench.PATHS[0][1]  # restored
+    assert not isinstance(bench.checksum._DIGEST, bench.operator.methodcaller)  # back
     assert all(v > 0 for v in result["us_per_call"].values())
