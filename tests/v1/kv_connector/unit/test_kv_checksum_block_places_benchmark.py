@@ -20,9 +20,11 @@ def test_both_paths_time_the_same_places_and_attach_stores_them() -> None:
     """R117, R142: the benchmark's keys are a prefill's (every block placed,
     positions 0..127 per request), both paths are timed on them, and the
     timed `attach` runs on each path, the package's `block_places` back in
-    place after; so are both digest calls of the entry tags. Bugs caught:
-    keys that place no block (a benchmark timing the early outs), a result
-    missing a path, the plain pass or the old digest call left swapped in."""
+    place after; the entry tags are timed before and after, and the old
+    chain gives the reference tags. Bugs caught: keys that place no block
+    (a benchmark timing the early outs), a result missing a path, the plain
+    pass left swapped in, a `_ref_tags` that is not the tags' old
+    algorithm (its tags differ)."""
     bench = load_script("_block_places_bench", SCRIPT)
     places = bench.simple_offload.block_places(bench.prefill_keys(130), [16])
     assert places.positions.tolist() == list(range(128)) + [0, 1]
@@ -33,8 +35,15 @@ def test_both_paths_time_the_same_places_and_attach_stores_them() -> None:
         "attach",
         "attach_one_by_one",
         "tags",
-        "tags_methodcaller",
+        "tags_before",
     }
     assert bench.simple_offload.block_places is not bench.PATHS[0][1]  # restored
-    assert not isinstance(bench.checksum._DIGEST, bench.operator.methodcaller)  # back
     assert all(v > 0 for v in result["us_per_call"].values())
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    fingerprint = 0xD8FE581622DF5382
+    prefix = (fingerprint).to_bytes(8, "little")
+    expected = [
+        int.from_bytes(bench.hashlib.sha256(prefix + h).digest()[:8], "little")
+        for h in hashes
+    ]
+    assert bench._ref_tags(hashes, fingerprint).tolist() == expected
