@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Two deep hook-timer runs of one engine, call by call, across machines (issue 30).
+
+H200 machines differ by up to 2.5 times in host speed, so a call's time in
+two runs compares only against the calls a change did not touch. This reads
+two summaries of `kv_checksum_hook_timer.py` (deep mode), picks one engine in
+each (by its NIXL side channel port, or the engine with the most package time
+a step: the "on" engine of a run without ports), and prints every call timed
+in both: its microseconds a call, the ratio new / old, and that ratio over
+the machine factor, the median ratio of the untouched calls (those not named
+with `--touched`, at least `--min-us` a call in both runs, start-up calls
+such as `warm_up` left out).
+
+    python benchmarks/host/compare_kv_checksum_hook_timer.py OLD.json NEW.json \
+        [--port 5800] [--touched verify_load finalize] [--min-us 5]
+
+A touched name matches a call whose name ends with it (`finalize` matches
+`KVChecksumPendingRecord.finalize`).
+"""
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CallRow:
+    """One call timed in both runs."""
+
+    name: str
+    old_us: float
+    new_us: float
+    touched: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.new_us / self.old_us
+
+
+# Calls of start-up (compiling, first launches), never the factor's basis.
+START_UP = ("warm_up", "_init_triton", "__init__")
+
+
+def pick_engine(summary: dict[str, Any], port: str | None) -> dict[str, Any]:
+    """The engine record with side channel `port`, else the one with the most
+    package time a step (start-up left out)."""
+    engines = list(summary.values())
+    if port is not None:
+        matches = [e for e in engines if str(e.get("side_channel_port")) == port]
+        if len(matches) != 1:
+            raise SystemExit(f"{len(matches)} engines with side channel port {port}")
+        return matches[0]
+    return max(engines, key=lambda e: e.get("own_us_per_step_without_start_up", 0))
+
+
+def _is_touched(name: str, touched: list[str]) -> bool:
+    return any(name == t or name.endswith("." + t) for t in touched)
+
+
+def compare(
+    old: dict[str, Any], new: dict[str, Any], touched: list[str], min_us: float
+) -> tuple[list[CallRow], float, tuple[float, float]]:
+    """Rows of every call timed in both engines (largest new time first), the
+    machine factor and the range of the untouched ratios behind it."""
+    old_calls, new_calls = old["core_us_per_call"], new["core_us_per_call"]
+    rows = [
+        CallRow(name, old_calls[name], new_calls[name], _is_touched(name, touched))
+        for name in new_calls
+        if name in old_calls and old_calls[name] > 0
+    ]
+    rows.sort(key=lambda row: -row.new_us)
+    basis = [
+        row.ratio
+        for row in rows
+        if not row.touched
+        and not _is_touched(row.name, list(START_UP))
+        and row.old_us >= min_us
+        and row.new_us >= min_us
+    ]
+    if not basis:
+        raise SystemExit("no untouched call to take the machine factor from")
+    return rows, statistics.median(basis), (min(basis), max(basis))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old", type=Path)
+    parser.add_argument("new", type=Path)
+    parser.add_argument("--port", default=None, help="NIXL side channel port")
+    parser.add_argument("--touched", nargs="*", default=[])
+    parser.add_argument("--min-us", type=float, default=5.0)
+    args = parser.parse_args()
+    old = pick_engine(json.loads(args.old.read_text()), args.port)
+    new = pick_engine(json.loads(args.new.read_text()), args.port)
+    rows, factor, (low, high) = compare(old, new, args.touched, args.min_us)
+    print(f"machine factor {factor:.2f} (untouched calls {low:.2f}-{high:.2f})")
+    print("| call | old us | new us | ratio | scaled | touched |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row.name} | {row.old_us:.1f} | {row.new_us:.1f} | "
+            f"{row.ratio:.2f} | {row.ratio / factor:.2f} | "
+            f"{'yes' if row.touched else ''} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
