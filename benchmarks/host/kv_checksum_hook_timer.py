@@ -98,8 +98,9 @@ DEEP_FUNCTIONS = (
     ("definition.rows", "pack_segments"),
     ("offload.simple_cpu_offload", "block_places"),
 )
-# (module under the package, torch function): torch calls timed in deep mode
-# where that module makes them (its `torch` name becomes a proxy that times
+# (module under the package, torch function): torch calls timed with
+# KV_CHECKSUM_HOOK_TIMER_DEEP=1 (a list of names leaves them alone) where
+# that module makes them (its `torch` name becomes a proxy that times
 # these and passes every other attribute through), keyed
 # "core:module.torch.name", with the elements they allocate beside ("what an
 # upload's pinned buffer costs, and how large it is"). An upload less its

@@ -61,7 +61,7 @@ NEW = {
 
 
 def test_factor_is_the_untouched_median_and_touched_calls_are_scaled_by_it() -> None:
-    """Issue 30 (diagnosis): the machine factor is the median new/old ratio of
+    """R142, issue 30 (diagnosis): the machine factor is the median new/old ratio of
     the untouched calls of at least `min_us` a call in both runs, start-up
     calls left out, and each call's scaled figure is its ratio over it; the
     engine is the one with the asked port, or the most package time. Bugs
@@ -89,7 +89,10 @@ def test_factor_is_the_untouched_median_and_touched_calls_are_scaled_by_it() -> 
 
 
 def test_the_script_prints_the_factor_and_a_row_per_call(tmp_path) -> None:
-    """The command line reads two summary files and prints the table."""
+    """R142, issue 30 (diagnosis): the command line reads two summary files
+    and prints the factor and each call's row as the record quotes them. Bug
+    caught: a table whose scaled column is the bare ratio (not over the
+    factor), or a touched call not marked."""
     old, new = tmp_path / "old.json", tmp_path / "new.json"
     old.write_text(json.dumps(OLD))
     new.write_text(json.dumps(NEW))
