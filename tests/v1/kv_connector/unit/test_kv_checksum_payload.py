@@ -15,6 +15,7 @@ Each test's docstring names the requirement and the bug it catches.
 import base64
 import hashlib
 import io
+import math
 import re
 import subprocess
 import sys
@@ -1007,15 +1008,69 @@ def _values(rng) -> object:
     return np.arange(n, dtype=np.uint64)
 
 
-def test_fast_field_check_accepts_only_what_the_full_check_accepts():
-    """R79, R129, R134: the plain-field check that decoded and producer-built
-    payloads take first (issue 30) accepts a strict subset of what the full
-    check accepts, under any limits: whatever it passes, `_check_payload`
-    passes too (30,000 payloads around every bound). Bugs caught: a bound of
-    the full check missing from the fast one (a group id, positions, start,
-    chunk size or token count past the consumer's sizes accepted, a group
-    twice), or a value the full check rejects (a bool, a float, a narrow
-    signed, 2-D or object values array, a tuple of groups) taken as valid."""
+def _spec_accepts(payload: KVChecksumPayload, limits: KVChecksumPayloadLimits) -> bool:
+    """The field rules of R79, R129 and R134, written out for the test: ints
+    (numpy's too, never bools), version 2, TP size 1..max, tokens 0..max model
+    length, a list of at most max-groups groups with distinct ids below it,
+    uint64 fingerprints, chunks of 1..max model length tokens, starts >= 0,
+    1-D unsigned values of at most 8 bytes, at most max positions, and
+    start + values <= ceil(max model length / chunk tokens) + 1."""
+
+    def is_int(value: object) -> bool:
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+    max_len, max_groups = limits.max_model_len, limits.max_groups
+    if not (
+        is_int(payload.version)
+        and payload.version == 2
+        and is_int(payload.tp_size)
+        and 1 <= payload.tp_size <= limits.max_tp_size
+        and is_int(payload.num_tokens)
+        and 0 <= payload.num_tokens <= (max_len if max_len is not None else 1 << 63)
+        and isinstance(payload.groups, list)
+        and (max_groups is None or len(payload.groups) <= max_groups)
+    ):
+        return False
+    ids = []
+    for group in payload.groups:
+        fields = (group.group_id, group.fingerprint, group.chunk_tokens, group.start)
+        if not all(is_int(f) for f in fields):
+            return False
+        group_id, fingerprint, chunk, start = (int(f) for f in fields)
+        values = group.values
+        if not (
+            group_id >= 0
+            and (max_groups is None or group_id < max_groups)
+            and 0 <= fingerprint < 1 << 64
+            and chunk >= 1
+            and start >= 0
+            and isinstance(values, np.ndarray)
+            and values.ndim == 1
+            and values.dtype.kind == "u"
+            and values.dtype.itemsize <= 8
+        ):
+            return False
+        if limits.max_positions is not None and len(values) > limits.max_positions:
+            return False
+        if max_len is not None and (
+            chunk > max_len or start + len(values) > math.ceil(max_len / chunk) + 1
+        ):
+            return False
+        ids.append(group_id)
+    return len(set(ids)) == len(ids)
+
+
+def test_field_check_accepts_exactly_what_the_spec_allows():
+    """R79, R129, R134: the one field check that every decoded and every
+    producer-built payload takes accepts exactly the payloads the rules
+    allow, under any limits (30,000 payloads around every bound, against the
+    rules written out in `_spec_accepts`); what it rejects raises "invalid
+    KV checksums" or "unsupported version". Bugs caught: a bound missing or
+    off by one (a group id, positions, start, chunk size, TP size or token
+    count past the consumer's sizes accepted, or one at the bound refused),
+    a group twice, a value the rules reject (a bool, a float, a narrow
+    signed, 2-D or object values array, a tuple of groups) taken as valid, or
+    a numpy int refused."""
     import random
 
     from vllm.distributed.kv_transfer.kv_checksum.wire import payload as module
@@ -1027,7 +1082,7 @@ def test_fast_field_check_accepts_only_what_the_full_check_accepts():
             return rng.choice(_EDGES[kind])
         return rng.choice(_ODD)
 
-    accepted_with_groups = 0
+    accepted = rejected = 0
     for _ in range(30_000):
         limits = KVChecksumPayloadLimits(
             max_groups=field("max_groups"),  # type: ignore[arg-type]
@@ -1050,23 +1105,14 @@ def test_fast_field_check_accepts_only_what_the_full_check_accepts():
         payload = KVChecksumPayload(
             field("version"), field("tp"), field("tokens"), groups
         )
-        if module._plainly_valid(payload, limits):
-            module._check_payload(payload, limits)  # must not raise
-            accepted_with_groups += bool(groups)
-    assert accepted_with_groups > 300  # the fast path is exercised (448)
-
-
-def test_fast_field_check_takes_a_producer_built_payload():
-    """R142: a payload as the producer builds it (plain ints, uint64 values)
-    passes the fast check, so the full check is not run on every encode and
-    decode. Bug caught: a fast check that never accepts (every payload pays
-    the full check again)."""
-    from vllm.distributed.kv_transfer.kv_checksum.wire import payload as module
-
-    group = KVChecksumPayloadGroup(0, 5, 16, 0, u64(1, 2, 3))
-    payload = KVChecksumPayload(2, 1, 48, [group])
-    limits = KVChecksumPayloadLimits(max_groups=1, max_model_len=1024)
-    assert module._plainly_valid(payload, limits)
-    assert module._plainly_valid(payload, module._NO_LIMITS)
-    decoded = KVChecksumPayload.from_bytes(payload.to_bytes(), limits)
-    assert module._plainly_valid(decoded, limits)
+        expected = _spec_accepts(payload, limits)
+        try:
+            module._check_payload(payload, limits)
+        except ValueError as exc:
+            assert not expected, (payload, limits, exc)
+            assert str(exc).startswith(("invalid KV checksums", "unsupported version"))
+            rejected += bool(groups)
+        else:
+            assert expected, (payload, limits)
+            accepted += bool(groups)
+    assert accepted > 300 and rejected > 3_000  # both sides exercised

@@ -172,8 +172,7 @@ class KVChecksumPayload:
                 f"{buffer.nbytes} bytes exceed the limit of {limits.max_encoded_bytes}"
             )
         payload = _decode(buffer, limits.max_groups)
-        if not _plainly_valid(payload, limits):  # decoded payloads pass here
-            _check_payload(payload, limits)
+        _check_payload(payload, limits)
         return payload
 
     @classmethod
@@ -376,28 +375,35 @@ def _peek_int(data: bytes) -> int | None:
     return int.from_bytes(data[1 : 1 + size], "big", signed=signed)
 
 
-def _check_payload(
-    payload: KVChecksumPayload, limits: KVChecksumPayloadLimits | None
-) -> None:
+def _check_payload(payload: KVChecksumPayload, limits: KVChecksumPayloadLimits) -> None:
     """Raise "invalid KV checksums" unless every field is in range (R79, R129,
-    R134)."""
+    R134).
+
+    Every rule is written once, as a plain comparison; a message is built only
+    for the field that fails (issue 30: this runs on every encode and decode).
+    """
     version = _as_int(payload.version, "version")
     if version != KV_CHECKSUM_PAYLOAD_VERSION:
         raise _unsupported(version)
-    tp_size = _check_min(_as_int(payload.tp_size, "TP size"), 1, "TP size")
+    tp_size = _as_int(payload.tp_size, "TP size")
+    if tp_size < 1:
+        raise _invalid(f"TP size {tp_size} < 1")
     num_tokens = _as_int(payload.num_tokens, "num_tokens")
-    _check_min(num_tokens, 0, "num_tokens")
-    if limits is not None:
-        _check_max(tp_size, limits.max_tp_size, "TP size")
-        if limits.max_model_len is not None:
-            _check_max(num_tokens, limits.max_model_len, "num_tokens")
-    if not isinstance(payload.groups, list):
+    if num_tokens < 0:
+        raise _invalid(f"num_tokens {num_tokens} < 0")
+    if tp_size > limits.max_tp_size:
+        raise _invalid(f"TP size {tp_size} > {limits.max_tp_size}")
+    max_len = limits.max_model_len
+    if max_len is not None and num_tokens > max_len:
+        raise _invalid(f"num_tokens {num_tokens} > {max_len}")
+    groups = payload.groups
+    if not isinstance(groups, list):
         raise _invalid("groups must be a list")
-    max_groups = limits.max_groups if limits else None
-    if max_groups is not None and len(payload.groups) > max_groups:
-        raise _invalid(f"{len(payload.groups)} groups exceed {max_groups}")
+    max_groups = limits.max_groups
+    if max_groups is not None and len(groups) > max_groups:
+        raise _invalid(f"{len(groups)} groups exceed {max_groups}")
     seen: set[int] = set()
-    for group in payload.groups:
+    for group in groups:
         group_id = _check_group(group, limits)
         if group_id in seen:
             raise _invalid(f"group {group_id} appears twice")
@@ -409,86 +415,31 @@ _NO_LIMITS = KVChecksumPayloadLimits()
 
 
 def _check_encodable(payload: KVChecksumPayload) -> None:
-    """`_check_payload(payload, _NO_LIMITS)`, fast for what a producer builds
-    (issue 30: a finishing producer encodes every payload)."""
-    if not _plainly_valid(payload, _NO_LIMITS):
-        _check_payload(payload, _NO_LIMITS)
+    """Raise as a decoder without limits would (R79): `to_bytes` never sends
+    what a consumer must reject."""
+    _check_payload(payload, _NO_LIMITS)
 
 
-def _plainly_valid(payload: KVChecksumPayload, limits: KVChecksumPayloadLimits) -> bool:
-    """Whether every field is a plain int in range and every values array a
-    1-D unsigned array of at most 8 bytes, all within `limits`.
-
-    A strict subset of what `_check_payload` accepts, checked without building
-    any error message (issue 30); False sends a payload to the full check,
-    which raises exactly as before.
-    """
-    max_groups, max_len = limits.max_groups, limits.max_model_len
-    max_positions = limits.max_positions
-    groups, tp_size, num_tokens = payload.groups, payload.tp_size, payload.num_tokens
-    if not (
-        type(payload.version) is int
-        and payload.version == KV_CHECKSUM_PAYLOAD_VERSION
-        and type(tp_size) is int
-        and 1 <= tp_size <= limits.max_tp_size
-        and type(num_tokens) is int
-        and num_tokens >= 0
-        and (max_len is None or num_tokens <= max_len)
-        and type(groups) is list
-        and (max_groups is None or len(groups) <= max_groups)
-    ):
-        return False
-    seen: set[int] = set()
-    for group in groups:
-        group_id, chunk, start = group.group_id, group.chunk_tokens, group.start
-        values = group.values
-        if not (
-            type(group_id) is int
-            and group_id >= 0
-            and (max_groups is None or group_id < max_groups)
-            and group_id not in seen
-            and type(group.fingerprint) is int
-            and 0 <= group.fingerprint < _U64_LIMIT
-            and type(chunk) is int
-            and chunk >= 1
-            and type(start) is int
-            and start >= 0
-            and type(values) is np.ndarray
-            and values.ndim == 1
-            and values.dtype.kind == "u"
-            and values.dtype.itemsize <= 8
-            and (max_positions is None or len(values) <= max_positions)
-            and (
-                max_len is None
-                or (
-                    chunk <= max_len and start + len(values) <= -(-max_len // chunk) + 1
-                )
-            )
-        ):
-            return False
-        seen.add(group_id)
-    return True
-
-
-def _check_group(
-    group: KVChecksumPayloadGroup, limits: KVChecksumPayloadLimits | None
-) -> int:
+def _check_group(group: KVChecksumPayloadGroup, limits: KVChecksumPayloadLimits) -> int:
     """Check one group's fields; returns its group id."""
-    group_id = _check_min(_as_int(group.group_id, "group id"), 0, "group id")
-    where = f"group {group_id}"
-    fingerprint = _as_int(group.fingerprint, f"{where} fingerprint")
+    group_id = _as_int(group.group_id, "group id")
+    if group_id < 0:
+        raise _invalid(f"group id {group_id} < 0")
+    fingerprint = _as_int(group.fingerprint, "fingerprint", group_id)
     if not 0 <= fingerprint < _U64_LIMIT:
-        raise _invalid(f"{where} fingerprint {fingerprint} is not a uint64")
-    chunk_tokens = _as_int(group.chunk_tokens, f"{where} chunk tokens")
-    _check_min(chunk_tokens, 1, f"{where} chunk tokens")
-    start = _check_min(_as_int(group.start, f"{where} start"), 0, f"{where} start")
+        raise _invalid(f"group {group_id} fingerprint {fingerprint} is not a uint64")
+    chunk_tokens = _as_int(group.chunk_tokens, "chunk tokens", group_id)
+    if chunk_tokens < 1:
+        raise _invalid(f"group {group_id} chunk tokens {chunk_tokens} < 1")
+    start = _as_int(group.start, "start", group_id)
+    if start < 0:
+        raise _invalid(f"group {group_id} start {start} < 0")
     values = group.values
     if not isinstance(values, np.ndarray) or values.ndim != 1:
-        raise _invalid(f"{where} values must be a 1-D array")
+        raise _invalid(f"group {group_id} values must be a 1-D array")
     if values.dtype.kind != "u" or values.dtype.itemsize > 8:
-        raise _invalid(f"{where} values have dtype {values.dtype}, not uint64")
-    if limits is not None:
-        _check_group_limits(group_id, chunk_tokens, start, len(values), limits)
+        raise _invalid(f"group {group_id} values have dtype {values.dtype}, not uint64")
+    _check_group_limits(group_id, chunk_tokens, start, len(values), limits)
     return group_id
 
 
@@ -506,10 +457,12 @@ def _check_group_limits(
         raise _invalid(
             f"group {group_id}: {positions} values exceed {limits.max_positions}"
         )
-    if limits.max_model_len is None:
+    max_len = limits.max_model_len
+    if max_len is None:
         return
-    _check_max(chunk_tokens, limits.max_model_len, f"group {group_id} chunk tokens")
-    cap = -(-limits.max_model_len // chunk_tokens) + 1
+    if chunk_tokens > max_len:
+        raise _invalid(f"group {group_id} chunk tokens {chunk_tokens} > {max_len}")
+    cap = -(-max_len // chunk_tokens) + 1
     if start + positions > cap:
         raise _invalid(
             f"group {group_id}: chunks [{start}, {start + positions}) of "
@@ -517,23 +470,15 @@ def _check_group_limits(
         )
 
 
-def _as_int(value: object, name: str) -> int:
-    """`value` as an int; bools and non-integers are invalid."""
+def _as_int(value: object, name: str, group_id: int | None = None) -> int:
+    """`value` as an int; bools and non-integers are invalid. `group_id`
+    names the group whose field it is, in the message only."""
+    if type(value) is int:
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise _invalid(f"{name} must be an int, got {type(value).__name__}")
+        where = name if group_id is None else f"group {group_id} {name}"
+        raise _invalid(f"{where} must be an int, got {type(value).__name__}")
     return int(value)
-
-
-def _check_min(value: int, minimum: int, name: str) -> int:
-    if value < minimum:
-        raise _invalid(f"{name} {value} < {minimum}")
-    return value
-
-
-def _check_max(value: int, maximum: int, name: str) -> int:
-    if value > maximum:
-        raise _invalid(f"{name} {value} > {maximum}")
-    return value
 
 
 def _values_buffer(values: np.ndarray) -> memoryview:
