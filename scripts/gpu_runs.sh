@@ -399,7 +399,8 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # (hook_timer-T.json with KV_CHECKSUM_RUN_TAG=T).
 # KV_CHECKSUM_HOOK_TIMER_DEEP=1: core methods too (=Class,Class: those classes
 # only, e.g. KVChecksumPendingRecord); KV_CHECKSUM_HOOK_TIMER_CPU=1:
-# the hooks' thread CPU time beside their wall time (waiting or working?);
+# the hooks' thread CPU time beside their wall time (waiting or working?), with
+# DEEP each core call's too ("core_cpu_us_per_call");
 # KV_CHECKSUM_HOOK_TIMER_REQUESTS=1: per request, the steps and ms from arrival
 # to its load's finish, its first scheduled tokens and its first token (does a
 # verified load cost an extra step?), under "request_steps" of each engine;

@@ -17,9 +17,10 @@ only steps and garbage collections (a nearly untouched engine). Garbage
 collections are always counted, with their time, per generation, and per
 hook those its own code set off (they count in its own time). With
 KV_CHECKSUM_HOOK_TIMER_CPU=1 each hook also counts its thread's CPU time
-(`time.thread_time`): own wall time well above own CPU time means the engine
-thread waited inside the hook (for the GIL, or off its core) rather than
-worked.
+(`time.thread_time`), and in deep mode each timed core call too
+(`core_cpu_us_per_call`): own wall time well above own CPU time means the
+engine thread waited inside the hook (for the GIL, or off its core) rather
+than worked.
 With KV_CHECKSUM_HOOK_TIMER_REQUESTS=1 each scheduler also counts, per
 request, the engine steps (and ms) between its arrival, the step whose output
 reported its KV load finished, the first step that scheduled its tokens and
@@ -501,7 +502,7 @@ def _time_function(owner: Any, name: str, key: str, out_dir: str) -> None:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_now()
         if warm_up:
             _warming[0] += 1
         try:
@@ -511,6 +512,8 @@ def _time_function(owner: Any, name: str, key: str, out_dir: str) -> None:
                 _warming[0] -= 1
             timed = WARM_UP + key if _warming[0] and not warm_up else key
             _whole[timed] += time.perf_counter() - start
+            if _CPU:
+                _whole_cpu[timed] += _cpu_now() - cpu
             _calls[timed] += 1
             _dump(out_dir)
 
@@ -599,9 +602,11 @@ def _time_torch_call(module: Any, name: str, key: str) -> None:
     original = getattr(proxy._real, name)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_now()
         tensor = original(*args, **kwargs)
         _whole[key] += time.perf_counter() - start
+        if _CPU:
+            _whole_cpu[key] += _cpu_now() - cpu
         _calls[key] += 1
         _elements[key] += tensor.numel()
         return tensor
@@ -717,6 +722,11 @@ def summarize(out_dir: str) -> dict:
             for k, v in record["whole"].items()
             if k.startswith("core:")
         }
+        core_cpu = {
+            k[len("core:") :]: v
+            for k, v in record.get("whole_cpu", {}).items()
+            if k.startswith("core:")
+        }
         parts = {
             k[len("vllm:") :]: v
             for k, v in record["whole"].items()
@@ -777,6 +787,10 @@ def summarize(out_dir: str) -> dict:
             # methods called once (warm-up, start-up) and calls inside a
             # warm-up left out.
             "core_us_per_call": _per_call(core, calls),
+            # The same in the engine thread's CPU time (..._CPU=1): a call
+            # whose wall time stands well above it waited (for the GIL, a
+            # driver lock, or off its core) rather than worked.
+            "core_cpu_us_per_call": _per_call(core_cpu, calls),
             # Timed torch allocations (`DEEP_TORCH`): elements a call.
             "core_elements_per_call": {
                 k[len("core:") :]: round(v / calls[k], 1)

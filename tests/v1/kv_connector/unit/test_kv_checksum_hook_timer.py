@@ -730,6 +730,78 @@ def test_deep_calls_inside_a_warm_up_are_kept_apart(tmp_path, monkeypatch) -> No
     assert timer.own_by_hook() == {}  # steps and core calls are no hook
 
 
+def test_deep_calls_count_their_cpu_time_beside_their_wall_time(
+    tmp_path, monkeypatch
+) -> None:
+    """Issue 30, R142 (diagnosis): with KV_CHECKSUM_HOOK_TIMER_CPU=1 each deep
+    call (a core method, a module function, a timed torch allocation) also
+    counts the engine thread's CPU time, reported a call beside its wall time:
+    a call that waits (the store's upload, 884 us a call in the eager tier at
+    256 running, 2026-12-04h) shows wall time far above CPU time, one that
+    works shows them alike. Without the variable no CPU time is reported.
+    Bugs caught: CPU time read from the wall clock (waits reported as work),
+    the CPU table keyed apart from the wall table, a torch call's CPU time
+    left out."""
+    import torch
+
+    from vllm.distributed.kv_transfer.kv_checksum.definition import rows
+
+    timer = load_script("kv_checksum_hook_timer_deep_cpu", SCRIPT)
+    monkeypatch.setattr(timer, "_CPU", True)
+    wall, cpu = [10.0], [1.0]
+    monkeypatch.setattr(timer.time, "perf_counter", lambda: wall[0])
+    monkeypatch.setattr(timer.time, "thread_time", lambda: cpu[0])
+
+    class Table:
+        def upload(self) -> None:  # waits: wall time only
+            wall[0] += 0.0009
+
+        def tags(self) -> None:  # works: wall and CPU alike
+            wall[0] += 0.0003
+            cpu[0] += 0.0003
+
+    for name in ("upload", "tags"):
+        timer._time_function(Table, name, f"core:Table.{name}", str(tmp_path))
+    monkeypatch.setattr(rows, "torch", rows.torch)  # restored after the test
+    real_zeros = torch.zeros
+
+    def slow_zeros(*args: Any, **kwargs: Any) -> Any:
+        wall[0] += 0.0002
+        cpu[0] += 0.0001
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", slow_zeros)
+    timer._time_torch_call(rows, "zeros", "core:definition.rows.torch.zeros")
+    monkeypatch.setattr(torch, "zeros", real_zeros)
+    table = Table()
+    for _ in range(2):
+        table.upload()
+        table.tags()
+        rows.upload_segments([np.zeros((3, 2), dtype=np.int64)], torch.device("cpu"))
+    timer._calls["EngineCore.step"] += 2
+    timer._whole["EngineCore.step"] += 0.01
+    wall[0] += 10.0
+    timer._dump(str(tmp_path))
+    (row,) = timer.summarize(str(tmp_path)).values()
+    assert row["core_us_per_call"] == {
+        "Table.upload": 900.0,
+        "Table.tags": 300.0,
+        "definition.rows.torch.zeros": 200.0,
+    }
+    assert row["core_cpu_us_per_call"] == {
+        "Table.tags": 300.0,
+        "definition.rows.torch.zeros": 100.0,
+        "Table.upload": 0.0,
+    }
+    monkeypatch.setattr(timer, "_CPU", False)
+    timer._whole_cpu.clear()
+    table.upload()
+    wall[0] += 10.0
+    timer._dump(str(tmp_path))
+    (row,) = timer.summarize(str(tmp_path)).values()
+    assert row["core_cpu_us_per_call"] == {}
+
+
 def test_an_idle_engines_last_calls_are_written_by_the_flusher(
     tmp_path, monkeypatch
 ) -> None:
