@@ -41,7 +41,9 @@ bucket current at its end (its own schedule's), a hook's call in the one
 current when it returns (calls between steps: the last step's).
 Each process writes its totals to
 DIR/PID.json every two seconds (on a timed call, or from a daemon thread
-when the process is idle). `python kv_checksum_hook_timer.py summarize
+when the process is idle), with every thread's CPU seconds so far (Linux):
+the summary's "threads_cpu" names what else in an engine process burns
+CPU while its engine thread waits. `python kv_checksum_hook_timer.py summarize
 DIR` prints per process the package's time per step and per hook, with
 checksums on and off told apart by whether any hook did work of its own.
 """
@@ -126,6 +128,8 @@ RUNNING_BUCKETS: tuple[tuple[str, int, int | None], ...] = (
     ("128+", 128, None),
 )
 _DUMP_EVERY_S = 2.0
+# Threads the summary lists per process, busiest first.
+TOP_THREADS = 12
 
 _CPU = os.environ.get("KV_CHECKSUM_HOOK_TIMER_CPU") == "1"
 _RUNNING = os.environ.get("KV_CHECKSUM_HOOK_TIMER_RUNNING") == "1"
@@ -144,6 +148,8 @@ _elements: dict[str, int] = defaultdict(int)
 _warming = [0]
 WARM_UP = "warm-up:"
 _last_dump = [0.0]
+# When this process's timing began (`activate`, or the script's load).
+_started = [time.perf_counter()]
 # One writer at a time; the engine thread skips its dump while the flusher
 # writes. The flusher: a daemon thread per process that writes the record
 # when no timed call did for `_DUMP_EVERY_S` (an engine idle after its last
@@ -224,6 +230,42 @@ def _on_gc(phase: str, info: dict) -> None:
     seconds = time.perf_counter() - _gc_start[0]
     _gc_seconds[generation] += seconds
     _gc_total[0] += seconds
+
+
+def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict[str, dict]:
+    """Per thread of this process (Linux), keyed by thread id: its kernel
+    name, its Python name (None for a thread Python did not start: CUDA's,
+    NCCL's) and its CPU seconds so far (user + system); {} without /proc.
+
+    Beside a hook's wall and CPU time: a thread of the engine process that
+    burns CPU while the engine thread waits inside a hook (vLLM's copy
+    thread, a busy polling thread) is what it waited for."""
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    threads = {}
+    for tid in tids:
+        try:
+            with open(os.path.join(task_dir, tid, "stat")) as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        # "tid (comm) state ppid ...": comm may hold spaces and parentheses,
+        # so the fields are those after the last ")"; utime and stime are the
+        # 14th and 15th fields of the line, the 12th and 13th after it.
+        head, _, rest = stat.rpartition(")")
+        fields = rest.split()
+        if len(fields) < 13 or not tid.isdigit():
+            continue
+        threads[tid] = {
+            "name": head.partition("(")[2],
+            "python": python_names.get(int(tid)),
+            "cpu_s": (int(fields[11]) + int(fields[12])) / ticks,
+        }
+    return threads
 
 
 class RequestSteps:
@@ -409,6 +451,8 @@ def _write(out_dir: str) -> None:
         "whole_gc": dict(_whole_gc),
         "wrapped_gc": dict(_wrapped_gc),
         "request_steps": _requests.record(),
+        "wall_s": time.perf_counter() - _started[0],
+        "threads": thread_cpu_seconds(),
     }
     if _RUNNING:
         record["by_running"] = _by_running_record()
@@ -685,6 +729,7 @@ def activate() -> None:
         return
     os.makedirs(out_dir, exist_ok=True)
     sys.meta_path.insert(0, _WiringFinder(out_dir))
+    _started[0] = time.perf_counter()
     gc.callbacks.append(_on_gc)
     _flusher_on[0] = True
 
@@ -808,12 +853,37 @@ def summarize(out_dir: str) -> dict:
             },
             "calls": calls,
             "request_steps": _request_summary(record.get("request_steps") or {}),
+            "threads_cpu": _threads_summary(
+                record.get("threads") or {}, record.get("wall_s"), record["pid"]
+            ),
         }
         if "by_running" in record:
             result[str(record["pid"])]["by_running"] = _running_summary(
                 record["by_running"], calls
             )
     return result
+
+
+def _threads_summary(threads: dict, wall_s: float | None, pid: int) -> list[dict]:
+    """The process's busiest threads (at most `TOP_THREADS`), most CPU first:
+    name, Python name, CPU seconds and CPU over the process's timed wall
+    time ("share": 1.0 is one core all the time); the engine thread (the
+    process id) is marked "main"."""
+    rows = []
+    for tid, thread in threads.items():
+        share = thread["cpu_s"] / wall_s if wall_s else None
+        rows.append(
+            {
+                "tid": int(tid),
+                "main": int(tid) == pid,
+                "name": thread["name"],
+                "python": thread["python"],
+                "cpu_s": round(thread["cpu_s"], 2),
+                "share": None if share is None else round(share, 3),
+            }
+        )
+    rows.sort(key=lambda row: -row["cpu_s"])
+    return rows[:TOP_THREADS]
 
 
 def _per_call(core: dict[str, float], calls: dict[str, int]) -> dict[str, float]:

@@ -802,6 +802,54 @@ def test_deep_calls_count_their_cpu_time_beside_their_wall_time(
     assert row["core_cpu_us_per_call"] == {}
 
 
+def test_each_threads_cpu_seconds_are_read_and_summarized(tmp_path) -> None:
+    """Issue 30, R142 (diagnosis): every thread of an engine process is listed
+    with its kernel name, its Python name (None for threads Python did not
+    start) and its CPU seconds (user + system ticks), read after the last ")"
+    of its stat line; the summary lists the busiest first with CPU over the
+    process's wall time and marks the engine thread. Bugs caught: fields
+    counted from the line's start (a name with spaces or ")" shifts them),
+    user time alone, the share taken over the steps' time, the main thread
+    unmarked."""
+    timer = load_script("kv_checksum_hook_timer_threads", SCRIPT)
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def stat(tid: int, comm: str, utime: int, stime: int) -> str:
+        # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt
+        # majflt cmajflt utime stime ...
+        rest = ["S", "1", "1", "1", "0", "-1", "0", "5", "0", "0", "0"]
+        tail = [str(utime), str(stime), "0", "0", "20", "0"]
+        return f"{tid} ({comm}) " + " ".join(rest + tail) + "\n"
+
+    tasks = tmp_path / "task"
+    for tid, comm, utime, stime in (
+        (700, "python3", 3 * ticks, 1 * ticks),
+        (701, "copy (x) y", 9 * ticks, 1 * ticks),
+        (702, "cuda-EvtHandlr", 0, 0),
+    ):
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "stat").write_text(stat(tid, comm, utime, stime))
+    (tasks / "703").mkdir()  # ended before its stat was read
+    threads = timer.thread_cpu_seconds(str(tasks))
+    assert threads == {
+        "700": {"name": "python3", "python": None, "cpu_s": 4.0},
+        "701": {"name": "copy (x) y", "python": None, "cpu_s": 10.0},
+        "702": {"name": "cuda-EvtHandlr", "python": None, "cpu_s": 0.0},
+    }
+    rows = timer._threads_summary(threads, 20.0, 700)
+    assert [(r["tid"], r["main"], r["cpu_s"], r["share"]) for r in rows] == [
+        (701, False, 10.0, 0.5),
+        (700, True, 4.0, 0.2),
+        (702, False, 0.0, 0.0),
+    ]
+    if os.path.isdir("/proc/self/task"):  # this process, read for real
+        import threading
+
+        main = threading.main_thread()
+        own = timer.thread_cpu_seconds()[str(main.native_id)]
+        assert own["python"] == main.name and own["cpu_s"] > 0.0
+
+
 def test_an_idle_engines_last_calls_are_written_by_the_flusher(
     tmp_path, monkeypatch
 ) -> None:
