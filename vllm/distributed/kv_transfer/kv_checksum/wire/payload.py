@@ -382,13 +382,19 @@ def _check_payload(payload: KVChecksumPayload, limits: KVChecksumPayloadLimits) 
     Every rule is written once, as a plain comparison; a message is built only
     for the field that fails (issue 30: this runs on every encode and decode).
     """
-    version = _as_int(payload.version, "version")
+    version = payload.version
+    if type(version) is not int:  # plain ints skip the call (issue 30)
+        version = _as_int(version, "version")
     if version != KV_CHECKSUM_PAYLOAD_VERSION:
         raise _unsupported(version)
-    tp_size = _as_int(payload.tp_size, "TP size")
+    tp_size = payload.tp_size
+    if type(tp_size) is not int:
+        tp_size = _as_int(tp_size, "TP size")
     if tp_size < 1:
         raise _invalid(f"TP size {tp_size} < 1")
-    num_tokens = _as_int(payload.num_tokens, "num_tokens")
+    num_tokens = payload.num_tokens
+    if type(num_tokens) is not int:
+        num_tokens = _as_int(num_tokens, "num_tokens")
     if num_tokens < 0:
         raise _invalid(f"num_tokens {num_tokens} < 0")
     if tp_size > limits.max_tp_size:
@@ -422,16 +428,22 @@ def _check_encodable(payload: KVChecksumPayload) -> None:
 
 def _check_group(group: KVChecksumPayloadGroup, limits: KVChecksumPayloadLimits) -> int:
     """Check one group's fields; returns its group id."""
-    group_id = _as_int(group.group_id, "group id")
+    group_id, fingerprint = group.group_id, group.fingerprint
+    chunk_tokens, start = group.chunk_tokens, group.start
+    if type(group_id) is not int:  # plain ints skip the calls (issue 30)
+        group_id = _as_int(group_id, "group id")
     if group_id < 0:
         raise _invalid(f"group id {group_id} < 0")
-    fingerprint = _as_int(group.fingerprint, "fingerprint", group_id)
+    if type(fingerprint) is not int:
+        fingerprint = _as_int(fingerprint, "fingerprint", group_id)
     if not 0 <= fingerprint < _U64_LIMIT:
         raise _invalid(f"group {group_id} fingerprint {fingerprint} is not a uint64")
-    chunk_tokens = _as_int(group.chunk_tokens, "chunk tokens", group_id)
+    if type(chunk_tokens) is not int:
+        chunk_tokens = _as_int(chunk_tokens, "chunk tokens", group_id)
     if chunk_tokens < 1:
         raise _invalid(f"group {group_id} chunk tokens {chunk_tokens} < 1")
-    start = _as_int(group.start, "start", group_id)
+    if type(start) is not int:
+        start = _as_int(start, "start", group_id)
     if start < 0:
         raise _invalid(f"group {group_id} start {start} < 0")
     values = group.values
@@ -473,8 +485,6 @@ def _check_group_limits(
 def _as_int(value: object, name: str, group_id: int | None = None) -> int:
     """`value` as an int; bools and non-integers are invalid. `group_id`
     names the group whose field it is, in the message only."""
-    if type(value) is int:
-        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         where = name if group_id is None else f"group {group_id} {name}"
         raise _invalid(f"{where} must be an int, got {type(value).__name__}")
