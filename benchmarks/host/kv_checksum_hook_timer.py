@@ -112,6 +112,12 @@ DEEP_TORCH = (
     ("definition.rows", "zeros"),
     ("engine.launches", "empty"),
 )
+# (module under the package, class, method, event attribute): in deep mode,
+# whether the instance's CUDA event (a device copy the method waits for) was
+# still pending when the method was called, counted without waiting
+# (`query()`): a `finalize` that mostly finds its copy unfinished waits for
+# the GPU, one that finds it done works ("core_pending_share").
+DEEP_EVENT_WAITS = (("engine.records", "KVChecksumPendingRecord", "finalize", "event"),)
 # (module, class, method): vLLM's step parts timed with ..._VLLM=1; one a
 # vLLM version lacks is skipped.
 VLLM_PARTS = (
@@ -142,6 +148,8 @@ _wrapped_cpu: dict[str, float] = defaultdict(float)
 _calls: dict[str, int] = defaultdict(int)
 # Deep mode's timed torch calls (`DEEP_TORCH`): elements allocated, by key.
 _elements: dict[str, int] = defaultdict(int)
+# Deep mode's `DEEP_EVENT_WAITS`: calls that found their event pending, by key.
+_pending: dict[str, int] = defaultdict(int)
 # Deep mode: timed `warm_up` calls in progress. Core calls inside one (a
 # kernel's first, compiling call) are kept under "warm-up:" keys, apart from
 # the serving calls whose cost per call the summary reports.
@@ -444,6 +452,7 @@ def _write(out_dir: str) -> None:
         "wrapped": dict(_wrapped),
         "calls": dict(_calls),
         "elements": dict(_elements),
+        "pending": dict(_pending),
         "whole_cpu": dict(_whole_cpu),
         "wrapped_cpu": dict(_wrapped_cpu),
         "gc_counts": list(_gc_counts),
@@ -619,11 +628,30 @@ def _time_core(out_dir: str) -> None:
         module = _package_module(module_name)
         if module is not None and name in vars(module):
             _time_function(module, name, f"core:{module_name}.{name}", out_dir)
+    for module_name, class_name, name, attribute in DEEP_EVENT_WAITS:
+        cls = getattr(_package_module(module_name), class_name, None)
+        if cls is not None and (setting.strip() == "1" or class_name in setting):
+            _count_pending(cls, name, attribute, f"core:{class_name}.{name}")
     if setting.strip() == "1":
         for module_name, name in DEEP_TORCH:
             module = _package_module(module_name)
             if module is not None and "torch" in vars(module):
                 _time_torch_call(module, name, f"core:{module_name}.torch.{name}")
+
+
+def _count_pending(cls: type, name: str, attribute: str, key: str) -> None:
+    """Count the calls of `cls.name` whose `attribute` (an event) was not yet
+    complete when called; `query()` never waits."""
+    original = cls.__dict__[name]
+
+    @functools.wraps(original)
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        event = getattr(self, attribute, None)
+        if event is not None and not event.query():
+            _pending[key] += 1
+        return original(self, *args, **kwargs)
+
+    setattr(cls, name, counted)
 
 
 class _TimedTorch:
@@ -840,6 +868,13 @@ def summarize(out_dir: str) -> dict:
             "core_elements_per_call": {
                 k[len("core:") :]: round(v / calls[k], 1)
                 for k, v in (record.get("elements") or {}).items()
+                if calls.get(k)
+            },
+            # `DEEP_EVENT_WAITS`: the share of calls that found their device
+            # copy unfinished (and so waited for the GPU).
+            "core_pending_share": {
+                k[len("core:") :]: round(v / calls[k], 3)
+                for k, v in (record.get("pending") or {}).items()
                 if calls.get(k)
             },
             "core_warm_up_ms": {

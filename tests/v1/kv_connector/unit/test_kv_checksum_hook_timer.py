@@ -850,6 +850,49 @@ def test_each_threads_cpu_seconds_are_read_and_summarized(tmp_path) -> None:
         assert own["python"] == main.name and own["cpu_s"] > 0.0
 
 
+def test_deep_mode_counts_finalize_calls_that_find_their_copy_pending(
+    tmp_path, monkeypatch
+) -> None:
+    """Issue 30, R142 (diagnosis): with deep mode on a pending record's
+    `finalize` (which synchronizes on its side-stream copy's event), the
+    calls whose event was not yet complete are counted without waiting, and
+    the summary gives their share of the calls: the consumer's `finalize`
+    rose to 1.31 of its time on 2026-12-04h with wait and work untold.
+    Bugs caught: the event waited for by the count (`synchronize`), an
+    already finalized record (no event) counted, the share over the steps."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine import records
+
+    timer = load_script("kv_checksum_hook_timer_pending", SCRIPT)
+    assert timer.DEEP_EVENT_WAITS == (
+        ("engine.records", "KVChecksumPendingRecord", "finalize", "event"),
+    )
+    cls = records.KVChecksumPendingRecord
+    monkeypatch.setattr(cls, "finalize", cls.__dict__["finalize"])  # restored
+
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            raise AssertionError("the count must not wait")
+
+    seen = []
+    monkeypatch.setattr(cls, "finalize", lambda self: seen.append(self.event))
+    monkeypatch.setenv("KV_CHECKSUM_HOOK_TIMER_DEEP", "KVChecksumPendingRecord")
+    timer._time_core(str(tmp_path))
+    items = [Event(False), Event(True), None, Event(False)]
+    for event in items:
+        cls.finalize(SimpleNamespace(event=event))  # type: ignore[arg-type]
+    assert seen == items
+    key = "core:KVChecksumPendingRecord.finalize"
+    assert timer._pending[key] == 2 and timer._calls[key] == 4
+    row = _summary_row(timer, tmp_path, 5, {key: 0.001}, {}, {key: 4}, pending={key: 2})
+    assert row["core_pending_share"] == {"KVChecksumPendingRecord.finalize": 0.5}
+
+
 def test_an_idle_engines_last_calls_are_written_by_the_flusher(
     tmp_path, monkeypatch
 ) -> None:
