@@ -233,12 +233,10 @@ class BlockChecksumTable:
             parts, self.topology.device, reserve=(count * width,)
         )
         out_column = columns[-1]
-        out = uploaded[0, out_column : out_column + count * width].view(count, width)
+        row0 = uploaded[0]  # one view for every row-0 slice (issue 30)
+        out = row0[out_column : out_column + count * width].view(count, width)
         plan.run(uploaded[:, :count], out)
-        tags, block_ids = (
-            uploaded[0, columns[1] : columns[1] + count],
-            uploaded[0, :count],
-        )
+        tags, block_ids = row0[columns[1] : columns[1] + count], row0[:count]
         if copy is None:
             self.write_entries(out, tags, block_ids)
             return
@@ -249,7 +247,7 @@ class BlockChecksumTable:
             self.write_entries(out, tags, block_ids, slots, copy.dest)
         else:
             self.write_entries(out, tags, block_ids)
-            ids = uploaded[0, column : column + len(copy.slots)]
+            ids = row0[column : column + len(copy.slots)]
             self.kernels.move(self.tensor, ids, copy.dest, slots)
 
 
