@@ -195,7 +195,7 @@ class ChecksumLauncher:
                 plan = self.groups[entry_rows.group_id].load
                 out = scratch[at : at + n * plan.width].view(n, plan.width)
                 plan.run(rows_dev[:, column : column + n], out)
-                self._write_entries(rows_dev, out, column, tag_columns[index], n)
+                self._write_entries(scratch, out, column, tag_columns[index], n)
                 continue
             plans, plan, reads, req_ids, starts, counts = passes[index]
             n = parts[index].shape[1]
@@ -211,7 +211,7 @@ class ChecksumLauncher:
                 plan.run(rows_dev[:, first : column + n], both)
                 save_index = layout.save_of_pass[index]
                 self._write_entries(
-                    rows_dev, both[:written], first, tag_columns[save_index], written
+                    scratch, both[:written], first, tag_columns[save_index], written
                 )
                 out = both[padded:]
             else:
@@ -226,7 +226,7 @@ class ChecksumLauncher:
             if reads:
                 assert self.table.tensor is not None
                 stored = scratch[stored_at : stored_at + n]
-                ids = rows_dev[0, column : column + n]
+                ids = scratch[column : column + n]
                 self.table.kernels.move(self.table.tensor, ids, stored)
                 result.stored_device = stored
             results.append(result)
@@ -248,18 +248,19 @@ class ChecksumLauncher:
 
     def _write_entries(
         self,
-        rows_dev: torch.Tensor,
+        row0: torch.Tensor,
         sums: torch.Tensor,
         column: int,
         tag_column: int,
         count: int,
     ) -> None:
         """The table write of entry rows uploaded at `column`, their tags at
-        `tag_column`, from their launch output `sums`."""
+        `tag_column` (both in the upload's row 0, `row0`), from their launch
+        output `sums`."""
         self.table.write_entries(
             sums,
-            rows_dev[0, tag_column : tag_column + count],
-            rows_dev[0, column : column + count],
+            row0[tag_column : tag_column + count],
+            row0[column : column + count],
         )
 
     def copy_to_host(
