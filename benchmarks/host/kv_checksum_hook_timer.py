@@ -43,7 +43,9 @@ Each process writes its totals to
 DIR/PID.json every two seconds (on a timed call, or from a daemon thread
 when the process is idle), with every thread's CPU seconds so far (Linux):
 the summary's "threads_cpu" names what else in an engine process burns
-CPU while its engine thread waits. `python kv_checksum_hook_timer.py summarize
+CPU while its engine thread waits; and with CUDA in use, the caching host
+and device allocators' counters ("allocators": pinned blocks created and
+their CUDA time, device allocation retries). `python kv_checksum_hook_timer.py summarize
 DIR` prints per process the package's time per step and per hook, with
 checksums on and off told apart by whether any hook did work of its own.
 """
@@ -276,6 +278,50 @@ def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict[str, dict]:
     return threads
 
 
+# The caching allocators' counters a record keeps (PyTorch's names; those a
+# version lacks are left out): pinned host blocks created with their CUDA
+# time, and device allocations, frees, retries and whole-device syncs.
+HOST_ALLOCATOR_KEYS = (
+    "num_host_alloc",
+    "num_host_free",
+    "host_alloc_time.total",
+    "host_free_time.total",
+    "allocations.current",
+    "allocated_bytes.current",
+    "active_requests.current",
+)
+DEVICE_ALLOCATOR_KEYS = (
+    "num_device_alloc",
+    "num_device_free",
+    "num_alloc_retries",
+    "num_sync_all_streams",
+    "num_ooms",
+)
+
+
+def allocator_stats() -> dict[str, dict[str, float]] | None:
+    """The caching host (pinned) and device allocators' counters of this
+    process's CUDA device, or None where CUDA is not in use (torch not
+    imported, CUDA not initialized: never initialized here). An upload that
+    costs hundreds of microseconds in an engine and 13-17 alone may be
+    growing the pinned pool (`cudaHostAlloc`) or retrying device allocations
+    (each retry frees the cache after a sync); these counters tell."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        host = torch.cuda.memory.host_memory_stats()
+        device = torch.cuda.memory_stats()
+    except Exception:  # an older torch, or no device: nothing to report
+        return None
+    return {
+        "host": {k: host[k] for k in HOST_ALLOCATOR_KEYS if k in host},
+        "device": {k: device[k] for k in DEVICE_ALLOCATOR_KEYS if k in device},
+    }
+
+
 class RequestSteps:
     """Steps and ms between the events of each request of one scheduler.
 
@@ -462,6 +508,7 @@ def _write(out_dir: str) -> None:
         "request_steps": _requests.record(),
         "wall_s": time.perf_counter() - _started[0],
         "threads": thread_cpu_seconds(),
+        "allocators": allocator_stats(),
     }
     if _RUNNING:
         record["by_running"] = _by_running_record()
@@ -888,6 +935,8 @@ def summarize(out_dir: str) -> dict:
             },
             "calls": calls,
             "request_steps": _request_summary(record.get("request_steps") or {}),
+            # The allocators' counters at the last dump (`allocator_stats`).
+            "allocators": record.get("allocators"),
             "threads_cpu": _threads_summary(
                 record.get("threads") or {}, record.get("wall_s"), record["pid"]
             ),

@@ -893,6 +893,54 @@ def test_deep_mode_counts_finalize_calls_that_find_their_copy_pending(
     assert row["core_pending_share"] == {"KVChecksumPendingRecord.finalize": 0.5}
 
 
+def test_records_keep_the_caching_allocators_counters(tmp_path, monkeypatch) -> None:
+    """Issue 30, R142 (diagnosis): with CUDA in use a record keeps the pinned
+    host allocator's growth (blocks created, their CUDA time) and the device
+    allocator's allocations, retries and syncs, the named keys only, and the
+    summary passes them on; without CUDA initialized, or on a torch without
+    host stats, there are none and CUDA is never initialized by asking.
+    Bugs caught: CUDA initialized by the timer (`torch.cuda.init` in a
+    process that had none), an older torch's missing function raising into
+    the engine, every key of the device stats copied into each dump."""
+    import sys
+
+    timer = load_script("kv_checksum_hook_timer_allocators", SCRIPT)
+    host = {"num_host_alloc": 7, "host_alloc_time.total": 900.0, "other": 1}
+    device = {"num_alloc_retries": 2, "num_device_alloc": 40, "active.all": 3}
+    calls: list[str] = []
+
+    def cuda(initialized: bool, host_stats: Any) -> SimpleNamespace:
+        def init() -> None:
+            calls.append("init")
+
+        return SimpleNamespace(
+            is_initialized=lambda: initialized,
+            init=init,
+            memory=SimpleNamespace(host_memory_stats=host_stats),
+            memory_stats=lambda: dict(device),
+        )
+
+    fake = SimpleNamespace(cuda=cuda(True, lambda: dict(host)))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    stats = timer.allocator_stats()
+    assert stats == {
+        "host": {"num_host_alloc": 7, "host_alloc_time.total": 900.0},
+        "device": {"num_device_alloc": 40, "num_alloc_retries": 2},
+    }
+    row = _summary_row(timer, tmp_path, 6, {}, {}, {}, allocators=stats)
+    assert row["allocators"] == stats
+
+    def missing() -> dict:
+        raise AttributeError("host_memory_stats")
+
+    for cuda_now in (cuda(False, lambda: dict(host)), cuda(True, missing)):
+        monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda_now))
+        assert timer.allocator_stats() is None
+    assert calls == []
+    monkeypatch.delitem(sys.modules, "torch")
+    assert timer.allocator_stats() is None
+
+
 def test_an_idle_engines_last_calls_are_written_by_the_flusher(
     tmp_path, monkeypatch
 ) -> None:
