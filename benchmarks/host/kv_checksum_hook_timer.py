@@ -270,10 +270,14 @@ def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict[str, dict]:
         fields = rest.split()
         if len(fields) < 13 or not tid.isdigit():
             continue
+        try:
+            cpu_s = (int(fields[11]) + int(fields[12])) / ticks
+        except ValueError:  # not a stat line: never raised into the engine
+            continue
         threads[tid] = {
             "name": head.partition("(")[2],
             "python": python_names.get(int(tid)),
-            "cpu_s": (int(fields[11]) + int(fields[12])) / ticks,
+            "cpu_s": cpu_s,
         }
     return threads
 

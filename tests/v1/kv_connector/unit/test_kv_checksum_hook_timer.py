@@ -810,7 +810,7 @@ def test_each_threads_cpu_seconds_are_read_and_summarized(tmp_path) -> None:
     process's wall time and marks the engine thread. Bugs caught: fields
     counted from the line's start (a name with spaces or ")" shifts them),
     user time alone, the share taken over the steps' time, the main thread
-    unmarked."""
+    unmarked, a malformed stat line raising (into the engine's hook)."""
     timer = load_script("kv_checksum_hook_timer_threads", SCRIPT)
     ticks = os.sysconf("SC_CLK_TCK")
 
@@ -830,6 +830,8 @@ def test_each_threads_cpu_seconds_are_read_and_summarized(tmp_path) -> None:
         (tasks / str(tid)).mkdir(parents=True)
         (tasks / str(tid) / "stat").write_text(stat(tid, comm, utime, stime))
     (tasks / "703").mkdir()  # ended before its stat was read
+    (tasks / "704").mkdir()
+    (tasks / "704" / "stat").write_text("704 (odd) S " + "x " * 20)  # skipped
     threads = timer.thread_cpu_seconds(str(tasks))
     assert threads == {
         "700": {"name": "python3", "python": None, "cpu_s": 4.0},
