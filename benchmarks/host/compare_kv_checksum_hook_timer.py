@@ -16,7 +16,9 @@ such as `warm_up` left out).
         [--port 5800] [--touched verify_load finalize] [--min-us 5]
 
 A touched name matches a call whose name ends with it (`finalize` matches
-`KVChecksumPendingRecord.finalize`).
+`KVChecksumPendingRecord.finalize`). When the new run counted CPU time
+(`KV_CHECKSUM_HOOK_TIMER_CPU=1`), each row also gives its CPU microseconds a
+call and their share of its wall time.
 """
 
 import argparse
@@ -97,15 +99,27 @@ def main() -> None:
     old = pick_engine(json.loads(args.old.read_text()), args.port)
     new = pick_engine(json.loads(args.new.read_text()), args.port)
     rows, factor, (low, high) = compare(old, new, args.touched, args.min_us)
+    # The new run's thread CPU time a call (KV_CHECKSUM_HOOK_TIMER_CPU=1):
+    # a call far above it waited rather than worked.
+    cpu = new.get("core_cpu_us_per_call") or {}
     print(f"machine factor {factor:.2f} (untouched calls {low:.2f}-{high:.2f})")
-    print("| call | old us | new us | ratio | scaled | touched |")
-    print("|---|---|---|---|---|---|")
+    extra = " new CPU us | CPU / wall |" if cpu else ""
+    print("| call | old us | new us | ratio | scaled | touched |" + extra)
+    print("|---|---|---|---|---|---|" + ("---|---|" if cpu else ""))
     for row in rows:
-        print(
+        line = (
             f"| {row.name} | {row.old_us:.1f} | {row.new_us:.1f} | "
             f"{row.ratio:.2f} | {row.ratio / factor:.2f} | "
             f"{'yes' if row.touched else ''} |"
         )
+        if cpu:
+            spent = cpu.get(row.name)
+            line += (
+                " - | - |"
+                if spent is None
+                else f" {spent:.1f} | {spent / row.new_us:.2f} |"
+            )
+        print(line)
 
 
 if __name__ == "__main__":

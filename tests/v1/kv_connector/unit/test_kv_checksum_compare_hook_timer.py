@@ -114,3 +114,29 @@ def test_the_script_prints_the_factor_and_a_row_per_call(tmp_path) -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == "machine factor 2.00 (untouched calls 1.80-2.20)"
     assert "| C.verify | 40.0 | 40.0 | 1.00 | 0.50 | yes |" in lines
+
+
+def test_a_new_run_with_cpu_time_gives_each_calls_cpu_share(tmp_path) -> None:
+    """R142, issue 30 (diagnosis): when the new run counted thread CPU time,
+    each row adds the call's CPU microseconds and their share of its wall
+    time in that run (a call that waits shows a small share); a call without
+    CPU time shows dashes. Bugs caught: the share taken over the old run's
+    time, or over the scaled figure, the CPU columns misaligned."""
+    new = json.loads(json.dumps(NEW))
+    new["7"]["core_cpu_us_per_call"] = {"B.upload": 22.0, "A.launch": 190.0}
+    old_file, new_file = tmp_path / "old.json", tmp_path / "new.json"
+    old_file.write_text(json.dumps(OLD))
+    new_file.write_text(json.dumps(new))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(old_file), str(new_file)]
+        + ["--port", "5800", "--touched", "verify"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = done.stdout.splitlines()
+    assert lines[1].endswith("| new CPU us | CPU / wall |")
+    assert "| B.upload | 50.0 | 110.0 | 2.20 | 1.10 |  | 22.0 | 0.20 |" in lines
+    assert "| A.launch | 100.0 | 200.0 | 2.00 | 1.00 |  | 190.0 | 0.95 |" in lines
+    assert "| F.read | 20.0 | 36.0 | 1.80 | 0.90 |  | - | - |" in lines
+    assert all(line.count("|") == 9 for line in lines[1:])
