@@ -416,6 +416,8 @@ hook-timer | hook-timer-serve | hook-timer-pd)
     export KV_CHECKSUM_HOOK_TIMER_DIR=/tmp/kv_checksum_hook_timer
     rm -rf "$KV_CHECKSUM_HOOK_TIMER_DIR"
     cp "$repo/benchmarks/host/kv_checksum_hook_timer.py" "$site/sitecustomize.py"
+    # Its per-thread CPU table reads /proc through the benchmarks' reader.
+    cp "$repo/benchmarks/kv_checksum_proc_stats.py" "$site/"
     if [ "$what" = hook-timer ]; then
         run hook-timer benchmarks/benchmark_kv_checksum_prefix_hits.py --bench-batch "$@"
     elif [ "$what" = hook-timer-pd ]; then
@@ -424,7 +426,7 @@ hook-timer | hook-timer-serve | hook-timer-pd)
         run hook-timer-serve benchmarks/benchmark_kv_checksum_serve.py "$@"
     fi
     rc=$?
-    rm -f "$site/sitecustomize.py"
+    rm -f "$site/sitecustomize.py" "$site/kv_checksum_proc_stats.py"
     mkdir -p "$out"
     timer_json="$out/hook_timer${KV_CHECKSUM_RUN_TAG:+-$KV_CHECKSUM_RUN_TAG}.json"
     python3 "$repo/benchmarks/host/kv_checksum_hook_timer.py" summarize \

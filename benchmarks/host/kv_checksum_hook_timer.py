@@ -54,6 +54,7 @@ import functools
 import gc
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import json
 import os
 import statistics
@@ -242,44 +243,57 @@ def _on_gc(phase: str, info: dict) -> None:
     _gc_total[0] += seconds
 
 
-def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict[str, dict]:
+def _proc_stats() -> Any:
+    """`benchmarks/kv_checksum_proc_stats.py` (the benchmarks' per-thread
+    /proc reader): by name where gpu_runs.sh copies it beside this file's
+    sitecustomize copy, else from the repository; None if neither."""
+    try:
+        import kv_checksum_proc_stats  # type: ignore[import-not-found]
+
+        return kv_checksum_proc_stats
+    except ImportError:
+        pass
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "kv_checksum_proc_stats.py")
+    spec = importlib.util.spec_from_file_location("kv_checksum_proc_stats", path)
+    if spec is None or spec.loader is None or not os.path.exists(path):
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["kv_checksum_proc_stats"] = module
+    return module
+
+
+def thread_cpu_seconds(proc: str = "/proc", pid: int | None = None) -> dict[str, dict]:
     """Per thread of this process (Linux), keyed by thread id: its kernel
     name, its Python name (None for a thread Python did not start: CUDA's,
     NCCL's) and its CPU seconds so far (user + system); {} without /proc.
+    Read with `kv_checksum_proc_stats.sample_threads` (threads gone or
+    unreadable meanwhile are left out, never raised into the engine).
 
     Beside a hook's wall and CPU time: a thread of the engine process that
     burns CPU while the engine thread waits inside a hook (vLLM's copy
     thread, a busy polling thread) is what it waited for."""
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
+    from pathlib import Path
+
+    stats = _proc_stats()
+    if stats is None:
         return {}
-    ticks = os.sysconf("SC_CLK_TCK")
+    try:
+        samples = stats.sample_threads(
+            [os.getpid() if pid is None else pid], Path(proc)
+        )
+    except (OSError, ValueError):
+        return {}
     python_names = {t.native_id: t.name for t in threading.enumerate()}
-    threads = {}
-    for tid in tids:
-        try:
-            with open(os.path.join(task_dir, tid, "stat")) as f:
-                stat = f.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        # "tid (comm) state ppid ...": comm may hold spaces and parentheses,
-        # so the fields are those after the last ")"; utime and stime are the
-        # 14th and 15th fields of the line, the 12th and 13th after it.
-        head, _, rest = stat.rpartition(")")
-        fields = rest.split()
-        if len(fields) < 13 or not tid.isdigit():
-            continue
-        try:
-            cpu_s = (int(fields[11]) + int(fields[12])) / ticks
-        except ValueError:  # not a stat line: never raised into the engine
-            continue
-        threads[tid] = {
-            "name": head.partition("(")[2],
-            "python": python_names.get(int(tid)),
-            "cpu_s": cpu_s,
+    return {
+        str(tid): {
+            "name": sample.thread,
+            "python": python_names.get(tid),
+            "cpu_s": sample.cpu_s,
         }
-    return threads
+        for tid, sample in samples.items()
+    }
 
 
 # The caching allocators' counters a record keeps (PyTorch's names; those a

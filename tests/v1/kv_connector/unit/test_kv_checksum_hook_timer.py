@@ -806,33 +806,27 @@ def test_each_threads_cpu_seconds_are_read_and_summarized(tmp_path) -> None:
     """Issue 30, R142 (diagnosis): every thread of an engine process is listed
     with its kernel name, its Python name (None for threads Python did not
     start) and its CPU seconds (user + system ticks), read after the last ")"
-    of its stat line; the summary lists the busiest first with CPU over the
+    of its stat line by the benchmarks' /proc reader (a /proc tree written by
+    its tests' helper); the summary lists the busiest first with CPU over the
     process's wall time and marks the engine thread. Bugs caught: fields
     counted from the line's start (a name with spaces or ")" shifts them),
     user time alone, the share taken over the steps' time, the main thread
     unmarked, a malformed stat line raising (into the engine's hook)."""
+    from tests.v1.kv_connector.unit.test_kv_checksum_proc_stats import _task
+
     timer = load_script("kv_checksum_hook_timer_threads", SCRIPT)
     ticks = os.sysconf("SC_CLK_TCK")
-
-    def stat(tid: int, comm: str, utime: int, stime: int) -> str:
-        # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt
-        # majflt cmajflt utime stime ...
-        rest = ["S", "1", "1", "1", "0", "-1", "0", "5", "0", "0", "0"]
-        tail = [str(utime), str(stime), "0", "0", "20", "0"]
-        return f"{tid} ({comm}) " + " ".join(rest + tail) + "\n"
-
-    tasks = tmp_path / "task"
     for tid, comm, utime, stime in (
         (700, "python3", 3 * ticks, 1 * ticks),
         (701, "copy (x) y", 9 * ticks, 1 * ticks),
         (702, "cuda-EvtHandlr", 0, 0),
     ):
-        (tasks / str(tid)).mkdir(parents=True)
-        (tasks / str(tid) / "stat").write_text(stat(tid, comm, utime, stime))
+        _task(tmp_path, 700, tid, comm, (utime, stime), (0, 0))
+    tasks = tmp_path / "700" / "task"
     (tasks / "703").mkdir()  # ended before its stat was read
     (tasks / "704").mkdir()
     (tasks / "704" / "stat").write_text("704 (odd) S " + "x " * 20)  # skipped
-    threads = timer.thread_cpu_seconds(str(tasks))
+    threads = timer.thread_cpu_seconds(str(tmp_path), 700)
     assert threads == {
         "700": {"name": "python3", "python": None, "cpu_s": 4.0},
         "701": {"name": "copy (x) y", "python": None, "cpu_s": 10.0},
