@@ -16,7 +16,6 @@ bytes and the same decoded values.
 """
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import timeit
@@ -26,20 +25,14 @@ from types import ModuleType
 
 import numpy as np
 
-CURRENT = (
-    Path(__file__).resolve().parents[2]
-    / "vllm/distributed/kv_transfer/kv_checksum/wire/payload.py"
+ROOT = Path(__file__).resolve().parents[2]
+CURRENT = ROOT / "vllm/distributed/kv_transfer/kv_checksum/wire/payload.py"
+
+sys.path.insert(0, str(ROOT))
+
+from tests.v1.kv_connector.unit.kv_checksum_scripts import (  # noqa: E402
+    load_script,
 )
-
-
-def load(name: str, path: Path) -> ModuleType:
-    """The payload module at `path`, under its own name."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def calls(module: ModuleType, values: int = 64) -> dict[str, Callable[[], object]]:
@@ -65,8 +58,8 @@ def calls(module: ModuleType, values: int = 64) -> dict[str, Callable[[], object
 def run(old_path: Path, rounds: int, number: int) -> dict[str, tuple[float, ...]]:
     """Per call: (old us, current us, current / old), medians of the rounds."""
     versions = {
-        "old": load("_payload_old", old_path),
-        "new": load("_payload_new", CURRENT),
+        "old": load_script("_payload_old", old_path),
+        "new": load_script("_payload_new", CURRENT),
     }
     made = {tag: calls(module) for tag, module in versions.items()}
     encoded = {tag: made[tag]["encode (to_bytes)"]() for tag in made}
