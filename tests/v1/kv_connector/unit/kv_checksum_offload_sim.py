@@ -323,6 +323,9 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
     the same step (loads as finished_recving of the event's requests, stores
     as SimpleCPUOffloadWorkerMetadata counts). `tamper(meta)`, when set, may
     change a step's metadata before the workers see it (a tier bug).
+    `after_forward`: as Model Runner V2 without sync loads, start_load_kv
+    (given the step's scheduler output) and the load copy come after the
+    forward, so the workers save the step's stores there too.
     """
 
     def __init__(
@@ -332,9 +335,11 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         name: str,
         entries: bool = True,
         hooks: bool = False,
+        after_forward: bool = False,
     ) -> None:
         super().__init__(model_dir, side, name)
         self.hooks = hooks
+        self.after_forward = after_forward
         self.offload = simple_offload_connector(self.scheduler.connector)
         manager = self.offload.scheduler_manager
         self.num_cpu_blocks = manager.num_cpu_blocks
@@ -370,6 +375,9 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             self._bare_connector("_kv_checksum_simple_offload_worker", s)
             for s in self.sides
         ]
+        for bare in self.bare:
+            if bare is not None:
+                bare._vllm_config = self.offload._vllm_config
         self.num_loads = 0
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
@@ -396,20 +404,14 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         if meta is not None and self.tamper is not None:
             self.tamper(meta)
         scheduled = getattr(output, "kv_checksum_scheduled", None)
-        for worker, side, bare in zip(self.workers, self.sides, self.bare):
+        for worker in self.workers:
             worker.checksum.bind(scheduled)
-            if bare is not None and meta is not None:
-                bare._connector_metadata = meta
-                type(bare).start_load_kv(bare, None)
-            elif side is not None and meta is not None:
-                side.start_loads(meta)
-        finished: set[str] = set()
-        if meta is not None and meta.load_cpu_blocks:
-            self._copy(meta.load_gpu_blocks, meta.load_cpu_blocks, to_host=False)
-            self.num_loads += 1
-            self.num_loaded_blocks += len(meta.load_cpu_blocks)
-            finished = set(meta.load_event_to_reqs.get(meta.load_event, ()))
-        self._forward(output)
+        if not self.after_forward:
+            finished = self._start_loads(output, meta)
+            self._forward(output)
+        else:
+            self._forward(output)
+            finished = self._start_loads(output, meta)
         stored = meta is not None and bool(meta.store_gpu_blocks)
         for side, bare in zip(self.sides, self.bare):
             if bare is not None and meta is not None:
@@ -429,6 +431,25 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
                 )
             )
         return self._finish(output, kv_output, records)
+
+    def _start_loads(self, output: Any, meta: Any) -> set[str]:
+        """Each worker's start_load_kv, then the load event's copy; returns
+        the requests whose load it finished."""
+        for side, bare in zip(self.sides, self.bare):
+            if meta is None:
+                break
+            if bare is not None:
+                bare._connector_metadata = meta
+                kwargs = {"scheduler_output": output} if self.after_forward else {}
+                type(bare).start_load_kv(bare, None, **kwargs)
+            elif side is not None:
+                side.start_loads(meta, self.after_forward)
+        if meta is None or not meta.load_cpu_blocks:
+            return set()
+        self._copy(meta.load_gpu_blocks, meta.load_cpu_blocks, to_host=False)
+        self.num_loads += 1
+        self.num_loaded_blocks += len(meta.load_cpu_blocks)
+        return set(meta.load_event_to_reqs.get(meta.load_event, ()))
 
 
 def shared_prefix_prompts(

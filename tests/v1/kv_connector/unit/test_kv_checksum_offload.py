@@ -292,11 +292,13 @@ def test_R142_saved_entries_from_block_arrays_keep_each_position() -> None:
 
 
 def count_uploads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The shapes of the block table's uploads to the device, as they happen."""
+    """The shapes of the block table's and the host entry table's uploads to
+    the device, as they happen."""
     from vllm.distributed.kv_transfer.kv_checksum.engine import block_table
+    from vllm.distributed.kv_transfer.kv_checksum.offload import offloading
 
     uploads: list[tuple[int, ...]] = []
-    real = block_table.host_to_device
+    real = offloading.host_to_device
     real_segments = block_table.upload_segments
 
     def counting(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -308,7 +310,7 @@ def count_uploads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
         uploads.append(tuple(uploaded.shape))
         return uploaded, columns
 
-    monkeypatch.setattr(block_table, "host_to_device", counting)
+    monkeypatch.setattr(offloading, "host_to_device", counting)
     monkeypatch.setattr(block_table, "upload_segments", counting_segments)
     return uploads
 
@@ -361,6 +363,52 @@ def test_R118_a_save_copies_its_entries_to_host_slots(monkeypatch) -> None:
     again = torch.zeros(8, dtype=torch.int64)
     worker.save_block_checksums([], EntryCopy(np.array([2]), np.array([1]), again))
     assert table_entries(again, [1]).tolist() == table_entries(host, [0]).tolist()
+
+
+def test_R118_a_save_brings_a_loads_entries_back_first_in_its_upload(
+    monkeypatch,
+) -> None:
+    """R118, issue 30 (a step's load and store entries in one upload): a save
+    given an `EntryRestore` first sets the table's entries of the load's
+    blocks from their host slots, then writes and copies its own, in the
+    save's one upload; with nothing to save, the restore and a copy still
+    share one upload, the restore first. Bugs caught (tried): the restore
+    queued after the copy (a copied block that is also restored takes its
+    old entry), block ids and slots swapped, a second upload for the
+    restore."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+        EntryRestore,
+    )
+
+    kv = ref.random_kv(np.random.default_rng(31), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    table = worker.init_block_checksums([0])
+    host = torch.zeros(8, dtype=torch.int64)
+    host[1], host[4] = 111, 222  # entries stored by earlier steps
+    uploads = count_uploads(monkeypatch)
+    hashes = fake_hashes(3, seed=37)
+    restore = EntryRestore(np.array([0, 1]), np.array([1, 4]), host)
+    # Block 0 is restored and copied out again in the same call.
+    copy = EntryCopy(np.array([*BLOCK_IDS, 0]), np.array([6, 0, 3, 5]), host)
+    worker.save_block_checksums([(0, 0, BLOCK_IDS, hashes)], copy, restore)
+    assert len(uploads) == 1
+    assert table[[0, 1]].tolist() == [111, 222]
+    expected = whole ^ reference_tags(hashes, worker.fingerprints[0])
+    assert hexes(table_entries(host, [6, 0, 3])) == hexes(expected)
+    assert host[5].item() == 111
+
+    # Nothing to save: block 3 restored from slot 4, then copied to slot 7.
+    again = torch.zeros(8, dtype=torch.int64)
+    worker.save_block_checksums(
+        [],
+        EntryCopy(np.array([3]), np.array([7]), again),
+        EntryRestore(np.array([3]), np.array([4]), host),
+    )
+    assert len(uploads) == 2
+    assert table[3].item() == 222 and again[7].item() == 222
+    assert np.count_nonzero(again.numpy()) == 1
 
 
 def test_R118_a_copy_of_other_blocks_takes_their_table_entries() -> None:

@@ -10,6 +10,7 @@ they need CUDA, so the real worker runs on the GPU only
 (examples/offload/kv_checksum_offload_gpu.py --connector simple).
 """
 
+import random
 from typing import Any
 
 import numpy as np
@@ -288,6 +289,85 @@ def test_R139_simple_offload_loads_verified_end_to_end(
     assert_no_request_state(engine)
 
 
+def spy_saves(engine: SimpleOffloadSimEngine) -> list[tuple[str, bool]]:
+    """Worker 0's entry moves as they happen: ("save", whether a load's
+    restore rode along) per save, ("restore", True) per restore on its own."""
+    moves: list[tuple[str, bool]] = []
+    worker, side = engine.workers[0], engine.sides[0]
+    assert side is not None
+    real_save = worker.checksum.save_block_checksums
+    real_restore = side.entries.restore_ids
+
+    def save(*args: Any) -> None:
+        moves.append(("save", len(args) > 2 and args[2] is not None))
+        real_save(*args)
+
+    def restore(*args: Any) -> None:
+        moves.append(("restore", True))
+        real_restore(*args)
+
+    worker.checksum.save_block_checksums = save  # type: ignore[method-assign]
+    side.entries.restore_ids = restore  # type: ignore[method-assign]
+    return moves
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_R118_stores_saved_with_the_loads_after_the_forward(
+    model_dir: str, lazy: bool
+) -> None:
+    """Issue 30. As Model Runner V2 runs it (start_load_kv after the forward,
+    given the scheduler output), through the real connector hooks: a step
+    that stores saves its entries once, in start_load_kv, with its loads'
+    entries riding along (one save, no restore of its own), wait_for_save
+    saves nothing more, and every load still verifies. Bugs caught (each
+    tried): the restore left out of the early save (loads mismatch);
+    wait_for_save saving the stores again (two saves a step); the early
+    save never taken (a restore of its own beside the save)."""
+    engine = SimpleOffloadSimEngine(
+        model_dir, simple_side(lazy), f"after-{lazy}", hooks=True, after_forward=True
+    )
+    moves = spy_saves(engine)
+    real_step = engine.step
+    both = 0
+
+    def step() -> Any:
+        nonlocal both
+        before = len(moves)
+        output = real_step()
+        meta = simple_offload_metadata(output.kv_connector_metadata)
+        stores = meta is not None and bool(meta.store_gpu_blocks)
+        loads = meta is not None and bool(meta.load_cpu_blocks)
+        made = moves[before:]
+        if stores and loads and not output.has_sync_kv_loads:
+            both += 1
+            assert made == [("save", True)]
+        elif stores:
+            assert [kind for kind, _ in made].count("save") == 1
+        else:
+            assert made == ([("restore", True)] if loads else [])
+        return output
+
+    engine.step = step  # type: ignore[method-assign]
+    prompts = run_shared_prefixes(engine, 12)
+    # Then a new prompt's prefill a step before a request that loads a
+    # prefix from host memory: its blocks are stored as the load starts.
+    rng = random.Random(5)
+    for i in range(3):
+        fresh = [rng.randrange(3, 200) for _ in range(4 * BS + 1)]
+        engine.add(make_request(f"fresh{i}", fresh, max_tokens=3, block_size=BS))
+        engine.step()
+        tail = [rng.randrange(3, 200) for _ in range(BS + 1)]
+        load = make_request(
+            f"load{i}", prompts[i][: 4 * BS] + tail, max_tokens=3, block_size=BS
+        )
+        engine.add(load)
+        engine.run(f"load{i}")
+        engine.run(f"fresh{i}")
+    assert engine.num_loads >= 9 and both > 0
+    assert_every_load_verified(engine)
+    assert_no_request_state(engine)
+
+
 def test_R118_lazy_mode_stores_evicted_cached_blocks(model_dir: str) -> None:
     """Lazy mode stores GPU blocks that are cached and free (no request holds
     them any more), in free-queue order; every stored block's run names the
@@ -330,15 +410,24 @@ def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:
     assert engine.num_loads > 0 and counts.get("mismatch", 0) > 0, counts
 
 
+@pytest.mark.parametrize("after_forward", [False, True], ids=["before", "after"])
 @pytest.mark.parametrize("kind", ["host_bit_flip", "host_other_block"])
 def test_R121_simple_host_fault_is_caught_and_the_copy_dropped(
-    model_dir: str, kind: str
+    model_dir: str, kind: str, after_forward: bool
 ) -> None:
     """A corrupted host copy: the load mismatches, fail-closed recomputes the
-    request, the bad CPU block leaves the CPU prefix cache. Bug caught
-    (tried): on_kv_checksum_failure not dropping (dropped stays 0)."""
+    request, the bad CPU block leaves the CPU prefix cache; also with loads
+    started after the forward through the real hooks (Model Runner V2).
+    Bug caught (tried): on_kv_checksum_failure not dropping (dropped stays
+    0)."""
     side = with_faults(simple_side(fail_closed=True, policy="recompute"), kind)
-    engine = SimpleOffloadSimEngine(model_dir, side, f"fault-{kind}")
+    engine = SimpleOffloadSimEngine(
+        model_dir,
+        side,
+        f"fault-{kind}-{after_forward}",
+        hooks=after_forward,
+        after_forward=after_forward,
+    )
     run_shared_prefixes(engine, 12)
     counts = verdicts(engine)
     dropper = scheduler_side(engine).dropper
@@ -517,6 +606,69 @@ def test_R1_R118_simple_worker_hooks_on_the_real_class(enabled: bool) -> None:
     assert connector.__dict__ == before
 
 
+def scheduler_output(has_sync_kv_loads: bool) -> Any:
+    """An empty SchedulerOutput of vLLM's own class."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+        has_sync_kv_loads=has_sync_kv_loads,
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "sync", "speculative", "config", "expected"),
+    [
+        (False, False, False, True, False),  # no scheduler output (no forward)
+        (True, False, False, True, True),  # V2, async loads: after the forward
+        (True, True, False, True, False),  # sync loads: before the forward
+        (True, False, True, True, False),  # a drafter's forward still to come
+        (True, False, False, False, False),  # no config to tell
+    ],
+)
+def test_R118_stores_saved_early_only_after_the_whole_forward(
+    given: bool, sync: bool, speculative: bool, config: bool, expected: bool
+) -> None:
+    """Issue 30, on vLLM's SimpleCPUOffloadConnector: start_load_kv tells the
+    worker side to save the step's stores only when Model Runner V2 calls it
+    after the forward (its scheduler output given, no sync loads) and no
+    drafter forward follows; then the original still runs. Bugs caught
+    (each tried): sync loads taken as after the forward (entries of blocks
+    the forward has not written yet); the speculative config ignored."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
+        SimpleCPUOffloadConnector,
+    )
+
+    wiring.install()
+    told: list[bool] = []
+
+    class Side:
+        def start_loads(self, metadata: Any, after_forward: bool = False) -> None:
+            told.append(after_forward)
+
+    calls: list[str] = []
+    connector = object.__new__(SimpleCPUOffloadConnector)
+    connector.worker_handler = CallRecorder(calls, "vllm")  # type: ignore[assignment]
+    connector._connector_metadata = object()  # type: ignore[assignment]
+    connector._kv_checksum_simple_offload_worker = Side()
+    if config:
+        spec = object() if speculative else None
+        connector._vllm_config = SimpleNamespace(speculative_config=spec)  # type: ignore[assignment]
+    kwargs = {"scheduler_output": scheduler_output(sync)} if given else {}
+    SimpleCPUOffloadConnector.start_load_kv(connector, None, **kwargs)
+    assert told == [expected]
+    assert calls == ["vllm.start_load_kv"]
+
+
 def test_R117_simple_worker_side_moves_entries_by_cpu_block() -> None:
     """A store copies the stored GPU blocks' entries to their CPU blocks'
     slots; a load writes them back at the load's GPU ids. Bug caught
@@ -529,9 +681,15 @@ def test_R117_simple_worker_side_moves_entries_by_cpu_block() -> None:
         def init_block_checksums(self, group_ids: Any) -> torch.Tensor:
             return self.table
 
-        def save_block_checksums(self, runs: Any, copy: Any = None) -> None:
-            # The block table's contract: entries copied to the slots after
-            # the save (test_R118_a_save_copies_its_entries_to_host_slots).
+        def save_block_checksums(
+            self, runs: Any, copy: Any = None, restore: Any = None
+        ) -> None:
+            # The block table's contract: a restore first, entries copied to
+            # the slots after the save (test_R118_a_save_copies_its_entries_
+            # to_host_slots, test_R118_a_save_brings_a_loads_entries_back_...).
+            if restore is not None:
+                ids = torch.as_tensor(restore.block_ids)
+                self.table[ids] = restore.source[torch.as_tensor(restore.slots)]
             if copy is not None:
                 slots = torch.as_tensor(copy.slots)
                 copy.dest[slots] = self.table[torch.as_tensor(copy.block_ids)]

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Full blocks whose stored entries a worker writes (R118, R142): as runs of
-consecutive positions, or as parallel per-block arrays; and where a save also
-copies them (`EntryCopy`)."""
+consecutive positions, or as parallel per-block arrays; where a save also
+copies them (`EntryCopy`), and which entries a load brings back in the same
+upload (`EntryRestore`)."""
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -104,3 +105,14 @@ class EntryCopy:
     block_ids: np.ndarray
     slots: np.ndarray
     dest: torch.Tensor
+
+
+@dataclass
+class EntryRestore:
+    """Entries a load brings back: the table's entry of `block_ids[i]` =
+    `source[slots[i]]` (an offload tier's host slots, R118), queued before
+    the save they travel with writes anything."""
+
+    block_ids: np.ndarray
+    slots: np.ndarray
+    source: torch.Tensor

@@ -23,10 +23,10 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.entry_kernels import (
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
     BlockRun,
     EntryCopy,
+    EntryRestore,
     FullBlocks,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
-    host_to_device,
     upload_segments,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
@@ -130,6 +130,7 @@ class BlockChecksumTable:
         runs: Iterable[BlockRun],
         groups: set[int] | None = None,
         copy: EntryCopy | None = None,
+        restore: EntryRestore | None = None,
     ) -> None:
         """Write the entries of full blocks (R118); `runs` may be a
         `FullBlocks`, consumed without a Python loop over runs or blocks.
@@ -138,14 +139,17 @@ class BlockChecksumTable:
         ignored. Queued on the current stream, after the forward that wrote
         the blocks and before the connector reads them. `copy`, if given,
         then copies entries to their slots; its indices travel in the last
-        group's upload (issue 30: one pinned upload per save).
+        group's upload (issue 30: one pinned upload per save). `restore`, if
+        given, is queued first, its indices in the first group's upload: a
+        step's load and store entries in one upload (issue 30).
         """
         table = self.tensor
         if table is None:
             return
         blocks = runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
         copied = copy if copy is not None and len(copy.slots) else None
-        if not len(blocks.block_ids) and copied is None:
+        restored = restore if restore is not None and len(restore.slots) else None
+        if not len(blocks.block_ids) and copied is None and restored is None:
             return  # most steps (R142: no per-step work when nothing is saved)
         allowed = self.stored_groups if groups is None else groups
         # One launch per group for every block of the call (a step's stores),
@@ -153,18 +157,43 @@ class BlockChecksumTable:
         per_group = self.entry_rows(blocks, allowed)
         for i, entry_rows in enumerate(per_group):
             last = i == len(per_group) - 1
-            self._save_group_entries(entry_rows, copied if last else None)
+            self._save_group_entries(
+                entry_rows, copied if last else None, restored if i == 0 else None
+            )
         if copy is not None and per_group:  # a store: its blocks' entries are in
             kept = [entry_rows.group_id for entry_rows in per_group]
             written = blocks.block_ids
             if not (blocks.groups == kept[0]).all():  # R142: usually one group
                 written = written[np.isin(blocks.groups, kept)]
             self._stored_this_step.append(written)
-        if copied is not None and not per_group:
-            indices = host_to_device(
-                np.stack([copied.block_ids, copied.slots]), self.topology.device
+        if not per_group and (copied is not None or restored is not None):
+            self._move_entries(copied, restored)
+
+    def _move_entries(
+        self, copy: EntryCopy | None, restore: EntryRestore | None
+    ) -> None:
+        """A save with no block to checksum: `restore` then `copy`, their
+        indices in one upload."""
+        assert self.tensor is not None
+        parts = [
+            np.stack([moved.block_ids, moved.slots, np.zeros_like(moved.slots)])
+            for moved in (restore, copy)
+            if moved is not None
+        ]
+        uploaded, columns = upload_segments(parts, self.topology.device)
+        at = iter(columns)
+        if restore is not None:
+            column, n = next(at), len(restore.slots)
+            ids = uploaded[0, column : column + n]
+            self.kernels.move(
+                restore.source, uploaded[1, column : column + n], self.tensor, ids
             )
-            self.kernels.move(table, indices[0], copied.dest, indices[1])
+        if copy is not None:
+            column, n = next(at), len(copy.slots)
+            ids = uploaded[0, column : column + n]
+            self.kernels.move(
+                self.tensor, ids, copy.dest, uploaded[1, column : column + n]
+            )
 
     def entry_rows(self, blocks: FullBlocks, allowed: set[int]) -> list[EntryRows]:
         """Per allowed group, in the order groups first appear, the rows and
@@ -212,28 +241,39 @@ class BlockChecksumTable:
         self.kernels.write(sums, tags, block_ids, self.tensor, slots, dest)
 
     def _save_group_entries(
-        self, entry_rows: EntryRows, copy: EntryCopy | None = None
+        self,
+        entry_rows: EntryRows,
+        copy: EntryCopy | None = None,
+        restore: EntryRestore | None = None,
     ) -> None:
         """Entries of one group's full blocks: one upload, one launch, one
-        table write (R118); then `copy`'s slots get their blocks' entries.
-        The rows, the tags, `copy`'s (block id, slot) indices and the zeroed
-        launch output travel in one pinned array (issue 30: no device
-        allocation or fill of its own per save)."""
+        table write (R118); `restore`'s entries are moved first, and
+        `copy`'s slots get their blocks' entries last. The rows, the tags,
+        both's (block id, slot) indices and the zeroed launch output travel
+        in one pinned array (issue 30: no device allocation or fill of its
+        own per save)."""
         assert self.tensor is not None
         plan = self.groups[entry_rows.group_id].load
         count = entry_rows.rows.shape[1]
         width = plan.width
         parts = [entry_rows.rows, entry_rows.tags]
-        if copy is not None:
-            extra = np.zeros((3, len(copy.slots)), dtype=np.int64)
-            extra[0] = copy.block_ids
-            extra[1] = copy.slots
-            parts.append(extra)
+        for moved in (copy, restore):
+            if moved is not None:
+                extra = np.zeros((3, len(moved.slots)), dtype=np.int64)
+                extra[0] = moved.block_ids
+                extra[1] = moved.slots
+                parts.append(extra)
         uploaded, columns = upload_segments(
             parts, self.topology.device, reserve=(count * width,)
         )
         out_column = columns[-1]
         row0 = uploaded[0]  # one view for every row-0 slice (issue 30)
+        if restore is not None:
+            column, n = columns[-2], len(restore.slots)
+            slots = uploaded[1, column : column + n]
+            self.kernels.move(
+                restore.source, slots, self.tensor, row0[column : column + n]
+            )
         out = row0[out_column : out_column + count * width].view(count, width)
         plan.run(uploaded[:, :count], out)
         tags, block_ids = row0[columns[1] : columns[1] + count], row0[:count]

@@ -23,7 +23,10 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumRecord,
     KVChecksumScheduled,
 )
-from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import EntryCopy
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+    EntryCopy,
+    EntryRestore,
+)
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
 from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
     BlockChecksumTable,
@@ -209,12 +212,16 @@ class KVChecksumWorker:
         self.block_table.stored_groups.clear()
 
     def save_block_checksums(
-        self, runs: Iterable[BlockRun], copy: EntryCopy | None = None
+        self,
+        runs: Iterable[BlockRun],
+        copy: EntryCopy | None = None,
+        restore: EntryRestore | None = None,
     ) -> None:
         """Write the entries of the registered groups' full blocks (R118); each
         run is (group id, first position, block ids, their block hashes).
-        `copy`: then copy entries to an offload tier's slots, same upload."""
-        self.block_table.save(runs, copy=copy)
+        `copy`: then copy entries to an offload tier's slots; `restore`: first
+        bring a load's entries back from them; all in one upload."""
+        self.block_table.save(runs, copy=copy, restore=restore)
 
 
 def drafter_layer_names(vllm_config: object) -> set[str]:

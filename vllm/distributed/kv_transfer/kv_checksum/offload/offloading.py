@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.entry_kernels import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
     EntryCopy,
+    EntryRestore,
     FullBlocks,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import host_to_device
@@ -223,6 +224,12 @@ class HostEntryTable:
         """The copy of `gpu_ids`' entries to the host `slots` that a block
         table save does after writing them (R118; one upload per save)."""
         return EntryCopy(_int64(gpu_ids), _int64(slots), self.entries)
+
+    def restore_of(self, gpu_ids: IndexLike, slots: IndexLike) -> EntryRestore:
+        """The move of the host `slots`' entries to `gpu_ids` that a block
+        table save does first (R118; one upload for a step's loads and
+        stores)."""
+        return EntryRestore(_int64(gpu_ids), _int64(slots), self.entries)
 
     def restore(self, transfers: Sequence[tuple[Any, Any]]) -> None:
         """Loads (GPU spec, CPU spec): the host slots' entries go to the GPU

@@ -23,7 +23,9 @@ the number of prefix tokens it covers, (position + 1) * block size. So:
   into a host-slot table indexed by CPU block id (`HostEntryTable` with one
   block per chunk); before a load event's copy is submitted, the entries of
   the loaded CPU blocks go back into the block table at the GPU block ids,
-  queued on the current stream (no host sync, R55);
+  queued on the current stream (no host sync, R55). When vLLM starts the
+  loads after the forward, the step's store entries are saved then too, in
+  the same upload, before vLLM hands either copy to its copy thread;
 - scheduler side, `on_failure`: the CPU blocks of a failed load at the
   mismatched positions are dropped (R121) through `HostCopyDropper`; the
   wiring's removal takes the block's hashes out of the CPU prefix cache at
@@ -41,7 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import FullBlocks
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+    EntryRestore,
+    FullBlocks,
+)
 from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     HOST_SOURCE,
     EntriesWrittenFn,
@@ -292,30 +297,55 @@ class SimpleOffloadWorkerSide:
         self.entries = HostEntryTable(table, num_cpu_blocks, 1)
         self.injector = injector
         self.host_tensors = host_tensors
+        # The metadata whose stores `start_loads` saved (its step's
+        # `save_stores` skips them).
+        self._saved: Any = None
 
     def save_stores(self, metadata: Any) -> None:
         """Entries of this step's stored blocks, into their CPU blocks' slots.
 
         Queued on the current stream after the forward and before the store
         copy waits on it (vLLM's wait_for_save records that event after us).
+        Nothing when `start_loads` already saved this step's stores.
         """
+        if metadata is self._saved:
+            self._saved = None
+            return
+        self._save(metadata)
+
+    def start_loads(self, metadata: Any, after_forward: bool = False) -> None:
+        """Before the load copy is submitted: faults (if configured), then the
+        loaded CPU blocks' entries into the block table at the GPU ids.
+
+        `after_forward`: the step's forward is already queued (vLLM starts
+        loads after it unless some are synchronous), so this step's stores
+        are saved here too, in the same upload as the loads' entries, before
+        vLLM hands either batch to its copy thread (issue 30); the step's
+        `save_stores` then does nothing.
+        """
+        cpu_ids = getattr(metadata, "load_cpu_blocks", None)
+        if cpu_ids and self.injector is not None:
+            self._inject(metadata, cpu_ids)
+        if after_forward and getattr(metadata, "store_gpu_blocks", None):
+            restore = None
+            if cpu_ids:
+                restore = self.entries.restore_of(metadata.load_gpu_blocks, cpu_ids)
+            self._save(metadata, restore)
+            self._saved = metadata
+        elif cpu_ids:
+            self.entries.restore_ids(metadata.load_gpu_blocks, cpu_ids)
+
+    def _save(self, metadata: Any, restore: EntryRestore | None = None) -> None:
+        """The stored blocks' entries into their slots (after `restore`)."""
         gpu_ids = getattr(metadata, "store_gpu_blocks", None)
         if not gpu_ids:
             return
         runs = getattr(metadata, "kv_checksum_store_runs", None) or []
         self.checksum_worker.save_block_checksums(
-            runs, self.entries.copy_to_slots(gpu_ids, metadata.store_cpu_blocks)
+            runs,
+            self.entries.copy_to_slots(gpu_ids, metadata.store_cpu_blocks),
+            restore,
         )
-
-    def start_loads(self, metadata: Any) -> None:
-        """Before the load copy is submitted: faults (if configured), then the
-        loaded CPU blocks' entries into the block table at the GPU ids."""
-        cpu_ids = getattr(metadata, "load_cpu_blocks", None)
-        if not cpu_ids:
-            return
-        if self.injector is not None:
-            self._inject(metadata, cpu_ids)
-        self.entries.restore_ids(metadata.load_gpu_blocks, cpu_ids)
 
     def _inject(self, metadata: Any, cpu_ids: Sequence[int]) -> None:
         """Each loading request's first CPU block may be corrupted (R131)."""

@@ -19,9 +19,12 @@ SimpleCPUOffloadConnector.wait_for_save
     How: before the original
     Upstream: the worker moving a per-block payload
 SimpleCPUOffloadConnector.start_load_kv
-    Why: entries come back before the load copy; host faults first (R131)
-    How: before the original
-    Upstream: as above
+    Why: entries come back before the load copy; host faults first (R131);
+    called after the forward (Model Runner V2 without sync loads), the step's
+    store entries go in the same upload, before vLLM's copy thread gets work
+    How: before the original; "after the forward" read from the scheduler
+    output V2 passes and the config (no drafter forward still to come)
+    Upstream: as above, with the worker told where in the step it is
 SimpleCPUOffloadScheduler internals (read)
     Why: stored blocks' keys, a failed load's CPU blocks; drop via `evict_blocks`
     How: reads only
@@ -104,7 +107,8 @@ def install_simple_offload_connector() -> None:
 
     @_wrap(connector, "start_load_kv")
     def start_load_kv(original: Callable, self: Any, *args: Any, **kw: Any) -> Any:
-        """R118, R131: host faults (if configured), then the loads' entries."""
+        """R118, R131: host faults (if configured), then the loads' entries;
+        after the forward, with the step's store entries (issue 30)."""
         side = self.__dict__.get("_kv_checksum_simple_offload_worker")
         if side is not None:
             with _guard(
@@ -113,7 +117,10 @@ def install_simple_offload_connector() -> None:
                 "load",
                 _disable_offload_worker,
             ):
-                side.start_loads(self._connector_metadata)
+                side.start_loads(
+                    self._connector_metadata,
+                    _after_forward(getattr(self, "_vllm_config", None), kw),
+                )
         return original(self, *args, **kw)
 
     @_wrap(connector, "wait_for_save")
@@ -129,6 +136,24 @@ def install_simple_offload_connector() -> None:
             ):
                 side.save_stores(self._connector_metadata)
         return original(self)
+
+
+def _after_forward(vllm_config: Any, load_kwargs: dict[str, Any]) -> bool:
+    """Whether this start_load_kv call comes after the step's whole forward.
+
+    vLLM 0.33.0's Model Runner V2 passes the step's `scheduler_output` and
+    calls start_load_kv after the forward launch unless the step has
+    synchronous loads (`has_sync_kv_loads`, then before it). With a
+    speculative config the drafter's forward may still write KV after it
+    (`defer_finalize`), so never then; nor without the scheduler output (a
+    step with no forward, or another caller) or the config.
+    """
+    scheduler_output = load_kwargs.get("scheduler_output")
+    if vllm_config is None or scheduler_output is None:
+        return False
+    if getattr(scheduler_output, "has_sync_kv_loads", True):
+        return False
+    return getattr(vllm_config, "speculative_config", None) is None
 
 
 def _simple_offload_children(connector: Any) -> list[Any]:
