@@ -98,7 +98,14 @@ class _OffloadSimBase(SimEngine):
     # reported done, with their jobs, in the next step's output), as a P/D
     # pull; off: done in the same step.
     delay_loads: bool = False
+    # As Model Runner V2: start_load_kv (given the step's scheduler output)
+    # and the load copies after the forward, unless the step has sync loads.
+    after_forward: bool = False
     _held_loads: tuple[set[str], list[Any]] = (set(), [])
+
+    def _loads_after_forward(self, output: Any) -> bool:
+        """Whether this step starts its loads after the forward."""
+        return self.after_forward and not output.has_sync_kv_loads
 
     def _finished_loads(
         self, finished: set[str], jobs: list[Any]
@@ -144,6 +151,7 @@ class _OffloadSimBase(SimEngine):
             return None
         bare = object.__new__(type(self.offload))
         bare.connector_worker = bare.worker_handler = CallRecorder([], "vllm")
+        bare._vllm_config = self.offload._vllm_config
         setattr(bare, attr, side)
         return bare
 
@@ -182,9 +190,11 @@ class OffloadSimEngine(_OffloadSimBase):
         name: str,
         entries: bool = True,
         hooks: bool = False,
+        after_forward: bool = False,
     ) -> None:
         super().__init__(model_dir, side, name)
         self.hooks = hooks
+        self.after_forward = after_forward
         self.offload = offloading_connector(self.scheduler.connector)
         manager = self.offload.connector_scheduler.manager
         self.num_chunks = manager._num_chunks
@@ -256,24 +266,21 @@ class OffloadSimEngine(_OffloadSimBase):
         self.history.append(output)
         meta = offload_metadata(output.kv_connector_metadata)
         scheduled = getattr(output, "kv_checksum_scheduled", None)
-        for worker, side, bare in zip(self.workers, self.sides, self.bare):
+        for worker in self.workers:
             worker.checksum.bind(scheduled)
-            if bare is not None and meta is not None:
-                bare._connector_metadata = meta
-                type(bare).start_load_kv(bare, None)
-            elif side is not None and meta is not None:
-                side.start_loads(meta)
         load_jobs = dict(meta.load_jobs) if meta is not None else {}
         store_jobs = dict(meta.store_jobs) if meta is not None else {}
-        for job in load_jobs.values():
-            self._copy(job, to_host=False)
-            self.num_loads += 1
-        self._forward(output)
+        if not self._loads_after_forward(output):
+            self._start_loads(output, meta, load_jobs)
+            self._forward(output)
+        else:
+            self._forward(output)
+            self._start_loads(output, meta, load_jobs)
         for side, bare in zip(self.sides, self.bare):
             if bare is not None and meta is not None:
                 type(bare).wait_for_save(bare)
             elif side is not None and meta is not None:
-                side.save_stores(meta, list(store_jobs))
+                side.save_step_stores(meta)
         for job in store_jobs.values():
             self._copy(job, to_host=True)
             self.num_stores += 1
@@ -288,6 +295,21 @@ class OffloadSimEngine(_OffloadSimBase):
             OffloadingWorkerMetadata(completed_jobs=completed)
         )
         return self._finish(output, kv_output, records)
+
+    def _start_loads(self, output: Any, meta: Any, load_jobs: dict) -> None:
+        """Each worker's start_load_kv, then the load jobs' copies."""
+        for side, bare in zip(self.sides, self.bare):
+            if meta is None:
+                break
+            if bare is not None:
+                bare._connector_metadata = meta
+                kwargs = {"scheduler_output": output} if self.after_forward else {}
+                type(bare).start_load_kv(bare, None, **kwargs)
+            elif side is not None:
+                side.start_loads(meta, self._loads_after_forward(output))
+        for job in load_jobs.values():
+            self._copy(job, to_host=False)
+            self.num_loads += 1
 
 
 # ----------------------------------------------------------------------
@@ -375,9 +397,6 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             self._bare_connector("_kv_checksum_simple_offload_worker", s)
             for s in self.sides
         ]
-        for bare in self.bare:
-            if bare is not None:
-                bare._vllm_config = self.offload._vllm_config
         self.num_loads = 0
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
@@ -406,7 +425,7 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         scheduled = getattr(output, "kv_checksum_scheduled", None)
         for worker in self.workers:
             worker.checksum.bind(scheduled)
-        if not self.after_forward:
+        if not self._loads_after_forward(output):
             finished = self._start_loads(output, meta)
             self._forward(output)
         else:
@@ -443,7 +462,7 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
                 kwargs = {"scheduler_output": output} if self.after_forward else {}
                 type(bare).start_load_kv(bare, None, **kwargs)
             elif side is not None:
-                side.start_loads(meta, self.after_forward)
+                side.start_loads(meta, self._loads_after_forward(output))
         if meta is None or not meta.load_cpu_blocks:
             return set()
         self._copy(meta.load_gpu_blocks, meta.load_cpu_blocks, to_host=False)

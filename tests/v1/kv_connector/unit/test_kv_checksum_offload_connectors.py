@@ -297,6 +297,82 @@ def test_R139_offload_loads_verified_end_to_end(model_dir: str) -> None:
     assert_every_load_verified(engine)
 
 
+def spy_entry_moves(engine: OffloadSimEngine) -> list[tuple[str, bool]]:
+    """Worker 0's entry moves as they happen: ("save", whether a load's
+    restore rode along) per save, ("restore", True) per restore on its own."""
+    moves: list[tuple[str, bool]] = []
+    worker, side = engine.workers[0], engine.sides[0]
+    assert side is not None
+    real_save = worker.checksum.save_block_checksums
+    real_restore = side.entries.restore
+
+    def save(*args: Any) -> None:
+        moves.append(("save", len(args) > 2 and args[2] is not None))
+        real_save(*args)
+
+    def restore(*args: Any) -> None:
+        moves.append(("restore", True))
+        real_restore(*args)
+
+    worker.checksum.save_block_checksums = save  # type: ignore[method-assign]
+    side.entries.restore = restore  # type: ignore[method-assign]
+    return moves
+
+
+def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
+    model_dir: str,
+) -> None:
+    """Issue 30. As Model Runner V2 runs it (start_load_kv after the forward,
+    given the scheduler output), through the real connector hooks: a step
+    with store jobs saves their entries once, in start_load_kv, the loads'
+    entries riding along; wait_for_save saves nothing more; every load still
+    verifies. Bugs caught (each tried): the restore left out of the early
+    save (loads mismatch); wait_for_save saving the jobs again (two saves a
+    step); the early save never taken (a restore of its own)."""
+    engine = OffloadSimEngine(
+        model_dir, offload_side(), "after", hooks=True, after_forward=True
+    )
+    moves = spy_entry_moves(engine)
+    real_step = engine.step
+    both = 0
+
+    def step() -> Any:
+        nonlocal both
+        before = len(moves)
+        output = real_step()
+        meta = offload_metadata(output.kv_connector_metadata)
+        stores = meta is not None and bool(meta.store_jobs)
+        loads = meta is not None and bool(meta.load_jobs)
+        made = moves[before:]
+        if stores and loads and not output.has_sync_kv_loads:
+            both += 1
+            assert made == [("save", True)]
+        elif stores:
+            assert [kind for kind, _ in made].count("save") == 1
+        else:
+            assert made == ([("restore", True)] if loads else [])
+        return output
+
+    engine.step = step  # type: ignore[method-assign]
+    prompts = run_shared_prefixes(engine, 12)
+    # Then a new prompt's prefill beside a request that loads a prefix from
+    # host memory: its blocks are stored in the step the load starts.
+    rng = random.Random(5)
+    for i in range(3):
+        fresh = [rng.randrange(3, 200) for _ in range(4 * 16 + 1)]
+        engine.add(make_request(f"fresh{i}", fresh, max_tokens=3, block_size=16))
+        tail = [rng.randrange(3, 200) for _ in range(17)]
+        engine.add(
+            make_request(
+                f"load{i}", prompts[i][: 4 * 16] + tail, max_tokens=3, block_size=16
+            )
+        )
+        engine.run(f"load{i}")
+        engine.run(f"fresh{i}")
+    assert engine.num_loads >= 9 and both > 0
+    assert_every_load_verified(engine)
+
+
 def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:
     """The control: the same run without restoring entries on load (the
     block table keeps whatever the GPU block held before) makes loads fail,
@@ -310,18 +386,27 @@ def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:
     assert engine.num_loads > 0 and counts.get("mismatch", 0) > 0, counts
 
 
+@pytest.mark.parametrize("after_forward", [False, True], ids=["before", "after"])
 @pytest.mark.parametrize("kind", ["host_bit_flip", "host_other_block"])
 def test_R121_host_fault_is_caught_and_the_copy_dropped(
-    model_dir: str, kind: str
+    model_dir: str, kind: str, after_forward: bool
 ) -> None:
     """A corrupted host copy: the load mismatches, fail-closed fails it, the
     bad copies leave the CPU tier (no later request loads them) and the
-    request is recomputed. Bug caught: on_kv_checksum_failure not dropping
-    (the next request of the prefix loads the bad copy again)."""
+    request is recomputed; also with loads started after the forward
+    through the real hooks (Model Runner V2). Bug caught: on_kv_checksum_
+    failure not dropping (the next request of the prefix loads the bad copy
+    again)."""
     faults = {"rate": 1.0, "kinds": [kind]}
     side = offload_side(fail_closed=True, policy="recompute")
     side.connector_extra = {**OFFLOAD_EXTRA, HOST_FAULT_KEY: faults}
-    engine = OffloadSimEngine(model_dir, side, f"fault-{kind}")
+    engine = OffloadSimEngine(
+        model_dir,
+        side,
+        f"fault-{kind}-{after_forward}",
+        hooks=after_forward,
+        after_forward=after_forward,
+    )
     run_shared_prefixes(engine, 12)
     counts = verdicts(engine)
     offload = engine.offload.__dict__["_kv_checksum_offload"]
@@ -457,7 +542,7 @@ def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None
             vllm_calls[0],
             "side.start_loads",
             vllm_calls[1],
-            "side.save_stores",
+            "side.save_step_stores",
             vllm_calls[2],
         ]
     assert connector.__dict__ == before

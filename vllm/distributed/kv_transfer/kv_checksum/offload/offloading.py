@@ -450,9 +450,18 @@ class OffloadWorkerSide:
         self.entries = HostEntryTable(table, spec.num_chunks, spec.blocks_per_chunk)
         self.injector = injector
         self.host_tensors = host_tensors
+        # The metadata whose store jobs `start_loads` saved (its step's
+        # `save_step_stores` skips them).
+        self._saved: Any = None
 
-    def save_stores(self, metadata: Any, job_ids: Iterable[int]) -> None:
-        """Entries of the blocks these store jobs copy, into their host slots.
+    def save_stores(
+        self,
+        metadata: Any,
+        job_ids: Iterable[int],
+        restore: EntryRestore | None = None,
+    ) -> None:
+        """Entries of the blocks these store jobs copy, into their host slots
+        (after `restore`, in the same upload).
 
         Queued on the current stream after the forward that wrote the blocks
         and before the store's copy stream waits on it.
@@ -469,18 +478,38 @@ class OffloadWorkerSide:
         self.checksum_worker.save_block_checksums(
             [run for job_id in jobs for run in runs.get(job_id, ())],
             self.entries.copy_to_slots(gpu_ids, slots),
+            restore,
         )
 
-    def start_loads(self, metadata: Any) -> None:
-        """Before loads are submitted: faults (if configured), then entries."""
-        if not metadata.load_jobs:
-            return  # most steps start no load (R142)
-        jobs = list(metadata.load_jobs.values())
+    def save_step_stores(self, metadata: Any) -> None:
+        """The step's store jobs (wait_for_save), unless `start_loads`
+        already saved them."""
+        if metadata is self._saved:
+            self._saved = None
+            return
+        self.save_stores(metadata, metadata.store_jobs)
+
+    def start_loads(self, metadata: Any, after_forward: bool = False) -> None:
+        """Before loads are submitted: faults (if configured), then entries.
+
+        `after_forward`: the step's forward is already queued (vLLM starts
+        loads after it unless some are synchronous), so the step's store
+        jobs are saved here too, the loads' entries in the same upload
+        (issue 30); the step's `save_step_stores` then does nothing.
+        """
+        jobs = list(metadata.load_jobs.values()) if metadata.load_jobs else []
         if self.injector is not None:
             for job in jobs:
                 self._inject(job)
-        if jobs:
-            self.entries.restore([(job.dst_spec, job.src_spec) for job in jobs])
+        transfers = [(job.dst_spec, job.src_spec) for job in jobs]
+        if after_forward and metadata.store_jobs:
+            restore = None
+            if transfers:
+                restore = self.entries.restore_of(*self.entries.indices(transfers))
+            self.save_stores(metadata, metadata.store_jobs, restore)
+            self._saved = metadata
+        elif transfers:
+            self.entries.restore(transfers)
 
     def _inject(self, job: Any) -> None:
         host = self.host_tensors()

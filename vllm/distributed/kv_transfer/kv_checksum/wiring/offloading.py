@@ -23,9 +23,11 @@ OffloadingConnector.handle_preemptions, .wait_for_save
     How: before the original
     Upstream: the CPU worker moving a per-block payload
 OffloadingConnector.start_load_kv
-    Why: entries come back before loads are submitted; host faults first (R131)
-    How: before the original
-    Upstream: as above
+    Why: entries come back before loads are submitted; host faults first (R131);
+    called after the forward (Model Runner V2 without sync loads), the step's
+    store entries go in the same upload, before either job is submitted
+    How: before the original (`loads_after_forward`)
+    Upstream: as above, with the worker told where in the step it is
 CPU manager prepare_store, lookup (instance)
     Why: no store from a quarantine start on (R138); bad keys pending removal MISS
     How: instance wrappers, checksums on only
@@ -131,26 +133,49 @@ def install_offload_connector() -> None:
 
     @_wrap(OffloadingConnector, "start_load_kv")
     def start_load_kv(original: Callable, self: Any, *args: Any, **kw: Any) -> Any:
-        """R118, R131: host faults (if configured), then entries of loads."""
+        """R118, R131: host faults (if configured), then entries of loads;
+        after the forward, with the step's store entries (issue 30)."""
         side = self.__dict__.get("_kv_checksum_offload_worker")
         if side is not None:
             with _guard(
                 self, "_kv_checksum_offload_worker", "load", _disable_offload_worker
             ):
-                side.start_loads(self._connector_metadata)
+                side.start_loads(
+                    self._connector_metadata,
+                    loads_after_forward(getattr(self, "_vllm_config", None), kw),
+                )
         return original(self, *args, **kw)
 
     @_wrap(OffloadingConnector, "wait_for_save")
     def wait_for_save(original: Callable, self: Any) -> Any:
-        """R118: entries of this step's store jobs, into their host slots."""
+        """R118: entries of this step's store jobs, into their host slots
+        (unless start_load_kv saved them)."""
         side = self.__dict__.get("_kv_checksum_offload_worker")
         if side is not None:
             with _guard(
                 self, "_kv_checksum_offload_worker", "store", _disable_offload_worker
             ):
-                meta = self._connector_metadata
-                side.save_stores(meta, meta.store_jobs)
+                side.save_step_stores(self._connector_metadata)
         return original(self)
+
+
+def loads_after_forward(vllm_config: Any, load_kwargs: dict[str, Any]) -> bool:
+    """Whether this start_load_kv call comes after the step's whole forward
+    (both offload tiers then save the step's stores with its loads, issue 30).
+
+    vLLM 0.33.0's Model Runner V2 passes the step's `scheduler_output` and
+    calls start_load_kv after the forward launch unless the step has
+    synchronous loads (`has_sync_kv_loads`, then before it). With a
+    speculative config the drafter's forward may still write KV after it
+    (`defer_finalize`), so never then; nor without the scheduler output (a
+    step with no forward, or another caller) or the config.
+    """
+    scheduler_output = load_kwargs.get("scheduler_output")
+    if vllm_config is None or scheduler_output is None:
+        return False
+    if getattr(scheduler_output, "has_sync_kv_loads", True):
+        return False
+    return getattr(vllm_config, "speculative_config", None) is None
 
 
 # Checksum worker -> its "offload tier off" record, not yet sent (R134).

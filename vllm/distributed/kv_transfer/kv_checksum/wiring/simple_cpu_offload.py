@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
     _disable_offload_worker,
+    loads_after_forward,
 )
 from vllm.logger import init_logger
 
@@ -119,7 +120,7 @@ def install_simple_offload_connector() -> None:
             ):
                 side.start_loads(
                     self._connector_metadata,
-                    _after_forward(getattr(self, "_vllm_config", None), kw),
+                    loads_after_forward(getattr(self, "_vllm_config", None), kw),
                 )
         return original(self, *args, **kw)
 
@@ -136,24 +137,6 @@ def install_simple_offload_connector() -> None:
             ):
                 side.save_stores(self._connector_metadata)
         return original(self)
-
-
-def _after_forward(vllm_config: Any, load_kwargs: dict[str, Any]) -> bool:
-    """Whether this start_load_kv call comes after the step's whole forward.
-
-    vLLM 0.33.0's Model Runner V2 passes the step's `scheduler_output` and
-    calls start_load_kv after the forward launch unless the step has
-    synchronous loads (`has_sync_kv_loads`, then before it). With a
-    speculative config the drafter's forward may still write KV after it
-    (`defer_finalize`), so never then; nor without the scheduler output (a
-    step with no forward, or another caller) or the config.
-    """
-    scheduler_output = load_kwargs.get("scheduler_output")
-    if vllm_config is None or scheduler_output is None:
-        return False
-    if getattr(scheduler_output, "has_sync_kv_loads", True):
-        return False
-    return getattr(vllm_config, "speculative_config", None) is None
 
 
 def _simple_offload_children(connector: Any) -> list[Any]:
