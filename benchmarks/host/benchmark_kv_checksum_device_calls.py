@@ -18,7 +18,11 @@ any machine; times are this machine's.
   caching 16 (R140), with the entries and checks in one upload and one
   launch (the worker since 2026-12-02g) and, in the same run, the way it ran
   before (the entries through the table's own save, then the checks); also
-  timed as a pair, call by call in alternation, so host drift hits both.
+  timed as a pair, call by call in alternation, so host drift hits both;
+- load + store step: a step that starts a load of N blocks and stores N
+  others, the restore riding in the save's upload (both offload tiers after
+  the forward since 2026-12-05) and, paired with it, the restore and the
+  save apart (two uploads, before).
 
 On CPU the checksum kernel is stubbed (host work only). `--cuda` runs on a
 GPU with the Triton kernel and adds the host time of each kind of device
@@ -51,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.v1.kv_connector.unit.kv_checksum_device_paths import (  # noqa: E402
     OpCount,
+    load_store_step_paths,
     offload_paths,
     prefix_step_paths,
     send_path,
@@ -449,10 +454,14 @@ def main() -> None:
             save, load, restore = offload_paths(worker, n)
             hit_worker, _ = worker_on(device, None, num_blocks=n + 17)
             fused, separate = prefix_step_paths(hit_worker, n)
-            # The two prefix-step paths in both orders across block counts.
+            step_worker, _ = worker_on(device, None, num_blocks=2 * n + 1)
+            one_upload, two_uploads = load_store_step_paths(step_worker, n)
+            # The paired paths in both orders across block counts.
             prefix_paths = [
                 ("prefix step: 16 cached + hits, one launch", fused),
                 ("prefix step: 16 cached + hits, two launches (before)", separate),
+                ("load + store step: one upload", one_upload),
+                ("load + store step: restore, then save (before)", two_uploads),
             ]
             if args.blocks.index(n) % 2:
                 prefix_paths.reverse()
@@ -477,17 +486,22 @@ def main() -> None:
             for label, cold_evict in (("hot", None), ("cold", evict)):
                 if label == "cold" and evict is None:
                     continue
-                one, two, ratio = _paired(
-                    fused, separate, args.calls, args.rounds, cold_evict
-                )
-                paired.append(
-                    f"| {n} | {label} | {one:.1f} | {two:.1f} | {ratio:.2f} |"
-                )
+                for kind, now, before in (
+                    ("prefix step, hits", fused, separate),
+                    ("load + store step, blocks each", one_upload, two_uploads),
+                ):
+                    one, two, ratio = _paired(
+                        now, before, args.calls, args.rounds, cold_evict
+                    )
+                    paired.append(
+                        f"| {kind} | {n} | {label} | {one:.1f} | {two:.1f} "
+                        f"| {ratio:.2f} |"
+                    )
         print(
-            "\n| prefix step, hits | caches | one launch, us | two launches "
-            "(before), us | two / one, median of rounds |"
+            "\n| step | blocks | caches | one launch or upload (now), us | "
+            "two (before), us | before / now, median of rounds |"
         )
-        print("|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|")
         print("\n".join(paired))
         if args.cuda:
             cold_head = " us a call, caches cold |" if evict else ""

@@ -72,6 +72,31 @@ def offload_paths(worker: KVChecksumWorker, count: int) -> tuple[Path, Path, Pat
     return save, load_step, restore
 
 
+def load_store_step_paths(worker: KVChecksumWorker, count: int) -> tuple[Path, Path]:
+    """On a worker with at least 2 * count + 1 blocks: a step that starts an
+    offload load of blocks count+1..2*count and stores blocks 1..count, as
+    the worker sides run it after the forward since 2026-12-05 (the restore
+    riding in the store's save: one upload) and as they ran it before (the
+    restore, then the save: two uploads)."""
+    stored = list(range(1, count + 1))
+    loaded = np.arange(count + 1, 2 * count + 1, dtype=np.int64)
+    host = HostEntryTable(worker.init_block_checksums([0]), 2 * count, 1)
+    store_slots = np.arange(count, dtype=np.int64)
+    load_slots = np.arange(count, 2 * count, dtype=np.int64)
+    copy = host.copy_to_slots(np.asarray(stored), store_slots)
+    hashes = [bytes([i % 251 + 1]) * 32 for i in range(count)]
+    runs = [(0, 0, stored, hashes)]
+
+    def one_upload() -> None:
+        worker.save_block_checksums(runs, copy, host.restore_of(loaded, load_slots))
+
+    def two_uploads() -> None:
+        host.restore_ids(loaded, load_slots)
+        worker.save_block_checksums(runs, copy)
+
+    return one_upload, two_uploads
+
+
 def send_path(worker: KVChecksumWorker, count: int) -> Path:
     """On blocks 1..count of `worker`: a P/D producer's step that sends them
     (its send pass: rows, launch, copy back), as `post_forward` runs it."""

@@ -549,6 +549,28 @@ def test_R142_offload_paths_dispatch_a_fixed_handful_of_device_ops() -> None:
         assert len(memory_ops(restore)) <= 2, memory_ops(restore)
 
 
+def test_R142_a_load_and_store_step_uploads_once(monkeypatch) -> None:
+    """Issue 30: the device-calls benchmark's load + store step (a restore
+    of N blocks and a save of N others) makes one upload the way both
+    offload tiers run it after the forward and two the way they ran it
+    before, with the same device operations besides and the same table and
+    host entries after. Bug caught (tried): the restore's indices uploaded
+    apart from the save's (two uploads)."""
+    states = []
+    for way in (0, 1):
+        kv = ref.random_kv(np.random.default_rng(41), 2, 96, 2, 16)
+        worker = truth_worker(kv, list(range(1, 7)), num_blocks=7)
+        paths = device_paths.load_store_step_paths(worker, 3)
+        uploads = count_uploads(monkeypatch)
+        paths[way]()
+        assert len(uploads) == 1 + way
+        assert len(memory_ops(paths[way])) <= 6
+        table = worker.block_table.tensor
+        assert table is not None
+        states.append(table.clone())
+    assert torch.equal(states[0], states[1])
+
+
 def offload_paths(count: int) -> tuple[Any, Any, Any]:
     """The save, finished load and restore of `count` blocks on a CPU worker."""
     kv = ref.random_kv(np.random.default_rng(count), 2, 16 * count, 2, 16)

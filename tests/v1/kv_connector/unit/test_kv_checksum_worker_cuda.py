@@ -205,6 +205,52 @@ def test_save_copies_entries_to_slots_on_cuda_without_host_sync() -> None:
     assert np.count_nonzero(results[1][slots]) == len(slots)
 
 
+def test_restore_rides_in_a_save_on_cuda_without_host_sync() -> None:
+    """R118, issue 30: a save given an `EntryRestore` (a step's loads, both
+    offload tiers after the forward) sets the loaded blocks' entries from
+    their host slots before it writes and copies its own, on CUDA as on CPU
+    over the same bytes, in one upload and without a host sync; with nothing
+    to save, a restore and a copy share an upload the same way. Bugs caught
+    on CPU (test_R118_a_save_brings_a_loads_entries_back_first_in_its_upload):
+    the restore after the copy, its ids and slots swapped. Not yet run on a
+    GPU when written (2026-12-05)."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+        EntryRestore,
+    )
+
+    on_cpu, caches = worker_on(torch.device("cpu"), None)
+    on_cuda, _ = worker_on(torch.device("cuda"), caches)
+    results = []
+    for worker, device in ((on_cpu, "cpu"), (on_cuda, "cuda")):
+        table = worker.init_block_checksums([0])
+        host = torch.arange(8, dtype=torch.int64, device=device) * 1000 + 7
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            # Blocks 1 and 4 load from slots 6 and 4; block 1 is copied out
+            # again to slot 1 with the stored blocks.
+            worker.save_block_checksums(
+                [(0, 0, BLOCK_IDS, HASHES)],
+                EntryCopy(np.array([*BLOCK_IDS, 1]), np.array([5, 0, 2, 1]), host),
+                EntryRestore(np.array([1, 4]), np.array([6, 4]), host),
+            )
+            worker.save_block_checksums(
+                [],
+                EntryCopy(np.array([2]), np.array([3]), host),
+                EntryRestore(np.array([2]), np.array([7]), host),
+            )
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        results.append((table.cpu().numpy().copy(), host.cpu().numpy().copy()))
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(got, want)
+    cuda_table, cuda_host = results[1]
+    assert cuda_host[1] == 6007 and cuda_host[3] == 7007 and cuda_table[2] == 7007
+
+
 def shared_entries(device: torch.device, caches: dict[str, torch.Tensor] | None):
     """A store of three blocks, then in the next step a copy-only store of
     two of them (entries already held: 9e288ff) and, in the step after, a
