@@ -42,7 +42,8 @@
 #                                             # cuda-tests, device-calls,
 #                                             # trial-zero-copy, trial-kernel,
 #                                             # trial-jit-launch,
-#                                             # trial-step-buffers, kernel-trials
+#                                             # trial-step-buffers, kernel-trials,
+#                                             # trial-late-saves
 #                                             # (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
@@ -367,6 +368,16 @@ trial-step-buffers)
     launches_py="$site/vllm/distributed/kv_transfer/kv_checksum/engine/launches.py"
     sed -i 's/^REUSE_STEP_BUFFERS = False$/REUSE_STEP_BUFFERS = True/' "$launches_py"
     grep -n "^REUSE_STEP_BUFFERS " "$launches_py"
+    ;;
+# trial-late-saves: both offload tiers save their stores in wait_for_save
+# again, each load's restore in its own upload (as before 2026-12-05):
+# `loads_after_forward` answers False; the other arm of an engine A/B of the
+# early save (hook-timer --tier simple-offload before and after it, one
+# warm machine).
+trial-late-saves)
+    wiring_py="$site/vllm/distributed/kv_transfer/kv_checksum/wiring/offloading.py"
+    sed -i 's/^    return getattr(vllm_config, "speculative_config", None) is None$/    return False  # trial-late-saves/' "$wiring_py"
+    grep -n "trial-late-saves" "$wiring_py"
     ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.

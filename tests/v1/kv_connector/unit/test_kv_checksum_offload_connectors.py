@@ -13,6 +13,7 @@ needs CUDA streams, so its copies themselves run on the GPU only
 import random
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -371,6 +372,30 @@ def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
         engine.run(f"fresh{i}")
     assert engine.num_loads >= 9 and both > 0
     assert_every_load_verified(engine)
+
+
+def test_the_late_saves_trial_edits_exactly_the_early_save_answer() -> None:
+    """Issue 30: `gpu_runs.sh trial-late-saves` (the other arm of an engine
+    A/B of the early store save) turns `loads_after_forward` off with a sed
+    line; that line must match exactly one line of the wiring, the answer's
+    last one, or the trial would silently measure the early save twice."""
+    import re
+
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import offloading
+
+    root = Path(__file__).resolve().parents[4]
+    script = (root / "scripts/gpu_runs.sh").read_text()
+    block = script[script.index("trial-late-saves)") :]
+    pattern = re.search(r"sed -i 's/\^(.*?)\$/", block)
+    assert pattern is not None
+    wanted = pattern.group(1)  # a literal line (no BRE operator in it)
+    assert not set(wanted) & set(".*[]\\")
+    source = Path(offloading.__file__).read_text().splitlines()
+    hits = [i for i, line in enumerate(source) if line == wanted]
+    assert len(hits) == 1
+    function = source[: hits[0] + 1]
+    starts = [i for i, line in enumerate(function) if line.startswith("def ")]
+    assert function[starts[-1]].startswith("def loads_after_forward(")
 
 
 def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:
