@@ -15,7 +15,10 @@ must give the same places. The workers then tag each stored block
 (`block_checksum_tags`, SHA-256 a block, R116): `tags` against `tags_before`,
 the chain it was before 2026-12-04h (`_ref_tags`: a new SHA-256 of the
 fingerprint and hash concatenated, its digest through
-`operator.methodcaller`); the same tags.
+`operator.methodcaller`); the same tags. And the wiring's read of the keys
+from a real vLLM BlockPool (`block_keys`, the blocks' fields in C since
+2026-12-05) against the blocks' properties one by one, as it read them
+before (`keys_by_property`); the same keys.
 
     python benchmarks/host/benchmark_kv_checksum_block_places.py \
         [--blocks 16 64 96 128 256 512] [--rounds 7] [--calls 200] [--json OUT]
@@ -44,6 +47,9 @@ from kv_checksum_pieces import swapped  # noqa: E402, I001
 from vllm.distributed.kv_transfer.kv_checksum.definition import checksum
 from vllm.distributed.kv_transfer.kv_checksum.offload import (
     simple_cpu_offload as simple_offload,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    simple_cpu_offload as wiring_simple,
 )
 
 BLOCK_SIZE = 16
@@ -76,6 +82,23 @@ def prefill_keys(num_blocks: int, seed: int = 0) -> list[tuple[bytes, int]]:
         digest = bytes(rng.getrandbits(8) for _ in range(32))
         keys.append((digest + (0).to_bytes(4, "big"), BLOCK_SIZE * (i % 128 + 1)))
     return keys
+
+
+def keys_by_property(pool: Any, ids: list[int]) -> list[tuple[Any, Any]]:
+    """The wiring's read of the stored blocks' keys before 2026-12-05: each
+    block's two properties, one block at a time."""
+    blocks = pool.blocks
+    return [(blocks[i].block_hash, blocks[i].block_hash_num_tokens) for i in ids]
+
+
+def pool_with(keys: list[tuple[bytes, int]]) -> Any:
+    """A vLLM BlockPool whose block i + 1 is cached under `keys[i]`."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(len(keys) + 1, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    for block, (digest, covered) in zip(pool.blocks[1:], keys):
+        block.set_block_hash(digest, covered)
+    return pool
 
 
 def _per_call_us(fn: Callable[..., Any], calls: int, *args: Any) -> float:
@@ -114,6 +137,11 @@ def run(num_blocks: int, rounds: int, calls: int) -> dict[str, Any]:
     assert (_ref_tags(hashes, fingerprint) == tags).all()
     timings["tags"] = []
     timings["tags_before"] = []
+    pool = pool_with(keys)
+    pool_ids = list(range(1, num_blocks + 1))
+    assert wiring_simple.block_keys(pool, pool_ids) == keys_by_property(pool, pool_ids)
+    timings["keys"] = []
+    timings["keys_by_property"] = []
     gc.collect()
     gc.disable()
     try:
@@ -129,6 +157,12 @@ def run(num_blocks: int, rounds: int, calls: int) -> dict[str, Any]:
             timings["tags"].append(_per_call_us(tag, calls, hashes, fingerprint))
             timings["tags_before"].append(
                 _per_call_us(_ref_tags, calls, hashes, fingerprint)
+            )
+            timings["keys"].append(
+                _per_call_us(wiring_simple.block_keys, calls, pool, pool_ids)
+            )
+            timings["keys_by_property"].append(
+                _per_call_us(keys_by_property, calls, pool, pool_ids)
             )
     finally:
         gc.enable()
@@ -152,15 +186,17 @@ def main() -> None:
     results = [run(n, args.rounds, args.calls) for n in args.blocks]
     print(
         "| blocks | one by one, us | block_places, us | ratio "
-        "| attach one by one, us | attach, us | tags before, us | tags, us |"
+        "| attach one by one, us | attach, us | tags before, us | tags, us "
+        "| keys by property, us | keys, us |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         us = r["us_per_call"]
         print(
             f"| {r['blocks']} | {us['one_by_one']} | {us['block_places']} | "
             f"{r['block_places_over_one_by_one']} | {us['attach_one_by_one']} | "
-            f"{us['attach']} | {us['tags_before']} | {us['tags']} |"
+            f"{us['attach']} | {us['tags_before']} | {us['tags']} | "
+            f"{us['keys_by_property']} | {us['keys']} |"
         )
     if args.json:
         with open(args.json, "w") as f:

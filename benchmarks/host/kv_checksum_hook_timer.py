@@ -100,7 +100,7 @@ DEEP_FUNCTIONS = (
     ("engine.producer", "build_producer_payload"),
     ("engine.block_table", "block_checksum_tags"),
     ("engine.block_table", "upload_segments"),
-    ("engine.block_table", "host_to_device"),
+    ("offload.offloading", "host_to_device"),
     ("definition.rows", "pack_segments"),
     ("offload.simple_cpu_offload", "block_places"),
 )

@@ -24,7 +24,8 @@ def test_both_paths_time_the_same_places_and_attach_stores_them() -> None:
     chain gives the reference tags. Bugs caught: keys that place no block
     (a benchmark timing the early outs), a result missing a path, the plain
     pass left swapped in, a `_ref_tags` that is not the tags' old
-    algorithm (its tags differ)."""
+    algorithm (its tags differ), a pool whose blocks are not cached under
+    the keys given (the key reads time the uncached early out)."""
     bench = load_script("_block_places_bench", SCRIPT)
     places = bench.simple_offload.block_places(bench.prefill_keys(130), [16])
     assert places.positions.tolist() == list(range(128)) + [0, 1]
@@ -36,7 +37,12 @@ def test_both_paths_time_the_same_places_and_attach_stores_them() -> None:
         "attach_one_by_one",
         "tags",
         "tags_before",
+        "keys",
+        "keys_by_property",
     }
+    keys = bench.prefill_keys(5)
+    pool = bench.pool_with(keys)
+    assert bench.keys_by_property(pool, [1, 2, 3, 4, 5]) == keys
     assert bench.simple_offload.block_places is not bench.PATHS[0][1]  # restored
     assert all(v > 0 for v in result["us_per_call"].values())
     hashes = [bytes([i]) * 32 for i in range(5)]

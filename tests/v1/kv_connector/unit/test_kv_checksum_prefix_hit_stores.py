@@ -77,11 +77,13 @@ def record_saves(engine: Any) -> list[tuple[str, set[int]]]:
     original_prefix = table.prefix_entry_rows
     saves: list[tuple[str, set[int]]] = []
 
-    def save(runs: Any, groups: Any = None, copy: Any = None) -> None:
+    def save(
+        runs: Any, groups: Any = None, copy: Any = None, restore: Any = None
+    ) -> None:
         blocks = runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
         kind = "store" if copy is not None else "prefix"
         saves.append((kind, set(blocks.block_ids.tolist())))
-        original(blocks, groups, copy)
+        original(blocks, groups, copy, restore)
 
     def prefix_entry_rows(runs: Any) -> Any:
         per_group = original_prefix(runs)

@@ -141,6 +141,25 @@ def test_R117_R142_block_places_of_a_prefill_store_match_the_definition(
     assert (joined is None) == (seed % 4 != 0)
 
 
+def test_R117_block_keys_read_vllm_blocks_as_their_properties_do() -> None:
+    """The wiring reads a block's cache key and covered tokens from vLLM's
+    own KVCacheBlock fields in C (issue 30); on real blocks of a real
+    BlockPool, cached, cached under a partial hash and not cached, they
+    equal what the blocks' public properties return, in the order asked.
+    Bug caught (tried): the fields read in the other order."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=BS)
+    pool.blocks[1].set_block_hash(key(7, 0), 2 * BS)
+    pool.blocks[4].set_block_hash(key(9, 1), BS + 3)  # a partial hash
+    ids = [4, 0, 1, 5]
+    expected = [
+        (pool.blocks[i].block_hash, pool.blocks[i].block_hash_num_tokens) for i in ids
+    ]
+    assert wiring_simple.block_keys(pool, ids) == expected
+    assert expected[0] == (key(9, 1), BS + 3) and expected[1] == (None, None)
+
+
 def test_R118_store_runs_sorted_and_cut() -> None:
     """Runs of consecutive positions per group, whatever the store order (lazy
     mode stores a request's tail first); each block keeps its own hash.

@@ -32,6 +32,7 @@ SimpleCPUOffloadScheduler internals (read)
 """
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_checksum.offload import (
@@ -175,6 +176,18 @@ def _attach_simple_offload_schedulers(
         )
 
 
+# (cache key, prefix tokens covered) of a vLLM 0.33.0 KVCacheBlock: the
+# fields its `block_hash` and `block_hash_num_tokens` properties return, read
+# in C (no property frame a block: 0.7 of the time, issue 30).
+_block_key = attrgetter("_block_hash", "_block_hash_num_tokens")
+
+
+def block_keys(pool: Any, ids: Any) -> list[tuple[Any, Any]]:
+    """The (cache key, covered tokens) of blocks `ids` of a vLLM BlockPool,
+    in order, without a Python loop per block (R142)."""
+    return list(map(_block_key, map(pool.blocks.__getitem__, ids)))
+
+
 def _simple_offload_scheduler_side(
     manager: Any, entries_written: EntriesWrittenFn | None = None
 ) -> Any:
@@ -186,10 +199,6 @@ def _simple_offload_scheduler_side(
     prefix cache now; the block is freed when its load releases it).
     Upstream: a public view of the manager's loads and of the stored blocks'
     places, and a "drop copy" call."""
-
-    def keys(pool: Any, ids: Any) -> list[tuple[Any, Any]]:
-        blocks = pool.blocks
-        return [(blocks[i].block_hash, blocks[i].block_hash_num_tokens) for i in ids]
 
     def load_blocks(req_id: str) -> Any:
         state = manager._reqs_to_load.get(req_id)
@@ -206,8 +215,8 @@ def _simple_offload_scheduler_side(
 
     return simple_offload.SimpleOffloadSchedulerSide(
         manager.group_block_sizes,
-        lambda ids: keys(manager._gpu_block_pool, ids),
-        lambda ids: keys(manager.cpu_block_pool, ids),
+        lambda ids: block_keys(manager._gpu_block_pool, ids),
+        lambda ids: block_keys(manager.cpu_block_pool, ids),
         load_blocks,
         try_remove,
         entries_written,
