@@ -416,7 +416,10 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # to its load's finish, its first scheduled tokens and its first token (does a
 # verified load cost an extra step?), under "request_steps" of each engine;
 # KV_CHECKSUM_HOOK_TIMER_VLLM=1: vLLM's schedule, allocate_slots and model
-# calls whole, on and off alike ("vllm_us_per_step": where a slower step is).
+# calls whole, on and off alike ("vllm_us_per_step": where a slower step is);
+# KV_CHECKSUM_HOOK_TIMER_COPIES=1: SimpleCPUOffloadConnector's batch copies
+# timed, and with DEEP each core call's time beside one and alone
+# ("core_beside_copy": do the eager tier's device calls wait on that thread?).
 # hook-timer-serve: the same around the serve benchmark's P/D pairs (each
 # engine's record names its NIXL side channel port: 5600 + 20 x shift for a
 # producer, 5700 + 20 x shift for a consumer; --together shifts the second

@@ -21,6 +21,12 @@ KV_CHECKSUM_HOOK_TIMER_CPU=1 each hook also counts its thread's CPU time
 (`core_cpu_us_per_call`): own wall time well above own CPU time means the
 engine thread waited inside the hook (for the GIL, or off its core) rather
 than worked.
+With KV_CHECKSUM_HOOK_TIMER_COPIES=1 vLLM's SimpleCPUOffloadConnector batch
+copies (`copy_blocks`, called by its copy thread) are timed too
+("vllm:copy_blocks") and marked while in progress, and in deep mode each core
+call that overlapped one is counted apart (`core_beside_copy`: the share of
+calls, and microseconds a call beside a copy and alone): whether the eager
+tier's device calls wait on that thread.
 With KV_CHECKSUM_HOOK_TIMER_REQUESTS=1 each scheduler also counts, per
 request, the engine steps (and ms) between its arrival, the step whose output
 reported its KV load finished, the first step that scheduled its tokens and
@@ -142,6 +148,7 @@ TOP_THREADS = 12
 
 _CPU = os.environ.get("KV_CHECKSUM_HOOK_TIMER_CPU") == "1"
 _RUNNING = os.environ.get("KV_CHECKSUM_HOOK_TIMER_RUNNING") == "1"
+_COPIES = os.environ.get("KV_CHECKSUM_HOOK_TIMER_COPIES") == "1"
 
 _whole: dict[str, float] = defaultdict(float)
 _wrapped: dict[str, float] = defaultdict(float)
@@ -153,6 +160,13 @@ _calls: dict[str, int] = defaultdict(int)
 _elements: dict[str, int] = defaultdict(int)
 # Deep mode's `DEEP_EVENT_WAITS`: calls that found their event pending, by key.
 _pending: dict[str, int] = defaultdict(int)
+# With _COPIES: vLLM's batch copies in progress now, and a count that moves
+# at each one's start and end (written by the copy thread only); deep calls
+# that overlapped one, their seconds and count by key.
+_copy_active = [0]
+_copy_epoch = [0]
+_beside: dict[str, float] = defaultdict(float)
+_beside_calls: dict[str, int] = defaultdict(int)
 # Deep mode: timed `warm_up` calls in progress. Core calls inside one (a
 # kernel's first, compiling call) are kept under "warm-up:" keys, apart from
 # the serving calls whose cost per call the summary reports.
@@ -517,6 +531,8 @@ def _write(out_dir: str) -> None:
         "calls": dict(_calls),
         "elements": dict(_elements),
         "pending": dict(_pending),
+        "beside": dict(_beside),
+        "beside_calls": dict(_beside_calls),
         "whole_cpu": dict(_whole_cpu),
         "wrapped_cpu": dict(_wrapped_cpu),
         "gc_counts": list(_gc_counts),
@@ -621,6 +637,7 @@ def _time_function(owner: Any, name: str, key: str, out_dir: str) -> None:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start, cpu = time.perf_counter(), _cpu_now()
+        copying, epoch = _copy_active[0], _copy_epoch[0]
         if warm_up:
             _warming[0] += 1
         try:
@@ -629,10 +646,14 @@ def _time_function(owner: Any, name: str, key: str, out_dir: str) -> None:
             if warm_up:
                 _warming[0] -= 1
             timed = WARM_UP + key if _warming[0] and not warm_up else key
-            _whole[timed] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            _whole[timed] += elapsed
             if _CPU:
                 _whole_cpu[timed] += _cpu_now() - cpu
             _calls[timed] += 1
+            if copying or _copy_epoch[0] != epoch:  # a copy ran beside it
+                _beside[timed] += elapsed
+                _beside_calls[timed] += 1
             _dump(out_dir)
 
     setattr(owner, name, wrapper)
@@ -751,6 +772,31 @@ def _time_torch_call(module: Any, name: str, key: str) -> None:
     setattr(proxy, name, timed)
 
 
+def _time_copies() -> None:
+    """SimpleCPUOffloadConnector's batch copies, where its copy loop looks
+    `copy_blocks` up: each timed ("vllm:copy_blocks") and marked in progress
+    for the deep calls of other threads to see (`_copy_active`,
+    `_copy_epoch`)."""
+    from vllm.v1.simple_kv_offload import copy_backend
+
+    original = copy_backend.copy_blocks
+
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        _copy_active[0] += 1
+        _copy_epoch[0] += 1
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _whole["vllm:copy_blocks"] += time.perf_counter() - start
+            _calls["vllm:copy_blocks"] += 1
+            _copy_active[0] -= 1
+            _copy_epoch[0] += 1
+
+    copy_backend.copy_blocks = timed
+
+
 def _time_vllm_parts(out_dir: str) -> None:
     """vLLM's step parts of `VLLM_PARTS`, whole (key "vllm:Class.method")."""
     import importlib
@@ -811,6 +857,11 @@ class _WiringFinder(importlib.abc.MetaPathFinder):
                 _track_running(Scheduler)
             if os.environ.get("KV_CHECKSUM_HOOK_TIMER_VLLM") == "1":
                 _time_vllm_parts(out_dir)
+            if _COPIES:
+                try:
+                    _time_copies()
+                except Exception as e:  # no such connector in this vLLM
+                    print(f"[hook-timer] copies not timed: {e!r}", file=sys.stderr)
 
         loader.exec_module = patched_exec  # type: ignore[method-assign]
         return spec
@@ -942,6 +993,15 @@ def summarize(out_dir: str) -> dict:
                 for k, v in (record.get("pending") or {}).items()
                 if calls.get(k)
             },
+            # With ..._COPIES=1: per deep call that ever overlapped one of
+            # vLLM's batch copies, the share of its calls that did and its
+            # microseconds a call beside a copy and alone.
+            "core_beside_copy": _beside_copy(
+                record.get("whole", {}),
+                record.get("beside") or {},
+                record.get("beside_calls") or {},
+                calls,
+            ),
             "core_warm_up_ms": {
                 k[len(WARM_UP + "core:") :]: round(1e3 * v, 2)
                 for k, v in sorted(record["whole"].items(), key=lambda kv: -kv[1])
@@ -1000,6 +1060,31 @@ def _per_call(core: dict[str, float], calls: dict[str, int]) -> dict[str, float]
         name: round(us, 1)
         for name, us in sorted(per_call.items(), key=lambda kv: -kv[1])
     }
+
+
+def _beside_copy(
+    whole: dict[str, float],
+    beside: dict[str, float],
+    beside_calls: dict[str, int],
+    calls: dict[str, int],
+) -> dict[str, dict[str, float | None]]:
+    """Per deep call (key without "core:") that overlapped a batch copy at
+    least once and ran more than once: the share of its calls that did, and
+    its microseconds a call beside a copy and alone (None without such
+    calls)."""
+    result: dict[str, dict[str, float | None]] = {}
+    for key, n_beside in sorted(beside_calls.items()):
+        total = calls.get(key, 0)
+        if not key.startswith("core:") or total <= 1:
+            continue
+        alone = total - n_beside
+        alone_s = whole.get(key, 0.0) - beside.get(key, 0.0)
+        result[key[len("core:") :]] = {
+            "share": round(n_beside / total, 3),
+            "us_beside": round(1e6 * beside.get(key, 0.0) / n_beside, 1),
+            "us_alone": round(1e6 * alone_s / alone, 1) if alone else None,
+        }
+    return result
 
 
 def _running_summary(by_running: dict, calls: dict) -> dict:

@@ -802,6 +802,54 @@ def test_deep_calls_count_their_cpu_time_beside_their_wall_time(
     assert row["core_cpu_us_per_call"] == {}
 
 
+def test_deep_calls_beside_vllms_batch_copies_are_told_apart(
+    tmp_path, monkeypatch
+) -> None:
+    """Issue 30, R142 (diagnosis): with KV_CHECKSUM_HOOK_TIMER_COPIES=1 vLLM's
+    SimpleCPUOffloadConnector batch copies (`copy_blocks`, where its copy
+    loop looks it up) are timed, and a deep call that overlapped one (a copy
+    that started or ended during it, or was in progress when it started) is
+    counted apart: the summary gives each such call's share and its
+    microseconds a call beside a copy and alone. Bugs caught: only a copy in
+    progress at the start looked at (a copy inside the call missed), only a
+    change during the call looked at (a copy of another thread already
+    running missed), the alone time taken over every call."""
+    from vllm.v1.simple_kv_offload import copy_backend
+
+    timer = load_script("kv_checksum_hook_timer_copies", SCRIPT)
+    wall = [10.0]
+    monkeypatch.setattr(timer.time, "perf_counter", lambda: wall[0])
+
+    def copy_blocks(*args: Any) -> None:
+        wall[0] += 0.005
+
+    monkeypatch.setattr(copy_backend, "copy_blocks", copy_blocks)  # restored
+    timer._time_copies()
+    assert copy_backend.copy_blocks is not copy_blocks
+
+    class Table:
+        def upload(self, case: str) -> None:
+            if case == "copy inside":  # as if the copy thread ran meanwhile
+                copy_backend.copy_blocks([1], [2], None)
+            wall[0] += 0.0009 if case == "copy running" else 0.0001
+
+    timer._time_function(Table, "upload", "core:Table.upload", str(tmp_path))
+    table = Table()
+    for case in ("alone", "copy inside", "copy running", "alone"):
+        timer._copy_active[0] = 1 if case == "copy running" else 0
+        table.upload(case)
+    timer._copy_active[0] = 0
+    timer._calls["EngineCore.step"] += 4
+    timer._whole["EngineCore.step"] += 0.04
+    wall[0] += 10.0
+    timer._dump(str(tmp_path))
+    (row,) = timer.summarize(str(tmp_path)).values()
+    assert row["core_beside_copy"] == {
+        "Table.upload": {"share": 0.5, "us_beside": 3000.0, "us_alone": 100.0}
+    }
+    assert row["vllm_us_per_step"] == {"copy_blocks": 1250.0}
+
+
 def test_each_threads_cpu_seconds_are_read_and_summarized(tmp_path) -> None:
     """Issue 30, R142 (diagnosis): every thread of an engine process is listed
     with its kernel name, its Python name (None for threads Python did not
