@@ -730,6 +730,47 @@ def test_R117_simple_worker_side_moves_entries_by_cpu_block() -> None:
     assert np.count_nonzero(worker.table.numpy()) == 2
 
 
+def test_R118_a_restore_without_a_store_to_ride_with_still_moves() -> None:
+    """Issue 30: a load's entries handed to a save that finds nothing to
+    store (no stored blocks, or none of the store jobs named) still go back
+    into the block table, on both offload tiers. Bug caught (tried): the
+    restore dropped with the empty save (the load's blocks keep stale
+    entries: a false mismatch)."""
+    from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
+        HostEntryTable,
+        OffloadWorkerSide,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
+        SimpleOffloadWorkerSide,
+    )
+
+    class Worker:
+        def __init__(self) -> None:
+            self.table = torch.zeros(8, dtype=torch.int64)
+
+        def init_block_checksums(self, group_ids: Any) -> torch.Tensor:
+            return self.table
+
+        def save_block_checksums(self, *args: Any) -> None:
+            raise AssertionError("nothing to save")
+
+    simple_worker = Worker()
+    simple = SimpleOffloadWorkerSide(simple_worker, [0], num_cpu_blocks=6)
+    simple.entries.entries[[1, 3]] = torch.tensor([11, 33])
+    meta = type("M", (), {"store_gpu_blocks": []})()
+    simple._save(meta, simple.entries.restore_of([4, 5], [1, 3]))
+    assert simple_worker.table[[4, 5]].tolist() == [11, 33]
+
+    tier_worker = Worker()
+    tier = object.__new__(OffloadWorkerSide)
+    tier.checksum_worker = tier_worker
+    tier.entries = HostEntryTable(tier_worker.table, 4, 1)
+    tier.entries.entries[[0, 2]] = torch.tensor([7, 9])
+    meta = type("M", (), {"store_jobs": {}})()
+    tier.save_stores(meta, [99], tier.entries.restore_of([6, 1], [2, 0]))
+    assert tier_worker.table[[6, 1]].tolist() == [9, 7]
+
+
 def test_R121_dropped_copy_hidden_at_once_freed_after_its_load() -> None:
     """On vLLM's BlockPool, through the wiring's removal: a bad CPU block a
     load still holds leaves the prefix cache at once (no lookup hits it) and

@@ -466,12 +466,15 @@ class OffloadWorkerSide:
         Queued on the current stream after the forward that wrote the blocks
         and before the store's copy stream waits on it.
         """
-        if not job_ids:
-            return  # most steps store nothing (R142)
-        runs = getattr(metadata, "kv_checksum_store_runs", None) or {}
-        jobs = {j: metadata.store_jobs[j] for j in job_ids if j in metadata.store_jobs}
+        jobs = {}
+        if job_ids:  # most steps store nothing (R142)
+            stored = metadata.store_jobs
+            jobs = {j: stored[j] for j in job_ids if j in stored}
         if not jobs:
+            if restore is not None:  # the loads' entries all the same
+                self.entries.restore_ids(restore.block_ids, restore.slots)
             return
+        runs = getattr(metadata, "kv_checksum_store_runs", None) or {}
         gpu_ids, slots = self.entries.indices(
             [(job.src_spec, job.dst_spec) for job in jobs.values()]
         )

@@ -339,6 +339,8 @@ class SimpleOffloadWorkerSide:
         """The stored blocks' entries into their slots (after `restore`)."""
         gpu_ids = getattr(metadata, "store_gpu_blocks", None)
         if not gpu_ids:
+            if restore is not None:  # the loads' entries all the same
+                self.entries.restore_ids(restore.block_ids, restore.slots)
             return
         runs = getattr(metadata, "kv_checksum_store_runs", None) or []
         self.checksum_worker.save_block_checksums(
