@@ -11,6 +11,7 @@ the package and torch are imported, so the benchmark runs on a GPU host too.
 from collections.abc import Callable
 
 import numpy as np
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
@@ -77,12 +78,14 @@ def load_store_step_paths(worker: KVChecksumWorker, count: int) -> tuple[Path, P
     offload load of blocks count+1..2*count and stores blocks 1..count, as
     the worker sides run it after the forward since 2026-12-05 (the restore
     riding in the store's save: one upload) and as they ran it before (the
-    restore, then the save: two uploads)."""
+    restore, then the save: two uploads). The loaded blocks' host slots
+    hold entries 1001..1000 + count."""
     stored = list(range(1, count + 1))
     loaded = np.arange(count + 1, 2 * count + 1, dtype=np.int64)
     host = HostEntryTable(worker.init_block_checksums([0]), 2 * count, 1)
     store_slots = np.arange(count, dtype=np.int64)
     load_slots = np.arange(count, 2 * count, dtype=np.int64)
+    host.entries[count:] = torch.arange(1001, 1001 + count, dtype=torch.int64)
     copy = host.copy_to_slots(np.asarray(stored), store_slots)
     hashes = [bytes([i % 251 + 1]) * 32 for i in range(count)]
     runs = [(0, 0, stored, hashes)]

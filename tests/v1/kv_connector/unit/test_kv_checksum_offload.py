@@ -553,9 +553,10 @@ def test_R142_a_load_and_store_step_uploads_once(monkeypatch) -> None:
     """Issue 30: the device-calls benchmark's load + store step (a restore
     of N blocks and a save of N others) makes one upload the way both
     offload tiers run it after the forward and two the way they ran it
-    before, with the same device operations besides and the same table and
-    host entries after. Bug caught (tried): the restore's indices uploaded
-    apart from the save's (two uploads)."""
+    before, with the same device operations besides and the same table
+    after: the loads' entries from their host slots, the stores' written.
+    Bug caught (tried): the restore's indices uploaded apart from the save's
+    (two uploads)."""
     states = []
     for way in (0, 1):
         kv = ref.random_kv(np.random.default_rng(41), 2, 96, 2, 16)
@@ -567,8 +568,10 @@ def test_R142_a_load_and_store_step_uploads_once(monkeypatch) -> None:
         assert len(memory_ops(paths[way])) <= 6
         table = worker.block_table.tensor
         assert table is not None
+        assert table[4:7].tolist() == [1001, 1002, 1003]  # the loads' entries
         states.append(table.clone())
     assert torch.equal(states[0], states[1])
+    assert np.count_nonzero(states[0][1:4].numpy()) == 3  # the stores' entries
 
 
 def offload_paths(count: int) -> tuple[Any, Any, Any]:
