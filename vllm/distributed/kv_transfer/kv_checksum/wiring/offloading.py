@@ -19,7 +19,8 @@ OffloadingConnector.update_connector_output
     How: after the original
     Upstream: a "remove key" call on the manager
 OffloadingConnector.handle_preemptions, .wait_for_save
-    Why: entries go to their host slots when stores are queued
+    Why: entries go to their host slots when stores are queued (wait_for_save:
+    unless start_load_kv saved them)
     How: before the original
     Upstream: the CPU worker moving a per-block payload
 OffloadingConnector.start_load_kv

@@ -15,7 +15,8 @@ SimpleCPUOffloadConnector.build_connector_meta
     How: after the original, runs from the stored GPU blocks' cache keys
     Upstream: the metadata carrying each stored block's place
 SimpleCPUOffloadConnector.wait_for_save
-    Why: entries go to their CPU slots before the store event
+    Why: entries go to their CPU slots before the store event (unless
+    start_load_kv saved them)
     How: before the original
     Upstream: the worker moving a per-block payload
 SimpleCPUOffloadConnector.start_load_kv
