@@ -18,7 +18,10 @@ such as `warm_up` left out).
 A touched name matches a call whose name ends with it (`finalize` matches
 `KVChecksumPendingRecord.finalize`). When the new run counted CPU time
 (`KV_CHECKSUM_HOOK_TIMER_CPU=1`), each row also gives its CPU microseconds a
-call and their share of its wall time.
+call and their share of its wall time; when it told calls beside vLLM's batch
+copies apart (`KV_CHECKSUM_HOOK_TIMER_COPIES=1`), the share of the call's
+calls that overlapped a copy and its microseconds a call beside one and
+alone.
 """
 
 import argparse
@@ -102,10 +105,18 @@ def main() -> None:
     # The new run's thread CPU time a call (KV_CHECKSUM_HOOK_TIMER_CPU=1):
     # a call far above it waited rather than worked.
     cpu = new.get("core_cpu_us_per_call") or {}
+    # Calls beside vLLM's batch copies (KV_CHECKSUM_HOOK_TIMER_COPIES=1): do
+    # they cost more while the copy thread works?
+    beside = new.get("core_beside_copy") or {}
     print(f"machine factor {factor:.2f} (untouched calls {low:.2f}-{high:.2f})")
     extra = " new CPU us | CPU / wall |" if cpu else ""
+    extra += " beside a copy | us beside | us alone |" if beside else ""
     print("| call | old us | new us | ratio | scaled | touched |" + extra)
-    print("|---|---|---|---|---|---|" + ("---|---|" if cpu else ""))
+    print(
+        "|---|---|---|---|---|---|"
+        + ("---|---|" if cpu else "")
+        + ("---|---|---|" if beside else "")
+    )
     for row in rows:
         line = (
             f"| {row.name} | {row.old_us:.1f} | {row.new_us:.1f} | "
@@ -119,7 +130,19 @@ def main() -> None:
                 if spent is None
                 else f" {spent:.1f} | {spent / row.new_us:.2f} |"
             )
+        if beside:
+            line += _beside_columns(beside.get(row.name))
         print(line)
+
+
+def _beside_columns(split: dict[str, Any] | None) -> str:
+    """A call's share of calls beside a copy and its us a call beside one
+    and alone; 0 and dashes for a call that never overlapped one."""
+    if split is None:
+        return " 0 | - | - |"
+    alone = split.get("us_alone")
+    alone_text = "-" if alone is None else f"{alone:.1f}"
+    return f" {split['share']:.3f} | {split['us_beside']:.1f} | {alone_text} |"
 
 
 if __name__ == "__main__":

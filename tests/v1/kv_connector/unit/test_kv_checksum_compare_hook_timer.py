@@ -140,3 +140,46 @@ def test_a_new_run_with_cpu_time_gives_each_calls_cpu_share(tmp_path) -> None:
     assert "| A.launch | 100.0 | 200.0 | 2.00 | 1.00 |  | 190.0 | 0.95 |" in lines
     assert "| F.read | 20.0 | 36.0 | 1.80 | 0.90 |  | - | - |" in lines
     assert all(line.count("|") == 9 for line in lines[1:])
+
+
+def test_a_new_run_with_copies_gives_each_calls_time_beside_them(tmp_path) -> None:
+    """Issue 30 (diagnosis): when the new run told calls beside vLLM's batch
+    copies apart, each row adds the share of its calls that overlapped a
+    copy and its microseconds a call beside one and alone (dashes where it
+    never ran alone or never beside one), after the CPU columns when both
+    are there. Bugs caught: the split read from the old run, a call that
+    never overlapped a copy dropped or misaligned."""
+    new = json.loads(json.dumps(NEW))
+    new["7"]["core_cpu_us_per_call"] = {"B.upload": 22.0}
+    new["7"]["core_beside_copy"] = {
+        "B.upload": {"share": 0.25, "us_beside": 290.0, "us_alone": 50.0},
+        "A.launch": {"share": 1.0, "us_beside": 200.0, "us_alone": None},
+    }
+    old = json.loads(json.dumps(OLD))
+    old["2"]["core_beside_copy"] = {
+        "F.read": {"share": 1.0, "us_beside": 20.0, "us_alone": None}
+    }
+    old_file, new_file = tmp_path / "old.json", tmp_path / "new.json"
+    old_file.write_text(json.dumps(old))
+    new_file.write_text(json.dumps(new))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(old_file), str(new_file)]
+        + ["--port", "5800", "--touched", "verify"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = done.stdout.splitlines()
+    assert lines[1].endswith(
+        "| new CPU us | CPU / wall | beside a copy | us beside | us alone |"
+    )
+    assert (
+        "| B.upload | 50.0 | 110.0 | 2.20 | 1.10 |  | 22.0 | 0.20 "
+        "| 0.250 | 290.0 | 50.0 |" in lines
+    )
+    assert (
+        "| A.launch | 100.0 | 200.0 | 2.00 | 1.00 |  | - | - | 1.000 | 200.0 | - |"
+        in lines
+    )
+    assert "| F.read | 20.0 | 36.0 | 1.80 | 0.90 |  | - | - | 0 | - | - |" in lines
+    assert all(line.count("|") == 12 for line in lines[1:])
