@@ -107,6 +107,20 @@ class _OffloadSimBase(SimEngine):
         """Whether this step starts its loads after the forward."""
         return self.after_forward and not output.has_sync_kv_loads
 
+    def _start_load_kv(self, output: Any, meta: Any) -> None:
+        """Each worker's start_load_kv: through the real hook (given the
+        scheduler output as V2 passes it, with `after_forward`), or the
+        worker side called directly."""
+        if meta is None:
+            return
+        for side, bare in zip(self.sides, self.bare):
+            if bare is not None:
+                bare._connector_metadata = meta
+                kwargs = {"scheduler_output": output} if self.after_forward else {}
+                type(bare).start_load_kv(bare, None, **kwargs)
+            elif side is not None:
+                side.start_loads(meta, self._loads_after_forward(output))
+
     def _finished_loads(
         self, finished: set[str], jobs: list[Any]
     ) -> tuple[set[str], list[Any]]:
@@ -298,15 +312,7 @@ class OffloadSimEngine(_OffloadSimBase):
 
     def _start_loads(self, output: Any, meta: Any, load_jobs: dict) -> None:
         """Each worker's start_load_kv, then the load jobs' copies."""
-        for side, bare in zip(self.sides, self.bare):
-            if meta is None:
-                break
-            if bare is not None:
-                bare._connector_metadata = meta
-                kwargs = {"scheduler_output": output} if self.after_forward else {}
-                type(bare).start_load_kv(bare, None, **kwargs)
-            elif side is not None:
-                side.start_loads(meta, self._loads_after_forward(output))
+        self._start_load_kv(output, meta)
         for job in load_jobs.values():
             self._copy(job, to_host=False)
             self.num_loads += 1
@@ -454,21 +460,89 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
     def _start_loads(self, output: Any, meta: Any) -> set[str]:
         """Each worker's start_load_kv, then the load event's copy; returns
         the requests whose load it finished."""
-        for side, bare in zip(self.sides, self.bare):
-            if meta is None:
-                break
-            if bare is not None:
-                bare._connector_metadata = meta
-                kwargs = {"scheduler_output": output} if self.after_forward else {}
-                type(bare).start_load_kv(bare, None, **kwargs)
-            elif side is not None:
-                side.start_loads(meta, self._loads_after_forward(output))
+        self._start_load_kv(output, meta)
         if meta is None or not meta.load_cpu_blocks:
             return set()
         self._copy(meta.load_gpu_blocks, meta.load_cpu_blocks, to_host=False)
         self.num_loads += 1
         self.num_loaded_blocks += len(meta.load_cpu_blocks)
         return set(meta.load_event_to_reqs.get(meta.load_event, ()))
+
+
+def spy_entry_moves(engine: Any, restore: str) -> list[tuple[str, bool]]:
+    """Worker 0's entry moves as they happen: ("save", whether a load's
+    restore rode along) per save, ("restore", True) per restore on its own
+    (its host table's method `restore`: `restore_ids` or `restore`)."""
+    moves: list[tuple[str, bool]] = []
+    worker, side = engine.workers[0], engine.sides[0]
+    assert side is not None
+    real_save = worker.checksum.save_block_checksums
+    real_restore = getattr(side.entries, restore)
+
+    def save(*args: Any) -> None:
+        moves.append(("save", len(args) > 2 and args[2] is not None))
+        real_save(*args)
+
+    def restore_alone(*args: Any) -> None:
+        moves.append(("restore", True))
+        real_restore(*args)
+
+    worker.checksum.save_block_checksums = save
+    setattr(side.entries, restore, restore_alone)
+    return moves
+
+
+def expect_one_save_a_step(
+    engine: Any, moves: list[tuple[str, bool]], kinds: Callable[[Any], tuple]
+) -> list[int]:
+    """Check every step of `engine` from now on: a step that stores (and,
+    after the forward, loads) saves once with its loads' restore riding
+    along; one that stores only saves once; one that loads only restores
+    alone. `kinds(output)` is the step's (stores, loads). Returns a counter
+    of the steps that both loaded and stored after the forward."""
+    real_step = engine.step
+    both = [0]
+
+    def step() -> Any:
+        before = len(moves)
+        output = real_step()
+        stores, loads = kinds(output)
+        made = moves[before:]
+        if stores and loads and not output.has_sync_kv_loads:
+            both[0] += 1
+            assert made == [("save", True)]
+        elif stores:
+            assert [kind for kind, _ in made].count("save") == 1
+        else:
+            assert made == ([("restore", True)] if loads else [])
+        return output
+
+    engine.step = step
+    return both
+
+
+def loads_beside_stores(
+    engine: Any, prompts: list[list[int]], stagger: bool, block_size: int = 16
+) -> None:
+    """Three times: a new prompt's prefill beside a request that loads a
+    prefix of `prompts` from host memory, so that a step stores the new
+    blocks while the load starts (`stagger`: the prefill one step ahead, for
+    a tier that stores a block the step after computing it)."""
+    rng = random.Random(5)
+    for i in range(3):
+        fresh = [rng.randrange(3, 200) for _ in range(4 * block_size + 1)]
+        engine.add(
+            make_request(f"fresh{i}", fresh, max_tokens=3, block_size=block_size)
+        )
+        if stagger:
+            engine.step()
+        tail = [rng.randrange(3, 200) for _ in range(block_size + 1)]
+        prefix = prompts[i][: 4 * block_size]
+        engine.add(
+            make_request(f"load{i}", prefix + tail, max_tokens=3, block_size=block_size)
+        )
+        engine.run(f"load{i}")
+        engine.run(f"fresh{i}")
 
 
 def shared_prefix_prompts(

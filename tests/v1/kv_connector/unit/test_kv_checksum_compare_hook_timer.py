@@ -116,16 +116,11 @@ def test_the_script_prints_the_factor_and_a_row_per_call(tmp_path) -> None:
     assert "| C.verify | 40.0 | 40.0 | 1.00 | 0.50 | yes |" in lines
 
 
-def test_a_new_run_with_cpu_time_gives_each_calls_cpu_share(tmp_path) -> None:
-    """R142, issue 30 (diagnosis): when the new run counted thread CPU time,
-    each row adds the call's CPU microseconds and their share of its wall
-    time in that run (a call that waits shows a small share); a call without
-    CPU time shows dashes. Bugs caught: the share taken over the old run's
-    time, or over the scaled figure, the CPU columns misaligned."""
-    new = json.loads(json.dumps(NEW))
-    new["7"]["core_cpu_us_per_call"] = {"B.upload": 22.0, "A.launch": 190.0}
+def _compare_lines(tmp_path: Path, old: dict, new: dict) -> list[str]:
+    """The command line's output lines for two summaries, engine 5800,
+    `verify` touched."""
     old_file, new_file = tmp_path / "old.json", tmp_path / "new.json"
-    old_file.write_text(json.dumps(OLD))
+    old_file.write_text(json.dumps(old))
     new_file.write_text(json.dumps(new))
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(old_file), str(new_file)]
@@ -134,7 +129,18 @@ def test_a_new_run_with_cpu_time_gives_each_calls_cpu_share(tmp_path) -> None:
         text=True,
         check=True,
     )
-    lines = done.stdout.splitlines()
+    return done.stdout.splitlines()
+
+
+def test_a_new_run_with_cpu_time_gives_each_calls_cpu_share(tmp_path) -> None:
+    """R142, issue 30 (diagnosis): when the new run counted thread CPU time,
+    each row adds the call's CPU microseconds and their share of its wall
+    time in that run (a call that waits shows a small share); a call without
+    CPU time shows dashes. Bugs caught: the share taken over the old run's
+    time, or over the scaled figure, the CPU columns misaligned."""
+    new = json.loads(json.dumps(NEW))
+    new["7"]["core_cpu_us_per_call"] = {"B.upload": 22.0, "A.launch": 190.0}
+    lines = _compare_lines(tmp_path, OLD, new)
     assert lines[1].endswith("| new CPU us | CPU / wall |")
     assert "| B.upload | 50.0 | 110.0 | 2.20 | 1.10 |  | 22.0 | 0.20 |" in lines
     assert "| A.launch | 100.0 | 200.0 | 2.00 | 1.00 |  | 190.0 | 0.95 |" in lines
@@ -143,9 +149,9 @@ def test_a_new_run_with_cpu_time_gives_each_calls_cpu_share(tmp_path) -> None:
 
 
 def test_a_new_run_with_copies_gives_each_calls_time_beside_them(tmp_path) -> None:
-    """Issue 30 (diagnosis): when the new run told calls beside vLLM's batch
-    copies apart, each row adds the share of its calls that overlapped a
-    copy and its microseconds a call beside one and alone (dashes where it
+    """R142, issue 30 (diagnosis): when the new run told calls beside vLLM's
+    batch copies apart, each row adds the share of its calls that overlapped
+    a copy and its microseconds a call beside one and alone (dashes where it
     never ran alone or never beside one), after the CPU columns when both
     are there. Bugs caught: the split read from the old run, a call that
     never overlapped a copy dropped or misaligned."""
@@ -159,17 +165,7 @@ def test_a_new_run_with_copies_gives_each_calls_time_beside_them(tmp_path) -> No
     old["2"]["core_beside_copy"] = {
         "F.read": {"share": 1.0, "us_beside": 20.0, "us_alone": None}
     }
-    old_file, new_file = tmp_path / "old.json", tmp_path / "new.json"
-    old_file.write_text(json.dumps(old))
-    new_file.write_text(json.dumps(new))
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(old_file), str(new_file)]
-        + ["--port", "5800", "--touched", "verify"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    lines = done.stdout.splitlines()
+    lines = _compare_lines(tmp_path, old, new)
     assert lines[1].endswith(
         "| new CPU us | CPU / wall | beside a copy | us beside | us alone |"
     )

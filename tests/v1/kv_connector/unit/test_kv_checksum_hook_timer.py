@@ -730,6 +730,20 @@ def test_deep_calls_inside_a_warm_up_are_kept_apart(tmp_path, monkeypatch) -> No
     assert timer.own_by_hook() == {}  # steps and core calls are no hook
 
 
+def _dumped_row(
+    timer: Any, tmp_path: Path, wall: list[float], steps: int, step_s: float
+) -> dict:
+    """`steps` engine steps of `step_s` in all counted, the fake clock `wall`
+    moved past the dump interval, the record written and summarized: its
+    one engine's row."""
+    timer._calls["EngineCore.step"] += steps
+    timer._whole["EngineCore.step"] += step_s
+    wall[0] += 10.0
+    timer._dump(str(tmp_path))
+    (row,) = timer.summarize(str(tmp_path)).values()
+    return row
+
+
 def test_deep_calls_count_their_cpu_time_beside_their_wall_time(
     tmp_path, monkeypatch
 ) -> None:
@@ -778,11 +792,7 @@ def test_deep_calls_count_their_cpu_time_beside_their_wall_time(
         table.upload()
         table.tags()
         rows.upload_segments([np.zeros((3, 2), dtype=np.int64)], torch.device("cpu"))
-    timer._calls["EngineCore.step"] += 2
-    timer._whole["EngineCore.step"] += 0.01
-    wall[0] += 10.0
-    timer._dump(str(tmp_path))
-    (row,) = timer.summarize(str(tmp_path)).values()
+    row = _dumped_row(timer, tmp_path, wall, steps=2, step_s=0.01)
     assert row["core_us_per_call"] == {
         "Table.upload": 900.0,
         "Table.tags": 300.0,
@@ -839,11 +849,7 @@ def test_deep_calls_beside_vllms_batch_copies_are_told_apart(
         timer._copy_active[0] = 1 if case == "copy running" else 0
         table.upload(case)
     timer._copy_active[0] = 0
-    timer._calls["EngineCore.step"] += 4
-    timer._whole["EngineCore.step"] += 0.04
-    wall[0] += 10.0
-    timer._dump(str(tmp_path))
-    (row,) = timer.summarize(str(tmp_path)).values()
+    row = _dumped_row(timer, tmp_path, wall, steps=4, step_s=0.04)
     assert row["core_beside_copy"] == {
         "Table.upload": {"share": 0.5, "us_beside": 3000.0, "us_alone": 100.0}
     }

@@ -27,9 +27,12 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     OffloadSimEngine,
     assert_every_load_verified,
     check_side_error_turns_off_the_tier,
+    expect_one_save_a_step,
+    loads_beside_stores,
     offload_metadata,
     reload_after_drop,
     run_shared_prefixes,
+    spy_entry_moves,
     verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
@@ -298,28 +301,6 @@ def test_R139_offload_loads_verified_end_to_end(model_dir: str) -> None:
     assert_every_load_verified(engine)
 
 
-def spy_entry_moves(engine: OffloadSimEngine) -> list[tuple[str, bool]]:
-    """Worker 0's entry moves as they happen: ("save", whether a load's
-    restore rode along) per save, ("restore", True) per restore on its own."""
-    moves: list[tuple[str, bool]] = []
-    worker, side = engine.workers[0], engine.sides[0]
-    assert side is not None
-    real_save = worker.checksum.save_block_checksums
-    real_restore = side.entries.restore
-
-    def save(*args: Any) -> None:
-        moves.append(("save", len(args) > 2 and args[2] is not None))
-        real_save(*args)
-
-    def restore(*args: Any) -> None:
-        moves.append(("restore", True))
-        real_restore(*args)
-
-    worker.checksum.save_block_checksums = save  # type: ignore[method-assign]
-    side.entries.restore = restore  # type: ignore[method-assign]
-    return moves
-
-
 def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
     model_dir: str,
 ) -> None:
@@ -333,51 +314,26 @@ def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
     engine = OffloadSimEngine(
         model_dir, offload_side(), "after", hooks=True, after_forward=True
     )
-    moves = spy_entry_moves(engine)
-    real_step = engine.step
-    both = 0
+    moves = spy_entry_moves(engine, "restore")
 
-    def step() -> Any:
-        nonlocal both
-        before = len(moves)
-        output = real_step()
+    def kinds(output: Any) -> tuple[bool, bool]:
         meta = offload_metadata(output.kv_connector_metadata)
-        stores = meta is not None and bool(meta.store_jobs)
-        loads = meta is not None and bool(meta.load_jobs)
-        made = moves[before:]
-        if stores and loads and not output.has_sync_kv_loads:
-            both += 1
-            assert made == [("save", True)]
-        elif stores:
-            assert [kind for kind, _ in made].count("save") == 1
-        else:
-            assert made == ([("restore", True)] if loads else [])
-        return output
+        if meta is None:
+            return False, False
+        return bool(meta.store_jobs), bool(meta.load_jobs)
 
-    engine.step = step  # type: ignore[method-assign]
+    both = expect_one_save_a_step(engine, moves, kinds)
     prompts = run_shared_prefixes(engine, 12)
-    # Then a new prompt's prefill beside a request that loads a prefix from
-    # host memory: its blocks are stored in the step the load starts.
-    rng = random.Random(5)
-    for i in range(3):
-        fresh = [rng.randrange(3, 200) for _ in range(4 * 16 + 1)]
-        engine.add(make_request(f"fresh{i}", fresh, max_tokens=3, block_size=16))
-        tail = [rng.randrange(3, 200) for _ in range(17)]
-        engine.add(
-            make_request(
-                f"load{i}", prompts[i][: 4 * 16] + tail, max_tokens=3, block_size=16
-            )
-        )
-        engine.run(f"load{i}")
-        engine.run(f"fresh{i}")
-    assert engine.num_loads >= 9 and both > 0
+    # It stores a prefill's blocks in the step that computes them.
+    loads_beside_stores(engine, prompts, stagger=False)
+    assert engine.num_loads >= 9 and both[0] > 0
     assert_every_load_verified(engine)
 
 
 def test_the_late_saves_trial_edits_exactly_the_early_save_answer() -> None:
-    """Issue 30: `gpu_runs.sh trial-late-saves` (the other arm of an engine
-    A/B of the early store save) turns `loads_after_forward` off with a sed
-    line; that line must match exactly one line of the wiring, the answer's
+    """R118, issue 30: `gpu_runs.sh trial-late-saves` (the other arm of an
+    engine A/B of the early store save) turns `loads_after_forward` off with
+    a sed line; that line must match exactly one line of the wiring, the answer's
     last one, or the trial would silently measure the early save twice."""
     import re
 

@@ -10,7 +10,6 @@ they need CUDA, so the real worker runs on the GPU only
 (examples/offload/kv_checksum_offload_gpu.py --connector simple).
 """
 
-import random
 from typing import Any
 
 import numpy as np
@@ -23,9 +22,12 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     SimpleOffloadSimEngine,
     assert_every_load_verified,
     check_side_error_turns_off_the_tier,
+    expect_one_save_a_step,
+    loads_beside_stores,
     reload_after_drop,
     run_shared_prefixes,
     simple_offload_metadata,
+    spy_entry_moves,
     verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
@@ -308,28 +310,6 @@ def test_R139_simple_offload_loads_verified_end_to_end(
     assert_no_request_state(engine)
 
 
-def spy_saves(engine: SimpleOffloadSimEngine) -> list[tuple[str, bool]]:
-    """Worker 0's entry moves as they happen: ("save", whether a load's
-    restore rode along) per save, ("restore", True) per restore on its own."""
-    moves: list[tuple[str, bool]] = []
-    worker, side = engine.workers[0], engine.sides[0]
-    assert side is not None
-    real_save = worker.checksum.save_block_checksums
-    real_restore = side.entries.restore_ids
-
-    def save(*args: Any) -> None:
-        moves.append(("save", len(args) > 2 and args[2] is not None))
-        real_save(*args)
-
-    def restore(*args: Any) -> None:
-        moves.append(("restore", True))
-        real_restore(*args)
-
-    worker.checksum.save_block_checksums = save  # type: ignore[method-assign]
-    side.entries.restore_ids = restore  # type: ignore[method-assign]
-    return moves
-
-
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_R118_stores_saved_with_the_loads_after_the_forward(
     model_dir: str, lazy: bool
@@ -345,44 +325,19 @@ def test_R118_stores_saved_with_the_loads_after_the_forward(
     engine = SimpleOffloadSimEngine(
         model_dir, simple_side(lazy), f"after-{lazy}", hooks=True, after_forward=True
     )
-    moves = spy_saves(engine)
-    real_step = engine.step
-    both = 0
+    moves = spy_entry_moves(engine, "restore_ids")
 
-    def step() -> Any:
-        nonlocal both
-        before = len(moves)
-        output = real_step()
+    def kinds(output: Any) -> tuple[bool, bool]:
         meta = simple_offload_metadata(output.kv_connector_metadata)
-        stores = meta is not None and bool(meta.store_gpu_blocks)
-        loads = meta is not None and bool(meta.load_cpu_blocks)
-        made = moves[before:]
-        if stores and loads and not output.has_sync_kv_loads:
-            both += 1
-            assert made == [("save", True)]
-        elif stores:
-            assert [kind for kind, _ in made].count("save") == 1
-        else:
-            assert made == ([("restore", True)] if loads else [])
-        return output
+        if meta is None:
+            return False, False
+        return bool(meta.store_gpu_blocks), bool(meta.load_cpu_blocks)
 
-    engine.step = step  # type: ignore[method-assign]
+    both = expect_one_save_a_step(engine, moves, kinds)
     prompts = run_shared_prefixes(engine, 12)
-    # Then a new prompt's prefill a step before a request that loads a
-    # prefix from host memory: its blocks are stored as the load starts.
-    rng = random.Random(5)
-    for i in range(3):
-        fresh = [rng.randrange(3, 200) for _ in range(4 * BS + 1)]
-        engine.add(make_request(f"fresh{i}", fresh, max_tokens=3, block_size=BS))
-        engine.step()
-        tail = [rng.randrange(3, 200) for _ in range(BS + 1)]
-        load = make_request(
-            f"load{i}", prompts[i][: 4 * BS] + tail, max_tokens=3, block_size=BS
-        )
-        engine.add(load)
-        engine.run(f"load{i}")
-        engine.run(f"fresh{i}")
-    assert engine.num_loads >= 9 and both > 0
+    # It stores a block the step after computing it: the prefill goes first.
+    loads_beside_stores(engine, prompts, stagger=True, block_size=BS)
+    assert engine.num_loads >= 9 and both[0] > 0
     assert_every_load_verified(engine)
     assert_no_request_state(engine)
 
