@@ -43,8 +43,8 @@
 #                                             # trial-zero-copy, trial-kernel,
 #                                             # trial-jit-launch,
 #                                             # trial-step-buffers, kernel-trials,
-#                                             # trial-late-saves
-#                                             # (issue 30),
+#                                             # trial-early-saves,
+#                                             # trial-no-hold (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
@@ -369,15 +369,23 @@ trial-step-buffers)
     sed -i 's/^REUSE_STEP_BUFFERS = False$/REUSE_STEP_BUFFERS = True/' "$launches_py"
     grep -n "^REUSE_STEP_BUFFERS " "$launches_py"
     ;;
-# trial-late-saves: both offload tiers save their stores in wait_for_save
-# again, each load's restore in its own upload (as before 2026-12-05):
-# `loads_after_forward` answers False; the other arm of an engine A/B of the
-# early save (hook-timer --tier simple-offload before and after it, one
-# warm machine).
-trial-late-saves)
+# trial-early-saves: both offload tiers save a step's stores with its loads
+# in start_load_kv when V2 calls it after the forward (one upload; the default
+# 2026-12-05 before the A/B that turned it off): `SAVE_STORES_WITH_LOADS`
+# True; the other arm of an engine A/B (one warm machine).
+trial-early-saves)
     wiring_py="$site/vllm/distributed/kv_transfer/kv_checksum/wiring/offloading.py"
-    sed -i 's/^    return getattr(vllm_config, "speculative_config", None) is None$/    return False  # trial-late-saves/' "$wiring_py"
-    grep -n "trial-late-saves" "$wiring_py"
+    sed -i 's/^SAVE_STORES_WITH_LOADS = False$/SAVE_STORES_WITH_LOADS = True/' "$wiring_py"
+    grep -n "^SAVE_STORES_WITH_LOADS " "$wiring_py"
+    ;;
+# trial-no-hold: SimpleCPUOffloadConnector's copy hand-offs go to vLLM's copy
+# thread where vLLM makes them again, not after the step's checksum work (as
+# before 2026-12-05b): `HOLD_COPY_HAND_OFFS` False; the other arm of an engine
+# A/B of the hold (bench-simple-offload or hook-timer, one warm machine).
+trial-no-hold)
+    wiring_py="$site/vllm/distributed/kv_transfer/kv_checksum/wiring/simple_cpu_offload.py"
+    sed -i 's/^HOLD_COPY_HAND_OFFS = True$/HOLD_COPY_HAND_OFFS = False/' "$wiring_py"
+    grep -n "^HOLD_COPY_HAND_OFFS " "$wiring_py"
     ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.

@@ -88,6 +88,7 @@ DEEP = (
     ("offload.simple_cpu_offload", "SimpleOffloadWorkerSide"),
     ("offload.simple_cpu_offload", "SimpleOffloadSchedulerSide"),
     ("offload.loads", "KVChecksumOffloadLoads"),
+    ("offload.held_calls", "HeldCalls"),
     ("definition.kernels", "KVChecksumLaunch"),
     ("definition.kernels", "CompiledLaunch"),
     ("definition.entry_kernels", "EntryKernels"),

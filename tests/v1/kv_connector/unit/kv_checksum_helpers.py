@@ -1239,3 +1239,22 @@ def cpu_cuda_streams(monkeypatch: Any) -> Iterator[CpuStreamState]:
                 setattr(current_platform, name, saved[name])
             else:
                 platform_attrs.pop(name, None)
+
+
+def assert_trial_edits_one_line(run: str, source_file: str, line: str) -> None:
+    """`gpu_runs.sh RUN` (a trial: one arm of an engine A/B) edits the
+    machine's site copy with `sed -i 's/^LINE$/.../'`: LINE must be `line`
+    and match exactly one line of `source_file`, or the trial would silently
+    measure the same arm twice."""
+    import re
+
+    root = Path(__file__).resolve().parents[4]
+    script = (root / "scripts/gpu_runs.sh").read_text()
+    block = script[script.index(f"{run})") :]
+    pattern = re.search(r"sed -i 's/\^(.*?)\$/", block)
+    assert pattern is not None
+    wanted = pattern.group(1)  # a literal line (no BRE operator in it)
+    assert not set(wanted) & set(".*[]\\")
+    assert wanted == line
+    source = Path(source_file).read_text().splitlines()
+    assert source.count(line) == 1

@@ -13,7 +13,6 @@ needs CUDA streams, so its copies themselves run on the GPU only
 import random
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    assert_trial_edits_one_line,
+    make_request,
+)
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     CallRecorder,
     OffloadSimEngine,
@@ -302,7 +304,7 @@ def test_R139_offload_loads_verified_end_to_end(model_dir: str) -> None:
 
 
 def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
-    model_dir: str,
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 30. As Model Runner V2 runs it (start_load_kv after the forward,
     given the scheduler output), through the real connector hooks: a step
@@ -310,7 +312,11 @@ def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
     entries riding along; wait_for_save saves nothing more; every load still
     verifies. Bugs caught (each tried): the restore left out of the early
     save (loads mismatch); wait_for_save saving the jobs again (two saves a
-    step); the early save never taken (a restore of its own)."""
+    step); the early save never taken (a restore of its own). The switch
+    is off by default (`SAVE_STORES_WITH_LOADS`): turned on here."""
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import offloading
+
+    monkeypatch.setattr(offloading, "SAVE_STORES_WITH_LOADS", True)
     engine = OffloadSimEngine(
         model_dir, offload_side(), "after", hooks=True, after_forward=True
     )
@@ -330,28 +336,17 @@ def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
     assert_every_load_verified(engine)
 
 
-def test_the_late_saves_trial_edits_exactly_the_early_save_answer() -> None:
-    """R118, issue 30: `gpu_runs.sh trial-late-saves` (the other arm of an
-    engine A/B of the early store save) turns `loads_after_forward` off with
-    a sed line; that line must match exactly one line of the wiring, the answer's
-    last one, or the trial would silently measure the early save twice."""
-    import re
-
+def test_the_early_saves_trial_edits_exactly_the_switch() -> None:
+    """R118, issue 30: the early store save is off by default (it measured
+    lower on an H200); `gpu_runs.sh trial-early-saves` turns it on with a
+    sed line matching exactly the switch."""
     from vllm.distributed.kv_transfer.kv_checksum.wiring import offloading
 
-    root = Path(__file__).resolve().parents[4]
-    script = (root / "scripts/gpu_runs.sh").read_text()
-    block = script[script.index("trial-late-saves)") :]
-    pattern = re.search(r"sed -i 's/\^(.*?)\$/", block)
-    assert pattern is not None
-    wanted = pattern.group(1)  # a literal line (no BRE operator in it)
-    assert not set(wanted) & set(".*[]\\")
-    source = Path(offloading.__file__).read_text().splitlines()
-    hits = [i for i, line in enumerate(source) if line == wanted]
-    assert len(hits) == 1
-    function = source[: hits[0] + 1]
-    starts = [i for i, line in enumerate(function) if line.startswith("def ")]
-    assert function[starts[-1]].startswith("def loads_after_forward(")
+    assert offloading.SAVE_STORES_WITH_LOADS is False
+    assert not offloading.save_stores_with_loads(True)
+    assert_trial_edits_one_line(
+        "trial-early-saves", offloading.__file__, "SAVE_STORES_WITH_LOADS = False"
+    )
 
 
 def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:

@@ -39,6 +39,9 @@ from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import 
     store_runs,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    offloading as wiring_offloading,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     simple_cpu_offload as wiring_simple,
 )
 
@@ -312,7 +315,7 @@ def test_R139_simple_offload_loads_verified_end_to_end(
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_R118_stores_saved_with_the_loads_after_the_forward(
-    model_dir: str, lazy: bool
+    model_dir: str, lazy: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 30. As Model Runner V2 runs it (start_load_kv after the forward,
     given the scheduler output), through the real connector hooks: a step
@@ -321,7 +324,9 @@ def test_R118_stores_saved_with_the_loads_after_the_forward(
     saves nothing more, and every load still verifies. Bugs caught (each
     tried): the restore left out of the early save (loads mismatch);
     wait_for_save saving the stores again (two saves a step); the early
-    save never taken (a restore of its own beside the save)."""
+    save never taken (a restore of its own beside the save). The switch is
+    off by default (`SAVE_STORES_WITH_LOADS`): turned on here."""
+    monkeypatch.setattr(wiring_offloading, "SAVE_STORES_WITH_LOADS", True)
     engine = SimpleOffloadSimEngine(
         model_dir, simple_side(lazy), f"after-{lazy}", hooks=True, after_forward=True
     )
@@ -607,15 +612,25 @@ def scheduler_output(has_sync_kv_loads: bool) -> Any:
         (True, False, False, False, False),  # no config to tell
     ],
 )
+@pytest.mark.parametrize("switch", [True, False], ids=["early", "default"])
 def test_R118_stores_saved_early_only_after_the_whole_forward(
-    given: bool, sync: bool, speculative: bool, config: bool, expected: bool
+    given: bool,
+    sync: bool,
+    speculative: bool,
+    config: bool,
+    expected: bool,
+    switch: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 30, on vLLM's SimpleCPUOffloadConnector: start_load_kv tells the
-    worker side to save the step's stores only when Model Runner V2 calls it
-    after the forward (its scheduler output given, no sync loads) and no
-    drafter forward follows; then the original still runs. Bugs caught
-    (each tried): sync loads taken as after the forward (entries of blocks
-    the forward has not written yet); the speculative config ignored."""
+    """Issue 30, on vLLM's SimpleCPUOffloadConnector: with the switch on,
+    start_load_kv tells the worker side to save the step's stores only when
+    Model Runner V2 calls it after the forward (its scheduler output given,
+    no sync loads) and no drafter forward follows; by default
+    (`SAVE_STORES_WITH_LOADS` off) never; the original runs either way.
+    Bugs caught (each tried): sync loads taken as after the forward
+    (entries of blocks the forward has not written yet); the speculative
+    config ignored; the switch ignored."""
+    monkeypatch.setattr(wiring_offloading, "SAVE_STORES_WITH_LOADS", switch)
     from types import SimpleNamespace
 
     from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
@@ -639,7 +654,7 @@ def test_R118_stores_saved_early_only_after_the_whole_forward(
         connector._vllm_config = SimpleNamespace(speculative_config=spec)  # type: ignore[assignment]
     kwargs = {"scheduler_output": scheduler_output(sync)} if given else {}
     SimpleCPUOffloadConnector.start_load_kv(connector, None, **kwargs)
-    assert told == [expected]
+    assert told == [expected and switch]
     assert calls == ["vllm.start_load_kv"]
 
 

@@ -23,9 +23,9 @@ the number of prefix tokens it covers, (position + 1) * block size. So:
   into a host-slot table indexed by CPU block id (`HostEntryTable` with one
   block per chunk); before a load event's copy is submitted, the entries of
   the loaded CPU blocks go back into the block table at the GPU block ids,
-  queued on the current stream (no host sync, R55). When vLLM starts the
-  loads after the forward, the step's store entries are saved then too, in
-  the same upload, before vLLM hands either copy to its copy thread;
+  queued on the current stream (no host sync, R55). When the wiring says so
+  (loads started after the forward, `SAVE_STORES_WITH_LOADS`), the step's
+  store entries are saved then too, in the same upload;
 - scheduler side, `on_failure`: the CPU blocks of a failed load at the
   mismatched positions are dropped (R121) through `HostCopyDropper`; the
   wiring's removal takes the block's hashes out of the CPU prefix cache at

@@ -21,11 +21,21 @@ SimpleCPUOffloadConnector.wait_for_save
     Upstream: the worker moving a per-block payload
 SimpleCPUOffloadConnector.start_load_kv
     Why: entries come back before the load copy; host faults first (R131);
+    with `SAVE_STORES_WITH_LOADS` (wiring/offloading.py, off by default) and
     called after the forward (Model Runner V2 without sync loads), the step's
-    store entries go in the same upload, before vLLM's copy thread gets work
+    store entries go in the same upload
     How: before the original; "after the forward" read from the scheduler
     output V2 passes and the config (no drafter forward still to come)
     Upstream: as above, with the worker told where in the step it is
+DmaCopyBackend.launch_copy (instance, CPU backend)
+    Why: vLLM's copy thread keeps the CUDA driver busy for milliseconds a
+    batch, and every device call the engine thread makes meanwhile waits;
+    the step's checksum work (stores, load checks) runs after the hand-offs
+    (issue 30)
+    How: `HeldCalls` on the instance: from a start_load_kv called after the
+    forward until the end of ActiveKVConnector.post_forward (wiring/worker.py
+    releases them in a `finally`), the hand-offs are kept, then made in order
+    Upstream: a connector hook run before the step's copies are handed off
 SimpleCPUOffloadScheduler internals (read)
     Why: stored blocks' keys, a failed load's CPU blocks; drop via `evict_blocks`
     How: reads only
@@ -39,6 +49,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_checksum.offload import (
     simple_cpu_offload as simple_offload,
 )
+from vllm.distributed.kv_transfer.kv_checksum.offload.held_calls import HeldCalls
 from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
     create_host_fault_injector,
 )
@@ -50,10 +61,15 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
 from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
     _disable_offload_worker,
     loads_after_forward,
+    save_stores_with_loads,
 )
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# Keep a step's copy hand-offs back until its checksum work is queued (issue
+# 30); `gpu_runs.sh trial-no-hold` sets it False for an engine A/B.
+HOLD_COPY_HAND_OFFS = True
 
 
 def install_simple_offload_connector() -> None:
@@ -71,6 +87,8 @@ def install_simple_offload_connector() -> None:
     store runs, read from the stored GPU blocks' cache keys after the
     original built the metadata, ride on it; entries move before the original
     submits a load event (start_load_kv) or a store event (wait_for_save).
+    After the forward, the events' hand-offs to vLLM's copy thread wait
+    until the step's checksum work is queued (`_hold_copy_hand_offs`).
     Upstream: SimpleCPUOffloadConnector moving an opaque per-block payload
     with each block, and declaring its host source.
     """
@@ -110,10 +128,12 @@ def install_simple_offload_connector() -> None:
 
     @_wrap(connector, "start_load_kv")
     def start_load_kv(original: Callable, self: Any, *args: Any, **kw: Any) -> Any:
-        """R118, R131: host faults (if configured), then the loads' entries;
-        after the forward, with the step's store entries (issue 30)."""
+        """R118, R131: host faults (if configured), then the loads' entries
+        (after the forward: with the step's store entries if so set, and the
+        copy hand-offs held, issue 30)."""
         side = self.__dict__.get("_kv_checksum_simple_offload_worker")
         if side is not None:
+            after = loads_after_forward(getattr(self, "_vllm_config", None), kw)
             with _guard(
                 self,
                 "_kv_checksum_simple_offload_worker",
@@ -121,9 +141,11 @@ def install_simple_offload_connector() -> None:
                 _disable_offload_worker,
             ):
                 side.start_loads(
-                    self._connector_metadata,
-                    loads_after_forward(getattr(self, "_vllm_config", None), kw),
+                    self._connector_metadata, save_stores_with_loads(after)
                 )
+            held = self.__dict__.get("_kv_checksum_held_copies")
+            if after and held is not None:
+                held.hold()  # released at the end of post_forward (issue 30)
         return original(self, *args, **kw)
 
     @_wrap(connector, "wait_for_save")
@@ -249,3 +271,29 @@ def _attach_simple_offload_worker(connector: Any, worker: Any) -> None:
             host_tensors,
         )
     )
+    _hold_copy_hand_offs(connector, handler)
+
+
+def _hold_copy_hand_offs(connector: Any, handler: Any) -> None:
+    """With checksums on only: vLLM 0.33.0's DMA copy backend
+    (`handler._backend`, its `launch_copy` puts a batch on its copy thread's
+    queue) gets a `HeldCalls` on the instance, which start_load_kv holds and
+    the ActiveKVConnector.post_forward hook releases (issue 30)."""
+    from vllm.v1.simple_kv_offload.copy_backend import DmaCopyBackend
+
+    backend = getattr(handler, "_backend", None)
+    if not HOLD_COPY_HAND_OFFS or not isinstance(backend, DmaCopyBackend):
+        return
+    held = HeldCalls(backend.launch_copy)
+    backend.launch_copy = held  # type: ignore[method-assign]
+    connector._kv_checksum_held_copies = held
+
+
+def held_copies(connector: Any) -> tuple[HeldCalls, ...]:
+    """The held copy hand-offs of a connector's SimpleCPUOffloadConnectors
+    (itself, or MultiConnector's); empty with checksums off."""
+    found = (
+        c.__dict__.get("_kv_checksum_held_copies")
+        for c in _simple_offload_children(connector)
+    )
+    return tuple(h for h in found if h is not None)

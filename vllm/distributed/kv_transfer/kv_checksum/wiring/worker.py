@@ -15,6 +15,11 @@ ActiveKVConnector.__init__, pre_forward, post_forward
     forward
     How: after the original
     Upstream: ActiveKVConnector owning a checksum worker
+ActiveKVConnector.post_forward (also)
+    Why: a SimpleCPUOffloadConnector's copy hand-offs are held while the
+    step's checksum work is queued (wiring/simple_cpu_offload.py)
+    How: released in a `finally` after the rest of the hook
+    Upstream: a connector hook run before the step's copies are handed off
 connector get_transfer_results (instance)
     Why: keep the transfer results for post_forward
     How: instance wrapper
@@ -52,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _wrap,
     offloading,
     prefix_cache,
+    simple_cpu_offload,
 )
 from vllm.logger import init_logger
 
@@ -69,6 +75,7 @@ def install_worker_hooks() -> None:
     active.kv_checksum_fault_injector = None  # type: ignore[attr-defined]
     active._kv_checksum_results = None  # type: ignore[attr-defined]
     active._kv_checksum_disabled = None  # type: ignore[attr-defined]
+    active._kv_checksum_held_copies = ()  # type: ignore[attr-defined]
 
     @_wrap(GPUModelRunner, "initialize_kv_cache")
     def initialize_kv_cache(
@@ -115,6 +122,9 @@ def install_worker_hooks() -> None:
             )
             self.kv_connector.register_kv_checksum_worker(worker)
             _remember_transfer_results(self)
+            self._kv_checksum_held_copies = simple_cpu_offload.held_copies(
+                self.kv_connector
+            )
             self.kv_checksum_fault_injector = injector
             self.kv_checksum_worker = worker
             prefix_cache.enable_worker(worker, vllm_config)  # R140
@@ -151,39 +161,22 @@ def install_worker_hooks() -> None:
         turned this worker's checksums off, its next output carries one
         "checksums disabled" record instead; after one in an offload
         connector's worker side, one "offload tier off" record too (R134).
+        A SimpleCPUOffloadConnector's held copy hand-offs are made last,
+        whatever happened before (issue 30).
         Upstream: the same call inside post_forward.
         """
-        output = original(self, finished_req_ids, *args, **kw)
-        worker = getattr(self, "kv_checksum_worker", None)
-        if worker is None:
-            return _with_disabled_record(self, output)
-        results, self._kv_checksum_results = self._kv_checksum_results, None
-        if output is None or results is None:
-            return output
-        try:
-            injector = self.kv_checksum_fault_injector
-            if injector is not None:  # R131: corrupt finished loads first
-                injector.corrupt_loads(
-                    worker,
-                    results.finished_recving,
-                    results.failed_recving,
-                    finished_req_ids,
-                )
-                injector.corrupt_hits(worker)  # R140: hit blocks before checks
-            pending = worker.post_forward(
-                results.finished_recving,
-                results.failed_recving,
-                getattr(results, "kv_checksums", None),
-                finished_req_ids,
+        held = self._kv_checksum_held_copies
+        if not held:
+            return _checksum_after_forward(
+                original, self, finished_req_ids, *args, **kw
             )
-        except Exception:
-            _disable_worker(self, "kv_checksum_worker", "post_forward")
-            return _with_disabled_record(self, output)
-        records = [pending] if pending is not None else []
-        records += offloading.take_offload_off_records(worker)  # R134
-        if records:
-            output.kv_checksums = records
-        return output
+        try:
+            return _checksum_after_forward(
+                original, self, finished_req_ids, *args, **kw
+            )
+        finally:
+            for copies in held:
+                copies.release()
 
     @_wrap(KVOutputAggregator, "aggregate")
     def aggregate(
@@ -210,6 +203,43 @@ def install_worker_hooks() -> None:
         if records and result is not None and result.kv_connector_output is not None:
             result.kv_connector_output.kv_checksums = records
         return result
+
+
+def _checksum_after_forward(
+    original: Callable, self: Any, finished_req_ids: set[str], *args: Any, **kw: Any
+) -> Any:
+    """The post_forward hook's work: the original, then the checksums."""
+    output = original(self, finished_req_ids, *args, **kw)
+    worker = getattr(self, "kv_checksum_worker", None)
+    if worker is None:
+        return _with_disabled_record(self, output)
+    results, self._kv_checksum_results = self._kv_checksum_results, None
+    if output is None or results is None:
+        return output
+    try:
+        injector = self.kv_checksum_fault_injector
+        if injector is not None:  # R131: corrupt finished loads first
+            injector.corrupt_loads(
+                worker,
+                results.finished_recving,
+                results.failed_recving,
+                finished_req_ids,
+            )
+            injector.corrupt_hits(worker)  # R140: hit blocks before checks
+        pending = worker.post_forward(
+            results.finished_recving,
+            results.failed_recving,
+            getattr(results, "kv_checksums", None),
+            finished_req_ids,
+        )
+    except Exception:
+        _disable_worker(self, "kv_checksum_worker", "post_forward")
+        return _with_disabled_record(self, output)
+    records = [pending] if pending is not None else []
+    records += offloading.take_offload_off_records(worker)  # R134
+    if records:
+        output.kv_checksums = records
+    return output
 
 
 def _disable_worker(active: Any, attr: str, where: str) -> None:

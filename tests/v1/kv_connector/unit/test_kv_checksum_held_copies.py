@@ -1,0 +1,286 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Issue 30 (R55, R142): SimpleCPUOffloadConnector's copy hand-offs wait for
+the step's checksum work.
+
+vLLM 0.33.0's SimpleCPUOffloadWorker hands each load and store batch to a
+copy thread (`DmaCopyBackend.launch_copy` puts it on the thread's queue);
+while that thread is in `cuMemcpyBatchAsync`, every device call of the
+engine thread waits (2026-12-05 on an H200: 5-6 ms a call beside a copy,
+0.1-0.5 ms alone). With checksums on, a step whose loads start after the
+forward keeps its hand-offs back until the checksum work after the forward
+is queued. Here on vLLM's real ActiveKVConnector, SimpleCPUOffloadConnector,
+SimpleCPUOffloadWorker and DmaCopyBackend, whose queue (no thread, no CUDA)
+shows when each batch was handed off.
+"""
+
+import queue
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    assert_trial_edits_one_line,
+    make_active_connector,
+    make_kv_cache_config,
+    make_kv_caches,
+    make_vllm_config,
+    rank0_groups,
+)
+from vllm.distributed.kv_transfer.kv_checksum import wiring
+from vllm.distributed.kv_transfer.kv_checksum.config import ENABLE_KEY
+from vllm.distributed.kv_transfer.kv_checksum.offload.held_calls import HeldCalls
+
+pytestmark = [pytest.mark.cpu]
+
+SIMPLE_EXTRA = {"cpu_bytes_to_use": 1 << 22, "num_cpu_blocks": 64}
+NUM_CPU_BLOCKS = 64
+
+
+def test_held_calls_keep_order_until_released() -> None:
+    """Not held, a call goes through at once; held, calls are kept and made
+    in their order at `release`, which stops holding. Bugs caught (each
+    tried): the kept calls made in reverse; `release` leaving the hold on
+    (the next step's hand-offs then wait a whole step)."""
+    made: list[tuple[Any, ...]] = []
+    held = HeldCalls(lambda *args, **kw: made.append((*args, kw)))
+    held(1)
+    assert made == [(1, {})]
+    held.hold()
+    held(2, is_store=False)
+    held(3, is_store=True)
+    assert made == [(1, {})]
+    held.release()
+    assert made == [(1, {}), (2, {"is_store": False}), (3, {"is_store": True})]
+    held(4)
+    assert made[-1] == (4, {})
+    held.release()  # nothing kept: nothing made
+    assert len(made) == 4
+
+
+def test_held_calls_make_every_kept_call_when_one_fails() -> None:
+    """A kept hand-off that raises does not keep the later ones back (each
+    is another batch, whose requests would wait forever); the first error
+    is raised after. Bug caught (tried): stopping at the first error."""
+    made: list[int] = []
+
+    def call(n: int) -> None:
+        made.append(n)
+        if n == 1:
+            raise RuntimeError("queue closed")
+
+    held = HeldCalls(call)
+    held.hold()
+    for n in range(3):
+        held(n)
+    with pytest.raises(RuntimeError, match="queue closed"):
+        held.release()
+    assert made == [0, 1, 2] and not held.holding
+
+
+def _fake_register_kv_caches(self: Any, kv_caches: dict[str, torch.Tensor]) -> None:
+    """SimpleCPUOffloadWorker.register_kv_caches without CUDA: host tensors
+    per layer and a real DmaCopyBackend whose copy queue nothing drains."""
+    from vllm.v1.simple_kv_offload.copy_backend import DmaCopyBackend
+
+    self.gpu_kv_caches = kv_caches
+    self.num_cpu_blocks = NUM_CPU_BLOCKS
+    self.cpu_kv_caches = {
+        name: torch.zeros(
+            (NUM_CPU_BLOCKS, cache.numel() * cache.element_size() // cache.shape[0]),
+            dtype=torch.uint8,
+        )
+        for name, cache in kv_caches.items()
+    }
+    backend = DmaCopyBackend()
+    backend._queue = queue.SimpleQueue()
+    backend._load_params = "load params"  # type: ignore[assignment]
+    backend._store_params = "store params"  # type: ignore[assignment]
+    self._backend = backend
+    self._store_compute_done = SimpleNamespace(record=lambda stream: None)
+
+
+@pytest.fixture
+def simple_active(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch, cuda_stream_stubs: Any
+) -> Any:
+    """Builds a real ActiveKVConnector over vLLM's SimpleCPUOffloadConnector
+    (worker role, checksums on or off) and its copy backend."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
+        KVConnectorFactory,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+
+    wiring.install()
+    rank0_groups(monkeypatch)
+    monkeypatch.setattr(
+        SimpleCPUOffloadWorker, "register_kv_caches", _fake_register_kv_caches
+    )
+
+    def build(enabled: bool) -> SimpleNamespace:
+        extra = {**SIMPLE_EXTRA, ENABLE_KEY: True} if enabled else dict(SIMPLE_EXTRA)
+        vllm_config = make_vllm_config(
+            model_dir, kv_connector="SimpleCPUOffloadConnector", extra_config=extra
+        )
+        kv_cache_config = make_kv_cache_config(vllm_config)
+        caches = make_kv_caches(kv_cache_config, seed=7)
+        connector = KVConnectorFactory.create_connector(
+            vllm_config, KVConnectorRole.WORKER, kv_cache_config
+        )
+        active = make_active_connector(
+            vllm_config, kv_cache_config, connector, caches, monkeypatch
+        )
+        backend = connector.worker_handler._backend
+        return SimpleNamespace(active=active, connector=connector, backend=backend)
+
+    return build
+
+
+def _step_output(sync_loads: bool) -> Any:
+    """A SchedulerOutput (vLLM's class) whose connector metadata loads CPU
+    block 4 into GPU block 3 and stores GPU block 5 into CPU block 6."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
+
+    output = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+        has_sync_kv_loads=sync_loads,
+    )
+    output.kv_connector_metadata = SimpleCPUOffloadMetadata(
+        load_event=0,
+        load_gpu_blocks=[3],
+        load_cpu_blocks=[4],
+        load_event_to_reqs={0: ["r"]},
+        store_event=0,
+        store_gpu_blocks=[5],
+        store_cpu_blocks=[6],
+    )
+    return output
+
+
+def _handed_off(backend: Any) -> list[bool]:
+    """The batches on the copy queue, in order (is_store of each), drained."""
+    flags = []
+    while not backend._queue.empty():
+        flags.append(backend._queue.get_nowait()[3])
+    return flags
+
+
+def _run_step(env: Any, sync_loads: bool) -> dict[str, int]:
+    """pre_forward, then post_forward, as Model Runner V2 calls them (the
+    batch given, so loads start after the forward unless sync); returns how
+    many batches were on the copy queue at each checksum call."""
+    seen: dict[str, int] = {}
+    active, backend = env.active, env.backend
+    input_batch = SimpleNamespace(idx_mapping=None, req_ids=["r"], num_tokens=1)
+    active.pre_forward(_step_output(sync_loads), input_batch)
+    seen["after pre_forward"] = backend._queue.qsize()
+    worker = active.kv_checksum_worker
+    if worker is not None:
+        save, post = worker.save_block_checksums, worker.post_forward
+
+        def spy_save(*args: Any, **kw: Any) -> None:
+            seen["save_block_checksums"] = backend._queue.qsize()
+            save(*args, **kw)
+
+        def spy_post(*args: Any, **kw: Any) -> Any:
+            seen["post_forward"] = backend._queue.qsize()
+            return post(*args, **kw)
+
+        worker.save_block_checksums = spy_save
+        worker.post_forward = spy_post
+    active.finish_forward()
+    active.post_forward(set())
+    return seen
+
+
+def test_hand_offs_wait_for_the_steps_checksum_work(simple_active: Any) -> None:
+    """Loads after the forward: the store's entries are saved and the
+    checksum worker's post_forward runs with nothing handed to the copy
+    thread yet; when post_forward returns, the load batch then the store
+    batch are on its queue (vLLM's order). Bugs caught (each tried): the
+    hold never taken (both batches queued before the checksum work); the
+    hand-offs released right after vLLM's post_forward, before the checksum
+    worker's."""
+    env = simple_active(True)
+    assert env.active._kv_checksum_held_copies
+    seen = _run_step(env, sync_loads=False)
+    assert seen == {
+        "after pre_forward": 0,
+        "save_block_checksums": 0,
+        "post_forward": 0,
+    }
+    assert _handed_off(env.backend) == [False, True]
+
+
+def test_sync_loads_are_handed_off_at_once(simple_active: Any) -> None:
+    """With sync loads vLLM starts them before the forward, which needs
+    them: nothing is held (the load batch is on the queue when pre_forward
+    returns). Bug caught (tried): holding on every start_load_kv (the
+    forward would then read blocks not loaded yet)."""
+    env = simple_active(True)
+    seen = _run_step(env, sync_loads=True)
+    assert seen["after pre_forward"] == 1
+    assert _handed_off(env.backend) == [False, True]
+
+
+def test_hand_offs_made_when_vllms_post_forward_raises(simple_active: Any) -> None:
+    """Whatever raises inside post_forward, the held batches are still
+    handed off (their requests would otherwise wait forever). Bug caught
+    (tried): the release not in a `finally`."""
+    env = simple_active(True)
+
+    def broken(finished_req_ids: set[str]) -> Any:
+        raise RuntimeError("transfer results")
+
+    env.connector.get_finished = broken
+    with pytest.raises(RuntimeError, match="transfer results"):
+        _run_step(env, sync_loads=False)
+    assert _handed_off(env.backend) == [False, True]
+    assert not any(h.holding for h in env.active._kv_checksum_held_copies)
+
+
+def test_R1_checksums_off_copy_backend_untouched(simple_active: Any) -> None:
+    """R1: with checksums off, nothing is set on the backend or the
+    connectors, and each batch is handed off where vLLM hands it off (the
+    load in start_load_kv, the store in wait_for_save)."""
+    env = simple_active(False)
+    assert env.active.kv_checksum_worker is None
+    assert env.active._kv_checksum_held_copies == ()
+    assert "launch_copy" not in vars(env.backend)
+    assert not any(k.startswith("_kv_checksum") for k in vars(env.connector))
+    from vllm.v1.simple_kv_offload.copy_backend import DmaCopyBackend
+
+    queued: list[int] = []
+    launch_copy = DmaCopyBackend.launch_copy
+
+    def spy(self: Any, *args: Any, **kw: Any) -> None:
+        launch_copy(self, *args, **kw)
+        queued.append(self._queue.qsize())
+
+    env.backend.launch_copy = spy.__get__(env.backend)
+    _run_step(env, sync_loads=False)
+    assert queued == [1, 2]
+    assert _handed_off(env.backend) == [False, True]
+
+
+def test_the_no_hold_trial_edits_exactly_the_switch() -> None:
+    """Issue 30: `gpu_runs.sh trial-no-hold` (the other arm of an engine A/B
+    of the hold) turns `HOLD_COPY_HAND_OFFS` off with a sed line matching
+    exactly the switch, on by default."""
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
+
+    assert simple_cpu_offload.HOLD_COPY_HAND_OFFS is True
+    assert_trial_edits_one_line(
+        "trial-no-hold", simple_cpu_offload.__file__, "HOLD_COPY_HAND_OFFS = True"
+    )
