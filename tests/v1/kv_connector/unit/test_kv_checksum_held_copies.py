@@ -46,6 +46,7 @@ def test_held_calls_keep_order_until_released() -> None:
     (the next step's hand-offs then wait a whole step)."""
     made: list[tuple[Any, ...]] = []
     held = HeldCalls(lambda *args, **kw: made.append((*args, kw)))
+    held.arm()
     held(1)
     assert made == [(1, {})]
     held.hold()
@@ -72,12 +73,24 @@ def test_held_calls_make_every_kept_call_when_one_fails() -> None:
             raise RuntimeError("queue closed")
 
     held = HeldCalls(call)
+    held.arm()
     held.hold()
     for n in range(3):
         held(n)
     with pytest.raises(RuntimeError, match="queue closed"):
         held.release()
     assert made == [0, 1, 2] and not held.holding
+
+
+def test_held_calls_hold_nothing_until_armed() -> None:
+    """Only the code sure to release a hold arms it: before, `hold` keeps
+    nothing. Bug caught (tried): holding unarmed (a connector whose
+    ActiveKVConnector never armed it would keep its copies forever)."""
+    made: list[int] = []
+    held = HeldCalls(made.append)
+    held.hold()
+    held(1)
+    assert made == [1] and not held.holding
 
 
 def _fake_register_kv_caches(self: Any, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -248,6 +261,20 @@ def test_hand_offs_made_when_vllms_post_forward_raises(simple_active: Any) -> No
         _run_step(env, sync_loads=False)
     assert _handed_off(env.backend) == [False, True]
     assert not any(h.holding for h in env.active._kv_checksum_held_copies)
+
+
+def test_a_hold_nobody_releases_is_never_taken(simple_active: Any) -> None:
+    """A connector whose ActiveKVConnector did not arm its hold (its
+    __init__ hook failed after the connector got checksum state) hands its
+    batches off where vLLM does: none is kept for a release that would never
+    come. Bug caught (tried): holding unarmed (both batches stay kept)."""
+    env = simple_active(True)
+    (held,) = env.active._kv_checksum_held_copies
+    env.active._kv_checksum_held_copies = ()
+    held.armed = False
+    _run_step(env, sync_loads=False)
+    assert _handed_off(env.backend) == [False, True]
+    assert not held.holding
 
 
 def test_R1_checksums_off_copy_backend_untouched(simple_active: Any) -> None:

@@ -19,10 +19,13 @@ from typing import Any
 class HeldCalls:
     """A callable standing for `call`: while held, each call is kept (its
     arguments, in order); `release` makes the kept calls and stops holding.
-    Not held, a call goes straight through."""
+    Not held, a call goes straight through. It holds only once armed, by the
+    code that is sure to release it: kept calls never released would be
+    copies never made."""
 
     def __init__(self, call: Callable[..., Any]) -> None:
         self.call = call
+        self.armed = False
         self.holding = False
         self._kept: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
@@ -32,9 +35,13 @@ class HeldCalls:
         else:
             self.call(*args, **kwargs)
 
+    def arm(self) -> None:
+        """From now on `hold` holds (its caller releases every hold)."""
+        self.armed = True
+
     def hold(self) -> None:
-        """Keep the calls from now until `release`."""
-        self.holding = True
+        """Keep the calls from now until `release`, once armed."""
+        self.holding = self.armed
 
     def release(self) -> None:
         """Make the kept calls, in order, and stop holding. A kept call that

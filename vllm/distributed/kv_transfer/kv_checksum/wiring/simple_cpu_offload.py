@@ -278,7 +278,8 @@ def _hold_copy_hand_offs(connector: Any, handler: Any) -> None:
     """With checksums on only: vLLM 0.33.0's DMA copy backend
     (`handler._backend`, its `launch_copy` puts a batch on its copy thread's
     queue) gets a `HeldCalls` on the instance, which start_load_kv holds and
-    the ActiveKVConnector.post_forward hook releases (issue 30)."""
+    the ActiveKVConnector.post_forward hook releases (issue 30); it holds
+    only once that hook's __init__ armed it (nothing else releases it)."""
     from vllm.v1.simple_kv_offload.copy_backend import DmaCopyBackend
 
     backend = getattr(handler, "_backend", None)

@@ -122,9 +122,10 @@ def install_worker_hooks() -> None:
             )
             self.kv_connector.register_kv_checksum_worker(worker)
             _remember_transfer_results(self)
-            self._kv_checksum_held_copies = simple_cpu_offload.held_copies(
-                self.kv_connector
-            )
+            held = simple_cpu_offload.held_copies(self.kv_connector)
+            self._kv_checksum_held_copies = held
+            for copies in held:  # post_forward releases them from now on
+                copies.arm()
             self.kv_checksum_fault_injector = injector
             self.kv_checksum_worker = worker
             prefix_cache.enable_worker(worker, vllm_config)  # R140
