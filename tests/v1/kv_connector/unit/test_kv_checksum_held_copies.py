@@ -311,3 +311,25 @@ def test_the_no_hold_trial_edits_exactly_the_switch() -> None:
     assert_trial_edits_one_line(
         "trial-no-hold", simple_cpu_offload.__file__, "HOLD_COPY_HAND_OFFS = True"
     )
+
+
+def test_held_copies_of_a_multi_connectors_children() -> None:
+    """Under MultiConnector the ActiveKVConnector releases the holds of its
+    SimpleCPUOffloadConnector children (vLLM's class), and only theirs; a
+    child without checksum state (the disk backend) has none. Bug caught
+    (tried): only the top connector looked at (a MultiConnector's holds
+    never released)."""
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
+        SimpleCPUOffloadConnector,
+    )
+
+    with_hold = object.__new__(SimpleCPUOffloadConnector)
+    held = HeldCalls(print)
+    with_hold._kv_checksum_held_copies = held  # type: ignore[attr-defined]
+    without = object.__new__(SimpleCPUOffloadConnector)
+    other = SimpleNamespace(_kv_checksum_held_copies=HeldCalls(print))
+    multi = SimpleNamespace(_connectors=[other, with_hold, without])
+    assert simple_cpu_offload.held_copies(multi) == (held,)
+    assert simple_cpu_offload.held_copies(with_hold) == (held,)
+    assert simple_cpu_offload.held_copies(without) == ()
