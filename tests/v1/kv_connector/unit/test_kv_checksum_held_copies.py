@@ -314,11 +314,12 @@ def test_the_no_hold_trial_edits_exactly_the_switch() -> None:
 
 
 def test_held_copies_of_a_multi_connectors_children() -> None:
-    """Under MultiConnector the ActiveKVConnector releases the holds of its
+    """R142, issue 30: `held_copies`, the holds the ActiveKVConnector hook
+    arms and releases, finds those of a MultiConnector's
     SimpleCPUOffloadConnector children (vLLM's class), and only theirs; a
     child without checksum state (the disk backend) has none. Bug caught
     (tried): only the top connector looked at (a MultiConnector's holds
-    never released)."""
+    never armed, so never taken)."""
     from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
     from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
         SimpleCPUOffloadConnector,
