@@ -369,6 +369,9 @@ trial-step-buffers)
     sed -i 's/^REUSE_STEP_BUFFERS = False$/REUSE_STEP_BUFFERS = True/' "$launches_py"
     grep -n "^REUSE_STEP_BUFFERS " "$launches_py"
     ;;
+# For an A/B of one switch in a single benchmark, pass `--trial early-saves` or
+# `--trial no-hold` to bench-simple-offload / bench-offload instead: both
+# engines run checksums on, the "on" one the trial (benchmarks/host/kv_checksum_trials.py).
 # trial-early-saves: both offload tiers save a step's stores with its loads
 # in start_load_kv when V2 calls it after the forward (one upload; the default
 # 2026-12-05 before the A/B that turned it off): `SAVE_STORES_WITH_LOADS`
