@@ -50,10 +50,18 @@ def parse(names: str) -> list[Trial]:
     return [TRIALS[n] for n in chosen]
 
 
+def _set_switches(module: ModuleType, trials: Sequence[Trial]) -> None:
+    """The trials' values on `module`; a switch it lacks raises (a renamed
+    switch must not turn the trial silently into the default)."""
+    for trial in trials:
+        if not hasattr(module, trial.name):
+            raise AttributeError(f"{module.__name__} has no switch {trial.name}")
+        setattr(module, trial.name, trial.value)
+
+
 class _SetAfterImport(importlib.abc.MetaPathFinder):
     """Finds the trials' modules as the path would, and sets each switch
-    once its module has run. A switch its module lacks raises (a renamed
-    switch must not turn the trial silently into the default)."""
+    once its module has run (`_set_switches`)."""
 
     def __init__(self, trials: Sequence[Trial]) -> None:
         self.by_module: dict[str, list[Trial]] = {}
@@ -71,10 +79,7 @@ class _SetAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             run_module(module)
-            for trial in trials:
-                if not hasattr(module, trial.name):
-                    raise AttributeError(f"{fullname} has no switch {trial.name}")
-                setattr(module, trial.name, trial.value)
+            _set_switches(module, trials)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -86,10 +91,10 @@ def install(names: str) -> list[Trial]:
     trials = parse(names)
     if not trials:
         return []
-    for trial in trials:
-        module = sys.modules.get(trial.module)
-        if module is not None:
-            setattr(module, trial.name, trial.value)
-    sys.meta_path.insert(0, _SetAfterImport(trials))
+    finder = _SetAfterImport(trials)
+    for name, of_module in finder.by_module.items():
+        if name in sys.modules:
+            _set_switches(sys.modules[name], of_module)
+    sys.meta_path.insert(0, finder)
     print(f"[kv_checksum_trials] pid {os.getpid()}: {names}", file=sys.stderr)
     return trials

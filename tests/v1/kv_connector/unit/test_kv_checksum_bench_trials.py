@@ -63,11 +63,12 @@ def _switches(tmp_path: Path, trial: str | None) -> tuple[str, str]:
 def test_trial_site_sets_the_named_switches_and_keeps_the_next_site(
     tmp_path: Path,
 ) -> None:
-    """The trial site sets both named switches after their modules' own
-    assignments (they read False / True without a trial), and still runs the
-    next sitecustomize on the path. Bugs caught: the switch set before its
-    module ran (the module's own line undoes it), the site swallowing the hook
-    timer's sitecustomize, a trial leaking into a process that names none."""
+    """R142 (measuring a switch's host cost): the trial site sets both named
+    switches after their modules' own assignments (they read False / True
+    without a trial), and still runs the next sitecustomize on the path.
+    Bugs caught: the switch set before its module ran (the module's own line
+    undoes it), the site swallowing the hook timer's sitecustomize, a trial
+    leaking into a process that names none."""
     default, mark = _switches(tmp_path, None)
     assert default == "switches False True"
     assert mark == "next sitecustomize ran"
@@ -77,7 +78,7 @@ def test_trial_site_sets_the_named_switches_and_keeps_the_next_site(
 
 
 def test_a_switch_its_module_lacks_fails_loudly(tmp_path: Path) -> None:
-    """A trial whose switch was renamed raises at import instead of running
+    """R142: a trial whose switch was renamed raises at import instead of running
     the default under the trial's name; an unknown trial name is refused.
     Bug caught: `setattr` creating the missing name (the run would measure the
     default and call it the trial)."""
@@ -98,7 +99,7 @@ def test_a_switch_its_module_lacks_fails_loudly(tmp_path: Path) -> None:
 
 
 def test_trial_run_turns_checksums_on_in_both_slots(tmp_path: Path) -> None:
-    """`--trial`: both engines get the checksum config, only the "on" engine
+    """R142: `--trial`: both engines get the checksum config, only the "on" engine
     the trial (its processes log it), and the record names the trial so the
     pairs read trial / default. Bugs caught: the "off" slot left without
     checksums (then the run measures checksums, not the switch), the trial
@@ -130,7 +131,7 @@ def test_trial_run_turns_checksums_on_in_both_slots(tmp_path: Path) -> None:
 
 
 def test_rejudge_never_pools_a_trial_with_an_on_off_run(tmp_path: Path) -> None:
-    """A trial's "on/off" is trial / default: `--pool` refuses to mix it with
+    """R142: a trial's "on/off" is trial / default: `--pool` refuses to mix it with
     checksum on/off runs. Bug caught: pooling them into one meaningless ratio."""
     rounds = _rounds([10.0, 9.0, 9.0, 10.0], [30, 31, 31, 30], [{}, {}])
     paths = _write_summaries(
