@@ -340,55 +340,17 @@ device-calls)
     tail -n 3 "$out/device_calls.log"
     exit $rc
     ;;
-# Trials of defaults that are off in the package, in the engines: flip one in
-# $SITE's copy only, for the runs of this warm machine (update-package undoes
-# it). trial-zero-copy: step results written into pinned host memory by a
-# kernel (ZERO_COPY_RESULTS); trial-kernel: chunks of 4096 pieces, what the
-# variant "vector 4w chunk 4096" adds to the default (the vector loop on
-# 4 warps since 2026-12-02c; SPEC R57 says 16384), then cuda-tests checks it;
-# trial-jit-launch: every launch through Triton's JIT (DIRECT_LAUNCH off), the
-# other arm of a device-calls or engine A/B of the direct launch.
-trial-zero-copy | trial-kernel | trial-jit-launch)
-    kernels_py="$site/vllm/distributed/kv_transfer/kv_checksum/definition/kernels.py"
-    if [ "$what" = trial-kernel ]; then
-        sed -i 's/^CHUNK_PIECES = 16384$/CHUNK_PIECES = 4096/' "$kernels_py"
-    elif [ "$what" = trial-jit-launch ]; then
-        sed -i 's/^DIRECT_LAUNCH = True$/DIRECT_LAUNCH = False/' "$kernels_py"
-    else
-        sed -i 's/^ZERO_COPY_RESULTS = False$/ZERO_COPY_RESULTS = True/' "$kernels_py"
-    fi
-    grep -nE "^(ZERO_COPY_RESULTS|VECTOR_FULL_TILES|NUM_WARPS|CHUNK_PIECES|DIRECT_LAUNCH) " "$kernels_py"
-    ;;
-# trial-step-buffers: every checksum pass reuses its pinned upload, device
-# copy and pinned results once the step's record was waited for
-# (REUSE_STEP_BUFFERS, off by SPEC R52; taken on a GPU 2026-12-04d): run
-# it, then cuda-tests and an engine run (hook-timer-serve, bench-serve) in
-# the same call.
-trial-step-buffers)
-    launches_py="$site/vllm/distributed/kv_transfer/kv_checksum/engine/launches.py"
-    sed -i 's/^REUSE_STEP_BUFFERS = False$/REUSE_STEP_BUFFERS = True/' "$launches_py"
-    grep -n "^REUSE_STEP_BUFFERS " "$launches_py"
-    ;;
-# For an A/B of one switch in a single benchmark, pass `--trial early-saves` or
-# `--trial no-hold` to bench-simple-offload / bench-offload instead: both
-# engines run checksums on, the "on" one the trial (benchmarks/host/kv_checksum_trials.py).
-# trial-early-saves: both offload tiers save a step's stores with its loads
-# in start_load_kv when V2 calls it after the forward (one upload; the default
-# 2026-12-05 before the A/B that turned it off): `SAVE_STORES_WITH_LOADS`
-# True; the other arm of an engine A/B (one warm machine).
-trial-early-saves)
-    wiring_py="$site/vllm/distributed/kv_transfer/kv_checksum/wiring/offloading.py"
-    sed -i 's/^SAVE_STORES_WITH_LOADS = False$/SAVE_STORES_WITH_LOADS = True/' "$wiring_py"
-    grep -n "^SAVE_STORES_WITH_LOADS " "$wiring_py"
-    ;;
-# trial-no-hold: SimpleCPUOffloadConnector's copy hand-offs go to vLLM's copy
-# thread where vLLM makes them again, not after the step's checksum work (as
-# before 2026-12-05b): `HOLD_COPY_HAND_OFFS` False; the other arm of an engine
-# A/B of the hold (bench-simple-offload or hook-timer, one warm machine).
-trial-no-hold)
-    wiring_py="$site/vllm/distributed/kv_transfer/kv_checksum/wiring/simple_cpu_offload.py"
-    sed -i 's/^HOLD_COPY_HAND_OFFS = True$/HOLD_COPY_HAND_OFFS = False/' "$wiring_py"
-    grep -n "^HOLD_COPY_HAND_OFFS " "$wiring_py"
+# Trials of the package's switches in every engine of this warm machine: the
+# switch is rewritten in $SITE's copy only (update-package undoes it), by the
+# one table of trials, benchmarks/host/kv_checksum_trials.py (what each trial
+# does is said there): trial-early-saves, trial-no-hold, trial-zero-copy,
+# trial-kernel (then cuda-tests), trial-jit-launch, trial-step-buffers (then
+# cuda-tests and an engine run in the same call). For an A/B of one switch in
+# a single benchmark, pass `--trial NAME` to bench-simple-offload /
+# bench-offload instead: both engines run checksums, the "on" one the trial.
+trial-*)
+    python3 "$repo/benchmarks/host/kv_checksum_trials.py" --site "$site" \
+        "${what#trial-}" || exit 1
     ;;
 # Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
 # stand-in model output, cProfile at 256 running requests) on the GPU host's cores.

@@ -1,27 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Named trials of the package's module switches, for one engine only (issue 30).
+"""Named trials of the package's module switches (issue 30): one table, two ways.
 
-`scripts/gpu_runs.sh trial-*` edits a switch in the machine's site copy, so
-both engines of a benchmark run it and an A/B of two settings takes two
-benchmarks, each against checksums off. A trial here is set in one process
-tree instead: `trial_site/sitecustomize.py`, first on an engine's PYTHONPATH
-with KV_CHECKSUM_TRIAL=NAME[,NAME], installs `install`'s import hook, which sets
-the switch right after its module is first imported. The benchmark's
-`--trial NAME` runs both slots with checksums on, the trial in the "on" slot,
-so its pairs compare the trial with the default directly.
+In one engine only: `trial_site/sitecustomize.py`, first on an engine's
+PYTHONPATH with KV_CHECKSUM_TRIAL=NAME[,NAME], installs `install`'s import
+hook, which sets the switch right after its module is first imported. The
+benchmark's `--trial NAME` runs both slots with checksums on, the trial in the
+"on" slot, so its pairs compare the trial with the default directly.
+
+In every engine of a machine: `scripts/gpu_runs.sh trial-NAME` runs
+`python3 kv_checksum_trials.py --site DIR NAME`, which rewrites the switch's
+assignment in the machine's site copy of the package (`update-package`
+undoes it), for runs whose other arm is a later benchmark.
 """
 
+import argparse
 import importlib.abc
 import importlib.machinery
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-_WIRING = "vllm.distributed.kv_transfer.kv_checksum.wiring"
+_PACKAGE = "vllm.distributed.kv_transfer.kv_checksum"
+_WIRING = f"{_PACKAGE}.wiring"
+_KERNELS = f"{_PACKAGE}.definition.kernels"
 
 
 @dataclass(frozen=True)
@@ -34,10 +41,23 @@ class Trial:
 
 
 TRIALS: dict[str, Trial] = {
-    # Both offload tiers save a step's stores with its loads (default False).
+    # Both offload tiers save a step's stores with its loads in start_load_kv
+    # when Model Runner V2 calls it after the forward (default False since
+    # the 2026-12-05 A/B).
     "early-saves": Trial(f"{_WIRING}.offloading", "SAVE_STORES_WITH_LOADS", True),
-    # SimpleCPUOffloadConnector's copy hand-offs not held (default True).
+    # SimpleCPUOffloadConnector's copy hand-offs go to vLLM's copy thread
+    # where vLLM makes them, not after the step's checksum work (default True
+    # since 2026-12-05).
     "no-hold": Trial(f"{_WIRING}.simple_cpu_offload", "HOLD_COPY_HAND_OFFS", False),
+    # Step results written into pinned host memory by a kernel.
+    "zero-copy": Trial(_KERNELS, "ZERO_COPY_RESULTS", True),
+    # Chunks of 4,096 pieces (SPEC R57 says 16,384); run cuda-tests after it.
+    "kernel": Trial(_KERNELS, "CHUNK_PIECES", 4096),
+    # Every launch through Triton's JIT, the other arm of the direct launch.
+    "jit-launch": Trial(_KERNELS, "DIRECT_LAUNCH", False),
+    # Every checksum pass reuses its pinned upload, device copy and pinned
+    # results once the step's record was waited for (off by SPEC R52).
+    "step-buffers": Trial(f"{_PACKAGE}.engine.launches", "REUSE_STEP_BUFFERS", True),
 }
 
 
@@ -98,3 +118,41 @@ def install(names: str) -> list[Trial]:
     sys.meta_path.insert(0, finder)
     print(f"[kv_checksum_trials] pid {os.getpid()}: {names}", file=sys.stderr)
     return trials
+
+
+def edit_site(site: Path, names: str) -> list[str]:
+    """Rewrite the named trials' switches in the package copy under `site`
+    (each module's one `NAME = ...` line at column 0); returns the new lines.
+    A switch without exactly one such line raises (a renamed switch must not
+    leave the machine on the default under the trial's name)."""
+    lines = []
+    for trial in parse(names):
+        path = site / (trial.module.replace(".", "/") + ".py")
+        text = path.read_text()
+        pattern = re.compile(rf"^{re.escape(trial.name)} = .*$", re.MULTILINE)
+        found = list(pattern.finditer(text))
+        if len(found) != 1:
+            raise ValueError(
+                f"{path}: {len(found)} assignments of {trial.name}, expected 1"
+            )
+        line = f"{trial.name} = {trial.value!r}"
+        path.write_text(text[: found[0].start()] + line + text[found[0].end() :])
+        lines.append(f"{path}: {line}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--site", type=Path, required=True, help="e.g. /tmp/site")
+    parser.add_argument("names", help=f"comma-separated, of {sorted(TRIALS)}")
+    args = parser.parse_args()
+    try:
+        edited = edit_site(args.site, args.names)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    for line in edited:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1241,20 +1241,39 @@ def cpu_cuda_streams(monkeypatch: Any) -> Iterator[CpuStreamState]:
                 platform_attrs.pop(name, None)
 
 
-def assert_trial_edits_one_line(run: str, source_file: str, line: str) -> None:
-    """`gpu_runs.sh RUN` (a trial: one arm of an engine A/B) edits the
-    machine's site copy with `sed -i 's/^LINE$/.../'`: LINE must be `line`
-    and match exactly one line of `source_file`, or the trial would silently
-    measure the same arm twice."""
-    import re
+def assert_trial_edits_one_line(name: str, module: Any, site: Path) -> None:
+    """`gpu_runs.sh trial-NAME` (one arm of an engine A/B) runs the trials
+    table's site edit (`benchmarks/host/kv_checksum_trials.py --site`) on the
+    machine's copy of the package. Run the same way on a copy of `module`'s
+    file under `site`, it must change exactly the switch's line, from the
+    module's default to another value, or the trial would silently measure
+    the same arm twice."""
+    import subprocess
+    import sys
+
+    from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
 
     root = Path(__file__).resolve().parents[4]
     script = (root / "scripts/gpu_runs.sh").read_text()
-    block = script[script.index(f"{run})") :]
-    pattern = re.search(r"sed -i 's/\^(.*?)\$/", block)
-    assert pattern is not None
-    wanted = pattern.group(1)  # a literal line (no BRE operator in it)
-    assert not set(wanted) & set(".*[]\\")
-    assert wanted == line
-    source = Path(source_file).read_text().splitlines()
-    assert source.count(line) == 1
+    branch = script[script.index("trial-*)") :].split(";;")[0]
+    assert "kv_checksum_trials.py" in branch and '"${what#trial-}"' in branch
+    trials_py = root / "benchmarks/host/kv_checksum_trials.py"
+    trial = load_script("kv_checksum_trials_edit", trials_py).TRIALS[name]
+    assert trial.module == module.__name__
+    default = getattr(module, trial.name)
+    assert trial.value != default, "the trial is the default"
+    copy_path = site / (trial.module.replace(".", "/") + ".py")
+    copy_path.parent.mkdir(parents=True, exist_ok=True)
+    before = Path(module.__file__).read_text()
+    copy_path.write_text(before)
+    subprocess.run(
+        [sys.executable, str(trials_py), "--site", str(site), name],
+        check=True,
+        capture_output=True,
+    )
+    old, new = before.splitlines(), copy_path.read_text().splitlines()
+    assert len(old) == len(new)
+    changed = [(a, b) for a, b in zip(old, new) if a != b]
+    assert changed == [
+        (f"{trial.name} = {default!r}", f"{trial.name} = {trial.value!r}")
+    ], changed

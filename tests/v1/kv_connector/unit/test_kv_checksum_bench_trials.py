@@ -141,3 +141,40 @@ def test_rejudge_never_pools_a_trial_with_an_on_off_run(tmp_path: Path) -> None:
     )
     mixed = _rejudge("--pool", *paths, check=False)
     assert mixed.returncode != 0 and "different trials" in mixed.stderr
+
+
+@pytest.mark.parametrize("name", sorted(trials.TRIALS))
+def test_every_trial_edits_exactly_its_switch_in_a_site_copy(
+    name: str, tmp_path: Path
+) -> None:
+    """R142, issue 30: each named trial, run as `gpu_runs.sh trial-NAME` does
+    (the trials table's `--site` edit of the machine's package copy), changes
+    exactly its switch's line, from this tree's default to another value.
+    Bugs caught: a switch renamed or moved in the package while the trial
+    still names the old one (the machine would run the default under the
+    trial's name); a trial whose value is the default; an edit touching
+    another line."""
+    import importlib
+
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+        assert_trial_edits_one_line,
+    )
+
+    module = importlib.import_module(trials.TRIALS[name].module)
+    assert_trial_edits_one_line(name, module, tmp_path)
+
+
+def test_a_site_edit_of_a_missing_switch_fails_loudly(tmp_path: Path) -> None:
+    """R142: the site edit refuses a file with no (or two) assignments of the
+    switch instead of leaving it unchanged. Bug caught: a `sed` that matches
+    nothing and exits 0 (the trial measures the default)."""
+    trial = trials.TRIALS["no-hold"]
+    path = tmp_path / (trial.module.replace(".", "/") + ".py")
+    path.parent.mkdir(parents=True)
+    path.write_text("OTHER = 1\n")
+    with pytest.raises(ValueError, match="0 assignments of HOLD_COPY_HAND_OFFS"):
+        trials.edit_site(tmp_path, "no-hold")
+    path.write_text("HOLD_COPY_HAND_OFFS = True\nHOLD_COPY_HAND_OFFS = True\n")
+    with pytest.raises(ValueError, match="2 assignments"):
+        trials.edit_site(tmp_path, "no-hold")
+    assert path.read_text().count("= True") == 2
