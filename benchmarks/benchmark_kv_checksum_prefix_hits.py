@@ -61,7 +61,7 @@ launch records its processes' CPUs (`affinity`): more CPU time in a thread
 the "off" engine lacks means added work; the same CPU time with more
 involuntary switches means the engine waited for a core (issue 30).
 
-`--trial NAME` (`host/kv_checksum_trials.py`: early-saves, no-hold) runs
+`--trial NAME` (a name of `host/kv_checksum_trials.py`'s table) runs
 checksums on in both slots and the named switch in the "on" slot only, so
 "on/off" is the trial over the default, pair by pair, in one run.
 

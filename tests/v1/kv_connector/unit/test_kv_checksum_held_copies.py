@@ -303,7 +303,7 @@ def test_R1_checksums_off_copy_backend_untouched(simple_active: Any) -> None:
 
 
 def test_the_no_hold_trial_edits_exactly_the_switch(tmp_path: Path) -> None:
-    """Issue 30: `gpu_runs.sh trial-no-hold` (the other arm of an engine A/B
+    """R142, issue 30: `gpu_runs.sh trial-no-hold` (the other arm of an engine A/B
     of the hold) turns `HOLD_COPY_HAND_OFFS`, on by default, off by rewriting
     exactly the switch's line in the site copy."""
     from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
