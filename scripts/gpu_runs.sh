@@ -44,7 +44,8 @@
 #                                             # trial-jit-launch,
 #                                             # trial-step-buffers, kernel-trials,
 #                                             # trial-early-saves,
-#                                             # trial-no-hold (issue 30),
+#                                             # trial-no-hold,
+#                                             # trial-own-uploads (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time

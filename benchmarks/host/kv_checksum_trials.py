@@ -49,6 +49,10 @@ TRIALS: dict[str, Trial] = {
     # where vLLM makes them, not after the step's checksum work (default True
     # since 2026-12-05).
     "no-hold": Trial(f"{_WIRING}.simple_cpu_offload", "HOLD_COPY_HAND_OFFS", False),
+    # While the hand-offs are held, SimpleCPUOffloadConnector's entry moves
+    # (restores, store entries, copies to slots) make uploads of their own,
+    # not ride in the checksum pass's (default True since 2026-12-05).
+    "own-uploads": Trial(f"{_WIRING}.simple_cpu_offload", "ENTRY_MOVES_IN_PASS", False),
     # Step results written into pinned host memory by a kernel.
     "zero-copy": Trial(_KERNELS, "ZERO_COPY_RESULTS", True),
     # Chunks of 4,096 pieces (SPEC R57 says 16,384); run cuda-tests after it.

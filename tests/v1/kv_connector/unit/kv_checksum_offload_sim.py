@@ -31,6 +31,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     make_request,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
+from vllm.distributed.kv_transfer.kv_checksum.offload.held_calls import HeldCalls
 from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
     create_host_fault_injector,
 )
@@ -44,6 +45,10 @@ from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import 
 from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
     take_offload_off_records,
 )
+
+
+def _no_copy(*args: Any, **kwargs: Any) -> None:
+    """The sim's copy hand-off: its copies are made by the sim itself."""
 
 
 class _Namespace:
@@ -364,6 +369,7 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         entries: bool = True,
         hooks: bool = False,
         after_forward: bool = False,
+        held: bool = False,
     ) -> None:
         super().__init__(model_dir, side, name)
         self.hooks = hooks
@@ -403,6 +409,16 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             self._bare_connector("_kv_checksum_simple_offload_worker", s)
             for s in self.sides
         ]
+        # With `held` (and `hooks`): each worker's copy hand-offs held from
+        # an after-forward start_load_kv to the end of the step's checksum
+        # pass, as the ActiveKVConnector hooks arm and release them (the
+        # sim's copies are made where vLLM would hand them off: what the
+        # hold changes here is where the entry moves are made).
+        self.held = [HeldCalls(_no_copy) for _ in self.bare] if held else []
+        for bare, calls in zip(self.bare, self.held):
+            calls.arm()
+            if bare is not None:
+                bare._kv_checksum_held_copies = calls
         self.num_loads = 0
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
@@ -448,6 +464,8 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             self.num_stored_blocks += len(meta.store_gpu_blocks)
         finished, _ = self._finished_loads(finished, [])
         records = self._records(finished, output)
+        for calls in self.held:
+            calls.release()
         kv_output = make_kv_connector_output(finished_recving=finished)
         if stored:
             kv_output.kv_connector_worker_meta = self._worker_meta(

@@ -155,7 +155,8 @@ def simple_active(
 
 def _step_output(sync_loads: bool) -> Any:
     """A SchedulerOutput (vLLM's class) whose connector metadata loads CPU
-    block 4 into GPU block 3 and stores GPU block 5 into CPU block 6."""
+    block 4 into GPU block 3 and stores GPU block 5 (position 0 of group 0,
+    its entry to write) into CPU block 6."""
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
@@ -179,6 +180,7 @@ def _step_output(sync_loads: bool) -> Any:
         store_gpu_blocks=[5],
         store_cpu_blocks=[6],
     )
+    output.kv_connector_metadata.kv_checksum_store_runs = [(0, 0, [5], [b"h" * 32])]
     return output
 
 
@@ -201,40 +203,165 @@ def _run_step(env: Any, sync_loads: bool) -> dict[str, int]:
     seen["after pre_forward"] = backend._queue.qsize()
     worker = active.kv_checksum_worker
     if worker is not None:
-        save, post = worker.save_block_checksums, worker.post_forward
-
-        def spy_save(*args: Any, **kw: Any) -> None:
-            seen["save_block_checksums"] = backend._queue.qsize()
-            save(*args, **kw)
-
-        def spy_post(*args: Any, **kw: Any) -> Any:
-            seen["post_forward"] = backend._queue.qsize()
-            return post(*args, **kw)
-
-        worker.save_block_checksums = spy_save
-        worker.post_forward = spy_post
+        for name in ("save_block_checksums", "queue_block_checksums", "post_forward"):
+            _spy(
+                worker,
+                name,
+                lambda name=name: seen.setdefault(name, backend._queue.qsize()),
+            )
+        _spy(
+            worker.launcher,
+            "launch",
+            lambda: seen.setdefault("launch", backend._queue.qsize()),
+        )
     active.finish_forward()
     active.post_forward(set())
     return seen
 
 
+def _spy(owner: Any, name: str, note: Any) -> None:
+    """`owner.name` calls `note()` first (on the instance)."""
+    real = getattr(owner, name)
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        note()
+        return real(*args, **kw)
+
+    setattr(owner, name, spy)
+
+
 def test_hand_offs_wait_for_the_steps_checksum_work(simple_active: Any) -> None:
-    """Loads after the forward: the store's entries are saved and the
-    checksum worker's post_forward runs with nothing handed to the copy
-    thread yet; when post_forward returns, the load batch then the store
-    batch are on its queue (vLLM's order). Bugs caught (each tried): the
-    hold never taken (both batches queued before the checksum work); the
-    hand-offs released right after vLLM's post_forward, before the checksum
-    worker's."""
+    """Loads after the forward: the store's and the load's entry moves are
+    queued and the checksum worker's post_forward makes them in its one
+    launch sequence with nothing handed to the copy thread yet; when
+    post_forward returns, the load batch then the store batch are on its
+    queue (vLLM's order). Bugs caught (each tried): the hold never taken
+    (both batches queued before the checksum work); the hand-offs released
+    right after vLLM's post_forward, before the checksum worker's."""
     env = simple_active(True)
     assert env.active._kv_checksum_held_copies
     seen = _run_step(env, sync_loads=False)
     assert seen == {
         "after pre_forward": 0,
-        "save_block_checksums": 0,
+        "queue_block_checksums": 0,
         "post_forward": 0,
+        "launch": 0,
     }
     assert _handed_off(env.backend) == [False, True]
+
+
+def _entries_at_hand_offs(env: Any) -> list[tuple[bool, int, int]]:
+    """Spies the backend's real hand-off under the hold: per batch handed
+    off (vLLM passes `is_store` by keyword), (is_store, the block table's
+    entry of GPU block 3, host slot 6's entry) at that moment. Host slot 4
+    starts at 444: the entry the load brings back."""
+    worker_side = env.connector._kv_checksum_simple_offload_worker
+    slots = worker_side.entries.entries
+    table = env.active.kv_checksum_worker.block_table.tensor
+    slots[4] = 444
+    (held,) = env.active._kv_checksum_held_copies
+    real = held.call
+    seen: list[tuple[bool, int, int]] = []
+
+    def hand_off(*args: Any, **kw: Any) -> Any:
+        seen.append((kw["is_store"], int(table[3]), int(slots[6])))
+        return real(*args, **kw)
+
+    held.call = hand_off
+    return seen
+
+
+def _entry_of_block_5(
+    simple_active: Any, monkeypatch: pytest.MonkeyPatch, in_pass: bool
+) -> tuple[int, list[tuple[bool, int, int]]]:
+    """One step (loads after the forward) with the entry moves in the pass
+    or not: GPU block 5's entry in the table, and `_entries_at_hand_offs`."""
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
+
+    monkeypatch.setattr(simple_cpu_offload, "ENTRY_MOVES_IN_PASS", in_pass)
+    env = simple_active(True)
+    seen = _entries_at_hand_offs(env)
+    _run_step(env, sync_loads=False)
+    return int(env.active.kv_checksum_worker.block_table.tensor[5]), seen
+
+
+def test_entry_moves_in_the_pass_are_made_before_the_hand_offs(
+    simple_active: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30, R118: with the entry moves made by the checksum pass (the
+    default), when the load batch is handed off its block's entry is back
+    in the table (444, from host slot 4), and when the store batch is, the
+    stored block's new entry is in its host slot 6; that entry is the one
+    the store's own save writes (ENTRY_MOVES_IN_PASS off: the block table's
+    `save`, another code path) and not 0. Bugs caught (each tried): the
+    copies made before the entry writes (slot 6 keeps 0); the launcher's
+    restores left out (block 3 keeps 0 at the load's hand-off)."""
+    entry, seen = _entry_of_block_5(simple_active, monkeypatch, in_pass=True)
+    own_entry, own_seen = _entry_of_block_5(simple_active, monkeypatch, False)
+    assert entry == own_entry != 0
+    assert seen == own_seen == [(False, 444, entry), (True, 444, entry)]
+
+
+def test_entry_moves_in_the_pass_make_one_upload_a_step(
+    simple_active: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30: a step that loads and stores makes one pinned upload for
+    all its checksum device work with the moves in the pass (its restore,
+    its store's entry write and copy), two without (the restore's and the
+    save's; no load finished, so no pass of its own). Bug caught (tried):
+    the restore made on its own in start_load_kv (two uploads)."""
+    from tests.v1.kv_connector.unit.test_kv_checksum_simple_offload import (
+        count_uploads,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
+
+    uploads = count_uploads(monkeypatch)
+    env = simple_active(True)
+    _run_step(env, sync_loads=False)
+    assert uploads[0] == 1
+    monkeypatch.setattr(simple_cpu_offload, "ENTRY_MOVES_IN_PASS", False)
+    env = simple_active(True)
+    uploads[0] = 0
+    _run_step(env, sync_loads=False)
+    assert uploads[0] == 2
+
+
+def test_queued_moves_made_when_vllms_post_forward_raises(
+    simple_active: Any,
+) -> None:
+    """Whatever keeps the checksum pass from running (here vLLM's own
+    post_forward raising), the queued entry moves are made before the held
+    batches are handed off: a store copy never leaves without its entry in
+    its slot. Bug caught (tried): no flush before the release (slot 6 still
+    0 when the store batch goes)."""
+    env = simple_active(True)
+    seen = _entries_at_hand_offs(env)
+
+    def broken(finished_req_ids: set[str]) -> Any:
+        raise RuntimeError("transfer results")
+
+    env.connector.get_finished = broken
+    with pytest.raises(RuntimeError, match="transfer results"):
+        _run_step(env, sync_loads=False)
+    entry = int(env.active.kv_checksum_worker.block_table.tensor[5])
+    assert entry != 0
+    assert seen == [(False, 444, entry), (True, 444, entry)]
+
+
+def test_a_worker_turned_off_holds_no_more(simple_active: Any) -> None:
+    """R134: once an error turned a worker's checksums off, its copies are
+    handed off where vLLM hands them off again (nothing queued for a pass
+    that no longer runs). Bug caught (tried): the hold left armed (the
+    store's entry queued in a worker nobody flushes, every step)."""
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import worker as wiring_worker
+
+    env = simple_active(True)
+    (held,) = env.active._kv_checksum_held_copies
+    worker = env.active.kv_checksum_worker
+    wiring_worker._disable_worker(env.active, "kv_checksum_worker", "test")
+    assert not held.armed
+    _run_step(env, sync_loads=False)
+    assert not worker._queued_copies and not worker._queued_restores
 
 
 def test_sync_loads_are_handed_off_at_once(simple_active: Any) -> None:

@@ -347,6 +347,77 @@ def test_R118_stores_saved_with_the_loads_after_the_forward(
     assert_no_request_state(engine)
 
 
+def count_uploads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts every pinned upload of the checksum worker's device work (the
+    launcher's, the block table's own saves and moves, the host entry
+    table's restores): one counter, bumped per upload."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine import (
+        block_table,
+        launches,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.offload import offloading
+
+    count = [0]
+    for module, name in (
+        (launches, "upload_segments"),
+        (block_table, "upload_segments"),
+        (offloading, "host_to_device"),
+    ):
+        real = getattr(module, name)
+
+        def counted(*args: Any, _real: Any = real, **kw: Any) -> Any:
+            count[0] += 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(module, name, counted)
+    return count
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_R118_entry_moves_ride_in_the_pass_while_copies_are_held(
+    model_dir: str, lazy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30. As Model Runner V2 runs it with the copy hand-offs held (the
+    default), through the real connector hooks: start_load_kv and
+    wait_for_save make no save and no restore of their own; the step's
+    checksum pass makes every entry move, so a step uploads once per worker
+    however many loads, stores and checks it has, and every load still
+    verifies, in steps that load and store alike. Bugs caught (each tried):
+    the launcher's restores left out (loads mismatch); its copies to slots
+    made before the store's entry writes (loads mismatch); the worker's
+    "nothing to checksum" return ignoring the queue (moves made a step late:
+    loads mismatch); the restore still made alone (two uploads a step)."""
+    engine = SimpleOffloadSimEngine(
+        model_dir,
+        simple_side(lazy),
+        f"in-pass-{lazy}",
+        hooks=True,
+        after_forward=True,
+        held=True,
+    )
+    moves = spy_entry_moves(engine, "restore_ids")
+    uploads = count_uploads(monkeypatch)
+    real_step = engine.step
+    both = [0]
+
+    def step() -> Any:
+        before = uploads[0]
+        output = real_step()
+        assert uploads[0] - before <= len(engine.workers)
+        meta = simple_offload_metadata(output.kv_connector_metadata)
+        if meta is not None and meta.store_gpu_blocks and meta.load_cpu_blocks:
+            both[0] += 1
+        return output
+
+    engine.step = step
+    prompts = run_shared_prefixes(engine, 12)
+    loads_beside_stores(engine, prompts, stagger=True, block_size=BS)
+    assert moves == []
+    assert engine.num_loads >= 9 and engine.num_stored_blocks > 0 and both[0] > 0
+    assert_every_load_verified(engine)
+    assert_no_request_state(engine)
+
+
 def test_R118_lazy_mode_stores_evicted_cached_blocks(model_dir: str) -> None:
     """Lazy mode stores GPU blocks that are cached and free (no request holds
     them any more), in free-queue order; every stored block's run names the
@@ -641,7 +712,9 @@ def test_R118_stores_saved_early_only_after_the_whole_forward(
     told: list[bool] = []
 
     class Side:
-        def start_loads(self, metadata: Any, after_forward: bool = False) -> None:
+        def start_loads(
+            self, metadata: Any, after_forward: bool = False, in_pass: bool = False
+        ) -> None:
             told.append(after_forward)
 
     calls: list[str] = []

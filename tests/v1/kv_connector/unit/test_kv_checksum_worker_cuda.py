@@ -251,6 +251,73 @@ def test_restore_rides_in_a_save_on_cuda_without_host_sync() -> None:
     assert cuda_host[1] == 6007 and cuda_host[3] == 7007 and cuda_table[2] == 7007
 
 
+def queued_moves_step(worker: KVChecksumWorker, queued: bool) -> tuple:
+    """Entries of three blocks saved; then a step that finishes their load
+    and, as an offload tier's store and load do, writes blocks 2 and 5's
+    entries, brings blocks 1 and 4's back from host slots 6 and 4 and copies
+    blocks 2, 5 and 1 to slots 3, 0 and 1: queued for the pass (`queued`)
+    or saved at once. Returns the block table, the host slots and the step's
+    pending record (not finalized)."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+        EntryRestore,
+    )
+
+    device = worker.topology.device
+    table = worker.init_block_checksums([0])
+    host = torch.arange(8, dtype=torch.int64, device=device) * 1000 + 7
+    worker.save_block_checksums([(0, 0, BLOCK_IDS, HASHES)])
+    blocks = KVChecksumBlocks(num_tokens=48, groups={0: (0, BLOCK_IDS)})
+    worker.bind(KVChecksumScheduled(reqs_to_load={"load": blocks}))
+    moves = (
+        [(0, 0, np.array([2, 5]), [b"a" * 32, b"b" * 32])],
+        EntryCopy(np.array([2, 5, 1]), np.array([3, 0, 1]), host),
+        EntryRestore(np.array([1, 4]), np.array([6, 4]), host),
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        if queued:
+            worker.queue_block_checksums(*moves)
+        else:
+            worker.save_block_checksums(*moves)
+        pending = worker.post_forward(finished_recving={"load"}, failed_recving=set())
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert pending is not None
+    return table, host, pending
+
+
+def test_queued_entry_moves_ride_in_the_pass_on_cuda_without_host_sync() -> None:
+    """Issue 30, R118: entry moves queued for the step's pass (an offload
+    tier's store and load while its copies are held) leave on CUDA the same
+    block table, host slots and load results as a CPU worker saving them at
+    once over the same bytes, in the pass's one upload and without a host
+    sync; block 1's entry reaches slot 1 after coming back from slot 6.
+    Bugs caught on CPU (test_entry_moves_in_the_pass_are_made_before_the_hand_offs,
+    test_R118_entry_moves_ride_in_the_pass_while_copies_are_held): the copies
+    before the entry writes, the restores left out. Not yet run on a GPU
+    when written (2026-12-05)."""
+    on_cpu, caches = worker_on(torch.device("cpu"), None)
+    on_cuda, _ = worker_on(torch.device("cuda"), caches)
+    want_table, want_host, want = queued_moves_step(on_cpu, queued=False)
+    table, host, pending = queued_moves_step(on_cuda, queued=True)
+    got = pending.finalize()
+    want_record = want.finalize()
+    np.testing.assert_array_equal(table.cpu().numpy(), want_table.numpy())
+    np.testing.assert_array_equal(host.cpu().numpy(), want_host.numpy())
+    np.testing.assert_array_equal(
+        got.checksums["load"][0].values, want_record.checksums["load"][0].values
+    )
+    np.testing.assert_array_equal(
+        got.checksums["load"][0].stored, want_record.checksums["load"][0].stored
+    )
+    copied = host.cpu().numpy()
+    assert copied[1] == 6007 and copied[3] != 3007 and copied[0] != 7
+
+
 def shared_entries(device: torch.device, caches: dict[str, torch.Tensor] | None):
     """A store of three blocks, then in the next step a copy-only store of
     two of them (entries already held: 9e288ff) and, in the step after, a

@@ -160,14 +160,34 @@ class BlockChecksumTable:
             self._save_group_entries(
                 entry_rows, copied if last else None, restored if i == 0 else None
             )
-        if copy is not None and per_group:  # a store: its blocks' entries are in
-            kept = [entry_rows.group_id for entry_rows in per_group]
-            written = blocks.block_ids
-            if not (blocks.groups == kept[0]).all():  # R142: usually one group
-                written = written[np.isin(blocks.groups, kept)]
-            self._stored_this_step.append(written)
+        if copy is not None:  # a store: its blocks' entries are in
+            self._note_stored(blocks, per_group)
         if not per_group and (copied is not None or restored is not None):
             self._move_entries(copied, restored)
+
+    def store_entry_rows(self, runs: Iterable[BlockRun]) -> list[EntryRows]:
+        """Host rows of an offload store's entries (R118), for the worker's
+        launcher to write in the step's one upload (issue 30); its blocks
+        count as written this step, as a `save` with a copy does."""
+        if self.tensor is None:
+            return []
+        blocks = runs if isinstance(runs, FullBlocks) else FullBlocks.from_runs(runs)
+        if not len(blocks.block_ids):
+            return []
+        per_group = self.entry_rows(blocks, self.stored_groups)
+        self._note_stored(blocks, per_group)
+        return per_group
+
+    def _note_stored(self, blocks: FullBlocks, per_group: list[EntryRows]) -> None:
+        """The blocks of `per_group`'s groups are written this step: the
+        step's prefix entries skip them (`prefix_blocks_to_write`)."""
+        if not per_group:
+            return
+        kept = [entry_rows.group_id for entry_rows in per_group]
+        written = blocks.block_ids
+        if not (blocks.groups == kept[0]).all():  # R142: usually one group
+            written = written[np.isin(blocks.groups, kept)]
+        self._stored_this_step.append(written)
 
     def _move_entries(
         self, copy: EntryCopy | None, restore: EntryRestore | None

@@ -21,6 +21,10 @@ from vllm.distributed.kv_transfer.kv_checksum.definition import kernels
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
+from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+    EntryCopy,
+    EntryRestore,
+)
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     RowSegment,
     packed_width,
@@ -123,6 +127,8 @@ class ChecksumLauncher:
         sends: Requests,
         checks: Requests = (),
         saves: Sequence[EntryRows] = (),
+        restores: Sequence[EntryRestore] = (),
+        copies: Sequence[EntryCopy] = (),
     ) -> tuple[list[PassResult], torch.Tensor | None, "StepBuffers | None"]:
         """Build all rows, copy them once to the device and queue every launch.
 
@@ -131,7 +137,10 @@ class ChecksumLauncher:
         (R117, R140). `saves` are the step's prefix entries (R140): written
         first, from the same upload, so that a hit on a block cached this
         step reads its entry; a group's entry write and its hit checks share
-        one launch (issue 30). Returns the results, the one device run
+        one launch (issue 30). An offload tier's entry moves ride in the same
+        upload: `restores` (a load's entries back from its host slots) before
+        anything, `copies` (a store's entries to its slots) after every entry
+        write. Returns the results, the one device run
         holding them all and the step buffers it lives in, for
         `copy_to_host` (None, None without a pass: saves alone use buffers
         of their own, as no record waits for them).
@@ -164,9 +173,9 @@ class ChecksumLauncher:
                         checks_at[plans.group_id] = len(passes)
                     passes.append((plans, plan, reads, req_ids, starts, counts))
                     parts.append(rows)
-        if not passes and not saves:
+        if not passes and not saves and not restores and not copies:
             return [], None, None
-        layout = _Layout(self.groups, passes, parts, saves, checks_at)
+        layout = _Layout(self.groups, passes, parts, saves, checks_at, restores, copies)
         buffers = None
         if passes and REUSE_STEP_BUFFERS and not self.zero_copy:
             sizes = [part.shape[1] for part in layout.parts] + layout.reserve
@@ -180,8 +189,11 @@ class ChecksumLauncher:
         )
         scratch = rows_dev[0]
         part_columns = iter(columns[: len(layout.order)])
-        tag_columns = columns[len(layout.order) : len(layout.parts)]
+        tag_columns = columns[len(layout.order) : layout.first_move]
+        move_columns = columns[layout.first_move : len(layout.parts)]
         segments = iter(columns[len(layout.parts) :])
+        for restore, column in zip(restores, move_columns):
+            self._move(rows_dev, column, len(restore.slots), restore, None)
         results = []
         fused: tuple[EntryRows, int, int] | None = None
         for item, index in layout.order:
@@ -230,6 +242,8 @@ class ChecksumLauncher:
                 self.table.kernels.move(self.table.tensor, ids, stored)
                 result.stored_device = stored
             results.append(result)
+        for copy, column in zip(copies, move_columns[len(restores) :]):
+            self._move(rows_dev, column, len(copy.slots), None, copy)
         if not passes:
             return [], None, None
         first_out = columns[len(layout.parts)]
@@ -245,6 +259,25 @@ class ChecksumLauncher:
                 return buffers
         size = max(MIN_BUFFER_COLUMNS, 1 << (columns - 1).bit_length())
         return StepBuffers.allocate(size, self.topology.device)
+
+    def _move(
+        self,
+        rows_dev: torch.Tensor,
+        column: int,
+        count: int,
+        restore: EntryRestore | None,
+        copy: EntryCopy | None,
+    ) -> None:
+        """One entry move whose (block ids, slots) were uploaded at `column`:
+        `restore`'s slots into the table, or the table into `copy`'s slots."""
+        table = self.table.tensor
+        assert table is not None
+        ids = rows_dev[0, column : column + count]
+        slots = rows_dev[1, column : column + count]
+        if restore is not None:
+            self.table.kernels.move(restore.source, slots, table, ids)
+        elif copy is not None:
+            self.table.kernels.move(table, ids, copy.dest, slots)
 
     def _write_entries(
         self,
@@ -419,11 +452,13 @@ class _SideStreams:
 class _Layout:
     """Where a step's row parts and output segments sit in its one upload.
 
-    Items run in `order`: each prefix-entry write ("save") just before its
+    Items run in `order`: each entry write ("save") just before its
     group's check pass when that pass exists (`save_of_pass`: the two then
     share one launch, their rows and outputs adjacent), else before every
-    pass. Parts: each item's rows, then each save's tags. Reserve: per save
-    its output (rows padded to even), per pass its output and stored entries.
+    pass. Parts: each item's rows, then each save's tags, then from
+    `first_move` each restore's and each copy's (block ids, slots, 0).
+    Reserve: per save its output (rows padded to even), per pass its output
+    and stored entries.
     """
 
     def __init__(
@@ -433,6 +468,8 @@ class _Layout:
         parts: Sequence[np.ndarray],
         saves: Sequence[EntryRows],
         checks_at: dict[int, int],
+        restores: Sequence[EntryRestore] = (),
+        copies: Sequence[EntryCopy] = (),
     ) -> None:
         self.save_of_pass: dict[int, int] = {}  # check pass index -> save index
         self.order: list[tuple[str, int]] = []
@@ -462,3 +499,8 @@ class _Layout:
                 self.parts.append(parts[index])
                 self.reserve += [n * plan.width, n if reads else 0]
         self.parts += [entry_rows.tags for entry_rows in saves]
+        self.first_move = len(self.parts)
+        moves: list[EntryRestore | EntryCopy] = [*restores, *copies]
+        for moved in moves:
+            zeros = np.zeros_like(moved.slots)
+            self.parts.append(np.stack([moved.block_ids, moved.slots, zeros]))

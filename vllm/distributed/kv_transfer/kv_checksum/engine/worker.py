@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopo
 from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
     BlockChecksumTable,
     BlockRun,
+    EntryRows,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.launches import ChecksumLauncher
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import plan_groups
@@ -79,6 +80,11 @@ class KVChecksumWorker:
         # Prefix-cache hits (R140): this step's checks and entries to save.
         self._to_check: dict[str, KVChecksumBlocks] = {}
         self._to_save: list = []
+        # An offload tier's entry writes and moves queued for this step's
+        # pass (`queue_block_checksums`): made in its one upload.
+        self._queued_rows: list[EntryRows] = []
+        self._queued_restores: list[EntryRestore] = []
+        self._queued_copies: list[EntryCopy] = []
 
     def warm_up(self) -> None:
         """Compile every launch and load the entry writes' device code at
@@ -93,6 +99,7 @@ class KVChecksumWorker:
 
     def bind(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take this step's requests: sends replace, receives and loads accumulate."""
+        self.flush_queued_entries()  # none left by a step that made its pass
         self.block_table.new_step()
         if scheduled is None:  # most steps: nothing new, nothing allocated (R142)
             if self._to_send or self._to_check or self._to_save:
@@ -142,6 +149,9 @@ class KVChecksumWorker:
             or self._to_send
             or self._to_check
             or self._to_save
+            or self._queued_rows
+            or self._queued_restores
+            or self._queued_copies
         ):
             return None  # most steps: nothing to checksum (R142)
         failed = set(failed_recving or ())
@@ -163,18 +173,22 @@ class KVChecksumWorker:
         self._to_send = {}
         # This step's prefix entries ride in the launcher's upload, written
         # before the checks read them (R140; issue 30: one upload a step).
-        saves = (
-            self.block_table.prefix_entry_rows(self._to_save) if self._to_save else []
-        )
+        # An offload tier's queued store entries come first: the step's
+        # prefix entries skip the blocks they write.
+        restores, copies, saves = self._take_queued_entries()
+        if self._to_save:
+            saves += self.block_table.prefix_entry_rows(self._to_save)
         checks = list(self._to_check.items())
         self._to_save, self._to_check = [], {}
         keep_received = self.topology.pp_rank == 0 and self.topology.tp_rank == 0
         received = dict(received or {}) if keep_received else {}
         if not recvs and not loads and not sends and not received and not checks:
-            if saves:
-                self.launcher.launch((), (), (), (), saves)
+            if saves or restores or copies:
+                self.launcher.launch((), (), (), (), saves, restores, copies)
             return None
-        results, run, buffers = self.launcher.launch(recvs, loads, sends, checks, saves)
+        results, run, buffers = self.launcher.launch(
+            recvs, loads, sends, checks, saves, restores, copies
+        )
         pending = KVChecksumPendingRecord(
             pp_rank=self.topology.pp_rank,
             tp_rank=self.topology.tp_rank,
@@ -222,6 +236,37 @@ class KVChecksumWorker:
         `copy`: then copy entries to an offload tier's slots; `restore`: first
         bring a load's entries back from them; all in one upload."""
         self.block_table.save(runs, copy=copy, restore=restore)
+
+    def queue_block_checksums(
+        self,
+        runs: Iterable[BlockRun],
+        copy: EntryCopy | None = None,
+        restore: EntryRestore | None = None,
+    ) -> None:
+        """`save_block_checksums`, made by this step's `post_forward` in the
+        pass's one upload and launch sequence (issue 30): restores first, then
+        every entry write, then the copies to slots. For a caller that keeps
+        the step's copies back until then (`flush_queued_entries` makes what
+        is left if the pass does not run)."""
+        if restore is not None and len(restore.slots):
+            self._queued_restores.append(restore)
+        self._queued_rows += self.block_table.store_entry_rows(runs)
+        if copy is not None and len(copy.slots):
+            self._queued_copies.append(copy)
+
+    def flush_queued_entries(self) -> None:
+        """Make the queued entry moves now, in one upload, if any are left."""
+        if self._queued_rows or self._queued_restores or self._queued_copies:
+            restores, copies, saves = self._take_queued_entries()
+            self.launcher.launch((), (), (), (), saves, restores, copies)
+
+    def _take_queued_entries(
+        self,
+    ) -> tuple[list[EntryRestore], list[EntryCopy], list[EntryRows]]:
+        """The queued restores, copies and entry rows, the queue emptied."""
+        taken = (self._queued_restores, self._queued_copies, self._queued_rows)
+        self._queued_restores, self._queued_copies, self._queued_rows = [], [], []
+        return taken
 
 
 def drafter_layer_names(vllm_config: object) -> set[str]:

@@ -39,6 +39,11 @@ class HeldCalls:
         """From now on `hold` holds (its caller releases every hold)."""
         self.armed = True
 
+    def disarm(self) -> None:
+        """From now on `hold` does not hold (checksums went off); calls kept
+        already still wait for `release`."""
+        self.armed = False
+
     def hold(self) -> None:
         """Keep the calls from now until `release`, once armed."""
         self.holding = self.armed

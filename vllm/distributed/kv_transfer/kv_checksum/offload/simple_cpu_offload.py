@@ -23,9 +23,11 @@ the number of prefix tokens it covers, (position + 1) * block size. So:
   into a host-slot table indexed by CPU block id (`HostEntryTable` with one
   block per chunk); before a load event's copy is submitted, the entries of
   the loaded CPU blocks go back into the block table at the GPU block ids,
-  queued on the current stream (no host sync, R55). When the wiring says so
-  (loads started after the forward, `SAVE_STORES_WITH_LOADS`), the step's
-  store entries are saved then too, in the same upload;
+  queued on the current stream (no host sync, R55). When the wiring keeps
+  the step's copies back until its checksum pass (`in_pass`), both are
+  queued for that pass instead, in its one upload; when it says so (loads
+  started after the forward, `SAVE_STORES_WITH_LOADS`), the step's store
+  entries are saved with the loads' in start_load_kv;
 - scheduler side, `on_failure`: the CPU blocks of a failed load at the
   mismatched positions are dropped (R121) through `HostCopyDropper`; the
   wiring's removal takes the block's hashes out of the CPU prefix cache at
@@ -301,32 +303,42 @@ class SimpleOffloadWorkerSide:
         # `save_stores` skips them).
         self._saved: Any = None
 
-    def save_stores(self, metadata: Any) -> None:
+    def save_stores(self, metadata: Any, in_pass: bool = False) -> None:
         """Entries of this step's stored blocks, into their CPU blocks' slots.
 
         Queued on the current stream after the forward and before the store
         copy waits on it (vLLM's wait_for_save records that event after us).
-        Nothing when `start_loads` already saved this step's stores.
+        `in_pass`: the store's copy is kept back until the step's checksum
+        pass, so the entries are queued for that pass's one upload (issue
+        30). Nothing when `start_loads` already saved this step's stores.
         """
         if metadata is self._saved:
             self._saved = None
             return
-        self._save(metadata)
+        self._save(metadata, in_pass=in_pass)
 
-    def start_loads(self, metadata: Any, after_forward: bool = False) -> None:
+    def start_loads(
+        self, metadata: Any, after_forward: bool = False, in_pass: bool = False
+    ) -> None:
         """Before the load copy is submitted: faults (if configured), then the
         loaded CPU blocks' entries into the block table at the GPU ids.
 
-        `after_forward`: the step's forward is already queued (vLLM starts
-        loads after it unless some are synchronous), so this step's stores
-        are saved here too, in the same upload as the loads' entries, before
-        vLLM hands either batch to its copy thread (issue 30); the step's
-        `save_stores` then does nothing.
+        `in_pass`: the load's copy is kept back until the step's checksum
+        pass, so its entries' move is queued for that pass's one upload
+        (issue 30). Else `after_forward`: the step's forward is already
+        queued (vLLM starts loads after it unless some are synchronous), so
+        this step's stores are saved here too, in the same upload as the
+        loads' entries, before vLLM hands either batch to its copy thread
+        (issue 30); the step's `save_stores` then does nothing.
         """
         cpu_ids = getattr(metadata, "load_cpu_blocks", None)
         if cpu_ids and self.injector is not None:
             self._inject(metadata, cpu_ids)
-        if after_forward and getattr(metadata, "store_gpu_blocks", None):
+        if in_pass:
+            if cpu_ids:
+                restore = self.entries.restore_of(metadata.load_gpu_blocks, cpu_ids)
+                self.checksum_worker.queue_block_checksums((), restore=restore)
+        elif after_forward and getattr(metadata, "store_gpu_blocks", None):
             restore = None
             if cpu_ids:
                 restore = self.entries.restore_of(metadata.load_gpu_blocks, cpu_ids)
@@ -335,19 +347,25 @@ class SimpleOffloadWorkerSide:
         elif cpu_ids:
             self.entries.restore_ids(metadata.load_gpu_blocks, cpu_ids)
 
-    def _save(self, metadata: Any, restore: EntryRestore | None = None) -> None:
-        """The stored blocks' entries into their slots (after `restore`)."""
+    def _save(
+        self,
+        metadata: Any,
+        restore: EntryRestore | None = None,
+        in_pass: bool = False,
+    ) -> None:
+        """The stored blocks' entries into their slots (after `restore`),
+        now or (`in_pass`) in the step's checksum pass."""
         gpu_ids = getattr(metadata, "store_gpu_blocks", None)
         if not gpu_ids:
             if restore is not None:  # the loads' entries all the same
                 self.entries.restore_ids(restore.block_ids, restore.slots)
             return
         runs = getattr(metadata, "kv_checksum_store_runs", None) or []
-        self.checksum_worker.save_block_checksums(
-            runs,
-            self.entries.copy_to_slots(gpu_ids, metadata.store_cpu_blocks),
-            restore,
-        )
+        copy = self.entries.copy_to_slots(gpu_ids, metadata.store_cpu_blocks)
+        if in_pass:
+            self.checksum_worker.queue_block_checksums(runs, copy, restore)
+        else:
+            self.checksum_worker.save_block_checksums(runs, copy, restore)
 
     def _inject(self, metadata: Any, cpu_ids: Sequence[int]) -> None:
         """Each loading request's first CPU block may be corrupted (R131)."""

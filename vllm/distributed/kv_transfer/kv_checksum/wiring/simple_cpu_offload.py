@@ -16,11 +16,14 @@ SimpleCPUOffloadConnector.build_connector_meta
     Upstream: the metadata carrying each stored block's place
 SimpleCPUOffloadConnector.wait_for_save
     Why: entries go to their CPU slots before the store event (unless
-    start_load_kv saved them)
+    start_load_kv saved them); while the step's copies are held, queued for
+    the step's checksum pass instead (`ENTRY_MOVES_IN_PASS`)
     How: before the original
     Upstream: the worker moving a per-block payload
 SimpleCPUOffloadConnector.start_load_kv
     Why: entries come back before the load copy; host faults first (R131);
+    while the step's copies are held, the move is queued for the step's
+    checksum pass (`ENTRY_MOVES_IN_PASS`: one upload a step, issue 30); else
     with `SAVE_STORES_WITH_LOADS` (wiring/offloading.py, off by default) and
     called after the forward (Model Runner V2 without sync loads), the step's
     store entries go in the same upload
@@ -70,6 +73,11 @@ logger = init_logger(__name__)
 # Keep a step's copy hand-offs back until its checksum work is queued (issue
 # 30); `gpu_runs.sh trial-no-hold` sets it False for an engine A/B.
 HOLD_COPY_HAND_OFFS = True
+# While they are held, the step's entry moves (the loads' restores, the
+# stores' entry writes and copies to slots) ride in the checksum pass's one
+# upload instead of two uploads of their own (issue 30);
+# `gpu_runs.sh trial-own-uploads` sets it False for an engine A/B.
+ENTRY_MOVES_IN_PASS = True
 
 
 def install_simple_offload_connector() -> None:
@@ -134,6 +142,9 @@ def install_simple_offload_connector() -> None:
         side = self.__dict__.get("_kv_checksum_simple_offload_worker")
         if side is not None:
             after = loads_after_forward(getattr(self, "_vllm_config", None), kw)
+            held = self.__dict__.get("_kv_checksum_held_copies")
+            if after and held is not None:
+                held.hold()  # released at the end of post_forward (issue 30)
             with _guard(
                 self,
                 "_kv_checksum_simple_offload_worker",
@@ -141,11 +152,10 @@ def install_simple_offload_connector() -> None:
                 _disable_offload_worker,
             ):
                 side.start_loads(
-                    self._connector_metadata, save_stores_with_loads(after)
+                    self._connector_metadata,
+                    save_stores_with_loads(after),
+                    _moves_in_pass(held),
                 )
-            held = self.__dict__.get("_kv_checksum_held_copies")
-            if after and held is not None:
-                held.hold()  # released at the end of post_forward (issue 30)
         return original(self, *args, **kw)
 
     @_wrap(connector, "wait_for_save")
@@ -153,14 +163,23 @@ def install_simple_offload_connector() -> None:
         """R118: the stored blocks' entries, into their CPU blocks' slots."""
         side = self.__dict__.get("_kv_checksum_simple_offload_worker")
         if side is not None:
+            held = self.__dict__.get("_kv_checksum_held_copies")
             with _guard(
                 self,
                 "_kv_checksum_simple_offload_worker",
                 "store",
                 _disable_offload_worker,
             ):
-                side.save_stores(self._connector_metadata)
+                side.save_stores(self._connector_metadata, _moves_in_pass(held))
         return original(self)
+
+
+def _moves_in_pass(held: HeldCalls | None) -> bool:
+    """Whether the step's entry moves wait for its checksum pass: only while
+    its copy hand-offs are held, which the ActiveKVConnector.post_forward
+    hook releases after that pass (and after making whatever the pass did
+    not, `flush_queued_entries`)."""
+    return ENTRY_MOVES_IN_PASS and held is not None and held.holding
 
 
 def _simple_offload_children(connector: Any) -> list[Any]:

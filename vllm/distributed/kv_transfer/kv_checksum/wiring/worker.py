@@ -18,7 +18,8 @@ ActiveKVConnector.__init__, pre_forward, post_forward
 ActiveKVConnector.post_forward (also)
     Why: a SimpleCPUOffloadConnector's copy hand-offs are held while the
     step's checksum work is queued (wiring/simple_cpu_offload.py)
-    How: released in a `finally` after the rest of the hook
+    How: released in a `finally` after the rest of the hook, once the entry
+    moves queued for the checksum pass are made (if the pass did not run)
     Upstream: a connector hook run before the step's copies are handed off
 connector get_transfer_results (instance)
     Why: keep the transfer results for post_forward
@@ -163,7 +164,8 @@ def install_worker_hooks() -> None:
         "checksums disabled" record instead; after one in an offload
         connector's worker side, one "offload tier off" record too (R134).
         A SimpleCPUOffloadConnector's held copy hand-offs are made last,
-        whatever happened before (issue 30).
+        whatever happened before, after the entry moves queued for the
+        checksum pass (issue 30).
         Upstream: the same call inside post_forward.
         """
         held = self._kv_checksum_held_copies
@@ -176,6 +178,7 @@ def install_worker_hooks() -> None:
                 original, self, finished_req_ids, *args, **kw
             )
         finally:
+            _flush_queued_entries(self)
             for copies in held:
                 copies.release()
 
@@ -243,12 +246,29 @@ def _checksum_after_forward(
     return output
 
 
+def _flush_queued_entries(active: Any) -> None:
+    """The offload tier's entry moves the checksum pass did not make (it did
+    not run, or raised), made before the held copies go: a store copy must
+    find its entries in their slots. An error turns the worker off (R134)."""
+    worker = active.__dict__.get("kv_checksum_worker")
+    if worker is None:
+        return
+    try:
+        worker.flush_queued_entries()
+    except Exception:
+        _disable_worker(active, "kv_checksum_worker", "post_forward")
+
+
 def _disable_worker(active: Any, attr: str, where: str) -> None:
     """`_disable_after_error` for an ActiveKVConnector's checksum worker that
     also queues a "checksums disabled" record for its next output, so the
-    scheduler stops expecting this worker's records (R134)."""
+    scheduler stops expecting this worker's records (R134). Held copy
+    hand-offs are no longer held from the next step: they served the
+    checksum work, and nothing queued for it is made any more."""
     worker = active.__dict__.get(attr)
     _disable_after_error(active, attr, where)
+    for held in active._kv_checksum_held_copies:
+        held.disarm()
     try:
         active._kv_checksum_disabled = _disabled_record(worker)
     except Exception:
