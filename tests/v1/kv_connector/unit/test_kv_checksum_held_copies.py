@@ -230,6 +230,18 @@ def _spy(owner: Any, name: str, note: Any) -> None:
     setattr(owner, name, spy)
 
 
+def _step_with_vllm_raising(env: Any) -> None:
+    """`_run_step` (loads after the forward) with vLLM's own post_forward
+    raising from the connector's get_finished; the error reaches the caller."""
+
+    def broken(finished_req_ids: set[str]) -> Any:
+        raise RuntimeError("transfer results")
+
+    env.connector.get_finished = broken
+    with pytest.raises(RuntimeError, match="transfer results"):
+        _run_step(env, sync_loads=False)
+
+
 def test_hand_offs_wait_for_the_steps_checksum_work(simple_active: Any) -> None:
     """Loads after the forward: the store's and the load's entry moves are
     queued and the checksum worker's post_forward makes them in its one
@@ -336,13 +348,7 @@ def test_queued_moves_made_when_vllms_post_forward_raises(
     0 when the store batch goes)."""
     env = simple_active(True)
     seen = _entries_at_hand_offs(env)
-
-    def broken(finished_req_ids: set[str]) -> Any:
-        raise RuntimeError("transfer results")
-
-    env.connector.get_finished = broken
-    with pytest.raises(RuntimeError, match="transfer results"):
-        _run_step(env, sync_loads=False)
+    _step_with_vllm_raising(env)
     entry = int(env.active.kv_checksum_worker.block_table.tensor[5])
     assert entry != 0
     assert seen == [(False, 444, entry), (True, 444, entry)]
@@ -380,13 +386,7 @@ def test_hand_offs_made_when_vllms_post_forward_raises(simple_active: Any) -> No
     handed off (their requests would otherwise wait forever). Bug caught
     (tried): the release not in a `finally`."""
     env = simple_active(True)
-
-    def broken(finished_req_ids: set[str]) -> Any:
-        raise RuntimeError("transfer results")
-
-    env.connector.get_finished = broken
-    with pytest.raises(RuntimeError, match="transfer results"):
-        _run_step(env, sync_loads=False)
+    _step_with_vllm_raising(env)
     assert _handed_off(env.backend) == [False, True]
     assert not any(h.holding for h in env.active._kv_checksum_held_copies)
 
