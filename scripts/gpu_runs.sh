@@ -45,7 +45,8 @@
 #                                             # trial-step-buffers, kernel-trials,
 #                                             # trial-early-saves,
 #                                             # trial-no-hold,
-#                                             # trial-own-uploads (issue 30),
+#                                             # trial-own-uploads,
+#                                             # trial-defer-stores (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time

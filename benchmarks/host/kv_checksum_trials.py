@@ -53,6 +53,10 @@ TRIALS: dict[str, Trial] = {
     # (restores, store entries, copies to slots) make uploads of their own,
     # not ride in the checksum pass's (default True since 2026-12-05).
     "own-uploads": Trial(f"{_WIRING}.simple_cpu_offload", "ENTRY_MOVES_IN_PASS", False),
+    # With the moves in the pass, SimpleCPUOffloadConnector's store entries
+    # wait for a later launch or the step reporting the store complete
+    # (default False since 2026-12-05d).
+    "defer-stores": Trial(f"{_WIRING}.simple_cpu_offload", "DEFER_STORE_ENTRIES", True),
     # Step results written into pinned host memory by a kernel.
     "zero-copy": Trial(_KERNELS, "ZERO_COPY_RESULTS", True),
     # Chunks of 4,096 pieces (SPEC R57 says 16,384); run cuda-tests after it.

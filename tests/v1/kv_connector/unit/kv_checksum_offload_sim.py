@@ -370,6 +370,7 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         hooks: bool = False,
         after_forward: bool = False,
         held: bool = False,
+        delay_stores: bool = False,
     ) -> None:
         super().__init__(model_dir, side, name)
         self.hooks = hooks
@@ -419,6 +420,11 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             calls.arm()
             if bare is not None:
                 bare._kv_checksum_held_copies = calls
+        # With `delay_stores`, a store event is reported complete in the next
+        # step's output (vLLM's copy thread finishes it after the step), as
+        # deferred store entries (`DEFER_STORE_ENTRIES`) expect.
+        self.delay_stores = delay_stores
+        self._pending_stores: list[int] = []
         self.num_loads = 0
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
@@ -464,16 +470,31 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             self.num_stored_blocks += len(meta.store_gpu_blocks)
         finished, _ = self._finished_loads(finished, [])
         records = self._records(finished, output)
+        completed = self._completed_stores(meta.store_event if stored else None)
+        if completed and self.held:
+            # As the post_forward hook, before the output reports the stores:
+            # their deferred entries, if any.
+            for worker in self.workers:
+                worker.checksum.flush_queued_entries(deferred=True)
         for calls in self.held:
             calls.release()
         kv_output = make_kv_connector_output(finished_recving=finished)
-        if stored:
+        if completed:
             kv_output.kv_connector_worker_meta = self._worker_meta(
                 SimpleCPUOffloadWorkerMetadata(
-                    completed_store_events={meta.store_event: len(self.workers)}
+                    completed_store_events=dict.fromkeys(completed, len(self.workers))
                 )
             )
         return self._finish(output, kv_output, records)
+
+    def _completed_stores(self, event: int | None) -> list[int]:
+        """The store events this step's output reports complete: its own
+        (`event`), or with `delay_stores` the previous step's."""
+        mine = [] if event is None else [event]
+        if not self.delay_stores:
+            return mine
+        done, self._pending_stores = self._pending_stores, mine
+        return done
 
     def _start_loads(self, output: Any, meta: Any) -> set[str]:
         """Each worker's start_load_kv, then the load event's copy; returns

@@ -354,6 +354,49 @@ def test_queued_moves_made_when_vllms_post_forward_raises(
     assert seen == [(False, 444, entry), (True, 444, entry)]
 
 
+def _store_only(env: Any, completed: dict[int, int] | None) -> tuple[int, int]:
+    """One step, loads after the forward, that stores GPU block 5 into CPU
+    block 6 and loads nothing; vLLM's worker reports `completed` store
+    events in its output. Returns host slot 6's entry and GPU block 5's
+    table entry after the step."""
+    output = _step_output(sync_loads=False)
+    meta = output.kv_connector_metadata
+    meta.load_cpu_blocks, meta.load_gpu_blocks, meta.load_event_to_reqs = [], [], {}
+    env.connector.worker_handler._completed_store_events = dict(completed or {})
+    input_batch = SimpleNamespace(idx_mapping=None, req_ids=["r"], num_tokens=1)
+    env.active.pre_forward(output, input_batch)
+    env.active.finish_forward()
+    env.active.post_forward(set())
+    slots = env.connector._kv_checksum_simple_offload_worker.entries.entries
+    table = env.active.kv_checksum_worker.block_table.tensor
+    return int(slots[6]), int(table[5])
+
+
+def test_deferred_store_entries_wait_for_the_step_reporting_the_store(
+    simple_active: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30, R118 (`DEFER_STORE_ENTRIES`, off by default): a store's
+    entries are not made in its own step when nothing else launches; the
+    next step, whose output reports store events complete (vLLM's
+    SimpleCPUOffloadWorker metadata), makes them before it returns, with
+    one upload: host slot 6 then holds the entry GPU block 5 gets.
+    Bug caught (tried): the completion not read from the output (slot 6
+    still 0 after the reporting step)."""
+    from tests.v1.kv_connector.unit.test_kv_checksum_simple_offload import (
+        count_uploads,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
+
+    monkeypatch.setattr(simple_cpu_offload, "DEFER_STORE_ENTRIES", True)
+    uploads = count_uploads(monkeypatch)
+    env = simple_active(True)
+    assert _store_only(env, None) == (0, 0)
+    assert uploads[0] == 0
+    slot, entry = _store_only(env, {0: 1})
+    assert slot == entry != 0
+    assert uploads[0] == 1
+
+
 def test_a_worker_turned_off_holds_no_more(simple_active: Any) -> None:
     """R134: once an error turned a worker's checksums off, its copies are
     handed off where vLLM hands them off again (nothing queued for a pass
@@ -367,7 +410,7 @@ def test_a_worker_turned_off_holds_no_more(simple_active: Any) -> None:
     wiring_worker._disable_worker(env.active, "kv_checksum_worker", "test")
     assert not held.armed
     _run_step(env, sync_loads=False)
-    assert not worker._queued_copies and not worker._queued_restores
+    assert not worker.queued.pending()
 
 
 def test_sync_loads_are_handed_off_at_once(simple_active: Any) -> None:

@@ -418,6 +418,105 @@ def test_R118_entry_moves_ride_in_the_pass_while_copies_are_held(
     assert_no_request_state(engine)
 
 
+def launches_with_delayed_stores(
+    model_dir: str, lazy: bool, name: str
+) -> tuple[SimpleOffloadSimEngine, int]:
+    """A sim run with the moves in the pass and every store reported
+    complete a step later (as vLLM's copy thread reports them), through the
+    real hooks: shared prefixes, then loads beside stores. Returns the
+    engine and worker 0's launches."""
+    engine = SimpleOffloadSimEngine(
+        model_dir,
+        simple_side(lazy),
+        name,
+        hooks=True,
+        after_forward=True,
+        held=True,
+        delay_stores=True,
+    )
+    launcher = engine.workers[0].checksum.launcher
+    real_launch, launches = launcher.launch, [0]
+
+    def launch(*args: Any, **kw: Any) -> Any:
+        launches[0] += 1
+        return real_launch(*args, **kw)
+
+    launcher.launch = launch
+    prompts = run_shared_prefixes(engine, 12)
+    loads_beside_stores(engine, prompts, stagger=True, block_size=BS)
+    engine.step()  # the last store reported complete
+    return engine, launches[0]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_R118_store_entries_deferred_to_the_step_reporting_the_store(
+    model_dir: str, lazy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30. With the moves in the pass and stores reported complete a
+    step later, every load verifies as is; with `DEFER_STORE_ENTRIES` (off
+    by default) a store's entry write and copy wait for a later launch or
+    for the step whose output reports the store complete, every load still
+    verifies, and the same run takes fewer launches (steps that store share
+    one). Bugs caught (each tried): the deferred entries not made when their
+    store is reported (loads mismatch: their copies carry no entry); a
+    launch leaving deferred copies behind (mismatch); deferral never taken
+    (as many launches)."""
+    counts = {}
+    for defer in (False, True):
+        monkeypatch.setattr(wiring_simple, "DEFER_STORE_ENTRIES", defer)
+        engine, counts[defer] = launches_with_delayed_stores(
+            model_dir, lazy, f"defer-{lazy}-{defer}"
+        )
+        assert engine.num_loads >= 9 and engine.num_stored_blocks > 0
+        assert_every_load_verified(engine)
+        assert_no_request_state(engine)
+    assert counts[True] < counts[False]
+
+
+def test_R142_deferred_store_moves_wait_within_a_bound() -> None:
+    """Issue 30: deferred store moves are not due (a flush without
+    `deferred` leaves them) until they hold more than DEFERRED_BLOCKS_LIMIT
+    blocks; `take` returns every move, the deferred rows and copies before
+    this step's, and empties the queue; a restore is never deferred. Bugs
+    caught (tried): no bound (a run of stores nobody reports would grow the
+    queue without end); a restore not made with the step's moves (a load
+    checked against a stale entry)."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+        EntryRestore,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.engine import entry_queue
+    from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
+        EntryRows,
+    )
+
+    def rows(n: int) -> EntryRows:
+        return EntryRows(0, np.zeros((3, n), np.int64), np.zeros((3, n), np.int64))
+
+    def copy(n: int) -> EntryCopy:
+        ids = np.arange(n, dtype=np.int64)
+        return EntryCopy(ids, ids, torch.zeros(1))
+
+    queue = entry_queue.QueuedEntryMoves()
+    restore = EntryRestore(np.array([1]), np.array([2]), torch.zeros(1))
+    queue.add([rows(2)], copy(2), restore, defer=True)
+    assert queue.due() and queue.pending()  # the restore
+    first, later = rows(3), rows(4)
+    taken = queue.take()
+    assert taken[0] == [restore] and not queue.pending()
+    limit = entry_queue.DEFERRED_BLOCKS_LIMIT
+    queue.add([first], copy(3), None, defer=True)
+    queue.add([rows(limit // 2 - 3)], copy(limit // 2 - 3), None, defer=True)
+    assert queue.pending() and not queue.due()
+    queue.add([later], None, None)
+    assert queue.due()
+    restores, copies, saves = queue.take()
+    assert saves[0] is first and saves[-1] is later and len(copies) == 2
+    assert not queue.pending()
+    queue.add([rows(limit)], copy(1), None, defer=True)
+    assert queue.due()
+
+
 def test_R118_lazy_mode_stores_evicted_cached_blocks(model_dir: str) -> None:
     """Lazy mode stores GPU blocks that are cached and free (no request holds
     them any more), in free-queue order; every stored block's run names the

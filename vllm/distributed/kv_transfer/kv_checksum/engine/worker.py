@@ -31,7 +31,9 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopo
 from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
     BlockChecksumTable,
     BlockRun,
-    EntryRows,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.entry_queue import (
+    QueuedEntryMoves,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.launches import ChecksumLauncher
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import plan_groups
@@ -82,9 +84,7 @@ class KVChecksumWorker:
         self._to_save: list = []
         # An offload tier's entry writes and moves queued for this step's
         # pass (`queue_block_checksums`): made in its one upload.
-        self._queued_rows: list[EntryRows] = []
-        self._queued_restores: list[EntryRestore] = []
-        self._queued_copies: list[EntryCopy] = []
+        self.queued = QueuedEntryMoves()
 
     def warm_up(self) -> None:
         """Compile every launch and load the entry writes' device code at
@@ -99,7 +99,7 @@ class KVChecksumWorker:
 
     def bind(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take this step's requests: sends replace, receives and loads accumulate."""
-        self.flush_queued_entries()  # none left by a step that made its pass
+        self.flush_queued_entries()  # none due left by a step that made its pass
         self.block_table.new_step()
         if scheduled is None:  # most steps: nothing new, nothing allocated (R142)
             if self._to_send or self._to_check or self._to_save:
@@ -149,9 +149,7 @@ class KVChecksumWorker:
             or self._to_send
             or self._to_check
             or self._to_save
-            or self._queued_rows
-            or self._queued_restores
-            or self._queued_copies
+            or self.queued.due()
         ):
             return None  # most steps: nothing to checksum (R142)
         failed = set(failed_recving or ())
@@ -175,7 +173,7 @@ class KVChecksumWorker:
         # before the checks read them (R140; issue 30: one upload a step).
         # An offload tier's queued store entries come first: the step's
         # prefix entries skip the blocks they write.
-        restores, copies, saves = self._take_queued_entries()
+        restores, copies, saves = self.queued.take()
         if self._to_save:
             saves += self.block_table.prefix_entry_rows(self._to_save)
         checks = list(self._to_check.items())
@@ -224,6 +222,7 @@ class KVChecksumWorker:
         to date: from now on loads report no stored entries, and are
         unverified rather than mismatched against stale entries."""
         self.block_table.stored_groups.clear()
+        self.queued = QueuedEntryMoves()
 
     def save_block_checksums(
         self,
@@ -234,7 +233,9 @@ class KVChecksumWorker:
         """Write the entries of the registered groups' full blocks (R118); each
         run is (group id, first position, block ids, their block hashes).
         `copy`: then copy entries to an offload tier's slots; `restore`: first
-        bring a load's entries back from them; all in one upload."""
+        bring a load's entries back from them; all in one upload. Queued
+        moves are made first (they were asked for earlier)."""
+        self.flush_queued_entries(deferred=True)
         self.block_table.save(runs, copy=copy, restore=restore)
 
     def queue_block_checksums(
@@ -242,31 +243,24 @@ class KVChecksumWorker:
         runs: Iterable[BlockRun],
         copy: EntryCopy | None = None,
         restore: EntryRestore | None = None,
+        defer: bool = False,
     ) -> None:
         """`save_block_checksums`, made by this step's `post_forward` in the
         pass's one upload and launch sequence (issue 30): restores first, then
         every entry write, then the copies to slots. For a caller that keeps
         the step's copies back until then (`flush_queued_entries` makes what
-        is left if the pass does not run)."""
-        if restore is not None and len(restore.slots):
-            self._queued_restores.append(restore)
-        self._queued_rows += self.block_table.store_entry_rows(runs)
-        if copy is not None and len(copy.slots):
-            self._queued_copies.append(copy)
+        is left if the pass does not run). `defer`: the store's rows and copy
+        may wait for a later launch, or for `flush_queued_entries(deferred=
+        True)` in the step that reports the store complete."""
+        rows = self.block_table.store_entry_rows(runs)
+        self.queued.add(rows, copy, restore, defer)
 
-    def flush_queued_entries(self) -> None:
-        """Make the queued entry moves now, in one upload, if any are left."""
-        if self._queued_rows or self._queued_restores or self._queued_copies:
-            restores, copies, saves = self._take_queued_entries()
+    def flush_queued_entries(self, deferred: bool = False) -> None:
+        """Make the queued entry moves that are due now (`deferred`: all of
+        them), in one upload, if any are left."""
+        if self.queued.due() or (deferred and self.queued.pending()):
+            restores, copies, saves = self.queued.take()
             self.launcher.launch((), (), (), (), saves, restores, copies)
-
-    def _take_queued_entries(
-        self,
-    ) -> tuple[list[EntryRestore], list[EntryCopy], list[EntryRows]]:
-        """The queued restores, copies and entry rows, the queue emptied."""
-        taken = (self._queued_restores, self._queued_copies, self._queued_rows)
-        self._queued_restores, self._queued_copies, self._queued_rows = [], [], []
-        return taken
 
 
 def drafter_layer_names(vllm_config: object) -> set[str]:

@@ -173,12 +173,14 @@ def install_worker_hooks() -> None:
             return _checksum_after_forward(
                 original, self, finished_req_ids, *args, **kw
             )
+        output = None
         try:
-            return _checksum_after_forward(
+            output = _checksum_after_forward(
                 original, self, finished_req_ids, *args, **kw
             )
+            return output
         finally:
-            _flush_queued_entries(self)
+            _flush_queued_entries(self, _may_report_stores(output))
             for copies in held:
                 copies.release()
 
@@ -246,15 +248,25 @@ def _checksum_after_forward(
     return output
 
 
-def _flush_queued_entries(active: Any) -> None:
+def _may_report_stores(output: Any) -> bool:
+    """Whether a post_forward output may tell the scheduler that stores
+    completed: any connector worker metadata (SimpleCPUOffloadConnector's
+    completed store events, inside MultiConnector's too), or no output at
+    all (vLLM's post_forward raised: whatever follows is not known)."""
+    return output is None or output.kv_connector_worker_meta is not None
+
+
+def _flush_queued_entries(active: Any, stores_reported: bool = True) -> None:
     """The offload tier's entry moves the checksum pass did not make (it did
-    not run, or raised), made before the held copies go: a store copy must
-    find its entries in their slots. An error turns the worker off (R134)."""
+    not run, or raised), made before the held copies go, and deferred store
+    entries too when the output may report their stores complete (a load
+    may read those copies from the next step on). An error turns the worker
+    off (R134)."""
     worker = active.__dict__.get("kv_checksum_worker")
     if worker is None:
         return
     try:
-        worker.flush_queued_entries()
+        worker.flush_queued_entries(deferred=stores_reported)
     except Exception:
         _disable_worker(active, "kv_checksum_worker", "post_forward")
 
