@@ -513,7 +513,9 @@ def test_R142_deferred_store_moves_wait_within_a_bound() -> None:
     restores, copies, saves = queue.take()
     assert saves[0] is first and saves[-1] is later and len(copies) == 2
     assert not queue.pending()
-    queue.add([rows(limit)], copy(1), None, defer=True)
+    queue.add([rows(limit)], copy(limit), None, defer=True)
+    assert not queue.due()  # a store of `limit` blocks, counted once
+    queue.add([], copy(1), None, defer=True)
     assert queue.due()
 
 

@@ -53,8 +53,10 @@ class QueuedEntryMoves:
         if defer:
             self.deferred_rows += rows
             self.deferred_copies += copies
-            self.deferred_blocks += sum(r.rows.shape[1] for r in rows)
-            self.deferred_blocks += sum(len(c.slots) for c in copies)
+            # A store's blocks: its copy has one slot each, its rows at most
+            # one each (those whose entry is not held already).
+            written = sum(r.rows.shape[1] for r in rows)
+            self.deferred_blocks += max(written, sum(len(c.slots) for c in copies))
         else:
             self.rows += rows
             self.copies += copies
