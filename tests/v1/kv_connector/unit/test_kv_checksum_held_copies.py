@@ -317,7 +317,7 @@ def test_entry_moves_in_the_pass_are_made_before_the_hand_offs(
 def test_entry_moves_in_the_pass_make_one_upload_a_step(
     simple_active: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 30: a step that loads and stores makes one pinned upload for
+    """Issue 30, R142: a step that loads and stores makes one pinned upload for
     all its checksum device work with the moves in the pass (its restore,
     its store's entry write and copy), two without (the restore's and the
     save's; no load finished, so no pass of its own). Bug caught (tried):
@@ -341,8 +341,8 @@ def test_entry_moves_in_the_pass_make_one_upload_a_step(
 def test_queued_moves_made_when_vllms_post_forward_raises(
     simple_active: Any,
 ) -> None:
-    """Whatever keeps the checksum pass from running (here vLLM's own
-    post_forward raising), the queued entry moves are made before the held
+    """R118, R134: whatever keeps the checksum pass from running (here vLLM's
+    own post_forward raising), the queued entry moves are made before the held
     batches are handed off: a store copy never leaves without its entry in
     its slot. Bug caught (tried): no flush before the release (slot 6 still
     0 when the store batch goes)."""

@@ -377,8 +377,8 @@ def count_uploads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_R118_entry_moves_ride_in_the_pass_while_copies_are_held(
     model_dir: str, lazy: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 30. As Model Runner V2 runs it with the copy hand-offs held (the
-    default), through the real connector hooks: start_load_kv and
+    """Issue 30, R118, R142. As Model Runner V2 runs it with the copy
+    hand-offs held (the default), through the real connector hooks: start_load_kv and
     wait_for_save make no save and no restore of their own; the step's
     checksum pass makes every entry move, so a step uploads once per worker
     however many loads, stores and checks it has, and every load still
@@ -452,8 +452,8 @@ def launches_with_delayed_stores(
 def test_R118_store_entries_deferred_to_the_step_reporting_the_store(
     model_dir: str, lazy: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 30. With the moves in the pass and stores reported complete a
-    step later, every load verifies as is; with `DEFER_STORE_ENTRIES` (off
+    """Issue 30, R118, R142. With the moves in the pass and stores reported
+    complete a step later, every load verifies as is; with `DEFER_STORE_ENTRIES` (off
     by default) a store's entry write and copy wait for a later launch or
     for the step whose output reports the store complete, every load still
     verifies, and the same run takes fewer launches (steps that store share

@@ -194,26 +194,38 @@ class BlockChecksumTable:
     ) -> None:
         """A save with no block to checksum: `restore` then `copy`, their
         indices in one upload."""
-        assert self.tensor is not None
-        parts = [
-            np.stack([moved.block_ids, moved.slots, np.zeros_like(moved.slots)])
-            for moved in (restore, copy)
-            if moved is not None
-        ]
-        uploaded, columns = upload_segments(parts, self.topology.device)
+        moves = [moved for moved in (restore, copy) if moved is not None]
+        uploaded, columns = upload_segments(
+            [move_indices(moved) for moved in moves], self.topology.device
+        )
         at = iter(columns)
         if restore is not None:
-            column, n = next(at), len(restore.slots)
-            ids = uploaded[0, column : column + n]
-            self.kernels.move(
-                restore.source, uploaded[1, column : column + n], self.tensor, ids
-            )
+            self.restore_from(uploaded, next(at), restore)
         if copy is not None:
-            column, n = next(at), len(copy.slots)
-            ids = uploaded[0, column : column + n]
-            self.kernels.move(
-                self.tensor, ids, copy.dest, uploaded[1, column : column + n]
-            )
+            self.copy_to(uploaded, next(at), copy)
+
+    def restore_from(
+        self, uploaded: torch.Tensor, column: int, restore: EntryRestore
+    ) -> None:
+        """Queue `restore` (the table's entries back from host slots), its
+        `move_indices` uploaded at `column` of `uploaded`."""
+        assert self.tensor is not None
+        end = column + len(restore.slots)
+        self.kernels.move(
+            restore.source,
+            uploaded[1, column:end],
+            self.tensor,
+            uploaded[0, column:end],
+        )
+
+    def copy_to(self, uploaded: torch.Tensor, column: int, copy: EntryCopy) -> None:
+        """Queue `copy` (the table's entries into host slots), its
+        `move_indices` uploaded at `column` of `uploaded`."""
+        assert self.tensor is not None
+        end = column + len(copy.slots)
+        self.kernels.move(
+            self.tensor, uploaded[0, column:end], copy.dest, uploaded[1, column:end]
+        )
 
     def entry_rows(self, blocks: FullBlocks, allowed: set[int]) -> list[EntryRows]:
         """Per allowed group, in the order groups first appear, the rows and
@@ -277,12 +289,7 @@ class BlockChecksumTable:
         count = entry_rows.rows.shape[1]
         width = plan.width
         parts = [entry_rows.rows, entry_rows.tags]
-        for moved in (copy, restore):
-            if moved is not None:
-                extra = np.zeros((3, len(moved.slots)), dtype=np.int64)
-                extra[0] = moved.block_ids
-                extra[1] = moved.slots
-                parts.append(extra)
+        parts += [move_indices(m) for m in (copy, restore) if m is not None]
         uploaded, columns = upload_segments(
             parts, self.topology.device, reserve=(count * width,)
         )
@@ -309,6 +316,13 @@ class BlockChecksumTable:
             self.write_entries(out, tags, block_ids)
             ids = row0[column : column + len(copy.slots)]
             self.kernels.move(self.tensor, ids, copy.dest, slots)
+
+
+def move_indices(moved: EntryRestore | EntryCopy) -> np.ndarray:
+    """A move's (block ids, slots, 0) as int64 [3, n], ready to pack into an
+    upload."""
+    ids, slots = moved.block_ids, moved.slots
+    return np.stack([ids, slots, np.zeros_like(slots)]).astype(np.int64, copy=False)
 
 
 def _groups_in_order(groups: np.ndarray, allowed: set[int]) -> tuple[list[int], bool]:

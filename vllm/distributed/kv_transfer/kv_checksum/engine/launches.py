@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopo
 from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
     BlockChecksumTable,
     EntryRows,
+    move_indices,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import (
     ChecksumPlan,
@@ -193,7 +194,7 @@ class ChecksumLauncher:
         move_columns = columns[layout.first_move : len(layout.parts)]
         segments = iter(columns[len(layout.parts) :])
         for restore, column in zip(restores, move_columns):
-            self._move(rows_dev, column, len(restore.slots), restore, None)
+            self.table.restore_from(rows_dev, column, restore)
         results = []
         fused: tuple[EntryRows, int, int] | None = None
         for item, index in layout.order:
@@ -243,7 +244,7 @@ class ChecksumLauncher:
                 result.stored_device = stored
             results.append(result)
         for copy, column in zip(copies, move_columns[len(restores) :]):
-            self._move(rows_dev, column, len(copy.slots), None, copy)
+            self.table.copy_to(rows_dev, column, copy)
         if not passes:
             return [], None, None
         first_out = columns[len(layout.parts)]
@@ -259,25 +260,6 @@ class ChecksumLauncher:
                 return buffers
         size = max(MIN_BUFFER_COLUMNS, 1 << (columns - 1).bit_length())
         return StepBuffers.allocate(size, self.topology.device)
-
-    def _move(
-        self,
-        rows_dev: torch.Tensor,
-        column: int,
-        count: int,
-        restore: EntryRestore | None,
-        copy: EntryCopy | None,
-    ) -> None:
-        """One entry move whose (block ids, slots) were uploaded at `column`:
-        `restore`'s slots into the table, or the table into `copy`'s slots."""
-        table = self.table.tensor
-        assert table is not None
-        ids = rows_dev[0, column : column + count]
-        slots = rows_dev[1, column : column + count]
-        if restore is not None:
-            self.table.kernels.move(restore.source, slots, table, ids)
-        elif copy is not None:
-            self.table.kernels.move(table, ids, copy.dest, slots)
 
     def _write_entries(
         self,
@@ -501,6 +483,4 @@ class _Layout:
         self.parts += [entry_rows.tags for entry_rows in saves]
         self.first_move = len(self.parts)
         moves: list[EntryRestore | EntryCopy] = [*restores, *copies]
-        for moved in moves:
-            zeros = np.zeros_like(moved.slots)
-            self.parts.append(np.stack([moved.block_ids, moved.slots, zeros]))
+        self.parts += [move_indices(moved) for moved in moves]

@@ -99,7 +99,6 @@ class KVChecksumWorker:
 
     def bind(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take this step's requests: sends replace, receives and loads accumulate."""
-        self.flush_queued_entries()  # none due left by a step that made its pass
         self.block_table.new_step()
         if scheduled is None:  # most steps: nothing new, nothing allocated (R142)
             if self._to_send or self._to_check or self._to_save:

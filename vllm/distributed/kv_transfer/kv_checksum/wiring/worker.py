@@ -180,7 +180,7 @@ def install_worker_hooks() -> None:
             )
             return output
         finally:
-            _flush_queued_entries(self, _may_report_stores(output))
+            _flush_queued_entries(self, output)
             for copies in held:
                 copies.release()
 
@@ -256,17 +256,17 @@ def _may_report_stores(output: Any) -> bool:
     return output is None or output.kv_connector_worker_meta is not None
 
 
-def _flush_queued_entries(active: Any, stores_reported: bool = True) -> None:
+def _flush_queued_entries(active: Any, output: Any) -> None:
     """The offload tier's entry moves the checksum pass did not make (it did
     not run, or raised), made before the held copies go, and deferred store
-    entries too when the output may report their stores complete (a load
-    may read those copies from the next step on). An error turns the worker
-    off (R134)."""
+    entries too when `output` may report their stores complete (a load may
+    read those copies from the next step on). An error turns the worker off
+    (R134); nothing raises into vLLM."""
     worker = active.__dict__.get("kv_checksum_worker")
     if worker is None:
         return
     try:
-        worker.flush_queued_entries(deferred=stores_reported)
+        worker.flush_queued_entries(deferred=_may_report_stores(output))
     except Exception:
         _disable_worker(active, "kv_checksum_worker", "post_forward")
 
