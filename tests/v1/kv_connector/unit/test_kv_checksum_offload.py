@@ -365,6 +365,106 @@ def test_R118_a_save_copies_its_entries_to_host_slots(monkeypatch) -> None:
     assert table_entries(again, [1]).tolist() == table_entries(host, [0]).tolist()
 
 
+def _count_entry_kernels(worker: KVChecksumWorker) -> dict[str, int]:
+    """Counts the block table's entry writes and moves, as they are queued."""
+    kernels = worker.block_table.kernels
+    counts = {"write": 0, "move": 0}
+    for name in counts:
+        real = getattr(kernels, name)
+
+        def counted(*args: Any, _name: str = name, _real: Any = real) -> Any:
+            counts[_name] += 1
+            return _real(*args)
+
+        setattr(kernels, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize(
+    "copy_ids, copy_slots, moves",
+    [
+        ([5, 2, 7], [6, 0, 3], 0),  # in the write's order (eager stores)
+        ([7, 5, 2], [3, 6, 0], 0),  # another order (lazy: eviction order)
+        ([7, 4, 5, 2], [3, 1, 6, 0], 1),  # block 4's entry is held already
+        ([5, 2, 7, 5], [6, 0, 3, 4], 1),  # block 5 copied to two slots
+    ],
+    ids=["in-order", "shuffled", "held-entry", "twice"],
+)
+def test_R118_a_queued_stores_copy_rides_in_its_entry_write(
+    copy_ids: list[int], copy_slots: list[int], moves: int
+) -> None:
+    """Issue 30, R118: a store queued for the checksum pass puts each written
+    block's entry in its host slot with the same kernel that writes the
+    table (`fold_copy`); only blocks the write does not cover (an entry
+    the table already holds, a second slot of one block) are moved apart.
+    Every slot ends equal to the reference entry (partial sums XOR R116
+    tags) of the block it was asked for. Bugs caught (each tried): the
+    copy's slots taken in its own order, not the write's (shuffled: entries
+    in the wrong slots); the uncovered rest dropped (block 4's slot stays
+    zero); a block counted as covered when only its first slot is (the
+    second slot stays zero)."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+    )
+
+    kv = ref.random_kv(np.random.default_rng(23), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    table = worker.init_block_checksums([0])
+    table[4] = 0x5EED
+    counts = _count_entry_kernels(worker)
+    hashes = fake_hashes(3, seed=29)
+    host = torch.zeros(8, dtype=torch.int64)
+    copy = EntryCopy(np.array(copy_ids), np.array(copy_slots), host)
+    worker.queue_block_checksums([(0, 0, BLOCK_IDS, hashes)], copy)
+    worker.flush_queued_entries()
+    assert counts == {"write": 1, "move": moves}
+    entries = whole ^ reference_tags(hashes, worker.fingerprints[0])
+    expected = {b: int(e) for b, e in zip(BLOCK_IDS, entries)} | {4: 0x5EED}
+    got = table_entries(host, copy_slots)
+    assert [hex(v) for v in got] == [hex(expected[b]) for b in copy_ids]
+    assert np.count_nonzero(host.numpy()) == len(set(copy_slots))
+
+
+def test_R118_deferred_stores_share_one_entry_write() -> None:
+    """Issue 30, R118, R142: two stores deferred to one launch make one entry
+    write for the group (`merge_entry_rows`), their copies folded in, and
+    every slot gets its block's reference entry; two stores of the same
+    block are not joined (one kernel would leave either entry). Bugs caught
+    (each tried): the joined tags misaligned with the joined rows (entries
+    XOR another block's tag); joining a repeated block id (one write)."""
+    from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
+        EntryCopy,
+    )
+
+    kv = ref.random_kv(np.random.default_rng(37), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    worker.init_block_checksums([0])
+    counts = _count_entry_kernels(worker)
+    hashes = fake_hashes(3, seed=41)
+    host = torch.zeros(8, dtype=torch.int64)
+    first = EntryCopy(np.array(BLOCK_IDS[:2]), np.array([4, 1]), host)
+    second = EntryCopy(np.array(BLOCK_IDS[2:]), np.array([6]), host)
+    worker.queue_block_checksums([(0, 0, BLOCK_IDS[:2], hashes[:2])], first, None, True)
+    worker.queue_block_checksums(
+        [(0, 2, BLOCK_IDS[2:], hashes[2:])], second, None, True
+    )
+    worker.flush_queued_entries(deferred=True)
+    assert counts == {"write": 1, "move": 0}
+    entries = whole ^ reference_tags(hashes, worker.fingerprints[0])
+    assert hexes(table_entries(host, [4, 1, 6])) == hexes(entries)
+
+    again = EntryCopy(np.array(BLOCK_IDS[:1]), np.array([2]), host)
+    for slots in (again, again):
+        worker.queue_block_checksums(
+            [(0, 0, BLOCK_IDS[:1], hashes[:1])], slots, None, True
+        )
+    worker.flush_queued_entries(deferred=True)
+    assert counts == {"write": 3, "move": 0}
+    assert hexes(table_entries(host, [2])) == hexes(entries[:1])
+
+
 def test_R118_a_save_brings_a_loads_entries_back_first_in_its_upload(
     monkeypatch,
 ) -> None:

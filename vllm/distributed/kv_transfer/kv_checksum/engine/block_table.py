@@ -8,8 +8,8 @@ loads compare against them (R118-R120); prefix-cache hits check the entries of
 locally cached blocks (R140).
 """
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -37,11 +37,14 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.plans import GroupPlans
 class EntryRows:
     """The host side of one group's entry write: the kernel's rows (block id,
     first token, valid tokens) and the blocks' hash tags in row 0 of `tags`
-    (both int64 [3, n], ready to pack into an upload)."""
+    (both int64 [3, n], ready to pack into an upload). With `dest` (an
+    offload tier's host slots), row 1 of `tags` holds each block's slot and
+    the same write puts its entry there too (`fold_copy`)."""
 
     group_id: int
     rows: np.ndarray
     tags: np.ndarray
+    dest: torch.Tensor | None = None
 
 
 class BlockChecksumTable:
@@ -316,6 +319,69 @@ class BlockChecksumTable:
             self.write_entries(out, tags, block_ids)
             ids = row0[column : column + len(copy.slots)]
             self.kernels.move(self.tensor, ids, copy.dest, slots)
+
+
+def fold_copy(
+    per_group: list[EntryRows], copy: EntryCopy | None
+) -> tuple[list[EntryRows], EntryCopy | None]:
+    """A store's copy to host slots folded into its entry writes (issue 30):
+    each written block's slot rides in row 1 of its tags, so one kernel puts
+    its entry in the table and in the slot. Returned: the writes, and the
+    copy of the blocks no write covers (entries the table already holds),
+    None if it covers them all. A group with a block the copy does not take
+    stays apart. No Python loop over blocks (R142)."""
+    if copy is None or not len(copy.slots) or not per_group:
+        return per_group, copy
+    ids, slots = copy.block_ids, copy.slots
+    if len(per_group) == 1 and np.array_equal(per_group[0].rows[0], ids):
+        entry_rows = per_group[0]  # eager stores of one request: in order
+        entry_rows.tags[1] = slots
+        return [replace(entry_rows, dest=copy.dest)], None
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    covered = np.zeros(len(ids), dtype=bool)
+    folded = []
+    for entry_rows in per_group:  # one per group (R142: usually one)
+        written = entry_rows.rows[0]
+        at = np.minimum(np.searchsorted(sorted_ids, written), len(ids) - 1)
+        if not np.array_equal(sorted_ids[at], written):
+            folded.append(entry_rows)
+            continue
+        index = order[at]
+        entry_rows.tags[1] = slots[index]
+        covered[index] = True
+        folded.append(replace(entry_rows, dest=copy.dest))
+    if covered.all():
+        return folded, None
+    rest = ~covered
+    return folded, EntryCopy(ids[rest], slots[rest], copy.dest)
+
+
+def merge_entry_rows(per_group: Sequence[EntryRows]) -> list[EntryRows]:
+    """Entry writes of one group and one destination joined into one (a
+    launch then makes one kernel of them, issue 30), in first-seen order;
+    as they are when a block id appears twice (a single kernel would leave
+    either entry)."""
+    if len(per_group) < 2:
+        return list(per_group)
+    keyed: dict[tuple[int, int], list[EntryRows]] = {}
+    for entry_rows in per_group:
+        key = (entry_rows.group_id, id(entry_rows.dest))
+        keyed.setdefault(key, []).append(entry_rows)
+    if len(keyed) == len(per_group):
+        return list(per_group)
+    merged = []
+    for parts in keyed.values():
+        if len(parts) == 1:
+            merged += parts
+            continue
+        rows = np.concatenate([p.rows for p in parts], axis=1)
+        if len(np.unique(rows[0])) != rows.shape[1]:
+            merged += parts
+            continue
+        tags = np.concatenate([p.tags for p in parts], axis=1)
+        merged.append(EntryRows(parts[0].group_id, rows, tags, parts[0].dest))
+    return merged
 
 
 def move_indices(moved: EntryRestore | EntryCopy) -> np.ndarray:

@@ -17,7 +17,10 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
     EntryCopy,
     EntryRestore,
 )
-from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import EntryRows
+from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
+    EntryRows,
+    merge_entry_rows,
+)
 
 # Deferred stores' blocks kept at most; more and they are made at once.
 DEFERRED_BLOCKS_LIMIT = 1024
@@ -77,11 +80,12 @@ class QueuedEntryMoves:
 
     def take(self) -> EntryMoves:
         """Every waiting move, deferred ones included (their rows and copies
-        first: they were queued in earlier steps), the queue emptied."""
+        first: they were queued in earlier steps), the queue emptied; entry
+        writes of one group and destination joined (one kernel for all)."""
         taken = (
             self.restores,
             self.deferred_copies + self.copies,
-            self.deferred_rows + self.rows,
+            merge_entry_rows(self.deferred_rows + self.rows),
         )
         self.restores, self.rows, self.copies = [], [], []
         self.deferred_rows, self.deferred_copies = [], []

@@ -208,7 +208,9 @@ class ChecksumLauncher:
                 plan = self.groups[entry_rows.group_id].load
                 out = scratch[at : at + n * plan.width].view(n, plan.width)
                 plan.run(rows_dev[:, column : column + n], out)
-                self._write_entries(scratch, out, column, tag_columns[index], n)
+                self._write_entries(
+                    rows_dev, out, column, tag_columns[index], entry_rows
+                )
                 continue
             plans, plan, reads, req_ids, starts, counts = passes[index]
             n = parts[index].shape[1]
@@ -224,7 +226,7 @@ class ChecksumLauncher:
                 plan.run(rows_dev[:, first : column + n], both)
                 save_index = layout.save_of_pass[index]
                 self._write_entries(
-                    scratch, both[:written], first, tag_columns[save_index], written
+                    rows_dev, both[:written], first, tag_columns[save_index], entry_rows
                 )
                 out = both[padded:]
             else:
@@ -263,19 +265,25 @@ class ChecksumLauncher:
 
     def _write_entries(
         self,
-        row0: torch.Tensor,
+        uploaded: torch.Tensor,
         sums: torch.Tensor,
         column: int,
         tag_column: int,
-        count: int,
+        entry_rows: EntryRows,
     ) -> None:
-        """The table write of entry rows uploaded at `column`, their tags at
-        `tag_column` (both in the upload's row 0, `row0`), from their launch
-        output `sums`."""
+        """The table write of `entry_rows`, uploaded at `column`, their tags
+        at `tag_column` (row 0 of `uploaded`), from their launch output
+        `sums`; with a destination, into the host slots of the tags' row 1
+        too (`fold_copy`)."""
+        count = entry_rows.rows.shape[1]
+        end = tag_column + count
+        row0, dest = uploaded[0], entry_rows.dest
         self.table.write_entries(
             sums,
-            row0[tag_column : tag_column + count],
+            row0[tag_column:end],
             row0[column : column + count],
+            None if dest is None else uploaded[1, tag_column:end],
+            dest,
         )
 
     def copy_to_host(

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopo
 from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
     BlockChecksumTable,
     BlockRun,
+    fold_copy,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.entry_queue import (
     QueuedEntryMoves,
@@ -251,8 +252,8 @@ class KVChecksumWorker:
         is left if the pass does not run). `defer`: the store's rows and copy
         may wait for a later launch, or for `flush_queued_entries(deferred=
         True)` in the step that reports the store complete."""
-        rows = self.block_table.store_entry_rows(runs)
-        self.queued.add(rows, copy, restore, defer)
+        rows, rest = fold_copy(self.block_table.store_entry_rows(runs), copy)
+        self.queued.add(rows, rest, restore, defer)
 
     def flush_queued_entries(self, deferred: bool = False) -> None:
         """Make the queued entry moves that are due now (`deferred`: all of
