@@ -426,6 +426,50 @@ def test_R118_a_queued_stores_copy_rides_in_its_entry_write(
     assert np.count_nonzero(host.numpy()) == len(set(copy_slots))
 
 
+@pytest.mark.parametrize("in_pass", [False, True], ids=["now", "in-pass"])
+def test_R142_a_store_never_counts_its_runs(
+    in_pass: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30, R142: SimpleCPUOffloadConnector's worker side takes a step's
+    stored blocks (`FullBlocks`, as the scheduler side attaches them) as
+    arrays: it never asks for their runs (`len`, or a truth test that falls
+    back to it, which cut them with NumPy: about 20 us a store step on CPU,
+    2026-12-05e), and the entries still reach their slots. Bug caught
+    (tried): `runs = getattr(metadata, "kv_checksum_store_runs", None) or []`
+    (as until 2026-12-05e)."""
+    from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
+        SimpleOffloadWorkerSide,
+    )
+
+    kv = ref.random_kv(np.random.default_rng(43), 4, 48, 4, 16)
+    whole = ref.reference_block_checksums(kv, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    side = SimpleOffloadWorkerSide(worker, [0], num_cpu_blocks=8)
+    hashes = fake_hashes(3, seed=47)
+    runs = FullBlocks(
+        np.zeros(3, dtype=np.int64),
+        np.arange(3, dtype=np.int64),
+        np.array(BLOCK_IDS, dtype=np.int64),
+        np.array(hashes, dtype=object),
+    )
+    counted: list[int] = []
+    real_len = FullBlocks.__len__
+
+    def counting_len(self: FullBlocks) -> int:
+        counted.append(1)
+        return real_len(self)
+
+    monkeypatch.setattr(FullBlocks, "__len__", counting_len)
+    meta = type("M", (), {})()
+    meta.store_gpu_blocks, meta.store_cpu_blocks = BLOCK_IDS, [3, 0, 6]
+    meta.kv_checksum_store_runs = runs
+    side.save_stores(meta, in_pass=in_pass)
+    worker.flush_queued_entries()
+    assert counted == []
+    entries = whole ^ reference_tags(hashes, worker.fingerprints[0])
+    assert hexes(table_entries(side.entries.entries, [3, 0, 6])) == hexes(entries)
+
+
 def test_R118_deferred_stores_share_one_entry_write() -> None:
     """Issue 30, R118, R142: two stores deferred to one launch make one entry
     write for the group (`merge_entry_rows`), their copies folded in, and

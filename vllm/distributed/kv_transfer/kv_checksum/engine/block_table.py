@@ -9,7 +9,7 @@ locally cached blocks (R140).
 """
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -183,8 +183,9 @@ class BlockChecksumTable:
 
     def _note_stored(self, blocks: FullBlocks, per_group: list[EntryRows]) -> None:
         """The blocks of `per_group`'s groups are written this step: the
-        step's prefix entries skip them (`prefix_blocks_to_write`)."""
-        if not per_group:
+        step's prefix entries skip them (`prefix_blocks_to_write`); nothing
+        to note without prefix entries."""
+        if not per_group or not self.prefix_groups:
             return
         kept = [entry_rows.group_id for entry_rows in per_group]
         written = blocks.block_ids
@@ -334,9 +335,9 @@ def fold_copy(
         return per_group, copy
     ids, slots = copy.block_ids, copy.slots
     if len(per_group) == 1 and np.array_equal(per_group[0].rows[0], ids):
-        entry_rows = per_group[0]  # eager stores of one request: in order
-        entry_rows.tags[1] = slots
-        return [replace(entry_rows, dest=copy.dest)], None
+        first = per_group[0]  # eager stores of one request: in order
+        first.tags[1] = slots
+        return [EntryRows(first.group_id, first.rows, first.tags, copy.dest)], None
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     covered = np.zeros(len(ids), dtype=bool)
@@ -350,7 +351,9 @@ def fold_copy(
         index = order[at]
         entry_rows.tags[1] = slots[index]
         covered[index] = True
-        folded.append(replace(entry_rows, dest=copy.dest))
+        folded.append(
+            EntryRows(entry_rows.group_id, entry_rows.rows, entry_rows.tags, copy.dest)
+        )
     if covered.all():
         return folded, None
     rest = ~covered
