@@ -19,7 +19,9 @@ this tree changed a path, the path as it was, in the same process
 of its own after the entry write (before `fold_copy`, 2026-12-05e);
 `runs-counted` adds to each store the truth test of its runs that
 `SimpleOffloadWorkerSide._save` made until 2026-12-05e (`runs or []`: a
-`FullBlocks` counts its runs to answer). The
+`FullBlocks` counts its runs to answer); `stacked-indices` builds a move's
+(block ids, slots, 0) with `np.stack` and a cast, as `move_indices` did
+until 2026-12-05e. The
 checksum kernel is stubbed (host work only: on a GPU host each launch and
 upload costs more, `benchmark_kv_checksum_device_calls.py --cuda`); CUDA
 streams are the tests' stand-ins. Figures: median over rounds of the mean
@@ -67,13 +69,17 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (  #
 from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (  # noqa: E402
     KVChecksumLaunch,
 )
+from vllm.distributed.kv_transfer.kv_checksum.engine import (  # noqa: E402
+    block_table,
+    launches,
+)
 from vllm.distributed.kv_transfer.kv_checksum.engine import worker as worker_module  # noqa: E402
 from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (  # noqa: E402
     SimpleOffloadWorkerSide,
 )
 
 KINDS = ("idle", "store", "load + store")
-VARIANTS = ("copy-apart", "runs-counted")
+VARIANTS = ("copy-apart", "runs-counted", "stacked-indices")
 
 
 def _no_kernel(launch: Any, rows: Any, out: Any) -> None:
@@ -83,6 +89,12 @@ def _no_kernel(launch: Any, rows: Any, out: Any) -> None:
 def _unfolded(rows: Any, copy: Any) -> tuple[Any, Any]:
     """`fold_copy` undone: the store's copy stays a move of its own."""
     return rows, copy
+
+
+def _stacked_indices(moved: Any) -> np.ndarray:
+    """`move_indices` as it was until 2026-12-05e."""
+    ids, slots = moved.block_ids, moved.slots
+    return np.stack([ids, slots, np.zeros_like(slots)]).astype(np.int64, copy=False)
 
 
 def scheduler_output(kind: str, blocks: int) -> Any:
@@ -208,6 +220,15 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             SimpleOffloadWorkerSide._save = real_save  # type: ignore[method-assign]
+    elif name == "stacked-indices":
+        real_indices = block_table.move_indices
+        for module in (block_table, launches):
+            module.move_indices = _stacked_indices  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            for module in (block_table, launches):
+                module.move_indices = real_indices  # type: ignore[assignment]
     else:
         yield
 
@@ -269,19 +290,20 @@ def main() -> None:
     model_dir = write_model_dir(Path(tempfile.mkdtemp()))
     rows = []
     print(
-        "| blocks | step | off, us | on, us | on - off | "
-        + " | ".join(f"{v}, us | {v} - on" for v in args.variants)
-        + " |"
+        "| blocks | step | off, us | on, us | on - off |"
+        + "".join(f" {v}, us | {v} - on |" for v in args.variants)
     )
     print("|---|---|---|---|---|" + "---|---|" * len(args.variants))
     for blocks in args.blocks:
         got = measure(model_dir, blocks, args.rounds, args.steps, args.variants)
         for kind in KINDS:
             med = got[kind]
-            cells = [f"{med[v]:.1f} | {med[v] - med['on']:+.1f}" for v in args.variants]
+            cells = "".join(
+                f" {med[v]:.1f} | {med[v] - med['on']:+.1f} |" for v in args.variants
+            )
             print(
                 f"| {blocks} | {kind} | {med['off']:.1f} | {med['on']:.1f} | "
-                f"{med['on'] - med['off']:+.1f} | " + " | ".join(cells) + " |"
+                f"{med['on'] - med['off']:+.1f} |" + cells
             )
             rows.append({"blocks": blocks, "step": kind, **med})
     if args.json is not None:

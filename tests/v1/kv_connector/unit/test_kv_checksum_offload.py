@@ -390,10 +390,12 @@ def _count_entry_kernels(worker: KVChecksumWorker) -> dict[str, int]:
     ],
     ids=["in-order", "shuffled", "held-entry", "twice"],
 )
-def test_R118_a_queued_stores_copy_rides_in_its_entry_write(
-    copy_ids: list[int], copy_slots: list[int], moves: int
+@pytest.mark.parametrize("queued", [True, False], ids=["in-pass", "now"])
+def test_R118_a_stores_copy_rides_in_its_entry_write(
+    copy_ids: list[int], copy_slots: list[int], moves: int, queued: bool
 ) -> None:
-    """Issue 30, R118: a store queued for the checksum pass puts each written
+    """Issue 30, R118: a store, queued for the checksum pass or saved at
+    once, puts each written
     block's entry in its host slot with the same kernel that writes the
     table (`fold_copy`); only blocks the write does not cover (an entry
     the table already holds, a second slot of one block) are moved apart.
@@ -416,8 +418,11 @@ def test_R118_a_queued_stores_copy_rides_in_its_entry_write(
     hashes = fake_hashes(3, seed=29)
     host = torch.zeros(8, dtype=torch.int64)
     copy = EntryCopy(np.array(copy_ids), np.array(copy_slots), host)
-    worker.queue_block_checksums([(0, 0, BLOCK_IDS, hashes)], copy)
-    worker.flush_queued_entries()
+    if queued:
+        worker.queue_block_checksums([(0, 0, BLOCK_IDS, hashes)], copy)
+        worker.flush_queued_entries()
+    else:
+        worker.save_block_checksums([(0, 0, BLOCK_IDS, hashes)], copy)
     assert counts == {"write": 1, "move": moves}
     entries = whole ^ reference_tags(hashes, worker.fingerprints[0])
     expected = {b: int(e) for b, e in zip(BLOCK_IDS, entries)} | {4: 0x5EED}

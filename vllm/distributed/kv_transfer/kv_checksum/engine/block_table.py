@@ -141,8 +141,9 @@ class BlockChecksumTable:
         Runs of unregistered groups (or not in `groups`, when given) are
         ignored. Queued on the current stream, after the forward that wrote
         the blocks and before the connector reads them. `copy`, if given,
-        then copies entries to their slots; its indices travel in the last
-        group's upload (issue 30: one pinned upload per save). `restore`, if
+        puts entries in their slots: each written block's with its write
+        (`fold_copy`), the rest's after every write, their indices in the
+        last group's upload (issue 30: one pinned upload per save). `restore`, if
         given, is queued first, its indices in the first group's upload: a
         step's load and store entries in one upload (issue 30).
         """
@@ -157,16 +158,16 @@ class BlockChecksumTable:
         allowed = self.stored_groups if groups is None else groups
         # One launch per group for every block of the call (a step's stores),
         # groups in the order they first appear.
-        per_group = self.entry_rows(blocks, allowed)
+        per_group, rest = fold_copy(self.entry_rows(blocks, allowed), copied)
         for i, entry_rows in enumerate(per_group):
             last = i == len(per_group) - 1
             self._save_group_entries(
-                entry_rows, copied if last else None, restored if i == 0 else None
+                entry_rows, rest if last else None, restored if i == 0 else None
             )
         if copy is not None:  # a store: its blocks' entries are in
             self._note_stored(blocks, per_group)
-        if not per_group and (copied is not None or restored is not None):
-            self._move_entries(copied, restored)
+        if not per_group and (rest is not None or restored is not None):
+            self._move_entries(rest, restored)
 
     def store_entry_rows(self, runs: Iterable[BlockRun]) -> list[EntryRows]:
         """Host rows of an offload store's entries (R118), for the worker's
@@ -283,7 +284,8 @@ class BlockChecksumTable:
         restore: EntryRestore | None = None,
     ) -> None:
         """Entries of one group's full blocks: one upload, one launch, one
-        table write (R118); `restore`'s entries are moved first, and
+        table write (R118), into their host slots too when `entry_rows`
+        carries them (`fold_copy`); `restore`'s entries are moved first, and
         `copy`'s slots get their blocks' entries last. The rows, the tags,
         both's (block id, slot) indices and the zeroed launch output travel
         in one pinned array (issue 30: no device allocation or fill of its
@@ -292,34 +294,22 @@ class BlockChecksumTable:
         plan = self.groups[entry_rows.group_id].load
         count = entry_rows.rows.shape[1]
         width = plan.width
-        parts = [entry_rows.rows, entry_rows.tags]
-        parts += [move_indices(m) for m in (copy, restore) if m is not None]
+        moves = [m for m in (copy, restore) if m is not None]
+        parts = [entry_rows.rows, entry_rows.tags, *map(move_indices, moves)]
         uploaded, columns = upload_segments(
             parts, self.topology.device, reserve=(count * width,)
         )
         out_column = columns[-1]
         row0 = uploaded[0]  # one view for every row-0 slice (issue 30)
         if restore is not None:
-            column, n = columns[-2], len(restore.slots)
-            slots = uploaded[1, column : column + n]
-            self.kernels.move(
-                restore.source, slots, self.tensor, row0[column : column + n]
-            )
+            self.restore_from(uploaded, columns[-2], restore)
         out = row0[out_column : out_column + count * width].view(count, width)
         plan.run(uploaded[:, :count], out)
-        tags, block_ids = row0[columns[1] : columns[1] + count], row0[:count]
-        if copy is None:
-            self.write_entries(out, tags, block_ids)
-            return
-        column = columns[2]
-        slots = uploaded[1, column : column + len(copy.slots)]
-        if np.array_equal(copy.block_ids, entry_rows.rows[0]):
-            # The blocks just saved: their entries go to the slots as written.
-            self.write_entries(out, tags, block_ids, slots, copy.dest)
-        else:
-            self.write_entries(out, tags, block_ids)
-            ids = row0[column : column + len(copy.slots)]
-            self.kernels.move(self.tensor, ids, copy.dest, slots)
+        at, dest = columns[1], entry_rows.dest
+        slots = None if dest is None else uploaded[1, at : at + count]
+        self.write_entries(out, row0[at : at + count], row0[:count], slots, dest)
+        if copy is not None:
+            self.copy_to(uploaded, columns[2], copy)
 
 
 def fold_copy(
@@ -390,8 +380,11 @@ def merge_entry_rows(per_group: Sequence[EntryRows]) -> list[EntryRows]:
 def move_indices(moved: EntryRestore | EntryCopy) -> np.ndarray:
     """A move's (block ids, slots, 0) as int64 [3, n], ready to pack into an
     upload."""
-    ids, slots = moved.block_ids, moved.slots
-    return np.stack([ids, slots, np.zeros_like(slots)]).astype(np.int64, copy=False)
+    indices = np.empty((3, len(moved.slots)), dtype=np.int64)
+    indices[0] = moved.block_ids
+    indices[1] = moved.slots
+    indices[2] = 0
+    return indices
 
 
 def _groups_in_order(groups: np.ndarray, allowed: set[int]) -> tuple[list[int], bool]:
