@@ -247,7 +247,8 @@ class KVChecksumWorker:
     ) -> None:
         """`save_block_checksums`, made by this step's `post_forward` in the
         pass's one upload and launch sequence (issue 30): restores first, then
-        every entry write, then the copies to slots. For a caller that keeps
+        every entry write (a store's copy to its slots folded into its write,
+        `fold_copy`), then the copies left. For a caller that keeps
         the step's copies back until then (`flush_queued_entries` makes what
         is left if the pass does not run). `defer`: the store's rows and copy
         may wait for a later launch, or for `flush_queued_entries(deferred=
