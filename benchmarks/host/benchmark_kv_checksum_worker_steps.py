@@ -50,19 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
     cpu_cuda_streams,
-    make_active_connector,
-    make_kv_cache_config,
-    make_kv_caches,
-    make_vllm_config,
-    rank0_groups,
+    empty_scheduler_output,
     write_model_dir,
 )
 from tests.v1.kv_connector.unit.test_kv_checksum_held_copies import (  # noqa: E402
-    SIMPLE_EXTRA,
-    _fake_register_kv_caches,
+    build_simple_active,
+    install_simple_worker,
 )
-from vllm.distributed.kv_transfer.kv_checksum import wiring  # noqa: E402
-from vllm.distributed.kv_transfer.kv_checksum.config import ENABLE_KEY  # noqa: E402
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (  # noqa: E402
     FullBlocks,
 )
@@ -103,20 +97,9 @@ def scheduler_output(kind: str, blocks: int) -> Any:
     blocks' runs attached, as `attach` does): stores of GPU blocks
     1..blocks into CPU blocks 0..blocks-1, loads of CPU blocks
     blocks..2*blocks-1 into GPU blocks blocks+1..2*blocks."""
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
-    output = SchedulerOutput(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={},
-        total_num_scheduled_tokens=0,
-        scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={},
-        finished_req_ids=set(),
-        free_encoder_mm_hashes=[],
-        has_sync_kv_loads=False,
-    )
+    output = empty_scheduler_output()
     stored = list(range(1, blocks + 1)) if kind != "idle" else []
     loaded = list(range(blocks + 1, 2 * blocks + 1)) if kind == "load + store" else []
     meta = SimpleCPUOffloadMetadata(
@@ -145,26 +128,9 @@ class Engine:
     """One ActiveKVConnector over a SimpleCPUOffloadConnector worker."""
 
     def __init__(self, model_dir: str, enabled: bool, patch: Any) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.factory import (
-            KVConnectorFactory,
-        )
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-            KVConnectorRole,
-        )
-
-        extra = {**SIMPLE_EXTRA, ENABLE_KEY: True} if enabled else dict(SIMPLE_EXTRA)
-        vllm_config = make_vllm_config(
-            model_dir, kv_connector="SimpleCPUOffloadConnector", extra_config=extra
-        )
-        kv_cache_config = make_kv_cache_config(vllm_config)
-        caches = make_kv_caches(kv_cache_config, seed=7)
-        connector = KVConnectorFactory.create_connector(
-            vllm_config, KVConnectorRole.WORKER, kv_cache_config
-        )
-        self.active = make_active_connector(
-            vllm_config, kv_cache_config, connector, caches, patch
-        )
-        self.queue = connector.worker_handler._backend._queue
+        built = build_simple_active(model_dir, enabled, patch)
+        self.active = built.active
+        self.queue = built.backend._queue
         self.batch = SimpleNamespace(idx_mapping=None, req_ids=["r"], num_tokens=1)
 
     def step(self, output: Any) -> None:
@@ -183,15 +149,9 @@ def engines(model_dir: str) -> Iterator[dict[str, Engine]]:
     kernel stubbed), undone after."""
     import pytest
 
-    from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
-
     with pytest.MonkeyPatch.context() as patch, cpu_cuda_streams(patch):
         patch.setattr(KVChecksumLaunch, "__call__", _no_kernel)
-        wiring.install()
-        rank0_groups(patch)
-        patch.setattr(
-            SimpleCPUOffloadWorker, "register_kv_caches", _fake_register_kv_caches
-        )
+        install_simple_worker(patch)
         yield {
             "off": Engine(model_dir, False, patch),
             "on": Engine(model_dir, True, patch),

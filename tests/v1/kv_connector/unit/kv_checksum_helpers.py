@@ -474,6 +474,24 @@ def fill_random_bytes(view: torch.Tensor, seed: int) -> None:
 # --------------------------------------------------------------------------
 
 
+def empty_scheduler_output(has_sync_kv_loads: bool = False) -> Any:
+    """A SchedulerOutput of vLLM's own class scheduling nothing (a step's
+    connector metadata is the caller's to set)."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+        has_sync_kv_loads=has_sync_kv_loads,
+    )
+
+
 def make_scheduler(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,

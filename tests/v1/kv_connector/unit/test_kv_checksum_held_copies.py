@@ -24,6 +24,7 @@ import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     assert_trial_edits_one_line,
+    empty_scheduler_output,
     make_active_connector,
     make_kv_cache_config,
     make_kv_caches,
@@ -116,16 +117,9 @@ def _fake_register_kv_caches(self: Any, kv_caches: dict[str, torch.Tensor]) -> N
     self._store_compute_done = SimpleNamespace(record=lambda stream: None)
 
 
-@pytest.fixture
-def simple_active(
-    model_dir: str, monkeypatch: pytest.MonkeyPatch, cuda_stream_stubs: Any
-) -> Any:
-    """Builds a real ActiveKVConnector over vLLM's SimpleCPUOffloadConnector
-    (worker role, checksums on or off) and its copy backend."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import (
-        KVConnectorFactory,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+def install_simple_worker(monkeypatch: Any) -> None:
+    """The plugin's hooks, one rank, and SimpleCPUOffloadWorker's cache
+    registration without CUDA (`_fake_register_kv_caches`)."""
     from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
     wiring.install()
@@ -134,21 +128,42 @@ def simple_active(
         SimpleCPUOffloadWorker, "register_kv_caches", _fake_register_kv_caches
     )
 
+
+def build_simple_active(model_dir: str, enabled: bool, monkeypatch: Any) -> Any:
+    """A real ActiveKVConnector over vLLM's SimpleCPUOffloadConnector (worker
+    role, checksums on or off), its connector and copy backend; after
+    `install_simple_worker`."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
+        KVConnectorFactory,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    extra = {**SIMPLE_EXTRA, ENABLE_KEY: True} if enabled else dict(SIMPLE_EXTRA)
+    vllm_config = make_vllm_config(
+        model_dir, kv_connector="SimpleCPUOffloadConnector", extra_config=extra
+    )
+    kv_cache_config = make_kv_cache_config(vllm_config)
+    caches = make_kv_caches(kv_cache_config, seed=7)
+    connector = KVConnectorFactory.create_connector(
+        vllm_config, KVConnectorRole.WORKER, kv_cache_config
+    )
+    active = make_active_connector(
+        vllm_config, kv_cache_config, connector, caches, monkeypatch
+    )
+    backend = connector.worker_handler._backend
+    return SimpleNamespace(active=active, connector=connector, backend=backend)
+
+
+@pytest.fixture
+def simple_active(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch, cuda_stream_stubs: Any
+) -> Any:
+    """Builds a real ActiveKVConnector over vLLM's SimpleCPUOffloadConnector
+    (worker role, checksums on or off) and its copy backend."""
+    install_simple_worker(monkeypatch)
+
     def build(enabled: bool) -> SimpleNamespace:
-        extra = {**SIMPLE_EXTRA, ENABLE_KEY: True} if enabled else dict(SIMPLE_EXTRA)
-        vllm_config = make_vllm_config(
-            model_dir, kv_connector="SimpleCPUOffloadConnector", extra_config=extra
-        )
-        kv_cache_config = make_kv_cache_config(vllm_config)
-        caches = make_kv_caches(kv_cache_config, seed=7)
-        connector = KVConnectorFactory.create_connector(
-            vllm_config, KVConnectorRole.WORKER, kv_cache_config
-        )
-        active = make_active_connector(
-            vllm_config, kv_cache_config, connector, caches, monkeypatch
-        )
-        backend = connector.worker_handler._backend
-        return SimpleNamespace(active=active, connector=connector, backend=backend)
+        return build_simple_active(model_dir, enabled, monkeypatch)
 
     return build
 
@@ -157,20 +172,9 @@ def _step_output(sync_loads: bool) -> Any:
     """A SchedulerOutput (vLLM's class) whose connector metadata loads CPU
     block 4 into GPU block 3 and stores GPU block 5 (position 0 of group 0,
     its entry to write) into CPU block 6."""
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
-    output = SchedulerOutput(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={},
-        total_num_scheduled_tokens=0,
-        scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={},
-        finished_req_ids=set(),
-        free_encoder_mm_hashes=[],
-        has_sync_kv_loads=sync_loads,
-    )
+    output = empty_scheduler_output(sync_loads)
     output.kv_connector_metadata = SimpleCPUOffloadMetadata(
         load_event=0,
         load_gpu_blocks=[3],

@@ -365,6 +365,20 @@ def test_R118_a_save_copies_its_entries_to_host_slots(monkeypatch) -> None:
     assert table_entries(again, [1]).tolist() == table_entries(host, [0]).tolist()
 
 
+def _stored_entries(
+    seed: int, hash_seed: int
+) -> tuple[KVChecksumWorker, np.ndarray, list[bytes]]:
+    """A worker over random KV with group 0 registered, the reference
+    entries (partial sums XOR R116 tags) of BLOCK_IDS under fake hashes, and
+    those hashes."""
+    kv = ref.random_kv(np.random.default_rng(seed), 4, 48, 4, 16)
+    worker = truth_worker(kv, BLOCK_IDS)
+    worker.init_block_checksums([0])
+    hashes = fake_hashes(3, seed=hash_seed)
+    tags = reference_tags(hashes, worker.fingerprints[0])
+    return worker, ref.reference_block_checksums(kv, 16) ^ tags, hashes
+
+
 def _count_entry_kernels(worker: KVChecksumWorker) -> dict[str, int]:
     """Counts the block table's entry writes and moves, as they are queued."""
     kernels = worker.block_table.kernels
@@ -409,13 +423,10 @@ def test_R118_a_stores_copy_rides_in_its_entry_write(
         EntryCopy,
     )
 
-    kv = ref.random_kv(np.random.default_rng(23), 4, 48, 4, 16)
-    whole = ref.reference_block_checksums(kv, 16)
-    worker = truth_worker(kv, BLOCK_IDS)
+    worker, entries, hashes = _stored_entries(23, 29)
     table = worker.init_block_checksums([0])
     table[4] = 0x5EED
     counts = _count_entry_kernels(worker)
-    hashes = fake_hashes(3, seed=29)
     host = torch.zeros(8, dtype=torch.int64)
     copy = EntryCopy(np.array(copy_ids), np.array(copy_slots), host)
     if queued:
@@ -424,7 +435,6 @@ def test_R118_a_stores_copy_rides_in_its_entry_write(
     else:
         worker.save_block_checksums([(0, 0, BLOCK_IDS, hashes)], copy)
     assert counts == {"write": 1, "move": moves}
-    entries = whole ^ reference_tags(hashes, worker.fingerprints[0])
     expected = {b: int(e) for b, e in zip(BLOCK_IDS, entries)} | {4: 0x5EED}
     got = table_entries(host, copy_slots)
     assert [hex(v) for v in got] == [hex(expected[b]) for b in copy_ids]
@@ -446,11 +456,8 @@ def test_R142_a_store_never_counts_its_runs(
         SimpleOffloadWorkerSide,
     )
 
-    kv = ref.random_kv(np.random.default_rng(43), 4, 48, 4, 16)
-    whole = ref.reference_block_checksums(kv, 16)
-    worker = truth_worker(kv, BLOCK_IDS)
+    worker, entries, hashes = _stored_entries(43, 47)
     side = SimpleOffloadWorkerSide(worker, [0], num_cpu_blocks=8)
-    hashes = fake_hashes(3, seed=47)
     runs = FullBlocks(
         np.zeros(3, dtype=np.int64),
         np.arange(3, dtype=np.int64),
@@ -471,7 +478,6 @@ def test_R142_a_store_never_counts_its_runs(
     side.save_stores(meta, in_pass=in_pass)
     worker.flush_queued_entries()
     assert counted == []
-    entries = whole ^ reference_tags(hashes, worker.fingerprints[0])
     assert hexes(table_entries(side.entries.entries, [3, 0, 6])) == hexes(entries)
 
 
@@ -486,12 +492,8 @@ def test_R118_deferred_stores_share_one_entry_write() -> None:
         EntryCopy,
     )
 
-    kv = ref.random_kv(np.random.default_rng(37), 4, 48, 4, 16)
-    whole = ref.reference_block_checksums(kv, 16)
-    worker = truth_worker(kv, BLOCK_IDS)
-    worker.init_block_checksums([0])
+    worker, entries, hashes = _stored_entries(37, 41)
     counts = _count_entry_kernels(worker)
-    hashes = fake_hashes(3, seed=41)
     host = torch.zeros(8, dtype=torch.int64)
     first = EntryCopy(np.array(BLOCK_IDS[:2]), np.array([4, 1]), host)
     second = EntryCopy(np.array(BLOCK_IDS[2:]), np.array([6]), host)
@@ -501,7 +503,6 @@ def test_R118_deferred_stores_share_one_entry_write() -> None:
     )
     worker.flush_queued_entries(deferred=True)
     assert counts == {"write": 1, "move": 0}
-    entries = whole ^ reference_tags(hashes, worker.fingerprints[0])
     assert hexes(table_entries(host, [4, 1, 6])) == hexes(entries)
 
     again = EntryCopy(np.array(BLOCK_IDS[:1]), np.array([2]), host)

@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    empty_scheduler_output,
+    make_request,
+)
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     CallRecorder,
     SimpleOffloadSimEngine,
@@ -757,23 +760,6 @@ def test_R1_R118_simple_worker_hooks_on_the_real_class(enabled: bool) -> None:
     assert connector.__dict__ == before
 
 
-def scheduler_output(has_sync_kv_loads: bool) -> Any:
-    """An empty SchedulerOutput of vLLM's own class."""
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
-
-    return SchedulerOutput(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={},
-        total_num_scheduled_tokens=0,
-        scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={},
-        finished_req_ids=set(),
-        free_encoder_mm_hashes=[],
-        has_sync_kv_loads=has_sync_kv_loads,
-    )
-
-
 @pytest.mark.parametrize(
     ("given", "sync", "speculative", "config", "expected"),
     [
@@ -826,7 +812,7 @@ def test_R118_stores_saved_early_only_after_the_whole_forward(
     if config:
         spec = object() if speculative else None
         connector._vllm_config = SimpleNamespace(speculative_config=spec)  # type: ignore[assignment]
-    kwargs = {"scheduler_output": scheduler_output(sync)} if given else {}
+    kwargs = {"scheduler_output": empty_scheduler_output(sync)} if given else {}
     SimpleCPUOffloadConnector.start_load_kv(connector, None, **kwargs)
     assert told == [expected and switch]
     assert calls == ["vllm.start_load_kv"]
