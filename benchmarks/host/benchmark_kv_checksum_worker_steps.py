@@ -10,7 +10,8 @@ off. A step is what Model Runner V2 calls around the forward: pre_forward,
 finish_forward (where loads start after the forward), post_forward. Kinds:
 
 - idle: nothing loaded or stored (most decode steps);
-- store: N blocks stored (their entries written and copied to host slots);
+- store: N blocks stored, the suffixes of four requests (their entries
+  written and copied to host slots);
 - load + store: N blocks loaded (their entries restored) and N stored.
 
 Engines, timed in alternation in every round: checksums off; on; and, where
@@ -21,7 +22,11 @@ of its own after the entry write (before `fold_copy`, 2026-12-05e);
 `SimpleOffloadWorkerSide._save` made until 2026-12-05e (`runs or []`: a
 `FullBlocks` counts its runs to answer); `stacked-indices` builds a move's
 (block ids, slots, 0) with `np.stack` and a cast, as `move_indices` did
-until 2026-12-05e. The
+until 2026-12-05e; `numpy-groups` finds the stored blocks' groups with NumPy
+calls, as `_groups_in_order` did until 2026-12-05e; `by-place` gets the
+stored blocks sorted by position, as `store_runs` sorted them until
+2026-12-05e (a store's copy then no longer lines up with its entry write,
+and `fold_copy` matches them block by block). The
 checksum kernel is stubbed (host work only: on a GPU host each launch and
 upload costs more, `benchmark_kv_checksum_device_calls.py --cuda`); CUDA
 streams are the tests' stand-ins. Figures: median over rounds of the mean
@@ -73,7 +78,13 @@ from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import 
 )
 
 KINDS = ("idle", "store", "load + store")
-VARIANTS = ("copy-apart", "runs-counted", "stacked-indices")
+VARIANTS = (
+    "copy-apart",
+    "runs-counted",
+    "stacked-indices",
+    "numpy-groups",
+    "by-place",
+)
 
 
 def _no_kernel(launch: Any, rows: Any, out: Any) -> None:
@@ -91,12 +102,25 @@ def _stacked_indices(moved: Any) -> np.ndarray:
     return np.stack([ids, slots, np.zeros_like(slots)]).astype(np.int64, copy=False)
 
 
-def scheduler_output(kind: str, blocks: int) -> Any:
+def _numpy_groups(groups: np.ndarray, allowed: set[int]) -> tuple[list[int], bool]:
+    """`_groups_in_order` as it was until 2026-12-05e."""
+    if not len(groups):
+        return [], True
+    first = int(groups[0])
+    if (groups == first).all():
+        return ([first] if first in allowed else []), True
+    present, index = np.unique(groups, return_index=True)
+    return [g for g in present[np.argsort(index)].tolist() if g in allowed], False
+
+
+def scheduler_output(kind: str, blocks: int, by_place: bool = False) -> Any:
     """vLLM's SchedulerOutput for one step of `kind`, its
     SimpleCPUOffloadMetadata as the scheduler side leaves it (the stored
-    blocks' runs attached, as `attach` does): stores of GPU blocks
-    1..blocks into CPU blocks 0..blocks-1, loads of CPU blocks
-    blocks..2*blocks-1 into GPU blocks blocks+1..2*blocks."""
+    blocks attached as `attach` does, in store order): stores of GPU blocks
+    1..blocks, four requests' suffixes one after the other, into CPU blocks
+    0..blocks-1; loads of CPU blocks blocks..2*blocks-1 into GPU blocks
+    blocks+1..2*blocks. `by_place`: the stored blocks sorted by position,
+    as `store_runs` sorted them until 2026-12-05e."""
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
     output = empty_scheduler_output()
@@ -112,13 +136,18 @@ def scheduler_output(kind: str, blocks: int) -> Any:
         store_cpu_blocks=[b - 1 for b in stored],
     )
     if stored:
+        per_request = len(stored) // 4
+        positions = np.concatenate(
+            [5 * r + np.arange(per_request, dtype=np.int64) for r in range(4)]
+        )
+        order = np.argsort(positions, kind="stable") if by_place else slice(None)
         hashes = np.empty(len(stored), dtype=object)
         hashes[:] = [bytes([b % 251 + 1]) * 32 for b in stored]
         meta.kv_checksum_store_runs = FullBlocks(
             np.zeros(len(stored), dtype=np.int64),
-            np.arange(len(stored), dtype=np.int64),
-            np.asarray(stored, dtype=np.int64),
-            hashes,
+            positions[order],
+            np.asarray(stored, dtype=np.int64)[order],
+            hashes[order],
         )
     output.kv_connector_metadata = meta
     return output
@@ -189,6 +218,13 @@ def variant(name: str) -> Iterator[None]:
         finally:
             for module in (block_table, launches):
                 module.move_indices = real_indices  # type: ignore[assignment]
+    elif name == "numpy-groups":
+        real_groups = block_table._groups_in_order
+        block_table._groups_in_order = _numpy_groups  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            block_table._groups_in_order = real_groups  # type: ignore[assignment]
     else:
         yield
 
@@ -211,6 +247,7 @@ def measure(
 ) -> dict[str, dict[str, float]]:
     """Median over rounds of each engine's us a step, per kind."""
     outputs = {kind: scheduler_output(kind, blocks) for kind in KINDS}
+    by_place = {kind: scheduler_output(kind, blocks, True) for kind in KINDS}
     names = ["off", "on", *variants]
     samples: dict[str, dict[str, list[float]]] = {
         kind: {name: [] for name in names} for kind in KINDS
@@ -225,7 +262,8 @@ def measure(
             for kind in KINDS:
                 for name in order:
                     engine = built["off" if name == "off" else "on"]
-                    step = functools.partial(engine.step, outputs[kind])
+                    given = by_place if name == "by-place" else outputs
+                    step = functools.partial(engine.step, given[kind])
                     with variant(name):
                         samples[kind][name].append(timed(step, steps))
     return {

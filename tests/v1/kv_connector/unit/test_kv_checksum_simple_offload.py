@@ -168,35 +168,39 @@ def test_R117_block_keys_read_vllm_blocks_as_their_properties_do() -> None:
     assert expected[0] == (key(9, 1), BS + 3) and expected[1] == (None, None)
 
 
-def test_R118_store_runs_sorted_and_cut() -> None:
-    """Runs of consecutive positions per group, whatever the store order (lazy
-    mode stores a request's tail first); each block keeps its own hash.
-    Bug caught (tried): blocks taken in store order and cut only where the
-    group changes, i.e. consecutive positions from the first stored block
-    assumed (eager mode's order; lazy mode's tail-first order breaks it)."""
+def test_R118_store_runs_keep_each_blocks_place() -> None:
+    """Each stored block keeps its own group, position and hash whatever the
+    store order (lazy mode stores a request's tail first), in store order:
+    with every block placed, the ids are the store's own, so its copy to
+    host slots rides in the entry write as it is (issue 30). Bugs caught
+    (tried): consecutive positions assumed from the first stored block
+    (eager mode's order; lazy mode's tail-first order breaks it); the
+    blocks sorted by place (the copy no longer lines up)."""
     keys = [
         (key(9, 0), 64),  # position 3
         (key(8, 0), 48),  # 2
         (key(7, 0), 32),  # 1
         (key(5, 1), 16),  # group 1, position 0
         (key(6, 0), 96),  # 5
-        (None, None),
     ]
-    runs = store_runs([10, 11, 12, 13, 14, 15], block_places(keys, [16, 16]))
-    assert runs == [
-        (0, 1, [12, 11, 10], [bytes([7]) * 32, bytes([8]) * 32, bytes([9]) * 32]),
-        (0, 5, [14], [bytes([6]) * 32]),
-        (1, 0, [13], [bytes([5]) * 32]),
+    blocks = store_runs([10, 11, 12, 13, 14], block_places(keys, [16, 16]))
+    assert blocks.groups.tolist() == [0, 0, 0, 1, 0]
+    assert blocks.positions.tolist() == [3, 2, 1, 0, 5]
+    assert blocks.block_ids.tolist() == [10, 11, 12, 13, 14]
+    assert blocks.hashes.tolist() == [bytes([b]) * 32 for b in (9, 8, 7, 5, 6)]
+    assert list(blocks)[:2] == [
+        (0, 3, [10], [bytes([9]) * 32]),
+        (0, 2, [11], [bytes([8]) * 32]),
     ]
 
 
-def test_R142_store_blocks_are_sorted_parallel_arrays() -> None:
+def test_R142_store_blocks_are_parallel_arrays() -> None:
     """R142, R118: the stored blocks go to the workers as parallel arrays
-    (group, position, GPU block id, hash) sorted by (group, position), each
-    block with its own id and hash; hand-made blocks out of order, two groups,
-    gaps and unplaced blocks. Bug caught (tried): block ids and hashes taken
-    in store order of the placed blocks while groups and positions are
-    sorted (each entry written for another block's place)."""
+    (group, position, GPU block id, hash) of the placed blocks, in store
+    order, each block with its own id and hash; hand-made blocks out of
+    order, two groups, gaps and unplaced blocks. Bug caught (tried): block
+    ids and hashes taken from every stored block while groups and positions
+    are of the placed ones (each entry written for another block's place)."""
     keys = [
         (key(4, 1), 64),  # group 1 (size 32), position 1
         (None, None),
@@ -207,14 +211,16 @@ def test_R142_store_blocks_are_sorted_parallel_arrays() -> None:
         (key(5, 0), 32),  # 1
     ]
     blocks = store_runs([30, 31, 32, 33, 34, 35, 36], block_places(keys, [16, 32]))
-    assert blocks.groups.tolist() == [0, 0, 0, 1, 1]
-    assert blocks.positions.tolist() == [0, 1, 4, 0, 1]
-    assert blocks.block_ids.tolist() == [33, 36, 32, 35, 30]
-    assert blocks.hashes.tolist() == [bytes([b]) * 32 for b in (2, 5, 3, 1, 4)]
+    assert blocks.groups.tolist() == [1, 0, 0, 1, 0]
+    assert blocks.positions.tolist() == [1, 4, 0, 0, 1]
+    assert blocks.block_ids.tolist() == [30, 32, 33, 35, 36]
+    assert blocks.hashes.tolist() == [bytes([b]) * 32 for b in (4, 3, 2, 1, 5)]
     assert list(blocks) == [
-        (0, 0, [33, 36], [bytes([2]) * 32, bytes([5]) * 32]),
+        (1, 1, [30], [bytes([4]) * 32]),
         (0, 4, [32], [bytes([3]) * 32]),
-        (1, 0, [35, 30], [bytes([1]) * 32, bytes([4]) * 32]),
+        (0, 0, [33], [bytes([2]) * 32]),
+        (1, 0, [35], [bytes([1]) * 32]),
+        (0, 1, [36], [bytes([5]) * 32]),
     ]
     empty = store_runs([1], block_places([(None, None)], [16]))
     assert not len(empty.block_ids) and list(empty) == []

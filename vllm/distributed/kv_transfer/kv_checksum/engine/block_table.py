@@ -390,10 +390,7 @@ def move_indices(moved: EntryRestore | EntryCopy) -> np.ndarray:
 def _groups_in_order(groups: np.ndarray, allowed: set[int]) -> tuple[list[int], bool]:
     """The allowed group ids of `groups`, in the order they first appear, and
     whether every block is of one group (its arrays then need no mask)."""
-    if not len(groups):
-        return [], True
-    first = int(groups[0])
-    if (groups == first).all():
-        return ([first] if first in allowed else []), True
-    present, index = np.unique(groups, return_index=True)
-    return [g for g in present[np.argsort(index)].tolist() if g in allowed], False
+    # One C pass over the ids, no NumPy call: a store's few dozen blocks
+    # (R142; NumPy's fixed cost is most of the time at these sizes).
+    ordered = list(dict.fromkeys(groups.tolist()))
+    return [g for g in ordered if g in allowed], len(ordered) <= 1

@@ -175,25 +175,23 @@ def store_runs(
     block_ids: Sequence[int], places: BlockPlaces, wanted: np.ndarray | None = None
 ) -> FullBlocks:
     """The blocks at known places (those of them in `wanted`, a mask, when
-    given), as `save_block_checksums` takes them.
+    given), as `save_block_checksums` takes them, in store order.
 
-    Sorted by (group, position), so their runs (cut wherever the group
-    changes or the next position is not the next one) are few, and every
-    block keeps its own position whatever the store order (lazy-mode stores
-    come in eviction order, a request's tail first; eager ones in order).
-    Each block's entry depends on its own position and hash only, so blocks
-    of different requests may share a run. Arrays only: no Python loop over
-    runs or blocks (R142).
+    Every block carries its own group, position and hash (its entry depends
+    on those only), so no order is needed: lazy-mode stores come in eviction
+    order, a request's tail first, eager ones request after request. Kept in
+    store order, the blocks line up with the store's copy to host slots, so
+    the copy rides in the entry write as it is (`fold_copy`, issue 30).
+    Arrays only: no Python loop over runs or blocks (R142).
     """
-    known = np.flatnonzero(places.known if wanted is None else wanted)
-    order = known[np.lexsort((places.positions[known], places.groups[known]))]
+    mask = places.known if wanted is None else wanted
+    ids = np.asarray(block_ids, dtype=np.int64)
     hashes = np.empty(len(places.hashes), dtype=object)
     hashes[:] = places.hashes
+    if mask.all():  # every stored block, the usual case
+        return FullBlocks(places.groups, places.positions, ids, hashes)
     return FullBlocks(
-        places.groups[order],
-        places.positions[order],
-        np.asarray(block_ids, dtype=np.int64)[order],
-        hashes[order],
+        places.groups[mask], places.positions[mask], ids[mask], hashes[mask]
     )
 
 
