@@ -189,43 +189,26 @@ def engines(model_dir: str) -> Iterator[dict[str, Engine]]:
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
-    """The path as it was before this tree's change, for `name`."""
-    if name == "copy-apart":
-        real = worker_module.fold_copy
-        worker_module.fold_copy = _unfolded  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            worker_module.fold_copy = real
-    elif name == "runs-counted":
-        real_save = SimpleOffloadWorkerSide._save
+    """The path as it was before this tree's change, for `name` (inputs
+    aside: `by-place` changes the step's metadata, not the code)."""
+    import pytest
 
-        def save(self: Any, metadata: Any, *args: Any, **kw: Any) -> None:
-            bool(getattr(metadata, "kv_checksum_store_runs", None))
-            real_save(self, metadata, *args, **kw)
+    with pytest.MonkeyPatch.context() as patch:
+        if name == "copy-apart":
+            patch.setattr(worker_module, "fold_copy", _unfolded)
+        elif name == "runs-counted":
+            real_save = SimpleOffloadWorkerSide._save
 
-        SimpleOffloadWorkerSide._save = save  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            SimpleOffloadWorkerSide._save = real_save  # type: ignore[method-assign]
-    elif name == "stacked-indices":
-        real_indices = block_table.move_indices
-        for module in (block_table, launches):
-            module.move_indices = _stacked_indices  # type: ignore[assignment]
-        try:
-            yield
-        finally:
+            def save(self: Any, metadata: Any, *args: Any, **kw: Any) -> None:
+                bool(getattr(metadata, "kv_checksum_store_runs", None))
+                real_save(self, metadata, *args, **kw)
+
+            patch.setattr(SimpleOffloadWorkerSide, "_save", save)
+        elif name == "stacked-indices":
             for module in (block_table, launches):
-                module.move_indices = real_indices  # type: ignore[assignment]
-    elif name == "numpy-groups":
-        real_groups = block_table._groups_in_order
-        block_table._groups_in_order = _numpy_groups  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            block_table._groups_in_order = real_groups  # type: ignore[assignment]
-    else:
+                patch.setattr(module, "move_indices", _stacked_indices)
+        elif name == "numpy-groups":
+            patch.setattr(block_table, "_groups_in_order", _numpy_groups)
         yield
 
 
