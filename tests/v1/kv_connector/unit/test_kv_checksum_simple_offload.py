@@ -486,7 +486,8 @@ def test_R142_deferred_store_moves_wait_within_a_bound() -> None:
     """Issue 30: deferred store moves are not due (a flush without
     `deferred` leaves them) until they hold more than DEFERRED_BLOCKS_LIMIT
     blocks; `take` returns every move, the deferred rows and copies before
-    this step's, and empties the queue; a restore is never deferred. Bugs
+    this step's (one group's rows joined into one write), and empties the
+    queue; a restore is never deferred. Bugs
     caught (tried): no bound (a run of stores nobody reports would grow the
     queue without end); a restore not made with the step's moves (a load
     checked against a stale entry)."""
@@ -499,8 +500,14 @@ def test_R142_deferred_store_moves_wait_within_a_bound() -> None:
         EntryRows,
     )
 
+    next_id = [0]
+
     def rows(n: int) -> EntryRows:
-        return EntryRows(0, np.zeros((3, n), np.int64), np.zeros((3, n), np.int64))
+        """Rows of `n` blocks not named before (a launch joins them)."""
+        ids = np.zeros((3, n), np.int64)
+        ids[0] = np.arange(next_id[0], next_id[0] + n)
+        next_id[0] += n
+        return EntryRows(0, ids, np.zeros((3, n), np.int64))
 
     def copy(n: int) -> EntryCopy:
         ids = np.arange(n, dtype=np.int64)
@@ -520,7 +527,11 @@ def test_R142_deferred_store_moves_wait_within_a_bound() -> None:
     queue.add([later], None, None)
     assert queue.due()
     restores, copies, saves = queue.take()
-    assert saves[0] is first and saves[-1] is later and len(copies) == 2
+    # One group: joined into one write, the deferred blocks first.
+    assert len(saves) == 1 and len(copies) == 2
+    written = saves[0].rows[0]
+    assert written[:3].tolist() == first.rows[0].tolist()
+    assert written[-4:].tolist() == later.rows[0].tolist()
     assert not queue.pending()
     queue.add([rows(limit)], copy(limit), None, defer=True)
     assert not queue.due()  # a store of `limit` blocks, counted once
