@@ -209,7 +209,7 @@ class ChecksumLauncher:
                 out = scratch[at : at + n * plan.width].view(n, plan.width)
                 plan.run(rows_dev[:, column : column + n], out)
                 self._write_entries(
-                    rows_dev, out, column, tag_columns[index], entry_rows
+                    rows_dev, scratch, out, column, tag_columns[index], entry_rows
                 )
                 continue
             plans, plan, reads, req_ids, starts, counts = passes[index]
@@ -226,7 +226,12 @@ class ChecksumLauncher:
                 plan.run(rows_dev[:, first : column + n], both)
                 save_index = layout.save_of_pass[index]
                 self._write_entries(
-                    rows_dev, both[:written], first, tag_columns[save_index], entry_rows
+                    rows_dev,
+                    scratch,
+                    both[:written],
+                    first,
+                    tag_columns[save_index],
+                    entry_rows,
                 )
                 out = both[padded:]
             else:
@@ -266,18 +271,19 @@ class ChecksumLauncher:
     def _write_entries(
         self,
         uploaded: torch.Tensor,
+        row0: torch.Tensor,
         sums: torch.Tensor,
         column: int,
         tag_column: int,
         entry_rows: EntryRows,
     ) -> None:
         """The table write of `entry_rows`, uploaded at `column`, their tags
-        at `tag_column` (row 0 of `uploaded`), from their launch output
-        `sums`; with a destination, into the host slots of the tags' row 1
-        too (`fold_copy`)."""
+        at `tag_column` (both in `row0`, row 0 of `uploaded`), from their
+        launch output `sums`; with a destination, into the host slots of the
+        tags' row 1 too (`fold_copy`)."""
         count = entry_rows.rows.shape[1]
         end = tag_column + count
-        row0, dest = uploaded[0], entry_rows.dest
+        dest = entry_rows.dest
         self.table.write_entries(
             sums,
             row0[tag_column:end],
