@@ -17,7 +17,8 @@ finish_forward (where loads start after the forward), post_forward. Kinds:
 Engines, timed in alternation in every round: checksums off; on; and, where
 this tree changed a path, the path as it was, in the same process
 (`--variants`): `copy-apart` makes a store's copy to its host slots a move
-of its own after the entry write (before `fold_copy`, 2026-12-05e);
+of its own after the entry write (`FOLD_STORE_COPIES` off, as before
+`fold_copy`, 2026-12-05e);
 `runs-counted` adds to each store the truth test of its runs that
 `SimpleOffloadWorkerSide._save` made until 2026-12-05e (`runs or []`: a
 `FullBlocks` counts its runs to answer); `stacked-indices` builds a move's
@@ -72,7 +73,6 @@ from vllm.distributed.kv_transfer.kv_checksum.engine import (  # noqa: E402
     block_table,
     launches,
 )
-from vllm.distributed.kv_transfer.kv_checksum.engine import worker as worker_module  # noqa: E402
 from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (  # noqa: E402
     SimpleOffloadWorkerSide,
 )
@@ -89,11 +89,6 @@ VARIANTS = (
 
 def _no_kernel(launch: Any, rows: Any, out: Any) -> None:
     """The checksum launch stubbed: host work only."""
-
-
-def _unfolded(rows: Any, copy: Any) -> tuple[Any, Any]:
-    """`fold_copy` undone: the store's copy stays a move of its own."""
-    return rows, copy
 
 
 def _stacked_indices(moved: Any) -> np.ndarray:
@@ -195,7 +190,7 @@ def variant(name: str) -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         if name == "copy-apart":
-            patch.setattr(worker_module, "fold_copy", _unfolded)
+            patch.setattr(block_table, "FOLD_STORE_COPIES", False)
         elif name == "runs-counted":
             real_save = SimpleOffloadWorkerSide._save
 

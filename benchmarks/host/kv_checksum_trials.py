@@ -57,6 +57,9 @@ TRIALS: dict[str, Trial] = {
     # wait for a later launch or the step reporting the store complete
     # (default False since 2026-12-05d).
     "defer-stores": Trial(f"{_WIRING}.simple_cpu_offload", "DEFER_STORE_ENTRIES", True),
+    # A store's copy to its host slots made as a move of its own after the
+    # entry write, not in the write (default folded since 2026-12-05e).
+    "copy-apart": Trial(f"{_PACKAGE}.engine.block_table", "FOLD_STORE_COPIES", False),
     # Step results written into pinned host memory by a kernel.
     "zero-copy": Trial(_KERNELS, "ZERO_COPY_RESULTS", True),
     # Chunks of 4,096 pieces (SPEC R57 says 16,384); run cuda-tests after it.
