@@ -326,12 +326,13 @@ def fold_copy(
     its entry in the table and in the slot. Returned: the writes, and the
     copy of the blocks no write covers (entries the table already holds),
     None if it covers them all. A group with a block the copy does not take
-    stays apart. No Python loop over blocks (R142)."""
+    stays apart; with `FOLD_STORE_COPIES` off, all of them. No Python loop
+    over blocks (R142)."""
     if not FOLD_STORE_COPIES or copy is None or not len(copy.slots) or not per_group:
         return per_group, copy
     ids, slots = copy.block_ids, copy.slots
     if len(per_group) == 1 and np.array_equal(per_group[0].rows[0], ids):
-        first = per_group[0]  # eager stores of one request: in order
+        first = per_group[0]  # every stored block written, in store order
         first.tags[1] = slots
         return [EntryRows(first.group_id, first.rows, first.tags, copy.dest)], None
     order = np.argsort(ids, kind="stable")
