@@ -16,19 +16,21 @@ finish_forward (where loads start after the forward), post_forward. Kinds:
 
 Engines, timed in alternation in every round: checksums off; on; and, where
 this tree changed a path, the path as it was, in the same process
-(`--variants`): `copy-apart` makes a store's copy to its host slots a move
-of its own after the entry write (`FOLD_STORE_COPIES` off, as before
-`fold_copy`, 2026-12-05e);
-`runs-counted` adds to each store the truth test of its runs that
-`SimpleOffloadWorkerSide._save` made until 2026-12-05e (`runs or []`: a
-`FullBlocks` counts its runs to answer); `stacked-indices` builds a move's
-(block ids, slots, 0) with `np.stack` and a cast, as `move_indices` did
-until 2026-12-05e; `numpy-groups` finds the stored blocks' groups with NumPy
-calls, as `_groups_in_order` did until 2026-12-05e; `by-place` gets the
-stored blocks sorted by position, as `store_runs` sorted them until
-2026-12-05e (a store's copy then no longer lines up with its entry write,
-and `fold_copy` matches them block by block). The
-checksum kernel is stubbed (host work only: on a GPU host each launch and
+(`--variants`, each as until 2026-12-05e):
+- `copy-apart`: a store's copy to its host slots made as a move of its own
+  after the entry write (`FOLD_STORE_COPIES` off, as before `fold_copy`);
+- `runs-counted`: each store also counts its runs, as the truth test in
+  `SimpleOffloadWorkerSide._save` (`runs or []`) did while `FullBlocks` had
+  no `__bool__` and answered with `len`;
+- `stacked-indices`: a move's (block ids, slots, 0) built with `np.stack`
+  and a cast, as `move_indices` did;
+- `numpy-groups`: the stored blocks' groups found with NumPy calls, as
+  `_groups_in_order` did;
+- `by-place`: the stored blocks sorted by position, as `store_runs` sorted
+  them (a store's copy then no longer lines up with its entry write, and
+  `fold_copy` matches them block by block).
+
+The checksum kernel is stubbed (host work only: on a GPU host each launch and
 upload costs more, `benchmark_kv_checksum_device_calls.py --cuda`); CUDA
 streams are the tests' stand-ins. Figures: median over rounds of the mean
 us a step.
@@ -195,7 +197,9 @@ def variant(name: str) -> Iterator[None]:
             real_save = SimpleOffloadWorkerSide._save
 
             def save(self: Any, metadata: Any, *args: Any, **kw: Any) -> None:
-                bool(getattr(metadata, "kv_checksum_store_runs", None))
+                runs = getattr(metadata, "kv_checksum_store_runs", None)
+                if runs is not None:
+                    len(runs)  # the truth test's fallback before __bool__
                 real_save(self, metadata, *args, **kw)
 
             patch.setattr(SimpleOffloadWorkerSide, "_save", save)

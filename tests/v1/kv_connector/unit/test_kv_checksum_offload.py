@@ -456,11 +456,12 @@ def test_R142_a_store_never_counts_its_runs(
 ) -> None:
     """Issue 30, R142: SimpleCPUOffloadConnector's worker side takes a step's
     stored blocks (`FullBlocks`, as the scheduler side attaches them) as
-    arrays: it never asks for their runs (`len`, or a truth test that falls
-    back to it, which cut them with NumPy: about 20 us a store step on CPU,
-    2026-12-05e), and the entries still reach their slots. Bug caught
-    (tried): `runs = getattr(metadata, "kv_checksum_store_runs", None) or []`
-    (as until 2026-12-05e)."""
+    arrays: it never asks for their runs (`len`, which cuts them with NumPy:
+    about 20 us a store step on CPU, 2026-12-05e), its truth test included
+    (`FullBlocks.__bool__` counts blocks), and the entries still reach their
+    slots. Bug caught (tried): `FullBlocks` without its own `__bool__`, so
+    that the worker side's `runs or []` falls back to `len` (as until
+    2026-12-05e)."""
     from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
         SimpleOffloadWorkerSide,
     )

@@ -80,6 +80,12 @@ class FullBlocks:
     def __len__(self) -> int:
         return len(self._run_bounds()) - 1 if len(self.block_ids) else 0
 
+    def __bool__(self) -> bool:
+        """Whether any block is here, without cutting runs (`__len__` does,
+        with NumPy over every block: a truth test on a store's blocks would
+        pay it, issue 30)."""
+        return bool(len(self.block_ids))
+
     def __iter__(self) -> Iterator[BlockRun]:
         bounds = self._run_bounds() if len(self.block_ids) else [0]
         for lo, hi in zip(bounds, bounds[1:]):

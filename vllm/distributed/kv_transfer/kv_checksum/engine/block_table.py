@@ -322,8 +322,9 @@ def fold_copy(
     per_group: list[EntryRows], copy: EntryCopy | None
 ) -> tuple[list[EntryRows], EntryCopy | None]:
     """A store's copy to host slots folded into its entry writes (issue 30):
-    each written block's slot rides in row 1 of its tags, so one kernel puts
-    its entry in the table and in the slot. Returned: the writes, and the
+    each written block's slot rides in row 1 of its tags (set in place), so
+    one kernel puts its entry in the table and in the slot. Returned: the
+    writes, and the
     copy of the blocks no write covers (entries the table already holds),
     None if it covers them all. A group with a block the copy does not take
     stays apart; with `FOLD_STORE_COPIES` off, all of them. No Python loop

@@ -364,9 +364,7 @@ class SimpleOffloadWorkerSide:
             if restore is not None:  # the loads' entries all the same
                 self.entries.restore_ids(restore.block_ids, restore.slots)
             return
-        runs = getattr(metadata, "kv_checksum_store_runs", None)
-        if runs is None:  # not `or`: a FullBlocks' truth counts its runs
-            runs = []
+        runs = getattr(metadata, "kv_checksum_store_runs", None) or []
         copy = self.entries.copy_to_slots(gpu_ids, metadata.store_cpu_blocks)
         if in_pass:
             self.checksum_worker.queue_block_checksums(runs, copy, restore, defer)
