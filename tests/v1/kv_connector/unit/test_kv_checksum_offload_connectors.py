@@ -152,6 +152,24 @@ def test_R117_one_step_of_several_transfers_moves_every_entry() -> None:
     assert table[[9, 10, 11]].tolist() == before[[5, 6, 7]].tolist()
 
 
+@pytest.mark.parametrize("ids, slots", [([4], [0, 1, 2]), ([4, 5, 6], [1])])
+def test_R117_an_entry_move_of_unequal_lengths_moves_nothing(
+    ids: list[int], slots: list[int]
+) -> None:
+    """A restore whose block ids and slots differ in length raises before
+    any entry moves (the caller's guard then turns the tier off, R134).
+    Bug caught: packing the move by assigning rows alone, which broadcasts a
+    single block id over every slot (one block given three slots' entries)
+    or a single slot over every block."""
+    table = torch.arange(8, dtype=torch.int64) * 3 + 1
+    entries = HostEntryTable(table, num_chunks=4, blocks_per_chunk=1)
+    entries.entries[:] = torch.arange(4, dtype=torch.int64) + 100
+    before = table.clone()
+    with pytest.raises(ValueError, match="entry move"):
+        entries.restore_ids(ids, slots)
+    assert torch.equal(table, before)
+
+
 def test_R121_failed_keys_are_the_mismatched_positions() -> None:
     """Only keys overlapping a mismatched block of their group are bad.
     Bug caught: dropping every key of the load or matching other groups."""

@@ -122,3 +122,18 @@ class EntryRestore:
     block_ids: np.ndarray
     slots: np.ndarray
     source: torch.Tensor
+
+
+def move_indices(moved: EntryRestore | EntryCopy) -> np.ndarray:
+    """A move's (block ids, slots, 0) as int64 [3, n], ready to pack into an
+    upload. Unequal lengths raise, as indexing with them would (assigning
+    rows alone would broadcast a single block id over every slot)."""
+    if len(moved.block_ids) != len(moved.slots):
+        raise ValueError(
+            f"entry move of {len(moved.block_ids)} blocks to {len(moved.slots)} slots"
+        )
+    indices = np.empty((3, len(moved.slots)), dtype=np.int64)
+    indices[0] = moved.block_ids
+    indices[1] = moved.slots
+    indices[2] = 0
+    return indices

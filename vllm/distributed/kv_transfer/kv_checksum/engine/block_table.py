@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
     EntryCopy,
     EntryRestore,
     FullBlocks,
+    move_indices,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     upload_segments,
@@ -383,16 +384,6 @@ def merge_entry_rows(per_group: Sequence[EntryRows]) -> list[EntryRows]:
         tags = np.concatenate([p.tags for p in parts], axis=1)
         merged.append(EntryRows(parts[0].group_id, rows, tags, parts[0].dest))
     return merged
-
-
-def move_indices(moved: EntryRestore | EntryCopy) -> np.ndarray:
-    """A move's (block ids, slots, 0) as int64 [3, n], ready to pack into an
-    upload."""
-    indices = np.empty((3, len(moved.slots)), dtype=np.int64)
-    indices[0] = moved.block_ids
-    indices[1] = moved.slots
-    indices[2] = 0
-    return indices
 
 
 def _groups_in_order(groups: np.ndarray, allowed: set[int]) -> tuple[list[int], bool]:

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
     EntryCopy,
     EntryRestore,
+    move_indices,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     RowSegment,
@@ -35,7 +36,6 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopo
 from vllm.distributed.kv_transfer.kv_checksum.engine.block_table import (
     BlockChecksumTable,
     EntryRows,
-    move_indices,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import (
     ChecksumPlan,

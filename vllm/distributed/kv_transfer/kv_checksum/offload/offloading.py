@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
     EntryCopy,
     EntryRestore,
     FullBlocks,
+    move_indices,
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import host_to_device
 from vllm.distributed.kv_transfer.kv_checksum.offload.entries import position_hashes
@@ -237,21 +238,16 @@ class HostEntryTable:
         self.restore_ids(*self.indices(transfers))
 
     def restore_ids(self, gpu_ids: IndexLike, slots: IndexLike) -> None:
-        """The entries of the host `slots` go to `gpu_ids` (parallel)."""
-        gpu, host = self._pair(gpu_ids, slots)
-        if len(host):
-            self.kernels.move(self.entries, host, self.block_table, gpu)
-
-    def _pair(
-        self, gpu_ids: IndexLike, slots: IndexLike
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both index arrays on the table's device, in one upload (R55: no
-        sync; issue 30: one pinned copy, not one per array). Unequal lengths
-        raise (np.stack), as indexing with them would."""
-        both = host_to_device(
-            np.stack([_int64(gpu_ids), _int64(slots)]), self.block_table.device
-        )
-        return both[0], both[1]
+        """The entries of the host `slots` go to `gpu_ids` (parallel): both
+        index arrays in one upload (R55: no sync; issue 30: one pinned copy,
+        not one per array), packed as the launcher packs a move. Unequal
+        lengths raise."""
+        restore = self.restore_of(gpu_ids, slots)
+        indices = move_indices(restore)
+        if not indices.shape[1]:
+            return
+        both = host_to_device(indices, self.block_table.device)
+        self.kernels.move(self.entries, both[1], self.block_table, both[0])
 
 
 def failed_keys(
