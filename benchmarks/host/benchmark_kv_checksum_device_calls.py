@@ -22,7 +22,10 @@ any machine; times are this machine's.
 - load + store step: a step that starts a load of N blocks and stores N
   others, the restore riding in the save's upload (both offload tiers after
   the forward since 2026-12-05) and, paired with it, the restore and the
-  save apart (two uploads, before).
+  save apart (two uploads, before);
+- store save, paired: the save with its copy to host slots folded into its
+  entry write (`FOLD_STORE_COPIES`, since 2026-12-05e) and as a move of its
+  own after it (one launch more on CUDA).
 
 On CPU the checksum kernel is stubbed (host work only). `--cuda` runs on a
 GPU with the Triton kernel and adds the host time of each kind of device
@@ -66,10 +69,27 @@ from tests.v1.kv_connector.unit.test_kv_checksum_worker_cuda import (  # noqa: E
 from vllm.distributed.kv_transfer.kv_checksum.definition.kernels import (  # noqa: E402
     KVChecksumLaunch,
 )
+from vllm.distributed.kv_transfer.kv_checksum.engine import block_table  # noqa: E402
 
 
 def _no_kernel(launch: Any, rows: Any, out: Any) -> None:
     """The checksum launch stubbed: host work only."""
+
+
+def with_fold(fn: Callable[[], Any], fold: bool) -> Callable[[], Any]:
+    """`fn` with `FOLD_STORE_COPIES` set to `fold` for the call: a store's
+    copy to its host slots in its entry write, or a move of its own after it
+    (issue 30, 2026-12-05e). Both sides pay the same switching."""
+
+    def call() -> Any:
+        before = block_table.FOLD_STORE_COPIES
+        block_table.FOLD_STORE_COPIES = fold
+        try:
+            return fn()
+        finally:
+            block_table.FOLD_STORE_COPIES = before
+
+    return call
 
 
 def _median_of_rounds(one_round: Callable[[], float], rounds: int) -> float:
@@ -489,6 +509,11 @@ def main() -> None:
                 for kind, now, before in (
                     ("prefix step, hits", fused, separate),
                     ("load + store step, blocks each", one_upload, two_uploads),
+                    (
+                        "store save, copy folded (now) or apart (before)",
+                        with_fold(save, True),
+                        with_fold(save, False),
+                    ),
                 ):
                     one, two, ratio = _paired(
                         now, before, args.calls, args.rounds, cold_evict

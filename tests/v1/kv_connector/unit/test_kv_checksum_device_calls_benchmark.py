@@ -163,3 +163,30 @@ def test_copy_thread_failure_is_recorded() -> None:
     thread._thread.join()
     assert thread.batches == 0
     assert thread.error is not None and "NoneType" in thread.error
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_the_fold_pair_runs_each_side_with_its_own_switch(fold: bool) -> None:
+    """R118 (issue 30): each side of the "store save" pair runs with
+    `FOLD_STORE_COPIES` as named, and the switch is back after every call,
+    a raising one too. Bugs caught: the switch set once for the pair (both
+    sides the same path, the ratio 1 whatever the fold costs), or left set
+    after a call (every later path of the run timed with it)."""
+    bench = _load()
+    table = bench.block_table
+    default = table.FOLD_STORE_COPIES
+    seen: list[bool] = []
+
+    def save() -> None:
+        seen.append(table.FOLD_STORE_COPIES)
+
+    bench.with_fold(save, fold)()
+    assert seen == [fold]
+    assert table.FOLD_STORE_COPIES is default
+
+    def raises() -> None:
+        raise RuntimeError("save failed")
+
+    with pytest.raises(RuntimeError):
+        bench.with_fold(raises, fold)()
+    assert table.FOLD_STORE_COPIES is default
