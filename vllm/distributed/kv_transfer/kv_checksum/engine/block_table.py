@@ -35,8 +35,10 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.plans import GroupPlans
 
 # A store's copy to its host slots rides in its entry write (`fold_copy`):
 # one launch less a store step on CUDA. On CPU it measured 2-13 us a step
-# slower (2026-12-05e, the move it saves is one torch call there); off is
-# the other arm of the engine A/B (`--trial copy-apart`).
+# slower (2026-12-05e, the move it saves is one torch call there). On a GPU
+# host, `gpu_runs.sh device-calls` times a store save folded against apart,
+# call by call; off is also the other arm of an engine A/B
+# (`--trial copy-apart`).
 FOLD_STORE_COPIES = True
 
 
