@@ -170,6 +170,18 @@ def test_R117_an_entry_move_of_unequal_lengths_moves_nothing(
     assert torch.equal(table, before)
 
 
+def test_R118_a_store_copy_of_unequal_lengths_is_never_made() -> None:
+    """A store's copy to host slots whose block ids and slots differ in
+    length raises when it is made, before any save folds or packs it. Bug
+    caught: the check only where a move is packed (`move_indices`), which
+    the fold's simple case never calls: it sets the tags' slot row from the
+    copy's slots, one slot broadcast over three blocks."""
+    table = torch.zeros(8, dtype=torch.int64)
+    entries = HostEntryTable(table, num_chunks=4, blocks_per_chunk=1)
+    with pytest.raises(ValueError, match="entry move of 3 blocks to 1 slots"):
+        entries.copy_to_slots([4, 5, 6], [1])
+
+
 def test_R121_failed_keys_are_the_mismatched_positions() -> None:
     """Only keys overlapping a mismatched block of their group are bad.
     Bug caught: dropping every key of the load or matching other groups."""

@@ -103,35 +103,43 @@ class FullBlocks:
 
 
 @dataclass
-class EntryCopy:
+class EntryMove:
+    """Parallel block ids and host slots of an entry move: one slot per block.
+    Unequal lengths raise when the move is made, so no later step packs or
+    folds it (assigning one array's row from the other would broadcast a
+    single block id over every slot, or a single slot over every block)."""
+
+    block_ids: np.ndarray
+    slots: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.block_ids) != len(self.slots):
+            raise ValueError(
+                f"entry move of {len(self.block_ids)} blocks to {len(self.slots)} slots"
+            )
+
+
+@dataclass
+class EntryCopy(EntryMove):
     """Entries a save also copies elsewhere: `dest[slots[i]]` = the table's
     entry of `block_ids[i]` once written (an offload tier's host slots, R118).
     The indices ride in the save's own upload."""
 
-    block_ids: np.ndarray
-    slots: np.ndarray
     dest: torch.Tensor
 
 
 @dataclass
-class EntryRestore:
+class EntryRestore(EntryMove):
     """Entries a load brings back: the table's entry of `block_ids[i]` =
     `source[slots[i]]` (an offload tier's host slots, R118), queued before
     the save they travel with writes anything."""
 
-    block_ids: np.ndarray
-    slots: np.ndarray
     source: torch.Tensor
 
 
-def move_indices(moved: EntryRestore | EntryCopy) -> np.ndarray:
+def move_indices(moved: EntryMove) -> np.ndarray:
     """A move's (block ids, slots, 0) as int64 [3, n], ready to pack into an
-    upload. Unequal lengths raise, as indexing with them would (assigning
-    rows alone would broadcast a single block id over every slot)."""
-    if len(moved.block_ids) != len(moved.slots):
-        raise ValueError(
-            f"entry move of {len(moved.block_ids)} blocks to {len(moved.slots)} slots"
-        )
+    upload."""
     indices = np.empty((3, len(moved.slots)), dtype=np.int64)
     indices[0] = moved.block_ids
     indices[1] = moved.slots
