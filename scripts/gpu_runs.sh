@@ -46,7 +46,6 @@
 #                                             # trial-early-saves,
 #                                             # trial-no-hold,
 #                                             # trial-own-uploads,
-#                                             # trial-defer-stores,
 #                                             # trial-copy-apart (issue 30),
 #                                             # copy-probe (issues 26, 30, 31)
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and

@@ -53,12 +53,9 @@ TRIALS: dict[str, Trial] = {
     # (restores, store entries, copies to slots) make uploads of their own,
     # not ride in the checksum pass's (default True since 2026-12-05).
     "own-uploads": Trial(f"{_WIRING}.simple_cpu_offload", "ENTRY_MOVES_IN_PASS", False),
-    # With the moves in the pass, SimpleCPUOffloadConnector's store entries
-    # wait for a later launch or the step reporting the store complete
-    # (default False since 2026-12-05d).
-    "defer-stores": Trial(f"{_WIRING}.simple_cpu_offload", "DEFER_STORE_ENTRIES", True),
     # A store's copy to its host slots made as a move of its own after the
-    # entry write, not in the write (default folded since 2026-12-05e).
+    # entry write, not in the write (default folded since 2026-12-05e; on
+    # CUDA 8-9 % slower a store save, 2026-12-06).
     "copy-apart": Trial(f"{_PACKAGE}.engine.block_table", "FOLD_STORE_COPIES", False),
     # Step results written into pinned host memory by a kernel.
     "zero-copy": Trial(_KERNELS, "ZERO_COPY_RESULTS", True),

@@ -421,8 +421,7 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             if bare is not None:
                 bare._kv_checksum_held_copies = calls
         # With `delay_stores`, a store event is reported complete in the next
-        # step's output (vLLM's copy thread finishes it after the step), as
-        # deferred store entries (`DEFER_STORE_ENTRIES`) expect.
+        # step's output (vLLM's copy thread finishes it after the step).
         self.delay_stores = delay_stores
         self._pending_stores: list[int] = []
         self.num_loads = 0
@@ -471,11 +470,11 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         finished, _ = self._finished_loads(finished, [])
         records = self._records(finished, output)
         completed = self._completed_stores(meta.store_event if stored else None)
-        if completed and self.held:
-            # As the post_forward hook, before the output reports the stores:
-            # their deferred entries, if any.
+        if self.held:
+            # As the post_forward hook, before the held copies go: the moves
+            # the pass did not make, if any.
             for worker in self.workers:
-                worker.checksum.flush_queued_entries(deferred=True)
+                worker.checksum.flush_queued_entries()
         for calls in self.held:
             calls.release()
         kv_output = make_kv_connector_output(finished_recving=finished)

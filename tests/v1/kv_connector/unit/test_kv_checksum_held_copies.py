@@ -376,27 +376,21 @@ def _store_only(env: Any, completed: dict[int, int] | None) -> tuple[int, int]:
     return int(slots[6]), int(table[5])
 
 
-def test_deferred_store_entries_wait_for_the_step_reporting_the_store(
+def test_a_store_only_step_makes_its_entries_in_that_step(
     simple_active: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 30, R118 (`DEFER_STORE_ENTRIES`, off by default): a store's
-    entries are not made in its own step when nothing else launches; the
-    next step, whose output reports store events complete (vLLM's
-    SimpleCPUOffloadWorker metadata), makes them before it returns, with
-    one upload: host slot 6 then holds the entry GPU block 5 gets.
-    Bug caught (tried): the completion not read from the output (slot 6
-    still 0 after the reporting step)."""
+    """Issue 30, R118: a step that stores and loads nothing, with no store
+    reported complete yet, still makes its store's entries before it
+    returns, in one upload: host slot 6 holds the entry GPU block 5 gets.
+    Bug caught (tried): the step's queued moves left for a later launch
+    (slot 6 still 0, no upload)."""
     from tests.v1.kv_connector.unit.test_kv_checksum_simple_offload import (
         count_uploads,
     )
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
 
-    monkeypatch.setattr(simple_cpu_offload, "DEFER_STORE_ENTRIES", True)
     uploads = count_uploads(monkeypatch)
     env = simple_active(True)
-    assert _store_only(env, None) == (0, 0)
-    assert uploads[0] == 0
-    slot, entry = _store_only(env, {0: 1})
+    slot, entry = _store_only(env, None)
     assert slot == entry != 0
     assert uploads[0] == 1
 
@@ -414,7 +408,7 @@ def test_a_worker_turned_off_holds_no_more(simple_active: Any) -> None:
     wiring_worker._disable_worker(env.active, "kv_checksum_worker", "test")
     assert not held.armed
     _run_step(env, sync_loads=False)
-    assert not worker.queued.pending()
+    assert not worker.queued.due()
 
 
 def test_sync_loads_are_handed_off_at_once(simple_active: Any) -> None:

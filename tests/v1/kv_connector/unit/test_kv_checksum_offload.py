@@ -491,8 +491,8 @@ def test_R142_a_store_never_counts_its_runs(
     assert hexes(table_entries(side.entries.entries, [3, 0, 6])) == hexes(entries)
 
 
-def test_R118_deferred_stores_share_one_entry_write() -> None:
-    """Issue 30, R118, R142: two stores deferred to one launch make one entry
+def test_R118_stores_queued_for_one_launch_share_one_entry_write() -> None:
+    """Issue 30, R118, R142: two stores queued for one launch make one entry
     write for the group (`merge_entry_rows`), their copies folded in, and
     every slot gets its block's reference entry; two stores of the same
     block are not joined (one kernel would leave either entry). Bugs caught
@@ -507,20 +507,16 @@ def test_R118_deferred_stores_share_one_entry_write() -> None:
     host = torch.zeros(8, dtype=torch.int64)
     first = EntryCopy(np.array(BLOCK_IDS[:2]), np.array([4, 1]), host)
     second = EntryCopy(np.array(BLOCK_IDS[2:]), np.array([6]), host)
-    worker.queue_block_checksums([(0, 0, BLOCK_IDS[:2], hashes[:2])], first, None, True)
-    worker.queue_block_checksums(
-        [(0, 2, BLOCK_IDS[2:], hashes[2:])], second, None, True
-    )
-    worker.flush_queued_entries(deferred=True)
+    worker.queue_block_checksums([(0, 0, BLOCK_IDS[:2], hashes[:2])], first)
+    worker.queue_block_checksums([(0, 2, BLOCK_IDS[2:], hashes[2:])], second)
+    worker.flush_queued_entries()
     assert counts == {"write": 1, "move": 0}
     assert hexes(table_entries(host, [4, 1, 6])) == hexes(entries)
 
     again = EntryCopy(np.array(BLOCK_IDS[:1]), np.array([2]), host)
     for slots in (again, again):
-        worker.queue_block_checksums(
-            [(0, 0, BLOCK_IDS[:1], hashes[:1])], slots, None, True
-        )
-    worker.flush_queued_entries(deferred=True)
+        worker.queue_block_checksums([(0, 0, BLOCK_IDS[:1], hashes[:1])], slots)
+    worker.flush_queued_entries()
     assert counts == {"write": 3, "move": 0}
     assert hexes(table_entries(host, [2])) == hexes(entries[:1])
 

@@ -458,39 +458,34 @@ def launches_with_delayed_stores(
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_R118_store_entries_deferred_to_the_step_reporting_the_store(
-    model_dir: str, lazy: bool, monkeypatch: pytest.MonkeyPatch
+def test_R118_store_entries_leave_in_their_step_when_stores_report_later(
+    model_dir: str, lazy: bool
 ) -> None:
-    """Issue 30, R118, R142. With the moves in the pass and stores reported
-    complete a step later, every load verifies as is; with `DEFER_STORE_ENTRIES` (off
-    by default) a store's entry write and copy wait for a later launch or
-    for the step whose output reports the store complete, every load still
-    verifies, and the same run takes fewer launches (steps that store share
-    one). Bugs caught (each tried): the deferred entries not made when their
-    store is reported (loads mismatch: their copies carry no entry); a
-    launch leaving deferred copies behind (mismatch); deferral never taken
-    (as many launches)."""
-    counts = {}
-    for defer in (False, True):
-        monkeypatch.setattr(wiring_simple, "DEFER_STORE_ENTRIES", defer)
-        engine, counts[defer] = launches_with_delayed_stores(
-            model_dir, lazy, f"defer-{lazy}-{defer}"
-        )
-        assert engine.num_loads >= 9 and engine.num_stored_blocks > 0
-        assert_every_load_verified(engine)
-        assert_no_request_state(engine)
-    assert counts[True] < counts[False]
+    """Issue 30, R118, R142. With the moves in the pass and every store
+    reported complete a step later (as vLLM's copy thread reports them),
+    every load verifies and each store's entries are made in its own step:
+    the run launches at least once for every step that stored. Bug caught
+    (tried): a store's rows and copies not due until something else is
+    (left for a later launch)."""
+    engine, launches = launches_with_delayed_stores(model_dir, lazy, f"later-{lazy}")
+    assert engine.num_loads >= 9 and engine.num_stored_blocks > 0
+    assert_every_load_verified(engine)
+    assert_no_request_state(engine)
+    storing_steps = sum(
+        1
+        for output in engine.history
+        if (meta := simple_offload_metadata(output.kv_connector_metadata))
+        and meta.store_gpu_blocks
+    )
+    assert launches >= storing_steps > 0
 
 
-def test_R142_deferred_store_moves_wait_within_a_bound() -> None:
-    """Issue 30: deferred store moves are not due (a flush without
-    `deferred` leaves them) until they hold more than DEFERRED_BLOCKS_LIMIT
-    blocks; `take` returns every move, the deferred rows and copies before
-    this step's (one group's rows joined into one write), and empties the
-    queue; a restore is never deferred. Bugs
-    caught (tried): no bound (a run of stores nobody reports would grow the
-    queue without end); a restore not made with the step's moves (a load
-    checked against a stale entry)."""
+def test_R142_queued_moves_are_taken_together() -> None:
+    """Issue 30: `take` returns every queued move (restores, copies, and one
+    group's rows of several saves joined into one write, in queue order) and
+    empties the queue; empty moves are left out. Bugs caught (tried): a
+    restore not made with the step's moves (a load checked against a stale
+    entry); a second save's rows dropped when joined."""
     from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
         EntryCopy,
         EntryRestore,
@@ -514,29 +509,22 @@ def test_R142_deferred_store_moves_wait_within_a_bound() -> None:
         return EntryCopy(ids, ids, torch.zeros(1))
 
     queue = entry_queue.QueuedEntryMoves()
+    assert not queue.due()
+    queue.add([], copy(0), EntryRestore(np.array([]), np.array([]), torch.zeros(1)))
+    assert not queue.due()  # empty moves queue nothing
     restore = EntryRestore(np.array([1]), np.array([2]), torch.zeros(1))
-    queue.add([rows(2)], copy(2), restore, defer=True)
-    assert queue.due() and queue.pending()  # the restore
+    queue.add([], None, restore)
+    assert queue.due()  # a restore alone
     first, later = rows(3), rows(4)
-    taken = queue.take()
-    assert taken[0] == [restore] and not queue.pending()
-    limit = entry_queue.DEFERRED_BLOCKS_LIMIT
-    queue.add([first], copy(3), None, defer=True)
-    queue.add([rows(limit // 2 - 3)], copy(limit // 2 - 3), None, defer=True)
-    assert queue.pending() and not queue.due()
-    queue.add([later], None, None)
-    assert queue.due()
+    queue.add([first], copy(3), None)
+    queue.add([later], copy(4), None)
     restores, copies, saves = queue.take()
-    # One group: joined into one write, the deferred blocks first.
-    assert len(saves) == 1 and len(copies) == 2
+    assert restores == [restore] and len(copies) == 2
+    # One group: joined into one write, in queue order.
+    assert len(saves) == 1
     written = saves[0].rows[0]
-    assert written[:3].tolist() == first.rows[0].tolist()
-    assert written[-4:].tolist() == later.rows[0].tolist()
-    assert not queue.pending()
-    queue.add([rows(limit)], copy(limit), None, defer=True)
-    assert not queue.due()  # a store of `limit` blocks, counted once
-    queue.add([], copy(1), None, defer=True)
-    assert queue.due()
+    assert written.tolist() == first.rows[0].tolist() + later.rows[0].tolist()
+    assert not queue.due() and queue.take() == ([], [], [])
 
 
 def test_R118_lazy_mode_stores_evicted_cached_blocks(model_dir: str) -> None:

@@ -34,11 +34,10 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopo
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import GroupPlans
 
 # A store's copy to its host slots rides in its entry write (`fold_copy`):
-# one launch less a store step on CUDA. On CPU it measured 2-13 us a step
-# slower (2026-12-05e, the move it saves is one torch call there). On a GPU
-# host, `gpu_runs.sh device-calls` times a store save folded against apart,
-# call by call; off is also the other arm of an engine A/B
-# (`--trial copy-apart`).
+# one launch less a store step on CUDA, where a store save took 236 us folded
+# against 260 apart (H100, 2026-12-06, `gpu_runs.sh device-calls`); on CPU
+# 1-2 us slower (the move it saves is one torch call there). Off is the
+# other arm of an engine A/B (`--trial copy-apart`).
 FOLD_STORE_COPIES = True
 
 

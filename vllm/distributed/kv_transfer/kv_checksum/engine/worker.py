@@ -235,7 +235,7 @@ class KVChecksumWorker:
         `copy`: then copy entries to an offload tier's slots; `restore`: first
         bring a load's entries back from them; all in one upload. Queued
         moves are made first (they were asked for earlier)."""
-        self.flush_queued_entries(deferred=True)
+        self.flush_queued_entries()
         self.block_table.save(runs, copy=copy, restore=restore)
 
     def queue_block_checksums(
@@ -243,23 +243,19 @@ class KVChecksumWorker:
         runs: Iterable[BlockRun],
         copy: EntryCopy | None = None,
         restore: EntryRestore | None = None,
-        defer: bool = False,
     ) -> None:
         """`save_block_checksums`, made by this step's `post_forward` in the
         pass's one upload and launch sequence (issue 30): restores first, then
         every entry write (a store's copy to its slots folded into its write,
         `fold_copy`), then the copies left. For a caller that keeps
         the step's copies back until then (`flush_queued_entries` makes what
-        is left if the pass does not run). `defer`: the store's rows and copy
-        may wait for a later launch, or for `flush_queued_entries(deferred=
-        True)` in the step that reports the store complete."""
+        is left if the pass does not run)."""
         rows, rest = fold_copy(self.block_table.store_entry_rows(runs), copy)
-        self.queued.add(rows, rest, restore, defer)
+        self.queued.add(rows, rest, restore)
 
-    def flush_queued_entries(self, deferred: bool = False) -> None:
-        """Make the queued entry moves that are due now (`deferred`: all of
-        them), in one upload, if any are left."""
-        if self.queued.due() or (deferred and self.queued.pending()):
+    def flush_queued_entries(self) -> None:
+        """Make the queued entry moves, in one upload, if any are left."""
+        if self.queued.due():
             restores, copies, saves = self.queued.take()
             self.launcher.launch((), (), (), (), saves, restores, copies)
 

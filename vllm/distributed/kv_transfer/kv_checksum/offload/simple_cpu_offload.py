@@ -301,23 +301,19 @@ class SimpleOffloadWorkerSide:
         # `save_stores` skips them).
         self._saved: Any = None
 
-    def save_stores(
-        self, metadata: Any, in_pass: bool = False, defer: bool = False
-    ) -> None:
+    def save_stores(self, metadata: Any, in_pass: bool = False) -> None:
         """Entries of this step's stored blocks, into their CPU blocks' slots.
 
         Queued on the current stream after the forward and before the store
         copy waits on it (vLLM's wait_for_save records that event after us).
         `in_pass`: the store's copy is kept back until the step's checksum
         pass, so the entries are queued for that pass's one upload (issue
-        30); `defer` (with `in_pass`): they may wait until the step that
-        reports the store complete. Nothing when `start_loads` already saved
-        this step's stores.
+        30). Nothing when `start_loads` already saved this step's stores.
         """
         if metadata is self._saved:
             self._saved = None
             return
-        self._save(metadata, in_pass=in_pass, defer=defer and in_pass)
+        self._save(metadata, in_pass=in_pass)
 
     def start_loads(
         self, metadata: Any, after_forward: bool = False, in_pass: bool = False
@@ -354,11 +350,9 @@ class SimpleOffloadWorkerSide:
         metadata: Any,
         restore: EntryRestore | None = None,
         in_pass: bool = False,
-        defer: bool = False,
     ) -> None:
         """The stored blocks' entries into their slots (after `restore`),
-        now or (`in_pass`) in the step's checksum pass, or (`defer`) by the
-        step that reports the store complete at the latest."""
+        now or (`in_pass`) in the step's checksum pass."""
         gpu_ids = getattr(metadata, "store_gpu_blocks", None)
         if not gpu_ids:
             if restore is not None:  # the loads' entries all the same
@@ -367,7 +361,7 @@ class SimpleOffloadWorkerSide:
         runs = getattr(metadata, "kv_checksum_store_runs", None) or []
         copy = self.entries.copy_to_slots(gpu_ids, metadata.store_cpu_blocks)
         if in_pass:
-            self.checksum_worker.queue_block_checksums(runs, copy, restore, defer)
+            self.checksum_worker.queue_block_checksums(runs, copy, restore)
         else:
             self.checksum_worker.save_block_checksums(runs, copy, restore)
 

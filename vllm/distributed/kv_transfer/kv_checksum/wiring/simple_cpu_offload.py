@@ -17,9 +17,7 @@ SimpleCPUOffloadConnector.build_connector_meta
 SimpleCPUOffloadConnector.wait_for_save
     Why: entries go to their CPU slots before the store event (unless
     start_load_kv saved them); while the step's copies are held, queued for
-    the step's checksum pass instead (`ENTRY_MOVES_IN_PASS`), or with
-    `DEFER_STORE_ENTRIES` for a later launch or the step reporting the
-    store complete
+    the step's checksum pass instead (`ENTRY_MOVES_IN_PASS`)
     How: before the original
     Upstream: the worker moving a per-block payload
 SimpleCPUOffloadConnector.start_load_kv
@@ -80,12 +78,6 @@ HOLD_COPY_HAND_OFFS = True
 # upload instead of two uploads of their own (issue 30);
 # `gpu_runs.sh trial-own-uploads` sets it False for an engine A/B.
 ENTRY_MOVES_IN_PASS = True
-# With the moves in the pass, a store's entry write and copy to its host slot
-# wait for the next launch or, at the latest, for the step whose output
-# reports the store complete (no load reads the copy before that, and vLLM
-# holds the stored GPU blocks until then): fewer launches, store steps
-# merged. Off until an engine A/B (`gpu_runs.sh trial-defer-stores`).
-DEFER_STORE_ENTRIES = False
 
 
 def install_simple_offload_connector() -> None:
@@ -178,8 +170,7 @@ def install_simple_offload_connector() -> None:
                 "store",
                 _disable_offload_worker,
             ):
-                in_pass = _moves_in_pass(held)
-                side.save_stores(self._connector_metadata, in_pass, DEFER_STORE_ENTRIES)
+                side.save_stores(self._connector_metadata, _moves_in_pass(held))
         return original(self)
 
 

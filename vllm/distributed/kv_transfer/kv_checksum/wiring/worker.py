@@ -173,14 +173,12 @@ def install_worker_hooks() -> None:
             return _checksum_after_forward(
                 original, self, finished_req_ids, *args, **kw
             )
-        output = None
         try:
-            output = _checksum_after_forward(
+            return _checksum_after_forward(
                 original, self, finished_req_ids, *args, **kw
             )
-            return output
         finally:
-            _flush_queued_entries(self, output)
+            _flush_queued_entries(self)
             for copies in held:
                 copies.release()
 
@@ -248,25 +246,15 @@ def _checksum_after_forward(
     return output
 
 
-def _may_report_stores(output: Any) -> bool:
-    """Whether a post_forward output may tell the scheduler that stores
-    completed: any connector worker metadata (SimpleCPUOffloadConnector's
-    completed store events, inside MultiConnector's too), or no output at
-    all (vLLM's post_forward raised: whatever follows is not known)."""
-    return output is None or output.kv_connector_worker_meta is not None
-
-
-def _flush_queued_entries(active: Any, output: Any) -> None:
+def _flush_queued_entries(active: Any) -> None:
     """The offload tier's entry moves the checksum pass did not make (it did
-    not run, or raised), made before the held copies go, and deferred store
-    entries too when `output` may report their stores complete (a load may
-    read those copies from the next step on). An error turns the worker off
-    (R134); nothing raises into vLLM."""
+    not run, or raised), made before the held copies go. An error turns the
+    worker off (R134); nothing raises into vLLM."""
     worker = active.__dict__.get("kv_checksum_worker")
     if worker is None:
         return
     try:
-        worker.flush_queued_entries(deferred=_may_report_stores(output))
+        worker.flush_queued_entries()
     except Exception:
         _disable_worker(active, "kv_checksum_worker", "post_forward")
 
