@@ -358,15 +358,15 @@ def test_queued_moves_made_when_vllms_post_forward_raises(
     assert seen == [(False, 444, entry), (True, 444, entry)]
 
 
-def _store_only(env: Any, completed: dict[int, int] | None) -> tuple[int, int]:
+def _store_only(env: Any) -> tuple[int, int]:
     """One step, loads after the forward, that stores GPU block 5 into CPU
-    block 6 and loads nothing; vLLM's worker reports `completed` store
-    events in its output. Returns host slot 6's entry and GPU block 5's
-    table entry after the step."""
+    block 6 and loads nothing; vLLM's worker reports no store complete in
+    its output. Returns host slot 6's entry and GPU block 5's table entry
+    after the step."""
     output = _step_output(sync_loads=False)
     meta = output.kv_connector_metadata
     meta.load_cpu_blocks, meta.load_gpu_blocks, meta.load_event_to_reqs = [], [], {}
-    env.connector.worker_handler._completed_store_events = dict(completed or {})
+    env.connector.worker_handler._completed_store_events = {}
     input_batch = SimpleNamespace(idx_mapping=None, req_ids=["r"], num_tokens=1)
     env.active.pre_forward(output, input_batch)
     env.active.finish_forward()
@@ -390,7 +390,7 @@ def test_a_store_only_step_makes_its_entries_in_that_step(
 
     uploads = count_uploads(monkeypatch)
     env = simple_active(True)
-    slot, entry = _store_only(env, None)
+    slot, entry = _store_only(env)
     assert slot == entry != 0
     assert uploads[0] == 1
 
