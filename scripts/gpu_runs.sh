@@ -391,7 +391,9 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 # to its load's finish, its first scheduled tokens and its first token (does a
 # verified load cost an extra step?), under "request_steps" of each engine;
 # KV_CHECKSUM_HOOK_TIMER_VLLM=1: vLLM's schedule, allocate_slots and model
-# calls whole, on and off alike ("vllm_us_per_step": where a slower step is);
+# calls whole, on and off alike ("vllm_us_per_step": where a slower step is;
+# with CPU=1 also "vllm_off_cpu_us_per_step": the engine thread off the CPU in
+# each, e.g. waiting on the GPU in sample_tokens with the GIL released);
 # KV_CHECKSUM_HOOK_TIMER_COPIES=1: SimpleCPUOffloadConnector's batch copies
 # timed, and with DEEP each core call's time beside one and alone
 # ("core_beside_copy": do the eager tier's device calls wait on that thread?).

@@ -37,7 +37,9 @@ With KV_CHECKSUM_HOOK_TIMER_VLLM=1 it also times vLLM's own step parts in
 the package's work inside it (its `_update_after_schedule` hook, the block
 pool's instance hooks of prefix-hit verification), `allocate_slots` (those
 block pool hooks alone) and the executor's model call (the worker's hooks
-and the forward's host time).
+and the forward's host time); with CPU=1 each part's thread CPU time too, and
+the rest of its wall time as off-CPU time (`vllm_off_cpu_us_per_step`: the
+engine thread waiting with the GIL released, or for the GIL).
 With KV_CHECKSUM_HOOK_TIMER_RUNNING=1 vLLM's `Scheduler.schedule` also notes
 how many requests were running at its start (`len(self.running)`) and puts
 that step, and the hooks' own time of each call, in a bucket of
@@ -922,6 +924,11 @@ def summarize(out_dir: str) -> dict:
             for k, v in record["whole"].items()
             if k.startswith("vllm:")
         }
+        parts_cpu = {
+            k[len("vllm:") :]: v
+            for k, v in record.get("whole_cpu", {}).items()
+            if k.startswith("vllm:")
+        }
         # Hooks that ran once (constructors) are start-up, not step, cost.
         once = {k for k in own if calls.get(k, 0) <= 1}
         own_cpu = {
@@ -1011,6 +1018,18 @@ def summarize(out_dir: str) -> dict:
             "vllm_us_per_step": {
                 k: round(1e6 * v / steps, 2)
                 for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+            },
+            # With _CPU: the engine thread's CPU time in each part, and the
+            # rest of its wall time, off the CPU: waiting with the GIL
+            # released (on the GPU's results, mostly in sample_tokens) or for
+            # the GIL. Another thread's Python work can only hide there.
+            "vllm_cpu_us_per_step": {
+                k: round(1e6 * parts_cpu[k] / steps, 2) for k in parts if k in parts_cpu
+            },
+            "vllm_off_cpu_us_per_step": {
+                k: round(1e6 * max(parts[k] - parts_cpu[k], 0.0) / steps, 2)
+                for k in parts
+                if k in parts_cpu
             },
             "calls": calls,
             "request_steps": _request_summary(record.get("request_steps") or {}),

@@ -356,6 +356,39 @@ def test_summary_gives_each_hooks_cpu_time_without_start_up(tmp_path) -> None:
     assert abs(row["own_cpu_us_per_step"] - 4040.0) < 1e-6
 
 
+def test_summary_splits_vllm_parts_into_cpu_and_off_cpu_time(tmp_path) -> None:
+    """Issue 30 (diagnosis): with CPU times recorded, each vLLM step part's
+    engine-thread CPU time and the rest of its wall time (off the CPU: the
+    window another thread's work could hide in) per step, from the record's
+    whole and whole_cpu. Bugs caught (tried): the two swapped (CPU reported
+    as the off-CPU time), and a part with no CPU time reported as all off
+    the CPU."""
+    timer = load_script("kv_checksum_hook_timer_parts_cpu", SCRIPT)
+    row = _summary_row(
+        timer,
+        tmp_path,
+        41,
+        whole={
+            "vllm:UniProcExecutor.sample_tokens": 0.08,
+            "vllm:Scheduler.schedule": 0.02,
+        },
+        wrapped={},
+        calls={
+            "vllm:UniProcExecutor.sample_tokens": 100,
+            "vllm:Scheduler.schedule": 100,
+        },
+        whole_cpu={"vllm:UniProcExecutor.sample_tokens": 0.03},
+    )
+    # sample_tokens: 800 us a step of wall, 300 of CPU, 500 off the CPU;
+    # schedule has no CPU time recorded, so neither split names it.
+    assert row["vllm_us_per_step"] == {
+        "UniProcExecutor.sample_tokens": 800.0,
+        "Scheduler.schedule": 200.0,
+    }
+    assert row["vllm_cpu_us_per_step"] == {"UniProcExecutor.sample_tokens": 300.0}
+    assert row["vllm_off_cpu_us_per_step"] == {"UniProcExecutor.sample_tokens": 500.0}
+
+
 def test_vllm_parts_are_vllm_0_33_methods_and_stay_transparent(
     tmp_path, monkeypatch
 ) -> None:
