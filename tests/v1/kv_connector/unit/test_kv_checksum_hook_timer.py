@@ -357,7 +357,7 @@ def test_summary_gives_each_hooks_cpu_time_without_start_up(tmp_path) -> None:
 
 
 def test_summary_splits_vllm_parts_into_cpu_and_off_cpu_time(tmp_path) -> None:
-    """Issue 30 (diagnosis): with CPU times recorded, each vLLM step part's
+    """R142 (diagnosis), issue 30: with CPU times recorded, each vLLM step part's
     engine-thread CPU time and the rest of its wall time (off the CPU: the
     window another thread's work could hide in) per step, from the record's
     whole and whole_cpu. Bugs caught (tried): the two swapped (CPU reported
