@@ -330,6 +330,7 @@ class Engine:
         if args.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = args.gpu
         env.update(trial_env(self.mode, args.trial, env.get("PYTHONPATH", "")))
+        env.update(mode_env(self.mode, args.mode_env))
         env.update(
             VLLM_USE_FLASHINFER_SAMPLER="0",
             VLLM_NO_USAGE_STATS="1",
@@ -451,6 +452,21 @@ def trial_env(mode: str, trial: str | None, pythonpath: str) -> dict[str, str]:
         return {}
     path = os.pathsep.join(p for p in (str(TRIAL_SITE), pythonpath) if p)
     return {"KV_CHECKSUM_TRIAL": trial, "PYTHONPATH": path}
+
+
+def mode_env(mode: str, settings: list[str]) -> dict[str, str]:
+    """The `--mode-env MODE:KEY=VALUE` settings of `mode`'s engine: e.g. a
+    diagnosis switch (the GIL probe's) in one slot only, following the mode
+    when `--swap-slots` moves it."""
+    env = {}
+    for setting in settings:
+        name, _, assignment = setting.partition(":")
+        key, sep, value = assignment.partition("=")
+        if name not in ("on", "off") or not key or not sep:
+            raise ValueError(f"--mode-env {setting!r}: want on|off:KEY=VALUE")
+        if name == mode:
+            env[key] = value
+    return env
 
 
 def launch_slots(launch: int, swap: bool) -> dict[str, str]:
@@ -666,6 +682,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checksums on in both slots, these switches (kv_checksum_trials.py, "
         "comma-separated) in the 'on' slot only: 'on/off' is trial/default",
     )
+    parser.add_argument(
+        "--mode-env",
+        action="append",
+        default=[],
+        help="on|off:KEY=VALUE: an environment setting of that mode's engine only",
+    )
     parser.add_argument("--gpu", default=None, help="default: the inherited one")
     parser.add_argument("--util", type=float, default=0.4)
     parser.add_argument(
@@ -688,6 +710,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bench-cmd unused)",
     )
     args = parser.parse_args(argv)
+    try:
+        mode_env("on", args.mode_env)
+    except ValueError as err:
+        parser.error(str(err))
     if args.trial is not None:
         if args.control:
             parser.error("--trial and --control exclude each other")
@@ -976,6 +1002,7 @@ def write_summary(
         },
         "control": args.control,
         "trial": args.trial,
+        "mode_env": args.mode_env,
         "swap_slots": args.swap_slots,
         "slot_cpus": {k: sorted(v) for k, v in args.slot_cpus.items()},
         "slots": args.slots,

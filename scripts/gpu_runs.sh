@@ -29,8 +29,8 @@
 #                                             # item 3; -multi needs gpu_nixl),
 #                                             # bench-simple-offload (issue 30),
 #                                             # host-step, hook-timer,
-#                                             # hook-timer-serve, hook-timer-pd
-#                                             # (issue 30), mla,
+#                                             # hook-timer-serve, hook-timer-pd,
+#                                             # gil-probe (issue 30), mla,
 #                                             # mla-tp2, mla-tp2-consumer, gdn,
 #                                             # gdn-tp2, mamba1 (issue 29; gdn and
 #                                             # gdn-tp2 need the --moe bundle),
@@ -423,6 +423,19 @@ hook-timer | hook-timer-serve | hook-timer-pd)
     python3 "$repo/benchmarks/host/kv_checksum_hook_timer.py" summarize \
         "$KV_CHECKSUM_HOOK_TIMER_DIR" >"$timer_json"
     head -c 3000 "$timer_json"
+    exit $rc
+    ;;
+# Issue 30: what moving host work off the engine thread can gain under the
+# GIL. benchmarks/host/kv_checksum_gil_probe.py as the engines' sitecustomize
+# adds KV_CHECKSUM_GIL_PROBE_US of Python work a step, in the engine thread
+# (inline) or a second thread (thread), in the slot that `--mode-env
+# on:KV_CHECKSUM_GIL_PROBE=MODE` names; pass --tier and --control (both
+# slots checksums off: on/off is the probe's cost alone).
+gil-probe)
+    cp "$repo/benchmarks/host/kv_checksum_gil_probe.py" "$site/sitecustomize.py"
+    run gil-probe benchmarks/benchmark_kv_checksum_prefix_hits.py --bench-batch "$@"
+    rc=$?
+    rm -f "$site/sitecustomize.py"
     exit $rc
     ;;
 bench-offload-multi) run bench-offload-multi \

@@ -912,3 +912,16 @@ def test_profiler_config_is_one_vllm_accepts(tmp_path: Path) -> None:
     assert ProfilerConfig(**bench.profiler_config(tmp_path / "t")).max_iterations == 0
     stacks = ProfilerConfig(**bench.profiler_config(tmp_path / "t", with_stack=True))
     assert stacks.torch_profiler_with_stack is True
+
+
+def test_mode_env_reaches_the_named_mode_only() -> None:
+    """R142 (diagnosis in one slot): `--mode-env on:K=V` sets K in the "on"
+    engine's environment only, whichever slot it runs in, and a setting
+    without a mode or a value is refused. Bug caught: the setting given to
+    both engines (then on/off compares the probe with itself)."""
+    settings = ["on:KV_CHECKSUM_GIL_PROBE=thread", "off:X=a=b"]
+    assert bench.mode_env("on", settings) == {"KV_CHECKSUM_GIL_PROBE": "thread"}
+    assert bench.mode_env("off", settings) == {"X": "a=b"}
+    for bad in ("KV=1", "both:K=V", "on:K", "on:=V"):
+        with pytest.raises(ValueError, match="on\\|off:KEY=VALUE"):
+            bench.mode_env("on", [bad])
