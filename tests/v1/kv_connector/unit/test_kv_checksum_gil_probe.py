@@ -81,9 +81,10 @@ def test_a_thread_behind_by_the_backlog_skips_and_counts_steps() -> None:
 
 
 def test_the_wrapped_update_returns_its_result_and_counts_failed_steps() -> None:
-    """The wrapper keeps `update_from_output`'s result and exception and
-    counts the step either way; vLLM 0.33.0's Scheduler has the method it
-    wraps (bug caught: a renamed target, the probe then silently absent)."""
+    """R142 (diagnosis): the wrapper keeps `update_from_output`'s result and
+    exception and counts the step either way; vLLM 0.33.0's Scheduler has
+    the method it wraps. Bugs caught: a renamed target (the probe then
+    silently absent), a failed step left without its work."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     assert callable(Scheduler.update_from_output)
@@ -104,5 +105,8 @@ def test_the_wrapped_update_returns_its_result_and_counts_failed_steps() -> None
 
 
 def test_an_unknown_mode_is_refused() -> None:
+    """R142 (diagnosis): a mode other than inline or thread is refused, not
+    read as one of them. Bug caught: a misspelt mode run as thread mode (the
+    record then names a comparison that did not run)."""
     with pytest.raises(ValueError, match="inline or thread"):
         probe_module.Probe("threads", 200.0, 10.0)
