@@ -9,12 +9,16 @@ blocks into consumer blocks. Some loads are corrupted on the way (a flipped
 bit, a zeroed block, two swapped blocks, a block of another request as after
 a stale read); the consumer must catch each one before the request runs.
 
+The workers copy their results on a side stream, as on a GPU; here through
+the CPU stand-ins for CUDA streams and events that the test suite uses
+(``cpu_cuda_streams``), so the demo runs the code path a GPU engine runs.
+
 Run from the repository root: ``bash examples/run_demo.sh``. Prints one line
-per request, then totals and the checksum counters; exits non-zero if an
-injected fault went undetected or a clean load was not verified.
+per request, then totals and the checksum counters; exits non-zero unless
+every injected fault was detected as a mismatch with its mode's outcome and
+every clean load was verified and ran.
 """
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -22,18 +26,15 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
+import pytest  # noqa: E402
 
 from tests.v1.kv_connector.unit import kv_checksum_pd as pd  # noqa: E402
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
-    CpuEvent,
-    CpuStream,
-    CpuStreamState,
+    cpu_cuda_streams,
     write_model_dir,
 )
 
@@ -52,27 +53,14 @@ MODES = [
     ("fail-closed/fail", dict(fail_closed=True, policy="fail")),
     ("fail-closed/recompute", dict(fail_closed=True, policy="recompute")),
 ]
-
-
-@contextlib.contextmanager
-def cpu_streams() -> Iterator[None]:
-    """CPU stand-ins for torch.cuda streams and events (the workers use them)."""
-    state = CpuStreamState()
-    state.set_current(state.default)
-    names = {
-        "Stream": CpuStream,
-        "Event": CpuEvent,
-        "current_stream": state.current_stream,
-        "stream": state.stream,
-    }
-    saved = {name: getattr(torch.cuda, name) for name in names}
-    for name, value in names.items():
-        setattr(torch.cuda, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(torch.cuda, name, value)
+# What a faulty load must end as, per mode (R94, R95).
+FAULT_OUTCOME = {
+    "fail-open": "ran",
+    "fail-closed/fail": "ended with error",
+    "fail-closed/recompute": "recomputed",
+}
+# One clean and one faulty load per (configuration, mode).
+NUM_LOADS = 2 * len(CONFIGS) * len(MODES)
 
 
 @dataclasses.dataclass
@@ -88,7 +76,7 @@ class Row:
     def ok(self) -> bool:
         if self.fault == "-":
             return self.verdict == "verified" and self.outcome == "ran"
-        return self.verdict == "mismatch"
+        return self.verdict == "mismatch" and self.outcome == FAULT_OUTCOME[self.mode]
 
 
 def verdict_of(engine: pd.SimEngine, before: Counter) -> str:
@@ -167,7 +155,7 @@ def main() -> int:
     # The demo prints its own table; vLLM's per-request logs would drown it.
     logging.getLogger("vllm").setLevel(logging.CRITICAL)
     counters: Counter = Counter()
-    with cpu_streams():
+    with pytest.MonkeyPatch.context() as patch, cpu_cuda_streams(patch):
         rows = run(counters)
     header = ("request", "configuration", "mode", "fault", "verdict", "outcome")
     widths = [9, 14, 22, 15, 11, 17]
@@ -190,7 +178,37 @@ def main() -> int:
         if count:
             print(f"  {name}: {count}")
     print(f"finished in {time.time() - start:.0f} s")
-    return 0 if all(r.ok for r in rows) else 1
+    problems = failures(rows, counters)
+    for problem in problems:
+        print(f"FAILED: {problem}")
+    if not problems:
+        print(f"OK: all {len(faults)} injected faults detected")
+    return 1 if problems else 0
+
+
+def failures(rows: list[Row], counters: Counter) -> list[str]:
+    """Why the run does not show every injected fault caught (empty if it
+    does): a row off its expected verdict or outcome, a load or fault kind
+    missing, or counters that disagree with the rows."""
+    problems = [
+        f"{r.request} ({r.config}, {r.mode}, {r.fault})" for r in rows if not r.ok
+    ]
+    if len(rows) != NUM_LOADS:
+        problems.append(f"{len(rows)} loads run, {NUM_LOADS} expected")
+    faults = [r for r in rows if r.fault != "-"]
+    missing = set(pd.FAULT_KINDS) - {r.fault for r in faults}
+    if missing:
+        problems.append(f"fault kinds never injected: {sorted(missing)}")
+    for verdict, expected in (
+        ("mismatch", len(faults)),
+        ("verified", len(rows) - len(faults)),
+    ):
+        if counters[f"consumer loads {verdict}"] != expected:
+            problems.append(
+                f"counter 'consumer loads {verdict}' is "
+                f"{counters[f'consumer loads {verdict}']}, {expected} expected"
+            )
+    return problems
 
 
 if __name__ == "__main__":

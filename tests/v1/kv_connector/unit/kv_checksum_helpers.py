@@ -1010,6 +1010,7 @@ class CpuEvent:
         **kwargs: Any,
     ) -> None:
         self.enable_timing = enable_timing
+        self.device = torch.device("cpu")
         self.recorded_on: list[CpuStream] = []
         self.waited_by: list[CpuStream] = []
         self.num_synchronize = 0
@@ -1040,6 +1041,7 @@ class CpuStream:
         self, device: Any = None, priority: int = 0, name: str = "side", **kwargs: Any
     ) -> None:
         self.device = torch.device("cpu")
+        self.device_index = -1  # as torch.Stream(device="cpu")
         self.priority = priority
         self.name = name
         self.cuda_stream = id(self)
@@ -1217,9 +1219,12 @@ def make_active_connector(
 @contextlib.contextmanager
 def cpu_cuda_streams(monkeypatch: Any) -> Iterator[CpuStreamState]:
     """The ``cuda_stream_stubs`` fixture's stand-ins (its docstring says
-    what is patched), for code outside pytest too (the host-step benchmark's
-    offload simulations): ``monkeypatch`` is a ``pytest.MonkeyPatch``, which
-    undoes them; the platform's attributes are undone on exit."""
+    what is patched), for code outside pytest too (the demo,
+    examples/disaggregated/kv_checksum_pd_demo.py, and the host-step
+    benchmarks): ``monkeypatch`` is a ``pytest.MonkeyPatch``, which undoes
+    them; the platform's attributes are undone on exit. The one set of
+    stand-ins: test_kv_checksum_stream_stand_ins.py checks it covers every
+    stream and event call the package makes."""
     import vllm.utils.torch_utils as torch_utils
     from vllm.platforms import current_platform
 

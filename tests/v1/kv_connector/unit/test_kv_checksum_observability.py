@@ -7,10 +7,12 @@ Grafana and Prometheus read them (JSON, YAML). The metric names the package
 exports are not listed here: they are the sample names that vLLM 0.33.0's real
 `PrometheusStatLogger`, built for a checksums-on NixlConnector config, puts on the real
 prometheus_client registry (the counters' `_total` included), with the label
-values the counters are created with. The bug caught: a metric renamed in the
+values the counters are created with; vLLM's own metrics (which two alert rules
+read) come from the same registry. The bug caught: a metric renamed in the
 package (or a name written without `_total`, or a label value misspelt) leaves
 a dashboard panel empty and an alert that can never fire, with no error
-anywhere.
+anywhere. How the rules behave on series is tested by promtool
+(`alerts_test.yaml`, scripts/check_alerts.sh).
 """
 
 import json
@@ -39,13 +41,22 @@ FOLDER = REPO / "examples" / "observability" / "kv_checksum"
 PREFIX = "vllm:kv_checksum"
 # vLLM's own per-engine labels: their values depend on the deployment.
 DEPLOYMENT_LABELS = {"model_name", "engine"}
+# Labels Prometheus adds to every series of a scrape target (`instance`, `job`)
+# or that Kubernetes scrape configs commonly add (`namespace`, `pod`).
+TARGET_LABELS = {"instance", "job", "namespace", "pod"}
+# What names the engine an alert is about: every alert rule keeps these.
+IDENTITY = ["namespace", "pod", "instance", "model_name", "engine"]
 SEVERITIES = {"critical", "warning", "info"}
 
 NAME = re.compile(r"vllm:[A-Za-z0-9_:]+")
 CHECKSUM_NAME = re.compile(r"vllm:kv_checksum[A-Za-z0-9_:]*")
 SELECTOR = re.compile(r"(vllm:[A-Za-z0-9_:]+)\s*\{([^}]*)\}")
 MATCHER = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*"([^"]*)"')
-GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)")
+AGGREGATION = re.compile(
+    r"\b(sum|min|max|avg|group|count|stddev|stdvar|topk|bottomk|quantile)\s*"
+    r"(by|without)?\s*(\([^)]*\))?\s*\("
+)
 
 
 class Exported:
@@ -80,7 +91,9 @@ class Exported:
                     and value not in self.values[(name, label)]
                 ):
                     found.append(f"{name}{{{label}}} never has the value {value!r}")
-        known = set().union(*(self.labels[n] for n in names & self.names))
+        known = set().union(
+            TARGET_LABELS, *(self.labels[n] for n in names & self.names)
+        )
         for group in GROUPING.findall(expr):
             for label in filter(None, (g.strip() for g in group.split(","))):
                 if label not in known:
@@ -88,30 +101,41 @@ class Exported:
         return found
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
-    """What a checksums-on API server exports, read off the real registry
-    (the package loaded through its entry point, as vLLM loads it)."""
+def exported_at_start(model_dir: str, checksums: bool) -> Exported:
+    """What a NixlConnector API server (kv_both) exports at start-up, before
+    any step, read off the real registry (the package loaded through its entry
+    point, as vLLM loads it): vLLM's metrics and, with `checksums`, ours."""
     load_general_plugins()
-    model_dir = write_model_dir(tmp_path_factory.mktemp("tiny-qwen3-obs"))
     config = make_vllm_config(
         model_dir,
         kv_connector="NixlConnector",
-        extra_config={"enable_kv_checksum": True},
+        extra_config={"enable_kv_checksum": True} if checksums else {},
     )
     unregister_vllm_metrics()
     try:
         logger = PrometheusStatLogger(config)
-        assert getattr(logger.kv_connector_prom, "kv_checksum_metrics", None)
+        metrics = getattr(logger.kv_connector_prom, "kv_checksum_metrics", None)
+        assert (metrics is not None) == checksums
         samples = [
             sample
             for metric in REGISTRY.collect()
             for sample in metric.samples
-            if sample.name.startswith(PREFIX)
+            if sample.name.startswith("vllm:")
         ]
     finally:
         unregister_vllm_metrics()
-    yield Exported(samples)
+    return Exported(samples)
+
+
+@pytest.fixture(scope="module")
+def model_dir_obs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_model_dir(tmp_path_factory.mktemp("tiny-qwen3-obs"))
+
+
+@pytest.fixture(scope="module")
+def exported(model_dir_obs: str) -> Iterator[Exported]:
+    """What a checksums-on API server exports (`exported_at_start`)."""
+    yield exported_at_start(model_dir_obs, checksums=True)
 
 
 def dashboard() -> dict[str, Any]:
@@ -137,7 +161,9 @@ def test_exported_set_is_the_packages_counters(exported: Exported):
     """R130: the exported set read off the registry holds every checksum
     counter as /metrics shows it (`_total`), with the verdict values. Catches
     a fixture that reads nothing, which would let every name through."""
-    totals = {n for n in exported.names if n.endswith("_total")}
+    totals = {
+        n for n in exported.names if n.endswith("_total") and n.startswith(PREFIX)
+    }
     assert len(totals) >= 7
     assert "vllm:kv_checksum_loads_total" in totals
     assert "vllm:kv_checksum_loads" not in exported.names
@@ -179,7 +205,9 @@ def test_dashboard_shows_every_checksum_counter(exported: Exported):
     gauge, appears in at least one panel. Catches a metric added to the
     package that operators cannot see."""
     used = set(NAME.findall("\n".join(dashboard_exprs())))
-    shown = {n for n in exported.names if not n.endswith("_created")}
+    shown = {
+        n for n in exported.names if n.startswith(PREFIX) and not n.endswith("_created")
+    }
     assert "vllm:kv_checksum_tracked_requests" in shown
     assert shown - used == set()
 
@@ -234,6 +262,54 @@ def test_alert_rules_form():
     severities = {r["alert"]: r["labels"]["severity"] for r in rules}
     assert severities["KVChecksumMismatch"] == "critical"
     assert severities["KVChecksumWorkerDisabled"] == "critical"
+
+
+def test_alert_rules_keep_the_instance():
+    """Every aggregation of every alert rule groups by the labels that name the
+    engine (`IDENTITY`: the scrape target's instance, Kubernetes namespace and
+    pod where set, vLLM's model_name and engine), every match of two sides
+    matches on them, and each rule's summary and description name
+    `$labels.instance`. Bug caught (issue 75): rules aggregating
+    `by (model_name, engine)`, which drops `instance` and `pod`, so in a fleet
+    the alert could not say which consumer is bad."""
+    for rule in alert_rules():
+        name, expr = rule["alert"], rule["expr"]
+        aggregations = AGGREGATION.findall(expr)
+        assert aggregations, name
+        for op, mode, group in aggregations:
+            labels = {label.strip() for label in group.strip("()").split(",")}
+            assert mode == "by" and set(IDENTITY) <= labels, (name, op, group)
+        for group in re.findall(r"\b(on|ignoring)\s*\(([^)]*)\)", expr):
+            labels = {label.strip() for label in group[1].split(",")}
+            assert group[0] == "on" and set(IDENTITY) <= labels, (name, group)
+        for annotation in ("summary", "description"):
+            assert "$labels.instance" in rule["annotations"][annotation], name
+
+
+def test_absence_rule_reads_series_registered_at_start_up(
+    exported: Exported, model_dir_obs: str
+):
+    """R130, R144: KVChecksumMetricsAbsent compares a vLLM series that every
+    KV consumer registers at start-up with a checksum series. With checksums
+    on both exist before the first step, with the labels the rule matches on,
+    so the rule stays quiet on a healthy consumer that has seen no traffic;
+    with checksums off (as when the plugin did not install) vLLM's exists and
+    no checksum series does, so it fires. Bugs caught: a checksum series
+    created at its first event only (every idle healthy consumer would alert)
+    and a vLLM series a consumer does not register at start (the rule could
+    never fire)."""
+    (rule,) = [r for r in alert_rules() if r["alert"] == "KVChecksumMetricsAbsent"]
+    names = NAME.findall(rule["expr"])
+    vllm_series, checksum_series = names[0], names[-1]
+    assert checksum_series.startswith(PREFIX)
+    assert not vllm_series.startswith(PREFIX)
+    assert {vllm_series, checksum_series} <= exported.names
+    matched = set(IDENTITY) - TARGET_LABELS
+    assert matched <= exported.labels[vllm_series]
+    assert matched <= exported.labels[checksum_series]
+    off = exported_at_start(model_dir_obs, checksums=False)
+    assert vllm_series in off.names
+    assert not {n for n in off.names if n.startswith(PREFIX)}
 
 
 DOCS = [
