@@ -89,7 +89,7 @@ def time_command(argv: list[str], value: str, runs: int) -> dict:
             stderr = done.stderr[-2000:]
         clean &= ok
     return {
-        "argv": argv,
+        "command": label(argv),
         "runs": runs,
         "median_s": statistics.median(times),
         "min_s": min(times),
@@ -99,6 +99,13 @@ def time_command(argv: list[str], value: str, runs: int) -> dict:
         "clean": clean,
         "first_stderr": stderr,
     }
+
+
+def label(argv: list[str]) -> str:
+    """`argv` as a reader would type it: "python" for this interpreter,
+    file names without their folders."""
+    words = ["python" if arg == sys.executable else arg for arg in argv]
+    return " ".join(Path(word).name if "/" in word else word for word in words)
 
 
 def main() -> None:
@@ -118,9 +125,8 @@ def main() -> None:
     for name in args.commands.split(","):
         result = time_command(command(name), value, args.runs)
         results[name] = result
-        label = " ".join(Path(a).name if "/" in a else a for a in result["argv"])
         print(
-            f"| {label} inspect | {args.runs} | {result['median_s']:.3f} "
+            f"| {result['command']} inspect | {args.runs} | {result['median_s']:.3f} "
             f"| {result['min_s']:.3f} | {result['max_s']:.3f} "
             f"| {result['median_cpu_s']:.3f} | {'yes' if result['clean'] else 'NO'} |",
             flush=True,
