@@ -61,10 +61,6 @@ launch records its processes' CPUs (`affinity`): more CPU time in a thread
 the "off" engine lacks means added work; the same CPU time with more
 involuntary switches means the engine waited for a core (issue 30).
 
-`--trial NAME` (a name of `host/kv_checksum_trials.py`'s table) runs
-checksums on in both slots and the named switch in the "on" slot only, so
-"on/off" is the trial over the default, pair by pair, in one run.
-
 `--control` is the A/A run: the "on" slot starts with checksums off too, so its
 "on/off" is what the two engine slots differ by alone (start order, port,
 memory placement on the shared GPU, which engine's rounds come when). A cost is
@@ -134,15 +130,12 @@ from kv_checksum_cpu_pinning import (  # noqa: E402
     split_cores,
     usable_cpus,
 )
-
-sys.path.append(str(Path(__file__).resolve().parent / "host"))  # kv_checksum_trials
 from kv_checksum_proc_stats import (  # noqa: E402
     affinity,
     cpu_brief,
     sample_tree,
     tree_delta,
 )
-from kv_checksum_trials import parse as parse_trials  # noqa: E402
 
 # Targets of issue 31 item 4.
 MIN_THROUGHPUT_RATIO = 0.98
@@ -165,8 +158,6 @@ SERVER_TIMES = re.compile(
 # Seeds of the unrecorded warm-up runs, far from the measured rounds' k // 2.
 WARMUP_SEED = 10_000
 BATCH = Path(__file__).resolve().parent / "kv_checksum_bench_serve_batch.py"
-# `--trial`: put first on the "on" engine's PYTHONPATH (host/kv_checksum_trials.py).
-TRIAL_SITE = Path(__file__).resolve().parent / "host" / "trial_site"
 BATCH_DONE = "[bench_batch] done"
 
 
@@ -329,7 +320,6 @@ class Engine:
         env.pop("VLLM_PORT", None)
         if args.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = args.gpu
-        env.update(trial_env(self.mode, args.trial, env.get("PYTHONPATH", "")))
         env.update(mode_env(self.mode, args.mode_env))
         env.update(
             VLLM_USE_FLASHINFER_SAMPLER="0",
@@ -347,7 +337,7 @@ class Engine:
         # A fixed KV cache: the two engines start together without a profiling race.
         cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
         config = transfer_config(
-            configured_mode(self.mode, args.control, args.trial),
+            configured_mode(self.mode, args.control),
             args.cpu_gib,
             args.tier,
         )
@@ -435,29 +425,16 @@ def start_pair(engines: dict[str, Engine], timeout: float) -> float:
     return time.time() - t0
 
 
-def configured_mode(slot: str, control: bool, trial: str | None = None) -> str:
+def configured_mode(slot: str, control: bool) -> str:
     """The checksum configuration of the engine in `slot` ("off" or "on"):
-    with `--control` both run "off" (an A/A run: the slots' own difference),
-    with `--trial` both run "on" (the trial's switch differs, `trial_env`)."""
-    if control:
-        return "off"
-    return "on" if trial else slot
-
-
-def trial_env(mode: str, trial: str | None, pythonpath: str) -> dict[str, str]:
-    """The environment that sets `trial`'s switches in the "on" slot's
-    processes: its names, and the trial site first on the path (its
-    sitecustomize runs the next one on the path, the hook timer's)."""
-    if not trial or mode != "on":
-        return {}
-    path = os.pathsep.join(p for p in (str(TRIAL_SITE), pythonpath) if p)
-    return {"KV_CHECKSUM_TRIAL": trial, "PYTHONPATH": path}
+    with `--control` both run "off" (an A/A run: the slots' own difference)."""
+    return "off" if control else slot
 
 
 def mode_env(mode: str, settings: list[str]) -> dict[str, str]:
     """The `--mode-env MODE:KEY=VALUE` settings of `mode`'s engine: e.g. a
-    diagnosis switch (the GIL probe's) in one slot only, following the mode
-    when `--swap-slots` moves it."""
+    diagnosis setting in one slot only, following the mode when
+    `--swap-slots` moves it."""
     env = {}
     for setting in settings:
         name, _, assignment = setting.partition(":")
@@ -677,12 +654,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the two engine slots' own difference (start order, port, placement)",
     )
     parser.add_argument(
-        "--trial",
-        default=None,
-        help="checksums on in both slots, these switches (kv_checksum_trials.py, "
-        "comma-separated) in the 'on' slot only: 'on/off' is trial/default",
-    )
-    parser.add_argument(
         "--mode-env",
         action="append",
         default=[],
@@ -714,13 +685,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         mode_env("on", args.mode_env)
     except ValueError as err:
         parser.error(str(err))
-    if args.trial is not None:
-        if args.control:
-            parser.error("--trial and --control exclude each other")
-        try:
-            parse_trials(args.trial)
-        except ValueError as err:
-            parser.error(str(err))
     rounds, workloads, cpu_gib = TIER_DEFAULTS[args.tier]
     args.rounds = rounds if args.rounds is None else args.rounds
     args.workloads = args.workloads or workloads
@@ -996,12 +960,11 @@ def write_summary(
         "kv_cache_bytes": args.kv_cache_bytes,
         "transfer_config": {
             m: transfer_config(
-                configured_mode(m, args.control, args.trial), args.cpu_gib, args.tier
+                configured_mode(m, args.control), args.cpu_gib, args.tier
             )
             for m in ABBA[:2]
         },
         "control": args.control,
-        "trial": args.trial,
         "mode_env": args.mode_env,
         "swap_slots": args.swap_slots,
         "slot_cpus": {k: sorted(v) for k, v in args.slot_cpus.items()},
@@ -1011,8 +974,6 @@ def write_summary(
         + (
             "A/A control, both slots checksums off"
             if args.control
-            else f"checksums on in both, default vs trial {args.trial}"
-            if args.trial
             else "checksums off vs on"
         ),
     }

@@ -198,9 +198,6 @@ def main() -> None:
             print_serve_verdict(path.name, record["launches"], control)
         return
     if args.pool:
-        trials = {record.get("config", {}).get("trial") for record in records}
-        if len(trials) > 1:  # a trial's "on/off" is trial/default, not on/off
-            sys.exit(f"--pool: summaries of different trials: {trials}")
         kinds = {judged_as(record.get("config", {})) for record in records}
         if len(kinds) > 1:
             sys.exit(f"--pool: summaries judged differently (tier, A/A): {kinds}")

@@ -2,14 +2,8 @@
 # The GPU proofs of the guide, one per call, on the offline H200 host of this
 # project's device tool (or any CUDA host with the same layout).
 #
-#   bash scripts/gpu_runs.sh install-bundle   # carry gpu_bundle (57 MiB); the
-#                                             #  64 MiB a call counts the tracked
-#                                             #  tree too: since 2026-12-02c move
-#                                             #  benchmarks/results/ out of the
-#                                             #  clone for this call (no run reads
-#                                             #  it) and back after, or (2026-12-04)
-#                                             #  carry gpu_bundle/so, the tarball
-#                                             #  and the two scripts here and
+#   bash scripts/gpu_runs.sh install-bundle   # carry gpu_bundle/so, the tarball
+#                                             #  and the two install scripts here,
 #                                             #  gpu_bundle/whl with the next call:
 #                                             #  pip install --target $SITE whl/*.whl
 #   bash scripts/gpu_runs.sh install-wheels   # carry gpu_nixl (+ gpu_serve: the
@@ -25,29 +19,15 @@
 #                                             # simple-offload, bench-serve,
 #                                             # bench-serve-x2, bench-serve-tp2,
 #                                             # bench-prefix, bench-offload,
-#                                             # bench-offload-multi (issue 26
-#                                             # item 3; -multi needs gpu_nixl),
-#                                             # bench-simple-offload (issue 30),
-#                                             # host-step, hook-timer,
-#                                             # hook-timer-serve, hook-timer-pd,
-#                                             # gil-probe (issue 30), mla,
-#                                             # mla-tp2, mla-tp2-consumer, gdn,
-#                                             # gdn-tp2, mamba1 (issue 29; gdn and
+#                                             # bench-offload-multi (needs
+#                                             # gpu_nixl), bench-simple-offload,
+#                                             # mla, mla-tp2, mla-tp2-consumer,
+#                                             # gdn, gdn-tp2, mamba1 (gdn and
 #                                             # gdn-tp2 need the --moe bundle),
 #                                             # chaos, chaos-push, chaos-offload,
 #                                             # soak, soak-control, soak-clean,
-#                                             # soak-fail
-#                                             # (issue 27), tamper (issue
-#                                             # 26 item 5), kernel-variants,
-#                                             # cuda-tests, device-calls,
-#                                             # trial-zero-copy, trial-kernel,
-#                                             # trial-jit-launch,
-#                                             # trial-step-buffers, kernel-trials,
-#                                             # trial-early-saves,
-#                                             # trial-no-hold,
-#                                             # trial-own-uploads,
-#                                             # trial-copy-apart (issue 30),
-#                                             # copy-probe (issues 26, 30, 31)
+#                                             # soak-fail, tamper, kernel,
+#                                             # cuda-tests
 #   bash scripts/gpu_runs.sh pair RUN1 RUN2   # two-GPU host: RUN1 on GPU 0 and
 #                                             # RUN2 on GPU 1 at the same time
 #   bash scripts/gpu_runs.sh group RUN...     # up to 8 runs at once on one GPU
@@ -233,7 +213,7 @@ hybrid) run hybrid "$pd" --model hybrid --num-equality 20 --num-pd 60 \
     --num-faults 40 --fault-rate 0.5 --parallel-start "$@" ;;
 hybrid-tp2) run hybrid-tp2 "$pd" --model hybrid-g2 --producer-tp 2 --phases pd \
     --num-pd 60 --parallel-start "$@" ;;
-# Issue 29: the model families' P/D proofs (NIXL pull). 100 loads one at a
+# The model families' P/D proofs (NIXL pull). 100 loads one at a
 # time plus the batched round, faults at rate 0.5 into every cache kind the
 # model has (the injector picks the group of each fault).
 # DeepSeek-V3-shaped MLA, all layers dense, TRITON_MLA (the driver forces it).
@@ -275,48 +255,15 @@ bench-serve) run bench-serve benchmarks/benchmark_kv_checksum_serve.py "$@" ;;
 bench-serve-x2) run bench-serve-x2 "${serve8b[@]}" --gpu-p 0 --gpu-d 1 "$@" ;;
 bench-serve-tp2) run bench-serve-tp2 "${serve8b[@]}" --tp 2 --gpu-p 0,1 \
     --gpu-d 0,1 --util 0.22 --kv-cache-gib 16 "$@" ;;
-# Issue 30 item 1: the kernel's launch variants against the plain read, bit
-# identity checked (needs only torch and Triton), and the CUDA tests.
-kernel-variants)
+# The kernel against the plain read and torch's int64 sum, bit identity
+# checked (R133, R143; needs only torch and Triton).
+kernel)
     mkdir -p "$out"
     (cd "$repo" && PYTHONPATH= timeout "$limit" python3 \
-        benchmarks/kernels/benchmark_kv_checksum.py --mode kernel --variants \
-        --iters 20 --rounds 3 --json "$out/kernel_variants.json" "$@") \
-        >"$out/kernel_variants.log" 2>&1
+        benchmarks/kernels/benchmark_kv_checksum.py --mode kernel \
+        --json "$out/kernel.json" "$@") >"$out/kernel.log" 2>&1
     rc=$?
-    tail -n 30 "$out/kernel_variants.log"
-    exit $rc
-    ;;
-# Issue 30 item 1: the next R143 trial as main-table runs in one call (no
-# bundle needed), the default first as the control: each run's queued
-# kernel / plain read per shape and its R143 line (bit identity: no MISMATCH).
-kernel-trials)
-    mkdir -p "$out"
-    i=0
-    for opts in "" "--static-tiles --chunk 4096 --wide" \
-        "--static-tiles --chunk 4096 --wide --early-loads" \
-        "--static-tiles --chunk 2048 --wide --early-loads" \
-        "--static-tiles --chunk 4096"; do
-        # shellcheck disable=SC2086
-        (cd "$repo" && PYTHONPATH= timeout 120 python3 \
-            benchmarks/kernels/benchmark_kv_checksum.py --mode kernel --iters 30 \
-            $opts --json "$out/kernel_trial_$i.json") >"$out/kernel_trial_$i.log" 2>&1
-        echo "== trial $i (${opts:-default}): exit $?"
-        grep -E "^kernel configuration|R143|MISMATCH" "$out/kernel_trial_$i.log"
-        sed -n '/Queued timing/,/R143 with/p' "$out/kernel_trial_$i.log" |
-            grep '^| (' | awk -F'|' '{print $2, $8}'
-        i=$((i + 1))
-    done
-    ;;
-# Issues 26, 30, 31: does a step record's small copy wait behind offload
-# stores on the copy engine, and does a zero-copy kernel write avoid it?
-copy-probe)
-    mkdir -p "$out"
-    (cd "$repo" && PYTHONPATH= timeout "$limit" python3 \
-        benchmarks/kernels/copy_engine_probe.py --json "$out/copy_probe.json" "$@") \
-        >"$out/copy_probe.log" 2>&1
-    rc=$?
-    tail -n 40 "$out/copy_probe.log"
+    tail -n 30 "$out/kernel.log"
     exit $rc
     ;;
 cuda-tests)
@@ -330,34 +277,7 @@ cuda-tests)
     tail -n 15 "$out/cuda_tests.log"
     exit $rc
     ;;
-# Issue 30: host time of the worker's offload paths and of each kind of device
-# call they make, on the GPU host outside an engine (seconds).
-device-calls)
-    mkdir -p "$out"
-    (cd "$repo" && timeout "$limit" python3 \
-        benchmarks/host/benchmark_kv_checksum_device_calls.py --cuda "$@") \
-        >"$out/device_calls.log" 2>&1
-    rc=$?
-    grep "^|" "$out/device_calls.log"
-    tail -n 3 "$out/device_calls.log"
-    exit $rc
-    ;;
-# Trials of the package's switches in every engine of this warm machine: the
-# switch is rewritten in $SITE's copy only (update-package undoes it), by the
-# one table of trials, benchmarks/host/kv_checksum_trials.py (what each trial
-# does is said there): trial-early-saves, trial-no-hold, trial-zero-copy,
-# trial-kernel (then cuda-tests), trial-jit-launch, trial-step-buffers (then
-# cuda-tests and an engine run in the same call). For an A/B of one switch in
-# a single benchmark, pass `--trial NAME` to bench-simple-offload /
-# bench-offload instead: both engines run checksums, the "on" one the trial.
-trial-*)
-    python3 "$repo/benchmarks/host/kv_checksum_trials.py" --site "$site" \
-        "${what#trial-}" || exit 1
-    ;;
-# Issue 30 item 2: the host cost per scheduler and worker step (real Schedulers,
-# stand-in model output, cProfile at 256 running requests) on the GPU host's cores.
-host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile "$@" ;;
-# The cost of prefix-hit verification (issue 31 item 4): `vllm bench serve`
+# The cost of prefix-hit verification: `vllm bench serve`
 # shared-prefix rounds against an off and an on engine started together on one GPU.
 # Diagnosis: `bench-prefix --control` (A/A, both slots off), `bench-prefix --tier
 # simple-stores` (store checksums without hit checks), `bench-prefix
@@ -370,7 +290,7 @@ host-step) run host-step benchmarks/host/benchmark_kv_checksum_step.py --profile
 # clients on the rest (the H200 host has 16 CPUs).
 bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py \
     --bench-batch "$@" ;;
-# Issue 26 item 3: the CPU offload tier's cost, the same driver with a GPU cache
+# The CPU offload tier's cost, the same driver with a GPU cache
 # too small for its 16 prefixes (reuses load from host): OffloadingConnector
 # alone, and MultiConnector(NixlConnector, OffloadingConnector) (install-wheels
 # first: NIXL). Defaults: 4 ABBA rounds, one workload; --bench-batch.
@@ -378,75 +298,15 @@ bench-prefix) run bench-prefix benchmarks/benchmark_kv_checksum_prefix_hits.py \
 # run, summarized into the summary (kernels, runtime calls, host waits).
 bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py \
     --tier offloading --bench-batch "$@" ;;
-# Issue 30: which hook's own time makes a step slower. The prefix/offload
-# benchmark with benchmarks/host/kv_checksum_hook_timer.py as the engines'
-# sitecustomize (every hook's time minus the vLLM method it wraps, and the
-# engine steps); pass --tier. The summary lands in $OUT/hook_timer.json
-# (hook_timer-T.json with KV_CHECKSUM_RUN_TAG=T).
-# KV_CHECKSUM_HOOK_TIMER_DEEP=1: core methods too (=Class,Class: those classes
-# only, e.g. KVChecksumPendingRecord); KV_CHECKSUM_HOOK_TIMER_CPU=1:
-# the hooks' thread CPU time beside their wall time (waiting or working?), with
-# DEEP each core call's too ("core_cpu_us_per_call");
-# KV_CHECKSUM_HOOK_TIMER_REQUESTS=1: per request, the steps and ms from arrival
-# to its load's finish, its first scheduled tokens and its first token (does a
-# verified load cost an extra step?), under "request_steps" of each engine;
-# KV_CHECKSUM_HOOK_TIMER_VLLM=1: vLLM's schedule, allocate_slots and model
-# calls whole, on and off alike ("vllm_us_per_step": where a slower step is;
-# with CPU=1 also "vllm_off_cpu_us_per_step": the engine thread off the CPU in
-# each, e.g. waiting on the GPU in sample_tokens with the GIL released);
-# KV_CHECKSUM_HOOK_TIMER_COPIES=1: SimpleCPUOffloadConnector's batch copies
-# timed, and with DEEP each core call's time beside one and alone
-# ("core_beside_copy": do the eager tier's device calls wait on that thread?).
-# hook-timer-serve: the same around the serve benchmark's P/D pairs (each
-# engine's record names its NIXL side channel port: 5600 + 20 x shift for a
-# producer, 5700 + 20 x shift for a consumer; --together shifts the second
-# pair by 10). hook-timer-pd: the same around the P/D driver (pass --connector,
-# e.g. nixl-push, which the serve benchmark has no mode for; its batched
-# rounds run 25 at a time, --pd-batch N for N, e.g. 64 or 256).
-hook-timer | hook-timer-serve | hook-timer-pd)
-    export KV_CHECKSUM_HOOK_TIMER_DIR=/tmp/kv_checksum_hook_timer
-    rm -rf "$KV_CHECKSUM_HOOK_TIMER_DIR"
-    cp "$repo/benchmarks/host/kv_checksum_hook_timer.py" "$site/sitecustomize.py"
-    # Its per-thread CPU table reads /proc through the benchmarks' reader.
-    cp "$repo/benchmarks/kv_checksum_proc_stats.py" "$site/"
-    if [ "$what" = hook-timer ]; then
-        run hook-timer benchmarks/benchmark_kv_checksum_prefix_hits.py --bench-batch "$@"
-    elif [ "$what" = hook-timer-pd ]; then
-        run hook-timer-pd "$pd" --parallel-start "$@"
-    else
-        run hook-timer-serve benchmarks/benchmark_kv_checksum_serve.py "$@"
-    fi
-    rc=$?
-    rm -f "$site/sitecustomize.py" "$site/kv_checksum_proc_stats.py"
-    mkdir -p "$out"
-    timer_json="$out/hook_timer${KV_CHECKSUM_RUN_TAG:+-$KV_CHECKSUM_RUN_TAG}.json"
-    python3 "$repo/benchmarks/host/kv_checksum_hook_timer.py" summarize \
-        "$KV_CHECKSUM_HOOK_TIMER_DIR" >"$timer_json"
-    head -c 3000 "$timer_json"
-    exit $rc
-    ;;
-# Issue 30: what moving host work off the engine thread can gain under the
-# GIL. benchmarks/host/kv_checksum_gil_probe.py as the engines' sitecustomize
-# adds KV_CHECKSUM_GIL_PROBE_US of Python work a step, in the engine thread
-# (inline) or a second thread (thread), in the slot that `--mode-env
-# on:KV_CHECKSUM_GIL_PROBE=MODE` names; pass --tier and --control (both
-# slots checksums off: on/off is the probe's cost alone).
-gil-probe)
-    cp "$repo/benchmarks/host/kv_checksum_gil_probe.py" "$site/sitecustomize.py"
-    run gil-probe benchmarks/benchmark_kv_checksum_prefix_hits.py --bench-batch "$@"
-    rc=$?
-    rm -f "$site/sitecustomize.py"
-    exit $rc
-    ;;
 bench-offload-multi) run bench-offload-multi \
     benchmarks/benchmark_kv_checksum_prefix_hits.py --tier multi --bench-batch "$@" ;;
-# Issue 30 item 3: the same with SimpleCPUOffloadConnector (eager stores).
+# The same with SimpleCPUOffloadConnector (eager stores).
 bench-simple-offload) run bench-simple-offload \
     benchmarks/benchmark_kv_checksum_prefix_hits.py --tier simple-offload \
     --bench-batch "$@" ;;
 simple-offload) run simple-offload examples/offload/kv_checksum_offload_gpu.py \
     --connector simple "$@" ;;
-# Issue 27: faults of processes and time behind vllm-router (tiny model, fixed
+# Faults of processes and time behind vllm-router (tiny model, fixed
 # ports 8000-8600 shifted by KV_CHECKSUM_PORT_OFFSET, as `group` does). chaos:
 # every scenario but the soak;
 # chaos-push / chaos-offload: the client aborts over NIXL push and with the CPU
@@ -478,7 +338,7 @@ soak-fail) run soak-fail examples/disaggregated/kv_checksum_chaos.py \
     --scenarios soak --soak-policy fail \
     --soak-requests "${KV_CHECKSUM_SOAK_REQUESTS:-20000}" \
     --soak-min-s "${KV_CHECKSUM_SOAK_SECONDS:-240}" "$@" ;;
-# Issue 26 item 5: a proxy before the producer drops, truncates, swaps or
+# A proxy before the producer drops, truncates, swaps or
 # garbles kv_checksums behind vllm-router; a checksums-off consumer alongside.
 tamper) run tamper examples/disaggregated/kv_checksum_chaos.py --scenarios tamper "$@" ;;
 *)

@@ -3,9 +3,8 @@
 """The offload tier's three worker paths over one request, as callables,
 and a counter of the device operations a call dispatches.
 
-Shared by the device-operation budget test (`test_kv_checksum_offload.py`)
-and `benchmarks/host/benchmark_kv_checksum_device_calls.py` (issue 30). Only
-the package and torch are imported, so the benchmark runs on a GPU host too.
+Used by the device-operation budget test (`test_kv_checksum_offload.py`).
+Only the package and torch are imported.
 """
 
 from collections.abc import Callable

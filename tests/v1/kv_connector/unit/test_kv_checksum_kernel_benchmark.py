@@ -1,19 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""CPU smoke run of `benchmark_kv_checksum.py --mode kernel --variants` (issue
-30): the variants table is what one H200 run must produce, so its code path
-runs here on tiny shapes under Triton's interpreter, with CPU stand-ins for the
-CUDA timer and the plain-read anchor. Bug caught: a Python error or a wrong
-bit-identity check in the variants table (or in the queued-timing table)
-found only on the GPU, or a variant missing from it.
+"""CPU smoke run of `benchmark_kv_checksum.py --mode kernel` (R133, R143): the
+main table is what a GPU run must produce, so its code path runs here on tiny
+shapes under Triton's interpreter, with CPU stand-ins for the CUDA timer and
+the plain-read anchor. Bugs caught: a Python error in the table found only on
+the GPU; a Triton result that differs from the PyTorch path not reported (the
+test breaks the kernel's sums and expects the mismatch).
 
-Run as a script (`--smoke JSON`) it writes the benchmark's JSON; the test runs
-it in a subprocess with TRITON_INTERPRET=1, which must be set before Triton is
-imported.
+Run as a script (`--smoke JSON [--break]`) it writes the benchmark's JSON; the
+test runs it in a subprocess with TRITON_INTERPRET=1, which must be set before
+Triton is imported.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -45,11 +44,12 @@ def load_benchmark() -> tuple[ModuleType, ModuleType]:
     return bench, kernels
 
 
-def smoke(json_path: str) -> None:
-    """The kernel benchmark with --variants on tiny shapes, on the CPU."""
+def smoke(json_path: str, broken: bool) -> None:
+    """The kernel benchmark on tiny shapes, on the CPU; with `broken` the
+    Triton launch's sums are off by one in one block."""
     import torch
 
-    bench, _ = load_benchmark()
+    bench, kernels = load_benchmark()
     plain = bench.load_sibling("kernel_plain_read")
     shape = bench.KernelShape
     bench.DEVICE = "cpu"
@@ -62,11 +62,7 @@ def smoke(json_path: str) -> None:
         shape("(e) tiny", 1, 3, 5, heads=2, tokens=32, head_size=64, chunk=16),
     ]
 
-    def cpu_time_ms(
-        fn: Any, iters: int, flush: Any, ahead_cycles: int = 0, prime: Any = None
-    ) -> float:
-        if prime is not None:
-            prime()
+    def cpu_time_ms(fn: Any, iters: int, flush: Any) -> float:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
@@ -84,93 +80,63 @@ def smoke(json_path: str) -> None:
         timer(words.sum), "cpu", True, 1, []
     )
     bench.load_sibling = lambda name: plain
-    bench.run_kernel_benchmarks(
-        iters=1, json_path=json_path, variants=True, rounds=2, anchor_sweep=True
-    )
+    if broken:
+        launch = kernels.KVChecksumLaunch.__call__
+
+        def off_by_one(self: Any, rows: Any, out: Any) -> Any:
+            result = launch(self, rows, out)
+            if self.backend == "triton":
+                out[0, 0] += 1
+            return result
+
+        kernels.KVChecksumLaunch.__call__ = off_by_one
+    bench.run_kernel_benchmarks(iters=1, json_path=json_path)
 
 
-def test_variants_table_smoke(tmp_path: Path) -> None:
-    """Every variant timed and bit-identical on every shape, no errors."""
-    pytest.importorskip("triton")
-    out = tmp_path / "variants.json"
+def run_smoke(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
+    """The smoke run in a subprocess under the interpreter: stdout and JSON."""
+    out = tmp_path / "kernel.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--smoke", str(out)],
+        [sys.executable, str(Path(__file__).resolve()), "--smoke", str(out), *extra],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "## Variants" in result.stdout
-    data = json.loads(out.read_text())
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_main_table_smoke(tmp_path: Path) -> None:
+    """Every shape timed against the plain read and bit-identical, the R143
+    and R133 verdicts printed, no errors."""
+    pytest.importorskip("triton")
+    stdout, data = run_smoke(tmp_path)
     assert data["errors"] == []
-    assert "## Queued timing" in result.stdout
-    assert "## Primed timing" in result.stdout
-    assert "## Arithmetic anchor" in result.stdout
-    assert "## Anchor sweep" in result.stdout
-    swept: dict[str, Any] = {}
+    assert len(data["shapes"]) == 5
     for entry in data["shapes"].values():
-        queued = entry["queued"]
-        assert queued["kernel_over_plain"] == pytest.approx(
-            queued["plain_ms"] / queued["kernel_ms"]
+        assert entry["identical"] is True
+        assert entry["kernel_over_plain"] == pytest.approx(
+            entry["plain_ms"] / entry["triton_ms"]
         )
-        assert queued["kernel_host_launch_us"] > 0
-        assert queued["kernel_host_launch_us_jit"] > 0
-        primed = entry["primed"]
-        assert set(primed["kernel_over_plain"]) == {"cold", "inputs", "code"}
-        # The mixed and kernel-shape reads ran for real (interpreter) and
-        # matched torch's sums.
-        assert entry["arithmetic"]["checked"] is True
-        # Every launch shape of the anchor sweep (R143's diagnosis) ran and
-        # matched torch's sum.
-        sweep = entry["anchor_sweep"]
-        assert len(sweep) >= 24
-        swept.update(sweep)
-        assert all(row["checked"] for row in sweep.values()), sweep
-    # The permuted reads ran where a shape is a whole number of chunks.
-    assert {"plain permuted C2048/B512/w4", "mixed permuted C2048/B512/w4"} <= set(
-        swept
-    )
-    variants = data["variants"]
-    assert len(variants) == 5
-    names = set(data["variants_min_ratio"])
-    assert {"default", "scalar 8w", "vector 8w", "vector 4w head order"} <= names
-    for entry in variants.values():
-        assert set(entry["ms"]) == names
-        assert all(entry["identical"].values()), entry["identical"]
+    assert "R143 (every shape >=" in stdout
+    assert "| R133 target |" in stdout
+    assert "MISMATCH" not in stdout
 
 
-def test_token_major_shapes_take_the_memory_order_loop() -> None:
-    """The benchmark's token-major shapes walk memory order (DENSE 3) under the
-    default launch and not under the "vector 4w head order" variant (R143,
-    issue 30 item 1). Bug caught: a shape or a variant of --variants timing the same
-    loop twice, so the GPU run could not compare the two."""
-    import torch
-
-    bench, kernels = load_benchmark()
-    default = kernels.default_config()
-    configs = {
-        "default": default,
-        "head order": dataclasses.replace(
-            default, **bench.variant_configs()["vector 4w head order"]
-        ),
-    }
-    shapes = [shape for shape in bench.SHAPES if shape.layout == "token"]
-    assert shapes
-    for shape in shapes:
-        # Two blocks of one layer: the same layout and strides, less memory.
-        small = dataclasses.replace(shape, layers=1, blocks=2, cache_blocks=2)
-        views = bench.make_views(small, torch.device("cpu"))
-        dense = {}
-        for name, config in configs.items():
-            launch = kernels.KVChecksumLaunch(views, [0], [0], "torch", config=config)
-            launch._init_triton()
-            dense[name] = launch._constants["DENSE"]
-        assert dense == {"default": 3, "head order": 0}, shape
+def test_main_table_reports_a_wrong_sum(tmp_path: Path) -> None:
+    """Positive control: a Triton launch whose sums differ from the PyTorch
+    path's is reported on every shape."""
+    pytest.importorskip("triton")
+    stdout, data = run_smoke(tmp_path, "--break")
+    assert all(entry["identical"] is False for entry in data["shapes"].values())
+    assert stdout.count("MISMATCH") == 5
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", required=True, help="JSON output path")
-    smoke(parser.parse_args().smoke)
+    parser.add_argument("--break", dest="broken", action="store_true")
+    args = parser.parse_args()
+    smoke(args.smoke, args.broken)

@@ -13,7 +13,6 @@ needs CUDA streams, so its copies themselves run on the GPU only
 import random
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,7 +21,6 @@ import pytest
 import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
-    assert_trial_edits_one_line,
     make_request,
 )
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
@@ -365,17 +363,6 @@ def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
     loads_beside_stores(engine, prompts, stagger=False)
     assert engine.num_loads >= 9 and both[0] > 0
     assert_every_load_verified(engine)
-
-
-def test_the_early_saves_trial_edits_exactly_the_switch(tmp_path: Path) -> None:
-    """R118, issue 30: the early store save is off by default (it measured
-    lower on an H200); `gpu_runs.sh trial-early-saves` turns it on by
-    rewriting exactly the switch's line in the site copy."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import offloading
-
-    assert offloading.SAVE_STORES_WITH_LOADS is False
-    assert not offloading.save_stores_with_loads(True)
-    assert_trial_edits_one_line("early-saves", offloading, tmp_path)
 
 
 def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:

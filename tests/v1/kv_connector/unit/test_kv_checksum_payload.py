@@ -17,9 +17,12 @@ import hashlib
 import io
 import math
 import re
+import runpy
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -949,25 +952,85 @@ def test_inspect_stdin_not_utf8_exits_1(capsys, monkeypatch, data):
     assert "UTF-8" in lines[0]
 
 
-CLI = [sys.executable, "-m", "vllm.distributed.kv_transfer.kv_checksum", "inspect"]
+ROOT = Path(__file__).resolve().parents[4]
+# The `vllm-kv-checksum` console script's module, run from this checkout.
+SCRIPT = [sys.executable, str(ROOT / "vllm_kv_checksum_cli.py"), "inspect"]
 
 
-def test_inspect_cli_subprocess():
-    """R132: `python -m vllm.distributed.kv_transfer.kv_checksum inspect -` runs as
-    a module, reads standard input, and exits 1 with the decode error on stderr.
+def test_inspect_script_prints_a_payload_and_nothing_on_stderr():
+    """R132: `vllm-kv-checksum inspect VALUE` prints every field to standard
+    output, writes nothing to standard error and exits 0, without importing
+    torch or vLLM's packages.
 
-    Catches a missing __main__, or main's status not reaching the exit code. One
-    process only: importing vLLM takes tens of seconds; main's valid output is
-    covered in process above.
+    Catches the script loading the tool through `vllm.distributed` (torch's
+    warnings on stderr, 20 s a call), or its output or exit status lost.
+    """
+    check = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import vllm_kv_checksum_cli"
+        " as cli; status = cli.main(['inspect', sys.argv[2]]); heavy = sorted("
+        "m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm'));"
+        " print('imported', heavy); sys.exit(status)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check, str(ROOT), sample_text()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "producer TP size: 4" in done.stdout
+    assert "group 4: fingerprint 0xffffffffffffffff" in done.stdout
+    assert done.stdout.splitlines()[-1] == "imported []"
+
+
+def test_inspect_script_invalid_stdin_exits_1():
+    """R132: `vllm-kv-checksum inspect -` reads standard input; an invalid
+    payload exits 1 with one line on stderr and nothing on stdout.
+
+    Catches the script's status not reaching the exit code, or the error
+    going to stdout.
     """
     bad = base64.b64encode(envelope([1, 1, [[0, 0, 16, 0, b"\x00" * 7]]])).decode()
     done = subprocess.run(
-        [*CLI, "-"], input=bad, capture_output=True, text=True, timeout=600
+        [*SCRIPT, "-"], input=bad, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 1, done.stderr
-    assert "invalid KV checksums" in done.stderr
-    assert "not a multiple of 8" in done.stderr
     assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"error: {INVALID}") and "not a multiple of 8" in line
+
+
+def test_inspect_module_runs_as_main(capsys, monkeypatch):
+    """R132: `python -m vllm.distributed.kv_transfer.kv_checksum inspect`
+    still runs (in process here: vLLM is imported already).
+
+    Catches a missing `__main__` guard, or main's status not reaching the
+    exit code.
+    """
+    monkeypatch.setattr(sys, "argv", ["kv_checksum", "inspect", "!!!"])
+    with warnings.catch_warnings():
+        # `__main__` is imported above; runpy warns about running it again.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_module(
+                "vllm.distributed.kv_transfer.kv_checksum", run_name="__main__"
+            )
+    assert exit_info.value.code == 1
+    assert INVALID in capsys.readouterr().err
+
+
+def test_console_script_names_the_shipped_module():
+    """The `vllm-kv-checksum` entry point names a module the wheel ships
+    (`py-modules`) and its `main`. Catches an entry point left pointing at a
+    module not installed (the command then fails at its first import)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    target = project["project"]["scripts"]["vllm-kv-checksum"]
+    module, _, function = target.partition(":")
+    assert module in project["tool"]["setuptools"]["py-modules"]
+    assert (ROOT / f"{module}.py").is_file()
+    assert function == "main"
 
 
 # Fields at and around every bound the full check applies, mostly plain ints

@@ -41,7 +41,7 @@ def _package_imports(path: Path) -> list[str]:
 
 
 def test_scripts_exist() -> None:
-    assert "benchmarks/host/benchmark_kv_checksum_step.py" in SCRIPTS
+    assert "benchmarks/benchmark_kv_checksum_serve.py" in SCRIPTS
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

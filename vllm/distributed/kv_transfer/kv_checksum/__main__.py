@@ -2,22 +2,26 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Command-line tools of the KV checksum package (R132).
 
-``python -m vllm.distributed.kv_transfer.kv_checksum inspect VALUE`` prints a
+``vllm-kv-checksum inspect VALUE`` (or ``python -m
+vllm.distributed.kv_transfer.kv_checksum inspect VALUE``) prints a
 ``kv_checksums`` payload (VALUE the base64 string, or ``-`` to read it from
 standard input); invalid input prints the decode error and exits with 1.
+
+This module imports nothing from vLLM when loaded, so that the
+``vllm-kv-checksum`` script (``vllm_kv_checksum_cli.py``) can run it without
+vLLM's parent packages, which import torch.
 """
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from vllm.distributed.kv_transfer.kv_checksum.wire.payload import inspect_payload
+PROG = "python -m vllm.distributed.kv_transfer.kv_checksum"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm.distributed.kv_transfer.kv_checksum",
-        description="Tools for vLLM KV checksums.",
+        prog=prog, description="Tools for vLLM KV checksums."
     )
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser(
@@ -29,14 +33,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the tool; returns the exit status."""
-    args = _parser().parse_args(argv)
+def main(
+    argv: Sequence[str] | None = None,
+    inspect: Callable[[str], str] | None = None,
+    prog: str = PROG,
+) -> int:
+    """Run the tool; returns the exit status. `inspect` describes a payload
+    (default: the package's `inspect_payload`; the console script passes the
+    same function loaded from its file)."""
+    args = _parser(prog).parse_args(argv)
+    if inspect is None:
+        from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
+            inspect_payload,
+        )
+
+        inspect = inspect_payload
     try:
         # Standard input is read as bytes and decoded here, so input that is
         # not UTF-8 is a decode error like any other, not a traceback.
         text = _read_stdin() if args.value == "-" else args.value
-        print(inspect_payload(text.strip()))
+        print(inspect(text.strip()))
     except ValueError as exc:  # UnicodeDecodeError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 1
