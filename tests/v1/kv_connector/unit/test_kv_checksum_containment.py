@@ -48,7 +48,10 @@ Plausible bugs and the tests they fail (each verified by introducing it):
   `test_fail_open_hybrid_groups`;
 - quarantining unverified fail-open loads, or verified loads:
   `test_unverified_fail_open_load_cached_as_without_checksums`,
-  `test_clean_load_cached_as_without_checksums`.
+  `test_clean_load_cached_as_without_checksums`;
+- a second failed load of A replacing A's quarantine start instead of keeping
+  the earlier one, or the first start kept whatever comes after:
+  `test_second_failed_load_keeps_the_earlier_start`.
 
 `test_without_containment_the_bad_load_spreads` runs the same scenario with
 containment turned off (checksums and the mismatch still on) and shows R2
@@ -676,3 +679,44 @@ def test_containment_errors_never_reach_vllm(
         for r in vllm_caplog.records
     )
     assert consumer.scheduler.kv_checksum_scheduler is not None
+
+
+# --------------------------------------------------------------------------
+# Two failed loads of one request
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("later_first", [True, False], ids=["later-first", "earlier"])
+def test_second_failed_load_keeps_the_earlier_start(
+    model_dir: str, later_first: bool
+) -> None:
+    """R138: a request whose loads fail twice (a P/D or host load, then a
+    check of the same request, e.g. its prefix-cache hit) stays quarantined
+    from the earlier of the two starts in each group, whichever is reported
+    first. A's load is corrupted at `first`, reported by its verdict; a
+    second failed load of A at `second` is handed to the scheduler's callback
+    before vLLM caches A's blocks; A's blocks from position 1 on never hold a
+    prefix-cache hash and R2, arriving then, gets block 0 only.
+
+    Bugs caught: the second failed load replacing the request's quarantine
+    start instead of keeping the earlier one (`earlier`: the start moves to
+    3, A's corrupted block 1 is cached and R2 reads it), and the first
+    report's start kept whatever comes after (`later-first`: blocks 1-2,
+    between the two starts, are cached)."""
+    first, second = (3, BAD) if later_first else (BAD, 3)
+    producer, consumer = engines(model_dir, mode_side("fail-open"))
+    watch = Watch(consumer)
+    start_load(consumer, producer, "A", PROMPT, Fault("bit_flip", first))
+    consumer.finish_load("A")
+    watch.step()  # A's verdict: a mismatch at `first`
+    containment = consumer.scheduler.kv_checksum_containment
+    assert containment.start("A") == {0: first}
+    blocks = consumer.recv_blocks("A")
+    assert blocks is not None
+    again = KVChecksumVerdict(KVChecksumStatus.MISMATCH, {0: [second]})
+    consumer.checksums.on_failed_load("A", again, blocks)
+    assert containment.start("A") == {0: BAD}
+    watch.start = {0: BAD}
+    add_local(consumer, "R2")
+    watch.run("A", "R2")
+    assert watch.hits["R2"] == BAD * BS

@@ -22,6 +22,7 @@ import msgspec
 import pytest
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    GroupsKind,
     make_kv_cache_config,
     make_request,
 )
@@ -66,8 +67,10 @@ def mooncake_connector(engine: SimEngine) -> Any:
     return getattr(connector, "_connectors", [connector])[0]
 
 
-def mooncake_engine(model_dir: str, name: str, producer: bool) -> SimEngine:
-    engine = SimEngine(model_dir, SideConfig(connector=MOONCAKE), name)
+def mooncake_engine(
+    model_dir: str, name: str, producer: bool, groups: GroupsKind = "full"
+) -> SimEngine:
+    engine = SimEngine(model_dir, SideConfig(connector=MOONCAKE, groups=groups), name)
     sched = mooncake_connector(engine).connector_scheduler
     sched.is_kv_producer, sched.is_kv_consumer = producer, not producer
     return engine
@@ -630,6 +633,68 @@ def test_payload_cap_derived_from_the_consumer_sizes(model_dir: str) -> None:
     assert received.take(["t"], []) == {"t": largest}
     over = b"x" * (received.max_bytes + 1)
     received.keep(decode(_response(["t"], {"t": over})), {"t"})
+    assert received.take(["t"], []) == {}
+
+
+def _widest_payload_base64_len(max_model_len: int, num_groups: int) -> int:
+    """Base64 length of a payload of `num_groups` groups of max_model_len + 1
+    values with every integer at msgpack's widest (SPEC 11): envelope
+    [version, hash, body] (fixarray 1, fixint 1, uint64 9, bin32 header 5),
+    body [tp_size, num_tokens, groups] (1, 9, 9, array32 header 5), per group
+    [group_id, fingerprint, chunk_tokens, start, values] (1, 4 x 9, bin32
+    header 5, 8 bytes a value)."""
+    group = 1 + 4 * 9 + 5 + 8 * (max_model_len + 1)
+    raw = (1 + 1 + 9 + 5) + (1 + 9 + 9 + 5) + num_groups * group
+    return 4 * ((raw + 2) // 3)
+
+
+def test_payload_cap_counts_every_kv_cache_group(model_dir: str) -> None:
+    """R129, R134 (issue 75): a consumer with two KV cache groups (full and
+    sliding-window attention), more groups than tokens per chunk of a
+    producer with 1-token blocks (R135): the derived cap is the base64
+    length of the widest two-group payload plus the 4096 bytes of slack, on
+    both carriers' sides; the largest valid payload (both groups full) is
+    accepted, and one byte over the cap is skipped.
+
+    Bug caught: the derived cap computed from one KV cache group instead of
+    all of them (`wire/payload.py`): about half this payload, so Mooncake
+    skips it (and kv_transfer_params refuses it) and every such load is
+    unverified."""
+    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
+
+    plugin.register()
+    engine = mooncake_engine(model_dir, "cons-groups", False, groups="both")
+    config = make_kv_cache_config(engine.vllm_config)
+    num_groups = len(config.kv_cache_groups)
+    assert num_groups == 2
+    max_model_len = engine.vllm_config.model_config.max_model_len
+    largest = _largest_valid_payload(max_model_len, num_groups)
+    widest = _widest_payload_base64_len(max_model_len, num_groups)
+    assert len(base64.b64encode(largest)) <= widest
+    cap = widest + 4096
+    # Scheduler side (kv_transfer_params, base64 text).
+    limits = engine.checksums.limits
+    assert limits.max_encoded_bytes == cap
+    payload = KVChecksumPayload.from_base64(base64.b64encode(largest).decode(), limits)
+    assert [len(g.values) for g in payload.groups] == [max_model_len + 1] * 2
+    with pytest.raises(ValueError, match="exceed the limit"):
+        KVChecksumPayload.from_base64("A" * (cap + 1), limits)
+    # Worker side (Mooncake, raw bytes per request).
+    token = wiring._kv_cache_config.set(config)
+    try:
+        worker = bare_worker(engine.vllm_config, False)
+    finally:
+        wiring._kv_cache_config.reset(token)
+    received = worker._kv_checksum_received
+    assert received.max_bytes == cap
+    decode = worker._xfer_resp_decoder.decode
+    received.keep(decode(_response(["t"], {"t": largest})), {"t"})
+    assert received.take(["t"], []) == {"t": largest}
+    at_cap = b"x" * cap
+    received.keep(decode(_response(["t"], {"t": at_cap})), {"t"})
+    assert received.take(["t"], []) == {"t": at_cap}
+    received.keep(decode(_response(["t"], {"t": at_cap + b"x"})), {"t"})
     assert received.take(["t"], []) == {}
 
 

@@ -921,10 +921,16 @@ def stored_copy(source: SimEngine) -> tuple[dict, dict, list[bytes]]:
 
 
 def load_stored(
-    engine: SimEngine, kv: dict, entries: dict, corrupt: bool = False, rank: int = 0
+    engine: SimEngine,
+    kv: dict,
+    entries: dict,
+    corrupt: bool = False,
+    rank: int = 0,
+    stage: int = 0,
 ) -> str:
     """A request for PROMPT whose first blocks load from the host tier;
-    `corrupt` flips a bit of position 1 in a head TP rank `rank` holds."""
+    `corrupt` flips a bit of position 1 in a head TP rank `rank` holds, in a
+    layer of PP stage `stage`."""
     engine.add(
         make_request(
             "b", PROMPT, max_tokens=2, kv_transfer_params={OFFLOAD_TOKENS_KEY: STORED}
@@ -936,7 +942,13 @@ def load_stored(
     if corrupt:
         kv = {key: value.copy() for key, value in kv.items()}
         head = rank * engine.heads_per_rank
-        key = next(k for k in kv if k[1] == head)
+        layers = {
+            layer
+            for worker in engine.workers
+            if worker.pp_rank == stage
+            for layer, _, _ in worker.layers.values()
+        }
+        key = next(k for k in kv if k[1] == head and k[0] in layers)
         kv[key][20, 0] ^= 0x10  # position 1 of one layer, one head
     engine.write_global(ids, list(range(STORED)), kv)
     for worker in engine.workers:
@@ -1003,6 +1015,32 @@ def test_offload_load_corrupted_on_each_rank_end_to_end(
     assert load_stored(engine, kv, entries, corrupt=True, rank=rank) == "length"
     assert dict(engine.checksums.stats.loads) == {"mismatch": 1}
     assert engine.scheduler.connector.failures == [("b", {0: [1]})]
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["clean", "corrupted"])
+def test_offload_load_of_pp_stages_end_to_end(model_dir: str, corrupt: bool) -> None:
+    """R120, R139: at PP 2 each stage's worker tags its entries with its own
+    fingerprint (its own layers); a clean host load verifies, and KV
+    corrupted in a layer of the second stage alone is a mismatch at its
+    position only (fail-closed: only it is computed again).
+
+    Bug caught: offload verification reusing the first worker's fingerprint
+    tags for every worker (`offload/entries.py`): the second stage's entries
+    never match, so every host load mismatches at every position."""
+    source = offload_engine(model_dir, "S", pp=2)
+    engine = offload_engine(model_dir, "D", pp=2, fail_closed=True, policy="recompute")
+    stages = {w.pp_rank: w.checksum.fingerprints[0] for w in engine.workers}
+    assert len(stages) == 2 and stages[0] != stages[1]
+    kv, entries, _ = stored_copy(source)
+    assert load_stored(engine, kv, entries, corrupt=corrupt, stage=1) == "length"
+    if corrupt:
+        assert dict(engine.checksums.stats.loads) == {"mismatch": 1}
+        assert engine.scheduler.connector.failures == [("b", {0: [1]})]
+    else:
+        assert dict(engine.checksums.stats.loads) == {"verified": 1}
+        assert engine.scheduler.connector.failures == []
+    # Fail-closed: only the corrupted load computes the prompt again.
+    assert (engine.scheduled_tokens("b") >= len(PROMPT)) == corrupt
 
 
 def test_loads_from_undeclared_sources_are_not_checked(model_dir: str) -> None:

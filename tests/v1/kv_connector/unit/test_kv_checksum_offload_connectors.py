@@ -712,6 +712,61 @@ def test_R134_offload_side_error_leaves_fail_closed_loads_running(
         assert "pd" in kcs.consumer._recvs
 
 
+@pytest.mark.parametrize("corrupt", [False, True], ids=["clean", "corrupted"])
+def test_R134_offload_side_error_drops_the_loads_in_flight(
+    model_dir: str, corrupt: bool, vllm_caplog: pytest.LogCaptureFixture
+) -> None:
+    """R134, R139, R141: TP rank 0's offload worker side raises inside the
+    real start_load_kv hook of the step that starts a host load (fail-closed,
+    policy "fail"). The load was registered in that step's schedule; the
+    tier-off record in the step's output drops it: no verdict, the request
+    neither failed nor recomputed, the connector not told of a failure (no
+    host copy dropped), no state kept, and the error line counts one load in
+    flight. `corrupted`: the host copy of rank 1 is another chunk's
+    (host_other_block), and the load is still not judged, as with checksums
+    off (the guide's "offload tier's checksums are off" line).
+
+    Bug caught: switching the tier off keeps the pending loads
+    (`offload/loads.py` `stop_sources` without `pending.clear()`): the load
+    is then judged without rank 0's entries, counted "verified" on rank 1's
+    alone (`clean`), or failed fail-closed on them (`corrupted`)."""
+    from vllm.v1.engine import FinishReason
+
+    side = offload_side(tp=2, fail_closed=True, policy="fail")
+    if corrupt:
+        faults = {"rate": 1.0, "kinds": ["host_other_block"]}
+        side.connector_extra = {**OFFLOAD_EXTRA, HOST_FAULT_KEY: faults}
+    engine = OffloadSimEngine(model_dir, side, f"in-flight-{corrupt}", hooks=True)
+    prompts = run_shared_prefixes(engine, 6)  # six prefixes stored, none loaded
+    assert engine.num_loads == 0
+    kcs = engine.checksums
+    rank0 = engine.sides[0]
+    assert rank0 is not None
+    start_loads = rank0.start_loads
+    in_flight: list[str] = []
+
+    def broken(metadata: Any, after_forward: bool = False) -> None:
+        if metadata.load_jobs:  # the step that starts the host load
+            in_flight.extend(kcs.offload.pending)
+            raise RuntimeError("injected into the offload worker side")
+        start_loads(metadata, after_forward)
+
+    rank0.start_loads = broken  # type: ignore[method-assign]
+    prompt = prompts[0][: 4 * BS] + [7] * (BS + 1)  # prefix 0 from host memory
+    engine.add(make_request("load", prompt, max_tokens=2, block_size=BS))
+    final = engine.run("load")
+    assert in_flight == ["load"] and engine.num_loads == 1
+    assert final.finish_reason == FinishReason.LENGTH
+    assert engine.scheduled_tokens("load") < len(prompt)  # loaded, not recomputed
+    assert verdicts(engine) == {}
+    offload = engine.offload.__dict__["_kv_checksum_offload"]
+    assert offload.dropper.dropped == 0
+    assert kcs.offload.off_sources == {"host"}
+    assert "load" not in kcs.tracked_request_ids()
+    (line,) = offload_tier_off_logs(vllm_caplog)
+    assert "1 offload loads in flight dropped unverified" in line.getMessage()
+
+
 @pytest.mark.parametrize("enabled", [False, True])
 def test_R119_load_sources_read_once_per_load_with_stats(
     model_dir: str, enabled: bool

@@ -43,9 +43,12 @@ BS = 16
 PREFIX = 4 * BS
 
 
-def engine_for(model_dir: str, name: str, num_blocks: int = 48) -> SimEngine:
+def engine_for(
+    model_dir: str, name: str, num_blocks: int = 48, pp: int = 1
+) -> SimEngine:
     side = SideConfig(
         num_blocks=num_blocks,
+        pp=pp,
         policy="recompute",
         connector_extra={VERIFY_PREFIX_HITS_KEY: True},
     )
@@ -78,9 +81,11 @@ def cached_block(engine: SimEngine, request: Any, position: int) -> Any:
     return None if blocks is None else blocks[0]
 
 
-def flip_byte(engine: SimEngine, block_id: int) -> None:
-    """Corrupt one KV byte of `block_id` on every worker."""
+def flip_byte(engine: SimEngine, block_id: int, stage: int | None = None) -> None:
+    """Corrupt one KV byte of `block_id` on every worker (of PP stage `stage`)."""
     for worker in engine.workers:
+        if stage is not None and worker.pp_rank != stage:
+            continue
         cache = next(iter(worker.caches.values())).view(torch.uint8)
         cache[block_id].view(-1)[0] ^= 0x5A
 
@@ -138,6 +143,35 @@ def test_overwritten_block_caught_and_recomputed(model_dir: str) -> None:
     assert torch.equal(cache[again.block_id], clean)
     run(engine, "d", base[:PREFIX] + [8, 8, 8])
     assert prefix_verdicts(engine) == {"mismatch": 1, "verified": 2}
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["clean", "corrupted"])
+def test_hits_of_pp_stages_checked_each_by_its_own_fingerprint(
+    model_dir: str, corrupt: bool
+) -> None:
+    """R140, R120: at PP 2 each stage's worker records its hit entries with
+    its own fingerprint (its own layers); a clean hit verifies, and a cached
+    block corrupted on the second stage alone is a mismatch, recomputed from
+    that block.
+
+    Bug caught: verification reusing the first worker's fingerprint tags for
+    every worker (`offload/entries.py`): the second stage's entries never
+    match, so every clean hit mismatches and is recomputed."""
+    engine = engine_for(model_dir, "pp-stages", pp=2)
+    stages = {w.pp_rank: w.checksum.fingerprints[0] for w in engine.workers}
+    assert len(stages) == 2 and stages[0] != stages[1]
+    base = prompt(21, PREFIX + 5)
+    a = run(engine, "a", base)
+    if corrupt:
+        flip_byte(engine, cached_block(engine, a, 2).block_id, stage=1)
+    tail = [7, 7, 7]
+    run(engine, "c", base[:PREFIX] + tail)
+    if corrupt:  # the bad hit, then (restarted) a clean hit of blocks 0-1
+        assert prefix_verdicts(engine) == {"mismatch": 1, "verified": 1}
+        assert engine.scheduled_tokens("c") == 2 * len(tail) + PREFIX - 2 * BS
+    else:
+        assert prefix_verdicts(engine) == {"verified": 1}
+        assert engine.scheduled_tokens("c") == len(tail)
 
 
 def test_key_pointing_at_another_block_caught(model_dir: str) -> None:
