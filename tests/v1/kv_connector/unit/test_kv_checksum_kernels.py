@@ -534,8 +534,7 @@ def case_ragged_items(device: str, layout: str) -> Case:
     64-piece work items: 5 heads x 1 token x 16 pieces head-major (80 pieces:
     items of 64 and 16) and 2 heads x 3 tokens x 16 pieces token-major (96:
     64 and 32; memory order with 16-piece tiles, the flat loop by default),
-    full and partial rows. Their items hold different tile counts, so
-    static_tiles must count per item (issue 30 item 1)."""
+    full and partial rows. Their last items hold fewer tiles than the others."""
     rng = np.random.default_rng(29 if layout == "head" else 30)
     if layout == "head":
         views = make_views(rng, device, blocks=4, heads=5, tokens=1, pieces=16)
@@ -841,18 +840,7 @@ INTERPRETER_CONFIGS = {
     "interpreter_small_vector": (16, 64, 0, False, True, True),
     "interpreter_persistent_wide_vector": (16, 64, 3, True, True, True),
     "interpreter_vector_head_order": (1024, 16384, 0, False, True, False),
-    "interpreter_small_vector_static": (16, 64, 0, False, True, True),
 }
-# Configurations that also give the tile loops compile-time trip counts
-# (static_tiles, issue 30 item 1; R58's tiling, R143): with 16-piece tiles
-# and 64-piece items, blocks span several items of several tiles each. Bug
-# caught: ITEM_TILES taken for a launch whose items hold different tile
-# counts (a block not a whole number of items) would skip or repeat tiles,
-# and a sum would differ.
-# The ragged_items cases hold blocks that are not a whole number of items.
-# The static one also loads each item's row and table fields early
-# (early_loads): a field read from the wrong row or layer would differ too.
-STATIC_TILE_CONFIGS = {"interpreter_small_vector_static"}
 INTERPRETER_SKIPS = {
     name: {"multi_chunk_row", "token_order_int16_multi_chunk", "token_order_many_heads"}
     for name, (max_tile, *_) in INTERPRETER_CONFIGS.items()
@@ -879,7 +867,6 @@ def interpreter_runs() -> dict[str, subprocess.Popen]:
         command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
         command += ["--programs-per-sm", str(programs)] + ["--wide"] * wide
         command += ["--vector"] * vector + ["--head-order"] * (not token_order)
-        command += ["--static-tiles", "--early-loads"] * (config in STATIC_TILE_CONFIGS)
         for name in INTERPRETER_SKIPS.get(config, ()):
             command += ["--skip", name]
         runs[config] = subprocess.Popen(
@@ -1021,10 +1008,10 @@ def test_token_order_tiles_inside_a_row(path: str) -> None:
 @pytest.mark.parametrize("layout", ["head", "token"])
 @pytest.mark.parametrize("path", PATHS)
 def test_ragged_items(path: str, layout: str) -> None:
-    """R58, R143: blocks of 80 and 96 pieces under 64-piece work items (issue
-    30 item 1) still sum every piece once. Bug caught: static_tiles giving
-    such a launch a compile-time tile count (4 tiles for the 16- or 32-piece
-    last item) reads past the block or the next head, and a sum differs."""
+    """R58: blocks of 80 and 96 pieces under 64-piece work items still sum
+    every piece once. Bug caught: a last item given a whole item's tile count
+    (4 tiles for the 16- or 32-piece last item, its end not clipped to the
+    block) reads past the block or the next head, and a sum differs."""
     check_case(f"ragged_items_{layout}_major", path)
 
 
@@ -1099,40 +1086,6 @@ def launch_constants(
     )
     launch._init_triton()
     return launch._constants
-
-
-@pytest.mark.parametrize(
-    "heads, tokens, chunk, static, tiled, layout",
-    [
-        (2, 16, 16384, True, True, "head"),  # one item a block
-        (2, 16, 256, True, True, "head"),  # four items a block
-        (3, 16, 1024, True, False, "head"),  # 1,536 pieces: items of 1,024, 512
-        (2, 16, 16384, False, False, "head"),  # static_tiles off
-        (2, 16, 256, True, True, "token"),  # memory order (DENSE 3), four items
-        (2, 24, 1024, True, False, "token"),  # memory order, items of 1,024, 512
-    ],
-)
-def test_item_tiles(
-    heads: int, tokens: int, chunk: int, static: bool, tiled: bool, layout: str
-) -> None:
-    """R58, R143: ITEM_TILES (issue 30 item 1), a compile-time tile count
-    only when every work item of the launch holds the same whole number of
-    tiles; otherwise the loops count per item (0). Bug caught: a block that
-    is not a whole number of items given its first items' count, so the last
-    item would read past the block or skip tiles (the host side of
-    test_ragged_items)."""
-    pieces = 32
-    if layout == "head":
-        view = torch.zeros((4, heads, tokens, pieces), dtype=torch.int64)
-    else:
-        view = torch.zeros((4, tokens, heads, pieces), dtype=torch.int64)
-        view = view.transpose(1, 2)
-    spec = LaunchSpec([view.unsqueeze(1)], [0], [0], np.zeros((3, 0), dtype=np.int64))
-    c = launch_constants(spec, static_tiles=static, chunk_pieces=chunk)
-    assert c["HEAD_TILES"] if layout == "head" else c["DENSE"] == 3
-    block_pieces = heads * tokens * pieces
-    expected = min(chunk, block_pieces) // c["TILE"] if tiled else 0
-    assert c["ITEM_TILES"] == expected
 
 
 @pytest.mark.parametrize("name", sorted(VECTOR_EXPECTED))
@@ -1444,8 +1397,6 @@ def main() -> None:
     parser.add_argument("--wide", action="store_true")
     parser.add_argument("--vector", action="store_true")
     parser.add_argument("--head-order", action="store_true")
-    parser.add_argument("--static-tiles", action="store_true")
-    parser.add_argument("--early-loads", action="store_true")
     parser.add_argument("--skip", action="append", default=[])
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -1457,8 +1408,6 @@ def main() -> None:
         WIDE_WEIGHTS=args.wide,
         VECTOR_FULL_TILES=args.vector,
         TOKEN_ORDER_TILES=not args.head_order,
-        STATIC_TILES=args.static_tiles,
-        EARLY_LOADS=args.early_loads,
     ):
         results = {
             name: run_case(build("cpu"), "triton").tolist()

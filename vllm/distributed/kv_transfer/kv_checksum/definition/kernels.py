@@ -69,17 +69,6 @@ VECTOR_FULL_TILES = True
 # did not change (benchmark --variants, "vector 4w head order";
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
-# The head-tile and memory-order loops (full and masked rows) with a
-# compile-time trip count (ITEM_TILES) where every work item of a launch holds
-# the same whole number of tiles, so the compiler can unroll them and issue
-# several tiles' loads at once; off until an H200 run shows it helps (issue 30
-# item 1, R143; benchmark --static-tiles).
-STATIC_TILES = False
-# Every field of a work item's row and layer-table entry loaded in one round
-# before its valid-count branch, not the rest after it (one dependent round
-# less before the first data load); off: at one 64 KB item a program it
-# changed nothing (2026-12-02g), with static tiles' smaller items untried.
-EARLY_LOADS = False
 # Launches after the first go straight to the compiled kernel's launcher, not
 # through the JIT's per-call dispatch (CompiledLaunch; R142), on the
 # Triton versions whose launcher takes the arguments as read here (the JIT's
@@ -116,12 +105,7 @@ class LaunchConfig:
     masks (dense views: lane-index offsets and 16-byte-aligned tiles, so
     128-bit loads), and with it `token_order_tiles` walks blocks stored
     contiguously token-major in memory order (contiguous tiles there too).
-    `direct_launch` launches the kernel compiled by the first call directly;
-    `static_tiles` gives the head-tile and memory-order loops a compile-time
-    trip count where every work item holds the same whole number of tiles
-    (the item never exceeds its block: chunks and tiles are powers of two, so
-    only the block can leave a ragged last item); `early_loads`
-    loads a work item's row and table fields in one round.
+    `direct_launch` launches the kernel compiled by the first call directly.
     """
 
     max_tile: int
@@ -133,8 +117,6 @@ class LaunchConfig:
     vector_full_tiles: bool = False
     token_order_tiles: bool = True
     direct_launch: bool = False
-    static_tiles: bool = False
-    early_loads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
@@ -157,8 +139,6 @@ def default_config() -> LaunchConfig:
         vector_full_tiles=VECTOR_FULL_TILES,
         token_order_tiles=TOKEN_ORDER_TILES,
         direct_launch=DIRECT_LAUNCH,
-        static_tiles=STATIC_TILES,
-        early_loads=EARLY_LOADS,
     )
 
 
@@ -249,7 +229,6 @@ if HAS_TRITON:
         FULL: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
     ):
         """Sum of a chunk whose tiles each lie in one (kernel block, head).
 
@@ -266,13 +245,9 @@ if HAS_TRITON:
         contiguous in [kernel block, head, token, piece] order) the tile offset
         the tile's start; TILE_ALIGNED (checked on the host) marks each tile
         16-byte aligned. Together they allow 128-bit loads; the pieces read and
-        their weights are the same, so is the sum. ITEM_TILES > 0: the chunk's
-        tile count (every work item's), known at compile time: the same tiles, so
-        the same sum.
+        their weights are the same, so is the sum.
         """
         base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
-        if ITEM_TILES > 0:
-            num_tiles = ITEM_TILES
         kernel_block_stride, head_stride, token_stride, piece_stride = strides
         SLICE_PIECES: tl.constexpr = TOKENS * PIECES
         lane = tl.arange(0, TILE)
@@ -342,7 +317,6 @@ if HAS_TRITON:
         NARROW: tl.constexpr,
         FULL: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
     ):
         """Sum of a chunk of a block stored contiguously token-major (DENSE == 3).
 
@@ -356,12 +330,9 @@ if HAS_TRITON:
         divides the block, so each is a loop-invariant lane vector plus a tile
         scalar (the tile's slot; its head when TILE < ROW) and no lane lies
         past the block. Same pieces and weights as the other loops, so the
-        same sum. ITEM_TILES > 0: the chunk's tile count (every work item's)
-        at compile time.
+        same sum.
         """
         base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
-        if ITEM_TILES > 0:
-            num_tiles = ITEM_TILES
         ROW: tl.constexpr = HEADS * PIECES
         lane = tl.arange(0, TILE)
         lane_slot = lane // ROW
@@ -462,7 +433,6 @@ if HAS_TRITON:
         FULL: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
     ):
         """One program's uint64 sum, by the loop its block shape and layout
         allow: memory order for a dense token-major block (DENSE == 3, only
@@ -477,7 +447,6 @@ if HAS_TRITON:
                 NARROW,
                 FULL,
                 TILE_ALIGNED,
-                ITEM_TILES,
             )
         elif HEAD_TILES:
             total = _head_tiles_sum(
@@ -493,7 +462,6 @@ if HAS_TRITON:
                 FULL,
                 DENSE,
                 TILE_ALIGNED,
-                ITEM_TILES,
             )
         else:
             total = _flat_tiles_sum(
@@ -526,7 +494,6 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
     ):
         """One program's uint64 sum. With VECTOR a row whose slots are all
         valid (every row but a request's last, in practice) takes a copy of the
@@ -549,7 +516,6 @@ if HAS_TRITON:
                     True,
                     DENSE,
                     TILE_ALIGNED,
-                    ITEM_TILES,
                 )
             else:
                 total = _tiles_sum(
@@ -567,7 +533,6 @@ if HAS_TRITON:
                     False,
                     DENSE,
                     TILE_ALIGNED,
-                    ITEM_TILES,
                 )
         else:
             total = _tiles_sum(
@@ -585,7 +550,6 @@ if HAS_TRITON:
                 False,
                 DENSE,
                 TILE_ALIGNED,
-                ITEM_TILES,
             )
         return total
 
@@ -614,8 +578,6 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
-        EARLY: tl.constexpr,
     ):
         """Add one work item's sum (a chunk of one row's block of one layer) into
         out[row, column] with one atomic; rows with no valid slot add nothing.
@@ -628,22 +590,12 @@ if HAS_TRITON:
         BLOCK_PIECES: tl.constexpr = SLOT_PIECES * HEADS
         token_offset = tl.load(table_ptr + layer * 4 + 3)
         valid = tl.load(row_ptr + 2 * rows_field_stride) - token_offset
-        if EARLY:
-            # Every field in the same round (in bounds for any row; a row
-            # with no valid slot reads them and adds nothing).
+        if valid > 0:
             block = tl.load(row_ptr)
             first_token = tl.load(row_ptr + rows_field_stride) + token_offset
             addr = tl.load(table_ptr + layer * 4)
             first_slice = tl.load(table_ptr + layer * 4 + 1)
             column = tl.load(table_ptr + layer * 4 + 2)
-        if valid > 0:
-            if not EARLY:
-                block = tl.load(row_ptr)
-                first_token = tl.load(row_ptr + rows_field_stride) + token_offset
-                addr = tl.load(table_ptr + layer * 4)
-                first_slice = tl.load(table_ptr + layer * 4 + 1)
-                column = tl.load(table_ptr + layer * 4 + 2)
-
             base = _as_piece_pointer(addr, PIECE_BITS, ALIGNED)
             block_offset = block * block_stride
             slot_tokens = tl.minimum(valid, KERNEL_BLOCKS * TOKENS).to(tl.int32)
@@ -672,7 +624,6 @@ if HAS_TRITON:
                     VECTOR,
                     DENSE,
                     TILE_ALIGNED,
-                    ITEM_TILES,
                 )
             else:
                 # Every factor and odd weight of the row below 2^32 (always,
@@ -696,7 +647,6 @@ if HAS_TRITON:
                         VECTOR,
                         DENSE,
                         TILE_ALIGNED,
-                        ITEM_TILES,
                     )
                 else:
                     total = _chunk_sum(
@@ -714,7 +664,6 @@ if HAS_TRITON:
                         VECTOR,
                         DENSE,
                         TILE_ALIGNED,
-                        ITEM_TILES,
                     )
             tl.atomic_add(
                 out_row_ptr + column * out_col_stride,
@@ -765,8 +714,6 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
-        EARLY: tl.constexpr,
     ):
         """Add the checksums of block rows into their output columns, all layers.
 
@@ -786,10 +733,6 @@ if HAS_TRITON:
         or past the valid count, accumulates in uint64 (wrap-around is the mod
         2^64) and adds its sum to out[r, column] with one atomic, so items may
         finish in any order.
-
-        ITEM_TILES > 0: every item holds that many tiles (a compile-time trip
-        count for the tile loops; 0: counted per item). EARLY: an item's row
-        and table fields load in one round.
 
         Grid (rows, chunks, layers): one program per item. PERSISTENT: a 1-D
         grid whose programs loop over the items, row fastest, with a stride of
@@ -829,8 +772,6 @@ if HAS_TRITON:
                     VECTOR,
                     DENSE,
                     TILE_ALIGNED,
-                    ITEM_TILES,
-                    EARLY,
                 )
         else:
             row = tl.program_id(0).to(tl.int64)
@@ -858,8 +799,6 @@ if HAS_TRITON:
                 VECTOR,
                 DENSE,
                 TILE_ALIGNED,
-                ITEM_TILES,
-                EARLY,
             )
 
     @triton.jit
@@ -1132,24 +1071,10 @@ class KVChecksumLaunch:
             PERSISTENT=self._programs > 0,
             WIDE=config.wide_weights,
             **self._vector_constants(tile, head_tiles, token_tile > 0),
-            ITEM_TILES=self._item_tiles(tile, head_tiles or token_tile > 0),
-            EARLY=config.early_loads,
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
         self._table_address = self._table.data_ptr()
         self._direct = DirectLaunch(config.direct_launch)
-
-    def _item_tiles(self, tile: int, tiled: bool) -> int:
-        """ITEM_TILES with `static_tiles`: the tiles of every work item when a
-        chunk is a whole number of tiles and the block a whole number of
-        chunks (head or memory-order tiles only), else 0."""
-        if not (self.config.static_tiles and tiled):
-            return 0
-        block_pieces = math.prod(self.shape)
-        item = min(self.config.chunk_pieces, block_pieces)
-        if block_pieces % item or item % tile:
-            return 0
-        return item // tile
 
     def _token_order_tile(self) -> int:
         """The tile of the memory-order loop (DENSE == 3), 0 if not taken.
