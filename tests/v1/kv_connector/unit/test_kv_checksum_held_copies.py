@@ -15,7 +15,6 @@ shows when each batch was handed off.
 """
 
 import queue
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,7 +22,6 @@ import pytest
 import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
-    assert_trial_edits_one_line,
     empty_scheduler_output,
     make_active_connector,
     make_kv_cache_config,
@@ -468,16 +466,6 @@ def test_R1_checksums_off_copy_backend_untouched(simple_active: Any) -> None:
     _run_step(env, sync_loads=False)
     assert queued == [1, 2]
     assert _handed_off(env.backend) == [False, True]
-
-
-def test_the_no_hold_trial_edits_exactly_the_switch(tmp_path: Path) -> None:
-    """R142, issue 30: `gpu_runs.sh trial-no-hold` (the other arm of an engine A/B
-    of the hold) turns `HOLD_COPY_HAND_OFFS`, on by default, off by rewriting
-    exactly the switch's line in the site copy."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
-
-    assert simple_cpu_offload.HOLD_COPY_HAND_OFFS is True
-    assert_trial_edits_one_line("no-hold", simple_cpu_offload, tmp_path)
 
 
 def test_held_copies_of_a_multi_connectors_children() -> None:

@@ -70,9 +70,6 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Keep a step's copy hand-offs back until its checksum work is queued (issue
-# 30); `gpu_runs.sh trial-no-hold` sets it False for an engine A/B.
-HOLD_COPY_HAND_OFFS = True
 # While they are held, the step's entry moves (the loads' restores, the
 # stores' entry writes and copies to slots) ride in the checksum pass's one
 # upload instead of two uploads of their own (issue 30);
@@ -302,7 +299,7 @@ def _hold_copy_hand_offs(connector: Any, handler: Any) -> None:
     from vllm.v1.simple_kv_offload.copy_backend import DmaCopyBackend
 
     backend = getattr(handler, "_backend", None)
-    if not HOLD_COPY_HAND_OFFS or not isinstance(backend, DmaCopyBackend):
+    if not isinstance(backend, DmaCopyBackend):
         return
     held = HeldCalls(backend.launch_copy)
     backend.launch_copy = held  # type: ignore[method-assign]
