@@ -17,13 +17,13 @@ SimpleCPUOffloadConnector.build_connector_meta
 SimpleCPUOffloadConnector.wait_for_save
     Why: entries go to their CPU slots before the store event (unless
     start_load_kv saved them); while the step's copies are held, queued for
-    the step's checksum pass instead (`ENTRY_MOVES_IN_PASS`)
+    the step's checksum pass instead (one upload a step, issue 30)
     How: before the original
     Upstream: the worker moving a per-block payload
 SimpleCPUOffloadConnector.start_load_kv
     Why: entries come back before the load copy; host faults first (R131);
     while the step's copies are held, the move is queued for the step's
-    checksum pass (`ENTRY_MOVES_IN_PASS`: one upload a step, issue 30); else
+    checksum pass (one upload a step, issue 30); else
     with `SAVE_STORES_WITH_LOADS` (wiring/offloading.py, off by default) and
     called after the forward (Model Runner V2 without sync loads), the step's
     store entries go in the same upload
@@ -69,12 +69,6 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-# While they are held, the step's entry moves (the loads' restores, the
-# stores' entry writes and copies to slots) ride in the checksum pass's one
-# upload instead of two uploads of their own (issue 30);
-# `gpu_runs.sh trial-own-uploads` sets it False for an engine A/B.
-ENTRY_MOVES_IN_PASS = True
 
 
 def install_simple_offload_connector() -> None:
@@ -176,7 +170,7 @@ def _moves_in_pass(held: HeldCalls | None) -> bool:
     its copy hand-offs are held, which the ActiveKVConnector.post_forward
     hook releases after that pass (and after making whatever the pass did
     not, `flush_queued_entries`)."""
-    return ENTRY_MOVES_IN_PASS and held is not None and held.holding
+    return held is not None and held.holding
 
 
 def _simple_offload_children(connector: Any) -> list[Any]:
