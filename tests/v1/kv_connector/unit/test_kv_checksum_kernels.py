@@ -816,30 +816,23 @@ TOKEN_ORDER_CASES = {
     "token_order_int32": 128,
 }
 
-# Interpreter configurations: (MAX_TILE_PIECES, CHUNK_PIECES, PROGRAMS_PER_SM,
-# WIDE_WEIGHTS, VECTOR_FULL_TILES, TOKEN_ORDER_TILES). Tiny tiles and chunks
-# make the small blocks of these cases take the head-tile path and span
-# several chunks. The 24K-piece row, the 32K-piece int16 token-major row and
-# the 32-head token-major rows would take 1536, 2048 and 256 interpreted
-# tiles per row there; the default configuration covers them. The persistent
-# ones (3 programs on the CPU: fewer than the work items of most cases, so
-# each loops over several rows, chunks and layers) and the wide-weight ones
-# check the launch options of the tuning sweep (R143). The vector ones run the
+# Interpreter configurations: (MAX_TILE_PIECES, CHUNK_PIECES,
+# VECTOR_FULL_TILES, TOKEN_ORDER_TILES). Tiny tiles and chunks make the small
+# blocks of these cases take the head-tile path and span several chunks. The
+# 24K-piece row, the 32K-piece int16 token-major row and the 32-head
+# token-major rows would take 1536, 2048 and 256 interpreted tiles per row
+# there; the default configuration covers them. The vector ones run the
 # unmasked fast path of full rows (vector_full_tiles, issue 30) on every
 # case: full and partial rows, dense and strided views, dense token-major
 # blocks in memory order (with tiny tiles only those of at most 16 pieces a
 # head). "head order" runs the vector loops that token-major blocks took
 # before (token_order_tiles off) on the cases where the flag matters.
 INTERPRETER_CONFIGS = {
-    "interpreter": (1024, 16384, 0, False, False, True),
-    "interpreter_small": (16, 64, 0, False, False, True),
-    "interpreter_persistent": (16, 64, 3, False, False, True),
-    "interpreter_persistent_wide": (1024, 16384, 3, True, False, True),
-    "interpreter_wide": (16, 64, 0, True, False, True),
-    "interpreter_vector": (1024, 16384, 0, False, True, True),
-    "interpreter_small_vector": (16, 64, 0, False, True, True),
-    "interpreter_persistent_wide_vector": (16, 64, 3, True, True, True),
-    "interpreter_vector_head_order": (1024, 16384, 0, False, True, False),
+    "interpreter": (1024, 16384, False, True),
+    "interpreter_small": (16, 64, False, True),
+    "interpreter_vector": (1024, 16384, True, True),
+    "interpreter_small_vector": (16, 64, True, True),
+    "interpreter_vector_head_order": (1024, 16384, True, False),
 }
 INTERPRETER_SKIPS = {
     name: {"multi_chunk_row", "token_order_int16_multi_chunk", "token_order_many_heads"}
@@ -855,17 +848,9 @@ def interpreter_runs() -> dict[str, subprocess.Popen]:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     runs = {}
-    for config, (
-        max_tile,
-        chunk,
-        programs,
-        wide,
-        vector,
-        token_order,
-    ) in INTERPRETER_CONFIGS.items():
+    for config, (max_tile, chunk, vector, token_order) in INTERPRETER_CONFIGS.items():
         command = [sys.executable, str(Path(__file__).resolve()), "--interpret"]
         command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
-        command += ["--programs-per-sm", str(programs)] + ["--wide"] * wide
         command += ["--vector"] * vector + ["--head-order"] * (not token_order)
         for name in INTERPRETER_SKIPS.get(config, ()):
             command += ["--skip", name]
@@ -1367,8 +1352,6 @@ def test_launch_config_rejects_unaligned_chunks() -> None:
         for value in (0, 3, 96):
             with pytest.raises(ValueError):
                 kernels.LaunchConfig(**{**vars(base), field_name: value})
-    with pytest.raises(ValueError):
-        kernels.LaunchConfig(**{**vars(base), "programs_per_sm": -1})
     assert kernels.LaunchConfig(**{**vars(base), "chunk_pieces": 64}).chunk_pieces == 64
 
 
@@ -1393,8 +1376,6 @@ def main() -> None:
     parser.add_argument("--interpret", action="store_true", required=True)
     parser.add_argument("--max-tile", type=int, default=kernels.MAX_TILE_PIECES)
     parser.add_argument("--chunk", type=int, default=kernels.CHUNK_PIECES)
-    parser.add_argument("--programs-per-sm", type=int, default=0)
-    parser.add_argument("--wide", action="store_true")
     parser.add_argument("--vector", action="store_true")
     parser.add_argument("--head-order", action="store_true")
     parser.add_argument("--skip", action="append", default=[])
@@ -1404,8 +1385,6 @@ def main() -> None:
         kernels,
         MAX_TILE_PIECES=args.max_tile,
         CHUNK_PIECES=args.chunk,
-        PROGRAMS_PER_SM=args.programs_per_sm,
-        WIDE_WEIGHTS=args.wide,
         VECTOR_FULL_TILES=args.vector,
         TOKEN_ORDER_TILES=not args.head_order,
     ):

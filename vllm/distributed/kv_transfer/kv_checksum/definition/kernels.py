@@ -54,10 +54,6 @@ MAX_TILE_PIECES = 1024
 # h200_kernel_variants_2026-12-02b/-02c); without it 8 warps were faster.
 NUM_WARPS = 4
 WARP_PIECES = 128
-# Persistent programs per SM (0: one program per work item, a 3-D grid) and
-# whether every row takes the 64-bit weight loop (one call site, R58).
-PROGRAMS_PER_SM = 0
-WIDE_WEIGHTS = False
 # Full rows load without masks, dense views by lane index with 16-byte
 # alignment hints (128-bit loads); on since two H200 variant runs agreed
 # (issue 30, R143; benchmark --variants).
@@ -99,12 +95,11 @@ class LaunchConfig:
     """Launch shape of the Triton kernel; any value gives the same sums.
 
     `chunk_pieces` is the work item (pieces of one block per item, a multiple
-    of the tile), `programs_per_sm` > 0 launches that many persistent programs
-    per SM looping over the items, `wide_weights` drops the narrow loop,
-    `vector_full_tiles` gives rows whose slots are all valid a loop without
-    masks (dense views: lane-index offsets and 16-byte-aligned tiles, so
-    128-bit loads), and with it `token_order_tiles` walks blocks stored
-    contiguously token-major in memory order (contiguous tiles there too).
+    of the tile), `vector_full_tiles` gives rows whose slots are all valid a
+    loop without masks (dense views: lane-index offsets and 16-byte-aligned
+    tiles, so 128-bit loads), and with it `token_order_tiles` walks blocks
+    stored contiguously token-major in memory order (contiguous tiles there
+    too).
     `direct_launch` launches the kernel compiled by the first call directly.
     """
 
@@ -112,8 +107,6 @@ class LaunchConfig:
     chunk_pieces: int
     num_warps: int
     warp_pieces: int
-    programs_per_sm: int = 0
-    wide_weights: bool = False
     vector_full_tiles: bool = False
     token_order_tiles: bool = True
     direct_launch: bool = False
@@ -123,8 +116,6 @@ class LaunchConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")
-        if self.programs_per_sm < 0:
-            raise ValueError("programs_per_sm must be non-negative")
 
 
 def default_config() -> LaunchConfig:
@@ -134,8 +125,6 @@ def default_config() -> LaunchConfig:
         chunk_pieces=CHUNK_PIECES,
         num_warps=NUM_WARPS,
         warp_pieces=WARP_PIECES,
-        programs_per_sm=PROGRAMS_PER_SM,
-        wide_weights=WIDE_WEIGHTS,
         vector_full_tiles=VECTOR_FULL_TILES,
         token_order_tiles=TOKEN_ORDER_TILES,
         direct_launch=DIRECT_LAUNCH,
@@ -574,7 +563,6 @@ if HAS_TRITON:
         HEAD_TILES: tl.constexpr,
         ALIGNED: tl.constexpr,
         LANE32: tl.constexpr,
-        WIDE: tl.constexpr,
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
@@ -582,9 +570,8 @@ if HAS_TRITON:
         """Add one work item's sum (a chunk of one row's block of one layer) into
         out[row, column] with one atomic; rows with no valid slot add nothing.
 
-        WIDE always takes the 64-bit weight loop (one call site); otherwise a
-        row whose weights all fit 32 bits takes the narrow one (two call sites).
-        Both give the same sum mod 2^64.
+        A row whose weights all fit 32 bits takes the narrow weight loop, the
+        others the 64-bit one; both give the same sum mod 2^64.
         """
         SLOT_PIECES: tl.constexpr = KERNEL_BLOCKS * TOKENS * PIECES
         BLOCK_PIECES: tl.constexpr = SLOT_PIECES * HEADS
@@ -608,7 +595,29 @@ if HAS_TRITON:
             chunk_end = tl.minimum(chunk_start + CHUNK, BLOCK_PIECES)
             num_tiles = tl.cdiv(chunk_end - chunk_start, TILE)
             work = (base, block_offset, slot_tokens, m0, c0, chunk_start, num_tiles)
-            if WIDE:
+            # Every factor and odd weight of the row below 2^32 (always, in
+            # practice): 32 x 32 -> 64-bit weight products suffice.
+            narrow = _below_2_32(m0, 2 * (HEADS - 1)) & _below_2_32(
+                c0, 2 * (SLOT_PIECES - 1)
+            )
+            if narrow:
+                total = _chunk_sum(
+                    work,
+                    strides,
+                    KERNEL_BLOCKS,
+                    HEADS,
+                    TOKENS,
+                    PIECES,
+                    PIECE_BITS,
+                    TILE,
+                    HEAD_TILES,
+                    True,
+                    LANE32,
+                    VECTOR,
+                    DENSE,
+                    TILE_ALIGNED,
+                )
+            else:
                 total = _chunk_sum(
                     work,
                     strides,
@@ -625,46 +634,6 @@ if HAS_TRITON:
                     DENSE,
                     TILE_ALIGNED,
                 )
-            else:
-                # Every factor and odd weight of the row below 2^32 (always,
-                # in practice): 32 x 32 -> 64-bit weight products suffice.
-                narrow = _below_2_32(m0, 2 * (HEADS - 1)) & _below_2_32(
-                    c0, 2 * (SLOT_PIECES - 1)
-                )
-                if narrow:
-                    total = _chunk_sum(
-                        work,
-                        strides,
-                        KERNEL_BLOCKS,
-                        HEADS,
-                        TOKENS,
-                        PIECES,
-                        PIECE_BITS,
-                        TILE,
-                        HEAD_TILES,
-                        True,
-                        LANE32,
-                        VECTOR,
-                        DENSE,
-                        TILE_ALIGNED,
-                    )
-                else:
-                    total = _chunk_sum(
-                        work,
-                        strides,
-                        KERNEL_BLOCKS,
-                        HEADS,
-                        TOKENS,
-                        PIECES,
-                        PIECE_BITS,
-                        TILE,
-                        HEAD_TILES,
-                        False,
-                        LANE32,
-                        VECTOR,
-                        DENSE,
-                        TILE_ALIGNED,
-                    )
             tl.atomic_add(
                 out_row_ptr + column * out_col_stride,
                 total.to(tl.int64, bitcast=True),
@@ -704,13 +673,10 @@ if HAS_TRITON:
         PIECES: tl.constexpr,
         PIECE_BITS: tl.constexpr,
         CHUNK: tl.constexpr,
-        NUM_CHUNKS: tl.constexpr,
         TILE: tl.constexpr,
         HEAD_TILES: tl.constexpr,
         ALIGNED: tl.constexpr,
         LANE32: tl.constexpr,
-        PERSISTENT: tl.constexpr,
-        WIDE: tl.constexpr,
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
@@ -734,72 +700,38 @@ if HAS_TRITON:
         2^64) and adds its sum to out[r, column] with one atomic, so items may
         finish in any order.
 
-        Grid (rows, chunks, layers): one program per item. PERSISTENT: a 1-D
-        grid whose programs loop over the items, row fastest, with a stride of
-        the grid size (the same items, so the same sums mod 2^64).
+        Grid (rows, chunks, layers): one program per item.
 
         Rows, outputs, their strides and counts are not specialized (nor are
         slices and columns, read from the table), so the variant compiled at
         warm-up serves every call of a launch.
         """
         strides = (kernel_block_stride, head_stride, token_stride, piece_stride)
-        if PERSISTENT:
-            num_items = num_rows * NUM_CHUNKS * num_layers
-            for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-                row = (item % num_rows).to(tl.int64)
-                rest = item // num_rows
-                _add_item_checksum(
-                    table_ptr,
-                    rows_ptr + row * rows_row_stride,
-                    rows_field_stride,
-                    out_ptr + row * out_row_stride,
-                    out_col_stride,
-                    rest % NUM_CHUNKS,
-                    rest // NUM_CHUNKS,
-                    block_stride,
-                    strides,
-                    KERNEL_BLOCKS,
-                    HEADS,
-                    TOKENS,
-                    PIECES,
-                    PIECE_BITS,
-                    CHUNK,
-                    TILE,
-                    HEAD_TILES,
-                    ALIGNED,
-                    LANE32,
-                    WIDE,
-                    VECTOR,
-                    DENSE,
-                    TILE_ALIGNED,
-                )
-        else:
-            row = tl.program_id(0).to(tl.int64)
-            _add_item_checksum(
-                table_ptr,
-                rows_ptr + row * rows_row_stride,
-                rows_field_stride,
-                out_ptr + row * out_row_stride,
-                out_col_stride,
-                tl.program_id(1),
-                tl.program_id(2),
-                block_stride,
-                strides,
-                KERNEL_BLOCKS,
-                HEADS,
-                TOKENS,
-                PIECES,
-                PIECE_BITS,
-                CHUNK,
-                TILE,
-                HEAD_TILES,
-                ALIGNED,
-                LANE32,
-                WIDE,
-                VECTOR,
-                DENSE,
-                TILE_ALIGNED,
-            )
+        row = tl.program_id(0).to(tl.int64)
+        _add_item_checksum(
+            table_ptr,
+            rows_ptr + row * rows_row_stride,
+            rows_field_stride,
+            out_ptr + row * out_row_stride,
+            out_col_stride,
+            tl.program_id(1),
+            tl.program_id(2),
+            block_stride,
+            strides,
+            KERNEL_BLOCKS,
+            HEADS,
+            TOKENS,
+            PIECES,
+            PIECE_BITS,
+            CHUNK,
+            TILE,
+            HEAD_TILES,
+            ALIGNED,
+            LANE32,
+            VECTOR,
+            DENSE,
+            TILE_ALIGNED,
+        )
 
     @triton.jit
     def _copy_words_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
@@ -1046,11 +978,6 @@ class KVChecksumLaunch:
             device=self.device,
         )
         self._num_chunks = math.ceil(math.prod(self.shape) / config.chunk_pieces)
-        # Persistent programs: a multiple of the SM count (CPU: of one).
-        sms = 1
-        if self.device.type == "cuda":
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._programs = config.programs_per_sm * sms
         # A tile's largest lane offset fits int32: one wide add per address.
         token_stride, piece_stride = self._strides[3], self._strides[4]
         lane_span = (tile - 1) // pieces * abs(token_stride) + (
@@ -1063,13 +990,10 @@ class KVChecksumLaunch:
             PIECES=pieces,
             PIECE_BITS=self.piece_bits,
             CHUNK=config.chunk_pieces,
-            NUM_CHUNKS=self._num_chunks,
             TILE=tile,
             HEAD_TILES=head_tiles,
             ALIGNED=all(view.data_ptr() % 16 == 0 for view in self.views),
             LANE32=lane_span < 1 << 31,
-            PERSISTENT=self._programs > 0,
-            WIDE=config.wide_weights,
             **self._vector_constants(tile, head_tiles, token_tile > 0),
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
@@ -1143,11 +1067,7 @@ class KVChecksumLaunch:
 
     def _call_triton(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         num_rows, num_layers = rows.shape[1], len(self.views)
-        if self._programs:
-            items = num_rows * self._num_chunks * num_layers
-            grid = (min(items, self._programs), 1, 1)
-        else:
-            grid = (num_rows, self._num_chunks, num_layers)
+        grid = (num_rows, self._num_chunks, num_layers)
         per_call = (
             rows.stride(0),
             rows.stride(1),
