@@ -72,13 +72,6 @@ TOKEN_ORDER_TILES = True
 # versions keep the JIT.
 DIRECT_LAUNCH = True
 DIRECT_LAUNCH_TRITON = ((3, 4), (3, 8))
-# A step's results reach the host through a kernel storing into pinned host
-# memory (SM writes over the bus) instead of a copy-engine copy, which can queue
-# behind the offload tier's large stores; off until an H200 run shows it helps
-# (issues 26, 30, 31; benchmarks/kernels/copy_engine_probe.py).
-ZERO_COPY_RESULTS = False
-# int64 words per program of that copy.
-COPY_BLOCK_WORDS = 1024
 # Upper bound of the data one gather of the PyTorch path materializes, counted
 # as widened int64 pieces (R63). Read at call time so tests can shrink it.
 GATHER_CHUNK_BYTES = 64 << 20
@@ -732,23 +725,6 @@ if HAS_TRITON:
             DENSE,
             TILE_ALIGNED,
         )
-
-    @triton.jit
-    def _copy_words_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-        """dst[0:n] = src[0:n] (int64 words), one program per BLOCK words."""
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        words = tl.load(src_ptr + offsets, mask=mask)
-        tl.store(dst_ptr + offsets, words, mask=mask)
-
-
-def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Queue dst[:n] = src (contiguous int64, n words) on the current stream as
-    a kernel; `dst` may be pinned host memory the device writes directly."""
-    n = src.numel()
-    if n:
-        grid = (triton.cdiv(n, COPY_BLOCK_WORDS),)
-        _copy_words_kernel[grid](src, dst, n, BLOCK=COPY_BLOCK_WORDS)
 
 
 # Direct launches. On every call Triton's JIT binds all arguments, builds a

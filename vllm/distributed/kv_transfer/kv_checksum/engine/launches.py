@@ -4,9 +4,7 @@
 
 All rows of a step are built on the host, copied to the device once, and each
 group pass's plan is queued on the compute stream (R48); the results are
-copied to pinned host memory on a side stream with an event to wait on (R55),
-or, with `ZERO_COPY_RESULTS` and a device that allows it, written there by a
-kernel queued on the compute stream (no copy engine).
+copied to pinned host memory on a side stream with an event to wait on (R55).
 """
 
 from collections import deque
@@ -17,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.definition import kernels
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
@@ -45,9 +42,6 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.records import (
     KVChecksumPendingRecord,
     PassResult,
 )
-from vllm.logger import init_logger
-
-logger = init_logger(__name__)
 
 # Waited-for result events and step buffers kept for reuse; a step takes one
 # of each.
@@ -89,37 +83,6 @@ class ChecksumLauncher:
         # device memory (issue 30).
         self._events: deque[Any] = deque(maxlen=EVENT_POOL_SIZE)
         self._buffers: deque[StepBuffers] = deque(maxlen=BUFFER_POOL_SIZE)
-        # Zero-copy results: pinned buffers the device may still be writing,
-        # held until their events completed so no allocation reuses them.
-        self.zero_copy = False
-        self._in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
-
-    def enable_zero_copy(self) -> bool:
-        """At start-up, with `ZERO_COPY_RESULTS`: write a known buffer into
-        pinned host memory with the copy kernel and use that path for every
-        step if it arrived intact; otherwise (no CUDA, Triton refusing a host
-        pointer, wrong words) keep the side-stream copy. Waits on the device
-        once, here, never in a step."""
-        if not kernels.ZERO_COPY_RESULTS or self.topology.device.type != "cuda":
-            return False
-        try:
-            expected = np.arange(1, 2049, dtype=np.int64) * 0x9E3779B9
-            src = torch.from_numpy(expected).to(self.topology.device)
-            dst = torch.zeros(expected.size, dtype=torch.int64, pin_memory=True)
-            with torch.cuda.device(self.topology.device):
-                kernels.copy_words(src, dst)
-                event = torch.cuda.Event()
-                event.record()
-                event.synchronize()
-            self.zero_copy = bool(np.array_equal(dst.numpy(), expected))
-        except Exception as error:
-            logger.warning(
-                "KV checksums: zero-copy results unavailable (%r); "
-                "copying them on a side stream.",
-                error,
-            )
-            self.zero_copy = False
-        return self.zero_copy
 
     def launch(
         self,
@@ -178,7 +141,7 @@ class ChecksumLauncher:
             return [], None, None
         layout = _Layout(self.groups, passes, parts, saves, checks_at, restores, copies)
         buffers = None
-        if passes and REUSE_STEP_BUFFERS and not self.zero_copy:
+        if passes and REUSE_STEP_BUFFERS:
             sizes = [part.shape[1] for part in layout.parts] + layout.reserve
             buffers = self._step_buffers(packed_width(sizes))
         rows_dev, columns = upload_segments(
@@ -299,22 +262,18 @@ class ChecksumLauncher:
         buffers: "StepBuffers | None" = None,
     ) -> None:
         """Copy the step's results, `run` from `launch`, to one pinned host
-        buffer on a side stream (or by the zero-copy kernel,
-        `enable_zero_copy`); record an event. One buffer and one copy per
+        buffer on a side stream; record an event. One buffer and one copy per
         step, whatever the passes; each result's host values sit where its
         device segment sits in `run` (offsets only: no host tensor views on
         the step, issue 30). The record holds the step's `buffers` until its
         reader waited for the copy, then gives them back for reuse."""
-        if self.zero_copy:
-            host, event = self._write_to_host(run)
-        else:
-            target = None if buffers is None else buffers.host[: run.numel()]
-            host, event = self._copy_on_side_stream(run, target)
-            # Held by the record until its reader waited for the copy, so the
-            # allocator cannot hand `run` to the compute stream's next
-            # kernels while the side stream reads it (no record_stream).
-            pending.device_run, pending.buffers = run, buffers
-            pending.give_back = self._give_back
+        target = None if buffers is None else buffers.host[: run.numel()]
+        host, event = self._copy_on_side_stream(run, target)
+        # Held by the record until its reader waited for the copy, so the
+        # allocator cannot hand `run` to the compute stream's next kernels
+        # while the side stream reads it (no record_stream).
+        pending.device_run, pending.buffers = run, buffers
+        pending.give_back = self._give_back
         base, size = run.data_ptr(), run.element_size()
         for result in pending.results:
             result.host_at = (result.device.data_ptr() - base) // size
@@ -387,22 +346,6 @@ class ChecksumLauncher:
                 torch.accelerator.set_device_index(previous)
         event = self._events.pop() if self._events else torch.cuda.Event()
         event.record(side)
-        return host, event
-
-    def _write_to_host(
-        self, flat: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """`flat` written to one pinned buffer by one copy kernel on the
-        compute stream after the checksum kernels (no copy engine, so no
-        queueing behind offload stores); the event follows it."""
-        while self._in_flight and self._in_flight[0][0].query():
-            self._in_flight.popleft()  # its buffer's last device write is done
-        on_device = self.topology.device.type != "cpu"
-        host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
-        kernels.copy_words(flat, host)
-        event = torch.cuda.Event()
-        event.record()
-        self._in_flight.append((event, host))
         return host, event
 
 
