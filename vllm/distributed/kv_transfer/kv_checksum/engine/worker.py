@@ -182,7 +182,7 @@ class KVChecksumWorker:
             if saves or restores or copies:
                 self.launcher.launch((), (), (), (), saves, restores, copies)
             return None
-        results, run, buffers = self.launcher.launch(
+        results, run = self.launcher.launch(
             recvs, loads, sends, checks, saves, restores, copies
         )
         pending = KVChecksumPendingRecord(
@@ -195,7 +195,7 @@ class KVChecksumWorker:
             received=received,
         )
         if run is not None:
-            self.launcher.copy_to_host(pending, run, buffers)
+            self.launcher.copy_to_host(pending, run)
         return pending
 
     # ------------------------------------------------------------------
