@@ -13,7 +13,6 @@ needs CUDA streams, so its copies themselves run on the GPU only
 import random
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,7 +21,6 @@ import pytest
 import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
-    assert_trial_edits_one_line,
     make_request,
 )
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
@@ -30,12 +28,9 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     OffloadSimEngine,
     assert_every_load_verified,
     check_side_error_turns_off_the_tier,
-    expect_one_save_a_step,
-    loads_beside_stores,
     offload_metadata,
     reload_after_drop,
     run_shared_prefixes,
-    spy_entry_moves,
     verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
@@ -332,50 +327,6 @@ def test_R139_offload_loads_verified_end_to_end(model_dir: str) -> None:
     run_shared_prefixes(engine, 30)
     assert engine.num_loads >= 20
     assert_every_load_verified(engine)
-
-
-def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
-    model_dir: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 30. As Model Runner V2 runs it (start_load_kv after the forward,
-    given the scheduler output), through the real connector hooks: a step
-    with store jobs saves their entries once, in start_load_kv, the loads'
-    entries riding along; wait_for_save saves nothing more; every load still
-    verifies. Bugs caught (each tried): the restore left out of the early
-    save (loads mismatch); wait_for_save saving the jobs again (two saves a
-    step); the early save never taken (a restore of its own). The switch
-    is off by default (`SAVE_STORES_WITH_LOADS`): turned on here."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import offloading
-
-    monkeypatch.setattr(offloading, "SAVE_STORES_WITH_LOADS", True)
-    engine = OffloadSimEngine(
-        model_dir, offload_side(), "after", hooks=True, after_forward=True
-    )
-    moves = spy_entry_moves(engine, "restore")
-
-    def kinds(output: Any) -> tuple[bool, bool]:
-        meta = offload_metadata(output.kv_connector_metadata)
-        if meta is None:
-            return False, False
-        return bool(meta.store_jobs), bool(meta.load_jobs)
-
-    both = expect_one_save_a_step(engine, moves, kinds)
-    prompts = run_shared_prefixes(engine, 12)
-    # It stores a prefill's blocks in the step that computes them.
-    loads_beside_stores(engine, prompts, stagger=False)
-    assert engine.num_loads >= 9 and both[0] > 0
-    assert_every_load_verified(engine)
-
-
-def test_the_early_saves_trial_edits_exactly_the_switch(tmp_path: Path) -> None:
-    """R118, issue 30: the early store save is off by default (it measured
-    lower on an H200); `gpu_runs.sh trial-early-saves` turns it on by
-    rewriting exactly the switch's line in the site copy."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import offloading
-
-    assert offloading.SAVE_STORES_WITH_LOADS is False
-    assert not offloading.save_stores_with_loads(True)
-    assert_trial_edits_one_line("early-saves", offloading, tmp_path)
 
 
 def test_R139_without_entries_every_load_mismatches(model_dir: str) -> None:

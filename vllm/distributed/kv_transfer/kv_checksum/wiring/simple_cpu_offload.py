@@ -15,18 +15,15 @@ SimpleCPUOffloadConnector.build_connector_meta
     How: after the original, runs from the stored GPU blocks' cache keys
     Upstream: the metadata carrying each stored block's place
 SimpleCPUOffloadConnector.wait_for_save
-    Why: entries go to their CPU slots before the store event (unless
-    start_load_kv saved them); while the step's copies are held, queued for
-    the step's checksum pass instead (one upload a step, issue 30)
+    Why: entries go to their CPU slots before the store event; while the
+    step's copies are held, queued for the step's checksum pass instead (one
+    upload a step, issue 30)
     How: before the original
     Upstream: the worker moving a per-block payload
 SimpleCPUOffloadConnector.start_load_kv
     Why: entries come back before the load copy; host faults first (R131);
     while the step's copies are held, the move is queued for the step's
-    checksum pass (one upload a step, issue 30); else
-    with `SAVE_STORES_WITH_LOADS` (wiring/offloading.py, off by default) and
-    called after the forward (Model Runner V2 without sync loads), the step's
-    store entries go in the same upload
+    checksum pass (one upload a step, issue 30)
     How: before the original; "after the forward" read from the scheduler
     output V2 passes and the config (no drafter forward still to come)
     Upstream: as above, with the worker told where in the step it is
@@ -64,7 +61,6 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
 from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
     _disable_offload_worker,
     loads_after_forward,
-    save_stores_with_loads,
 )
 from vllm.logger import init_logger
 
@@ -128,8 +124,7 @@ def install_simple_offload_connector() -> None:
     @_wrap(connector, "start_load_kv")
     def start_load_kv(original: Callable, self: Any, *args: Any, **kw: Any) -> Any:
         """R118, R131: host faults (if configured), then the loads' entries
-        (after the forward: with the step's store entries if so set, and the
-        copy hand-offs held, issue 30)."""
+        (after the forward: the copy hand-offs held, issue 30)."""
         side = self.__dict__.get("_kv_checksum_simple_offload_worker")
         if side is not None:
             after = loads_after_forward(getattr(self, "_vllm_config", None), kw)
@@ -142,11 +137,7 @@ def install_simple_offload_connector() -> None:
                 "load",
                 _disable_offload_worker,
             ):
-                side.start_loads(
-                    self._connector_metadata,
-                    save_stores_with_loads(after),
-                    _moves_in_pass(held),
-                )
+                side.start_loads(self._connector_metadata, _moves_in_pass(held))
         return original(self, *args, **kw)
 
     @_wrap(connector, "wait_for_save")
