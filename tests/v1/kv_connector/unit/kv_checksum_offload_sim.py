@@ -124,7 +124,7 @@ class _OffloadSimBase(SimEngine):
                 kwargs = {"scheduler_output": output} if self.after_forward else {}
                 type(bare).start_load_kv(bare, None, **kwargs)
             elif side is not None:
-                side.start_loads(meta, self._loads_after_forward(output))
+                side.start_loads(meta)
 
     def _finished_loads(
         self, finished: set[str], jobs: list[Any]
@@ -358,7 +358,7 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
     change a step's metadata before the workers see it (a tier bug).
     `after_forward`: as Model Runner V2 without sync loads, start_load_kv
     (given the step's scheduler output) and the load copy come after the
-    forward, so the workers save the step's stores there too.
+    forward.
     """
 
     def __init__(
@@ -528,35 +528,6 @@ def spy_entry_moves(engine: Any, restore: str) -> list[tuple[str, bool]]:
     worker.checksum.save_block_checksums = save
     setattr(side.entries, restore, restore_alone)
     return moves
-
-
-def expect_one_save_a_step(
-    engine: Any, moves: list[tuple[str, bool]], kinds: Callable[[Any], tuple]
-) -> list[int]:
-    """Check every step of `engine` from now on: a step that stores (and,
-    after the forward, loads) saves once with its loads' restore riding
-    along; one that stores only saves once; one that loads only restores
-    alone. `kinds(output)` is the step's (stores, loads). Returns a counter
-    of the steps that both loaded and stored after the forward."""
-    real_step = engine.step
-    both = [0]
-
-    def step() -> Any:
-        before = len(moves)
-        output = real_step()
-        stores, loads = kinds(output)
-        made = moves[before:]
-        if stores and loads and not output.has_sync_kv_loads:
-            both[0] += 1
-            assert made == [("save", True)]
-        elif stores:
-            assert [kind for kind, _ in made].count("save") == 1
-        else:
-            assert made == ([("restore", True)] if loads else [])
-        return output
-
-    engine.step = step
-    return both
 
 
 def loads_beside_stores(

@@ -198,19 +198,6 @@ def test_the_jit_call_binds_the_same(fakes: SimpleNamespace) -> None:
     assert same_values(fakes.jit.calls[0][1], expected_call(launch, rows, out))
 
 
-def test_persistent_grid_is_three_dimensional(
-    fakes: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A persistent launch's grid reaches the launcher as (programs, 1, 1).
-    Bug: a one-element grid unpacked into the launcher's three dimensions."""
-    monkeypatch.setattr(kernels, "PROGRAMS_PER_SM", 2)
-    launch = triton_launch(layers=2)
-    assert launch._programs == 2
-    launch(*call_rows(1))
-    launch(*call_rows(6))
-    assert fakes.jit.compiled.launches[-1][:3] == (2, 1, 1)
-
-
 @pytest.mark.parametrize("reason", ["hook", "device", "int32_rows", "huge_stride"])
 def test_calls_the_direct_launch_cannot_take_go_to_the_jit(
     fakes: SimpleNamespace, reason: str

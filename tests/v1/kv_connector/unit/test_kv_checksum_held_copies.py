@@ -286,34 +286,34 @@ def _entries_at_hand_offs(env: Any) -> list[tuple[bool, int, int]]:
 
 
 def _entry_of_block_5(
-    simple_active: Any, monkeypatch: pytest.MonkeyPatch, in_pass: bool
+    simple_active: Any, sync_loads: bool
 ) -> tuple[int, list[tuple[bool, int, int]]]:
-    """One step (loads after the forward) with the entry moves in the pass
-    or not: GPU block 5's entry in the table, and `_entries_at_hand_offs`."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
-
-    monkeypatch.setattr(simple_cpu_offload, "ENTRY_MOVES_IN_PASS", in_pass)
+    """One step, its loads after the forward (the copies held, the entry
+    moves in the pass) or synchronous (nothing held, each move made where
+    vLLM calls the connector): GPU block 5's entry in the table, and
+    `_entries_at_hand_offs`."""
     env = simple_active(True)
     seen = _entries_at_hand_offs(env)
-    _run_step(env, sync_loads=False)
+    _run_step(env, sync_loads=sync_loads)
     return int(env.active.kv_checksum_worker.block_table.tensor[5]), seen
 
 
 def test_entry_moves_in_the_pass_are_made_before_the_hand_offs(
-    simple_active: Any, monkeypatch: pytest.MonkeyPatch
+    simple_active: Any,
 ) -> None:
-    """Issue 30, R118: with the entry moves made by the checksum pass (the
-    default), when the load batch is handed off its block's entry is back
-    in the table (444, from host slot 4), and when the store batch is, the
-    stored block's new entry is in its host slot 6; that entry is the one
-    the store's own save writes (ENTRY_MOVES_IN_PASS off: the block table's
-    `save`, another code path) and not 0. Bugs caught (each tried): the
-    copies made before the entry writes (slot 6 keeps 0); the launcher's
-    restores left out (block 3 keeps 0 at the load's hand-off)."""
-    entry, seen = _entry_of_block_5(simple_active, monkeypatch, in_pass=True)
-    own_entry, own_seen = _entry_of_block_5(simple_active, monkeypatch, False)
+    """Issue 30, R118: with the entry moves made by the checksum pass (loads
+    after the forward), when the load batch is handed off its block's entry
+    is back in the table (444, from host slot 4), and when the store batch
+    is, the stored block's new entry is in its host slot 6; that entry is
+    the one the store's own save writes (synchronous loads: nothing held, the
+    block table's `save`, another code path) and not 0. Bugs caught (each
+    tried): the copies made before the entry writes (slot 6 keeps 0); the
+    launcher's restores left out (block 3 keeps 0 at the load's hand-off)."""
+    entry, seen = _entry_of_block_5(simple_active, sync_loads=False)
+    own_entry, own_seen = _entry_of_block_5(simple_active, sync_loads=True)
     assert entry == own_entry != 0
-    assert seen == own_seen == [(False, 444, entry), (True, 444, entry)]
+    assert seen == [(False, 444, entry), (True, 444, entry)]
+    assert own_seen[-1] == (True, 444, entry)
 
 
 def test_entry_moves_in_the_pass_make_one_upload_a_step(
@@ -321,23 +321,16 @@ def test_entry_moves_in_the_pass_make_one_upload_a_step(
 ) -> None:
     """Issue 30, R142: a step that loads and stores makes one pinned upload for
     all its checksum device work with the moves in the pass (its restore,
-    its store's entry write and copy), two without (the restore's and the
-    save's; no load finished, so no pass of its own). Bug caught (tried):
-    the restore made on its own in start_load_kv (two uploads)."""
+    its store's entry write and copy). Bug caught (tried): the restore made
+    on its own in start_load_kv (two uploads)."""
     from tests.v1.kv_connector.unit.test_kv_checksum_simple_offload import (
         count_uploads,
     )
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import simple_cpu_offload
 
     uploads = count_uploads(monkeypatch)
     env = simple_active(True)
     _run_step(env, sync_loads=False)
     assert uploads[0] == 1
-    monkeypatch.setattr(simple_cpu_offload, "ENTRY_MOVES_IN_PASS", False)
-    env = simple_active(True)
-    uploads[0] = 0
-    _run_step(env, sync_loads=False)
-    assert uploads[0] == 2
 
 
 def test_queued_moves_made_when_vllms_post_forward_raises(

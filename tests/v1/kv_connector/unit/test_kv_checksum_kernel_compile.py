@@ -36,16 +36,6 @@ POINTERS = {"table_ptr", "rows_ptr", "out_ptr", "x_ptr", "order_ptr"}
 BASE = kernels.default_config()
 CONFIGS = {
     "default": BASE,
-    "wide": kernels.LaunchConfig(**{**vars(BASE), "wide_weights": True}),
-    "persistent": kernels.LaunchConfig(**{**vars(BASE), "programs_per_sm": 2}),
-    "persistent_wide": kernels.LaunchConfig(
-        **{
-            **vars(BASE),
-            "programs_per_sm": 4,
-            "wide_weights": True,
-            "vector_full_tiles": False,
-        }
-    ),
     "small_items": kernels.LaunchConfig(
         **{**vars(BASE), "chunk_pieces": 2048, "num_warps": 4}
     ),
@@ -54,28 +44,6 @@ CONFIGS = {
     # The default walks dense token-major blocks in memory order: the vector
     # loops they took before compile too.
     "head_order": kernels.LaunchConfig(**{**vars(BASE), "token_order_tiles": False}),
-    # Compile-time tile counts (issue 30 item 1), at the default and small items.
-    "static_tiles": kernels.LaunchConfig(**{**vars(BASE), "static_tiles": True}),
-    "static_tiles_small_items": kernels.LaunchConfig(
-        **{**vars(BASE), "static_tiles": True, "chunk_pieces": 2048}
-    ),
-    "static_tiles_wide_early": kernels.LaunchConfig(
-        **{
-            **vars(BASE),
-            "static_tiles": True,
-            "chunk_pieces": 4096,
-            "wide_weights": True,
-            "early_loads": True,
-        }
-    ),
-    "persistent_wide_vector": kernels.LaunchConfig(
-        **{
-            **vars(BASE),
-            "programs_per_sm": 4,
-            "wide_weights": True,
-            "vector_full_tiles": True,
-        }
-    ),
 }
 
 

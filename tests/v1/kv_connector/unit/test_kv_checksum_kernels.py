@@ -534,8 +534,7 @@ def case_ragged_items(device: str, layout: str) -> Case:
     64-piece work items: 5 heads x 1 token x 16 pieces head-major (80 pieces:
     items of 64 and 16) and 2 heads x 3 tokens x 16 pieces token-major (96:
     64 and 32; memory order with 16-piece tiles, the flat loop by default),
-    full and partial rows. Their items hold different tile counts, so
-    static_tiles must count per item (issue 30 item 1)."""
+    full and partial rows. Their last items hold fewer tiles than the others."""
     rng = np.random.default_rng(29 if layout == "head" else 30)
     if layout == "head":
         views = make_views(rng, device, blocks=4, heads=5, tokens=1, pieces=16)
@@ -817,42 +816,24 @@ TOKEN_ORDER_CASES = {
     "token_order_int32": 128,
 }
 
-# Interpreter configurations: (MAX_TILE_PIECES, CHUNK_PIECES, PROGRAMS_PER_SM,
-# WIDE_WEIGHTS, VECTOR_FULL_TILES, TOKEN_ORDER_TILES). Tiny tiles and chunks
-# make the small blocks of these cases take the head-tile path and span
-# several chunks. The 24K-piece row, the 32K-piece int16 token-major row and
-# the 32-head token-major rows would take 1536, 2048 and 256 interpreted
-# tiles per row there; the default configuration covers them. The persistent
-# ones (3 programs on the CPU: fewer than the work items of most cases, so
-# each loops over several rows, chunks and layers) and the wide-weight ones
-# check the launch options of the tuning sweep (R143). The vector ones run the
+# Interpreter configurations: (MAX_TILE_PIECES, CHUNK_PIECES,
+# VECTOR_FULL_TILES, TOKEN_ORDER_TILES). Tiny tiles and chunks make the small
+# blocks of these cases take the head-tile path and span several chunks. The
+# 24K-piece row, the 32K-piece int16 token-major row and the 32-head
+# token-major rows would take 1536, 2048 and 256 interpreted tiles per row
+# there; the default configuration covers them. The vector ones run the
 # unmasked fast path of full rows (vector_full_tiles, issue 30) on every
 # case: full and partial rows, dense and strided views, dense token-major
 # blocks in memory order (with tiny tiles only those of at most 16 pieces a
 # head). "head order" runs the vector loops that token-major blocks took
 # before (token_order_tiles off) on the cases where the flag matters.
 INTERPRETER_CONFIGS = {
-    "interpreter": (1024, 16384, 0, False, False, True),
-    "interpreter_small": (16, 64, 0, False, False, True),
-    "interpreter_persistent": (16, 64, 3, False, False, True),
-    "interpreter_persistent_wide": (1024, 16384, 3, True, False, True),
-    "interpreter_wide": (16, 64, 0, True, False, True),
-    "interpreter_vector": (1024, 16384, 0, False, True, True),
-    "interpreter_small_vector": (16, 64, 0, False, True, True),
-    "interpreter_persistent_wide_vector": (16, 64, 3, True, True, True),
-    "interpreter_vector_head_order": (1024, 16384, 0, False, True, False),
-    "interpreter_small_vector_static": (16, 64, 0, False, True, True),
+    "interpreter": (1024, 16384, False, True),
+    "interpreter_small": (16, 64, False, True),
+    "interpreter_vector": (1024, 16384, True, True),
+    "interpreter_small_vector": (16, 64, True, True),
+    "interpreter_vector_head_order": (1024, 16384, True, False),
 }
-# Configurations that also give the tile loops compile-time trip counts
-# (static_tiles, issue 30 item 1; R58's tiling, R143): with 16-piece tiles
-# and 64-piece items, blocks span several items of several tiles each. Bug
-# caught: ITEM_TILES taken for a launch whose items hold different tile
-# counts (a block not a whole number of items) would skip or repeat tiles,
-# and a sum would differ.
-# The ragged_items cases hold blocks that are not a whole number of items.
-# The static one also loads each item's row and table fields early
-# (early_loads): a field read from the wrong row or layer would differ too.
-STATIC_TILE_CONFIGS = {"interpreter_small_vector_static"}
 INTERPRETER_SKIPS = {
     name: {"multi_chunk_row", "token_order_int16_multi_chunk", "token_order_many_heads"}
     for name, (max_tile, *_) in INTERPRETER_CONFIGS.items()
@@ -867,19 +848,10 @@ def interpreter_runs() -> dict[str, subprocess.Popen]:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     runs = {}
-    for config, (
-        max_tile,
-        chunk,
-        programs,
-        wide,
-        vector,
-        token_order,
-    ) in INTERPRETER_CONFIGS.items():
+    for config, (max_tile, chunk, vector, token_order) in INTERPRETER_CONFIGS.items():
         command = [sys.executable, str(Path(__file__).resolve()), "--interpret"]
         command += ["--max-tile", str(max_tile), "--chunk", str(chunk)]
-        command += ["--programs-per-sm", str(programs)] + ["--wide"] * wide
         command += ["--vector"] * vector + ["--head-order"] * (not token_order)
-        command += ["--static-tiles", "--early-loads"] * (config in STATIC_TILE_CONFIGS)
         for name in INTERPRETER_SKIPS.get(config, ()):
             command += ["--skip", name]
         runs[config] = subprocess.Popen(
@@ -1021,10 +993,10 @@ def test_token_order_tiles_inside_a_row(path: str) -> None:
 @pytest.mark.parametrize("layout", ["head", "token"])
 @pytest.mark.parametrize("path", PATHS)
 def test_ragged_items(path: str, layout: str) -> None:
-    """R58, R143: blocks of 80 and 96 pieces under 64-piece work items (issue
-    30 item 1) still sum every piece once. Bug caught: static_tiles giving
-    such a launch a compile-time tile count (4 tiles for the 16- or 32-piece
-    last item) reads past the block or the next head, and a sum differs."""
+    """R58: blocks of 80 and 96 pieces under 64-piece work items still sum
+    every piece once. Bug caught: a last item given a whole item's tile count
+    (4 tiles for the 16- or 32-piece last item, its end not clipped to the
+    block) reads past the block or the next head, and a sum differs."""
     check_case(f"ragged_items_{layout}_major", path)
 
 
@@ -1099,40 +1071,6 @@ def launch_constants(
     )
     launch._init_triton()
     return launch._constants
-
-
-@pytest.mark.parametrize(
-    "heads, tokens, chunk, static, tiled, layout",
-    [
-        (2, 16, 16384, True, True, "head"),  # one item a block
-        (2, 16, 256, True, True, "head"),  # four items a block
-        (3, 16, 1024, True, False, "head"),  # 1,536 pieces: items of 1,024, 512
-        (2, 16, 16384, False, False, "head"),  # static_tiles off
-        (2, 16, 256, True, True, "token"),  # memory order (DENSE 3), four items
-        (2, 24, 1024, True, False, "token"),  # memory order, items of 1,024, 512
-    ],
-)
-def test_item_tiles(
-    heads: int, tokens: int, chunk: int, static: bool, tiled: bool, layout: str
-) -> None:
-    """R58, R143: ITEM_TILES (issue 30 item 1), a compile-time tile count
-    only when every work item of the launch holds the same whole number of
-    tiles; otherwise the loops count per item (0). Bug caught: a block that
-    is not a whole number of items given its first items' count, so the last
-    item would read past the block or skip tiles (the host side of
-    test_ragged_items)."""
-    pieces = 32
-    if layout == "head":
-        view = torch.zeros((4, heads, tokens, pieces), dtype=torch.int64)
-    else:
-        view = torch.zeros((4, tokens, heads, pieces), dtype=torch.int64)
-        view = view.transpose(1, 2)
-    spec = LaunchSpec([view.unsqueeze(1)], [0], [0], np.zeros((3, 0), dtype=np.int64))
-    c = launch_constants(spec, static_tiles=static, chunk_pieces=chunk)
-    assert c["HEAD_TILES"] if layout == "head" else c["DENSE"] == 3
-    block_pieces = heads * tokens * pieces
-    expected = min(chunk, block_pieces) // c["TILE"] if tiled else 0
-    assert c["ITEM_TILES"] == expected
 
 
 @pytest.mark.parametrize("name", sorted(VECTOR_EXPECTED))
@@ -1414,8 +1352,6 @@ def test_launch_config_rejects_unaligned_chunks() -> None:
         for value in (0, 3, 96):
             with pytest.raises(ValueError):
                 kernels.LaunchConfig(**{**vars(base), field_name: value})
-    with pytest.raises(ValueError):
-        kernels.LaunchConfig(**{**vars(base), "programs_per_sm": -1})
     assert kernels.LaunchConfig(**{**vars(base), "chunk_pieces": 64}).chunk_pieces == 64
 
 
@@ -1440,12 +1376,8 @@ def main() -> None:
     parser.add_argument("--interpret", action="store_true", required=True)
     parser.add_argument("--max-tile", type=int, default=kernels.MAX_TILE_PIECES)
     parser.add_argument("--chunk", type=int, default=kernels.CHUNK_PIECES)
-    parser.add_argument("--programs-per-sm", type=int, default=0)
-    parser.add_argument("--wide", action="store_true")
     parser.add_argument("--vector", action="store_true")
     parser.add_argument("--head-order", action="store_true")
-    parser.add_argument("--static-tiles", action="store_true")
-    parser.add_argument("--early-loads", action="store_true")
     parser.add_argument("--skip", action="append", default=[])
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -1453,12 +1385,8 @@ def main() -> None:
         kernels,
         MAX_TILE_PIECES=args.max_tile,
         CHUNK_PIECES=args.chunk,
-        PROGRAMS_PER_SM=args.programs_per_sm,
-        WIDE_WEIGHTS=args.wide,
         VECTOR_FULL_TILES=args.vector,
         TOKEN_ORDER_TILES=not args.head_order,
-        STATIC_TILES=args.static_tiles,
-        EARLY_LOADS=args.early_loads,
     ):
         results = {
             name: run_case(build("cpu"), "triton").tolist()

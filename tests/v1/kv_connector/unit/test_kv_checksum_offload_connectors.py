@@ -28,12 +28,9 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     OffloadSimEngine,
     assert_every_load_verified,
     check_side_error_turns_off_the_tier,
-    expect_one_save_a_step,
-    loads_beside_stores,
     offload_metadata,
     reload_after_drop,
     run_shared_prefixes,
-    spy_entry_moves,
     verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
@@ -329,39 +326,6 @@ def test_R139_offload_loads_verified_end_to_end(model_dir: str) -> None:
     engine = OffloadSimEngine(model_dir, offload_side(), "e2e")
     run_shared_prefixes(engine, 30)
     assert engine.num_loads >= 20
-    assert_every_load_verified(engine)
-
-
-def test_R118_store_jobs_saved_with_the_loads_after_the_forward(
-    model_dir: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 30. As Model Runner V2 runs it (start_load_kv after the forward,
-    given the scheduler output), through the real connector hooks: a step
-    with store jobs saves their entries once, in start_load_kv, the loads'
-    entries riding along; wait_for_save saves nothing more; every load still
-    verifies. Bugs caught (each tried): the restore left out of the early
-    save (loads mismatch); wait_for_save saving the jobs again (two saves a
-    step); the early save never taken (a restore of its own). The switch
-    is off by default (`SAVE_STORES_WITH_LOADS`): turned on here."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import offloading
-
-    monkeypatch.setattr(offloading, "SAVE_STORES_WITH_LOADS", True)
-    engine = OffloadSimEngine(
-        model_dir, offload_side(), "after", hooks=True, after_forward=True
-    )
-    moves = spy_entry_moves(engine, "restore")
-
-    def kinds(output: Any) -> tuple[bool, bool]:
-        meta = offload_metadata(output.kv_connector_metadata)
-        if meta is None:
-            return False, False
-        return bool(meta.store_jobs), bool(meta.load_jobs)
-
-    both = expect_one_save_a_step(engine, moves, kinds)
-    prompts = run_shared_prefixes(engine, 12)
-    # It stores a prefill's blocks in the step that computes them.
-    loads_beside_stores(engine, prompts, stagger=False)
-    assert engine.num_loads >= 9 and both[0] > 0
     assert_every_load_verified(engine)
 
 

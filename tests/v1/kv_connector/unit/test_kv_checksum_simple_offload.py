@@ -25,7 +25,6 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     SimpleOffloadSimEngine,
     assert_every_load_verified,
     check_side_error_turns_off_the_tier,
-    expect_one_save_a_step,
     loads_beside_stores,
     reload_after_drop,
     run_shared_prefixes,
@@ -35,14 +34,12 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
 from vllm.distributed.kv_transfer.kv_checksum import wiring
+from vllm.distributed.kv_transfer.kv_checksum.offload.held_calls import HeldCalls
 from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import HOST_FAULT_KEY
 from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
     SimpleOffloadSchedulerSide,
     block_places,
     store_runs,
-)
-from vllm.distributed.kv_transfer.kv_checksum.wiring import (
-    offloading as wiring_offloading,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     simple_cpu_offload as wiring_simple,
@@ -318,40 +315,6 @@ def test_R139_simple_offload_loads_verified_end_to_end(
     engine = SimpleOffloadSimEngine(model_dir, simple_side(lazy), f"e2e-{lazy}")
     run_shared_prefixes(engine, 24)
     assert engine.num_loads >= 12 and engine.num_stored_blocks > 0
-    assert_every_load_verified(engine)
-    assert_no_request_state(engine)
-
-
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_R118_stores_saved_with_the_loads_after_the_forward(
-    model_dir: str, lazy: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 30. As Model Runner V2 runs it (start_load_kv after the forward,
-    given the scheduler output), through the real connector hooks: a step
-    that stores saves its entries once, in start_load_kv, with its loads'
-    entries riding along (one save, no restore of its own), wait_for_save
-    saves nothing more, and every load still verifies. Bugs caught (each
-    tried): the restore left out of the early save (loads mismatch);
-    wait_for_save saving the stores again (two saves a step); the early
-    save never taken (a restore of its own beside the save). The switch is
-    off by default (`SAVE_STORES_WITH_LOADS`): turned on here."""
-    monkeypatch.setattr(wiring_offloading, "SAVE_STORES_WITH_LOADS", True)
-    engine = SimpleOffloadSimEngine(
-        model_dir, simple_side(lazy), f"after-{lazy}", hooks=True, after_forward=True
-    )
-    moves = spy_entry_moves(engine, "restore_ids")
-
-    def kinds(output: Any) -> tuple[bool, bool]:
-        meta = simple_offload_metadata(output.kv_connector_metadata)
-        if meta is None:
-            return False, False
-        return bool(meta.store_gpu_blocks), bool(meta.load_cpu_blocks)
-
-    both = expect_one_save_a_step(engine, moves, kinds)
-    prompts = run_shared_prefixes(engine, 12)
-    # It stores a block the step after computing it: the prefill goes first.
-    loads_beside_stores(engine, prompts, stagger=True, block_size=BS)
-    assert engine.num_loads >= 9 and both[0] > 0
     assert_every_load_verified(engine)
     assert_no_request_state(engine)
 
@@ -775,25 +738,17 @@ def test_R1_R118_simple_worker_hooks_on_the_real_class(enabled: bool) -> None:
         (True, False, False, False, False),  # no config to tell
     ],
 )
-@pytest.mark.parametrize("switch", [True, False], ids=["early", "default"])
-def test_R118_stores_saved_early_only_after_the_whole_forward(
-    given: bool,
-    sync: bool,
-    speculative: bool,
-    config: bool,
-    expected: bool,
-    switch: bool,
-    monkeypatch: pytest.MonkeyPatch,
+def test_R118_copies_held_only_after_the_whole_forward(
+    given: bool, sync: bool, speculative: bool, config: bool, expected: bool
 ) -> None:
-    """Issue 30, on vLLM's SimpleCPUOffloadConnector: with the switch on,
-    start_load_kv tells the worker side to save the step's stores only when
-    Model Runner V2 calls it after the forward (its scheduler output given,
-    no sync loads) and no drafter forward follows; by default
-    (`SAVE_STORES_WITH_LOADS` off) never; the original runs either way.
-    Bugs caught (each tried): sync loads taken as after the forward
-    (entries of blocks the forward has not written yet); the speculative
-    config ignored; the switch ignored."""
-    monkeypatch.setattr(wiring_offloading, "SAVE_STORES_WITH_LOADS", switch)
+    """Issue 30, on vLLM's SimpleCPUOffloadConnector: start_load_kv holds the
+    step's copy hand-offs, and has the worker side queue the loads' entry
+    moves for the checksum pass, only when Model Runner V2 calls it after
+    the forward (its scheduler output given, no sync loads) and no drafter
+    forward follows; the original runs either way. Bugs caught (each
+    tried): sync loads taken as after the forward (copies held and entries
+    moved after a forward that has not run yet); the speculative config
+    ignored."""
     from types import SimpleNamespace
 
     from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
@@ -804,22 +759,23 @@ def test_R118_stores_saved_early_only_after_the_whole_forward(
     told: list[bool] = []
 
     class Side:
-        def start_loads(
-            self, metadata: Any, after_forward: bool = False, in_pass: bool = False
-        ) -> None:
-            told.append(after_forward)
+        def start_loads(self, metadata: Any, in_pass: bool = False) -> None:
+            told.append(in_pass)
 
     calls: list[str] = []
     connector = object.__new__(SimpleCPUOffloadConnector)
     connector.worker_handler = CallRecorder(calls, "vllm")  # type: ignore[assignment]
     connector._connector_metadata = object()  # type: ignore[assignment]
     connector._kv_checksum_simple_offload_worker = Side()
+    held = HeldCalls(print)
+    held.arm()
+    connector._kv_checksum_held_copies = held
     if config:
         spec = object() if speculative else None
         connector._vllm_config = SimpleNamespace(speculative_config=spec)  # type: ignore[assignment]
     kwargs = {"scheduler_output": empty_scheduler_output(sync)} if given else {}
     SimpleCPUOffloadConnector.start_load_kv(connector, None, **kwargs)
-    assert told == [expected and switch]
+    assert told == [expected] and held.holding == expected
     assert calls == ["vllm.start_load_kv"]
 
 
@@ -863,47 +819,6 @@ def test_R117_simple_worker_side_moves_entries_by_cpu_block() -> None:
     side.start_loads(meta)
     assert worker.table[[7, 8]].tolist() == before[[5, 2]].tolist()
     assert np.count_nonzero(worker.table.numpy()) == 2
-
-
-def test_R118_a_restore_without_a_store_to_ride_with_still_moves() -> None:
-    """Issue 30: a load's entries handed to a save that finds nothing to
-    store (no stored blocks, or none of the store jobs named) still go back
-    into the block table, on both offload tiers. Bug caught (tried): the
-    restore dropped with the empty save (the load's blocks keep stale
-    entries: a false mismatch)."""
-    from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
-        HostEntryTable,
-        OffloadWorkerSide,
-    )
-    from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
-        SimpleOffloadWorkerSide,
-    )
-
-    class Worker:
-        def __init__(self) -> None:
-            self.table = torch.zeros(8, dtype=torch.int64)
-
-        def init_block_checksums(self, group_ids: Any) -> torch.Tensor:
-            return self.table
-
-        def save_block_checksums(self, *args: Any) -> None:
-            raise AssertionError("nothing to save")
-
-    simple_worker = Worker()
-    simple = SimpleOffloadWorkerSide(simple_worker, [0], num_cpu_blocks=6)
-    simple.entries.entries[[1, 3]] = torch.tensor([11, 33])
-    meta = type("M", (), {"store_gpu_blocks": []})()
-    simple._save(meta, simple.entries.restore_of([4, 5], [1, 3]))
-    assert simple_worker.table[[4, 5]].tolist() == [11, 33]
-
-    tier_worker = Worker()
-    tier = object.__new__(OffloadWorkerSide)
-    tier.checksum_worker = tier_worker
-    tier.entries = HostEntryTable(tier_worker.table, 4, 1)
-    tier.entries.entries[[0, 2]] = torch.tensor([7, 9])
-    meta = type("M", (), {"store_jobs": {}})()
-    tier.save_stores(meta, [99], tier.entries.restore_of([6, 1], [2, 0]))
-    assert tier_worker.table[[6, 1]].tolist() == [9, 7]
 
 
 def test_R121_dropped_copy_hidden_at_once_freed_after_its_load() -> None:

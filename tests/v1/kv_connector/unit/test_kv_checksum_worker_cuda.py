@@ -432,22 +432,14 @@ def test_fused_entries_and_hit_checks_on_cuda_without_host_sync() -> None:
     np.testing.assert_array_equal(got.stored ^ tags, sums)
 
 
-def test_reused_step_buffers_on_cuda_behind_queued_work(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Issue 30, R55 (`REUSE_STEP_BUFFERS`): send steps of changing widths,
-    each queued behind a GPU sleep so the device lags the host (as with
-    vLLM's async scheduling), and each record waited for only after the next
-    step was queued: buffers go back to the pool while later steps' work
-    still waits on the device, and later steps reuse them. Every step reads
-    back the CPU worker's values, and no step syncs with the host. Bugs
-    caught: buffers reused before the device finished with them (a step's
-    upload or results overwritten by the next), reused scratch not zeroed,
-    a reused upload cut to a smaller buffer. Passed on an H200 on
-    2026-12-04d (`h200_cuda_tests_step_buffers_2026-12-04d.log`)."""
-    from vllm.distributed.kv_transfer.kv_checksum.engine import launches
-
-    monkeypatch.setattr(launches, "REUSE_STEP_BUFFERS", True)
+def test_send_steps_on_cuda_behind_queued_work() -> None:
+    """Issue 30, R55: send steps of changing widths, each queued behind a GPU
+    sleep so the device lags the host (as with vLLM's async scheduling), and
+    each record waited for only after the next step was queued. Every step
+    reads back the CPU worker's values, and no step syncs with the host.
+    Bugs caught: a step's upload or results reused or freed while the device
+    still reads or writes them (a step's values overwritten by the next), a
+    host sync in the step."""
     on_cpu, caches = worker_on(torch.device("cpu"), None)
     on_cuda, _ = worker_on(torch.device("cuda"), caches)
     widths = [np.arange(1, 11), BLOCK_IDS[:1], BLOCK_IDS, np.arange(2, 15), [5]]
@@ -459,7 +451,6 @@ def test_reused_step_buffers_on_cuda_behind_queued_work(
         return worker.post_forward(finished_recving=set(), failed_recving=set())
 
     waiting: list[tuple[str, KVChecksumPendingRecord, KVChecksumRecord]] = []
-    seen: set[int] = set()
     for i, ids in enumerate(widths * 3):
         req_id = f"r{i}"
         want = send_step(on_cpu, ids, req_id).finalize()
@@ -469,8 +460,6 @@ def test_reused_step_buffers_on_cuda_behind_queued_work(
             pending = send_step(on_cuda, ids, req_id)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert pending.buffers is not None
-        seen.add(id(pending.buffers))
         waiting.append((req_id, pending, want))
         if len(waiting) == 2:  # the last step's record, read one step late
             last_id, last, last_want = waiting.pop(0)
@@ -483,7 +472,6 @@ def test_reused_step_buffers_on_cuda_behind_queued_work(
             pending.finalize().checksums[req_id][0].values,
             want.checksums[req_id][0].values,
         )
-    assert len(seen) <= 3  # reused across 15 steps, not one set a step
 
 
 def test_entry_kernels_on_cuda_jit_then_direct_launch(

@@ -54,10 +54,6 @@ MAX_TILE_PIECES = 1024
 # h200_kernel_variants_2026-12-02b/-02c); without it 8 warps were faster.
 NUM_WARPS = 4
 WARP_PIECES = 128
-# Persistent programs per SM (0: one program per work item, a 3-D grid) and
-# whether every row takes the 64-bit weight loop (one call site, R58).
-PROGRAMS_PER_SM = 0
-WIDE_WEIGHTS = False
 # Full rows load without masks, dense views by lane index with 16-byte
 # alignment hints (128-bit loads); on since two H200 variant runs agreed
 # (issue 30, R143; benchmark --variants).
@@ -69,17 +65,6 @@ VECTOR_FULL_TILES = True
 # did not change (benchmark --variants, "vector 4w head order";
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
-# The head-tile and memory-order loops (full and masked rows) with a
-# compile-time trip count (ITEM_TILES) where every work item of a launch holds
-# the same whole number of tiles, so the compiler can unroll them and issue
-# several tiles' loads at once; off until an H200 run shows it helps (issue 30
-# item 1, R143; benchmark --static-tiles).
-STATIC_TILES = False
-# Every field of a work item's row and layer-table entry loaded in one round
-# before its valid-count branch, not the rest after it (one dependent round
-# less before the first data load); off: at one 64 KB item a program it
-# changed nothing (2026-12-02g), with static tiles' smaller items untried.
-EARLY_LOADS = False
 # Launches after the first go straight to the compiled kernel's launcher, not
 # through the JIT's per-call dispatch (CompiledLaunch; R142), on the
 # Triton versions whose launcher takes the arguments as read here (the JIT's
@@ -87,13 +72,6 @@ EARLY_LOADS = False
 # versions keep the JIT.
 DIRECT_LAUNCH = True
 DIRECT_LAUNCH_TRITON = ((3, 4), (3, 8))
-# A step's results reach the host through a kernel storing into pinned host
-# memory (SM writes over the bus) instead of a copy-engine copy, which can queue
-# behind the offload tier's large stores; off until an H200 run shows it helps
-# (issues 26, 30, 31; benchmarks/kernels/copy_engine_probe.py).
-ZERO_COPY_RESULTS = False
-# int64 words per program of that copy.
-COPY_BLOCK_WORDS = 1024
 # Upper bound of the data one gather of the PyTorch path materializes, counted
 # as widened int64 pieces (R63). Read at call time so tests can shrink it.
 GATHER_CHUNK_BYTES = 64 << 20
@@ -110,39 +88,27 @@ class LaunchConfig:
     """Launch shape of the Triton kernel; any value gives the same sums.
 
     `chunk_pieces` is the work item (pieces of one block per item, a multiple
-    of the tile), `programs_per_sm` > 0 launches that many persistent programs
-    per SM looping over the items, `wide_weights` drops the narrow loop,
-    `vector_full_tiles` gives rows whose slots are all valid a loop without
-    masks (dense views: lane-index offsets and 16-byte-aligned tiles, so
-    128-bit loads), and with it `token_order_tiles` walks blocks stored
-    contiguously token-major in memory order (contiguous tiles there too).
-    `direct_launch` launches the kernel compiled by the first call directly;
-    `static_tiles` gives the head-tile and memory-order loops a compile-time
-    trip count where every work item holds the same whole number of tiles
-    (the item never exceeds its block: chunks and tiles are powers of two, so
-    only the block can leave a ragged last item); `early_loads`
-    loads a work item's row and table fields in one round.
+    of the tile), `vector_full_tiles` gives rows whose slots are all valid a
+    loop without masks (dense views: lane-index offsets and 16-byte-aligned
+    tiles, so 128-bit loads), and with it `token_order_tiles` walks blocks
+    stored contiguously token-major in memory order (contiguous tiles there
+    too).
+    `direct_launch` launches the kernel compiled by the first call directly.
     """
 
     max_tile: int
     chunk_pieces: int
     num_warps: int
     warp_pieces: int
-    programs_per_sm: int = 0
-    wide_weights: bool = False
     vector_full_tiles: bool = False
     token_order_tiles: bool = True
     direct_launch: bool = False
-    static_tiles: bool = False
-    early_loads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")
-        if self.programs_per_sm < 0:
-            raise ValueError("programs_per_sm must be non-negative")
 
 
 def default_config() -> LaunchConfig:
@@ -152,13 +118,9 @@ def default_config() -> LaunchConfig:
         chunk_pieces=CHUNK_PIECES,
         num_warps=NUM_WARPS,
         warp_pieces=WARP_PIECES,
-        programs_per_sm=PROGRAMS_PER_SM,
-        wide_weights=WIDE_WEIGHTS,
         vector_full_tiles=VECTOR_FULL_TILES,
         token_order_tiles=TOKEN_ORDER_TILES,
         direct_launch=DIRECT_LAUNCH,
-        static_tiles=STATIC_TILES,
-        early_loads=EARLY_LOADS,
     )
 
 
@@ -249,7 +211,6 @@ if HAS_TRITON:
         FULL: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
     ):
         """Sum of a chunk whose tiles each lie in one (kernel block, head).
 
@@ -266,13 +227,9 @@ if HAS_TRITON:
         contiguous in [kernel block, head, token, piece] order) the tile offset
         the tile's start; TILE_ALIGNED (checked on the host) marks each tile
         16-byte aligned. Together they allow 128-bit loads; the pieces read and
-        their weights are the same, so is the sum. ITEM_TILES > 0: the chunk's
-        tile count (every work item's), known at compile time: the same tiles, so
-        the same sum.
+        their weights are the same, so is the sum.
         """
         base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
-        if ITEM_TILES > 0:
-            num_tiles = ITEM_TILES
         kernel_block_stride, head_stride, token_stride, piece_stride = strides
         SLICE_PIECES: tl.constexpr = TOKENS * PIECES
         lane = tl.arange(0, TILE)
@@ -342,7 +299,6 @@ if HAS_TRITON:
         NARROW: tl.constexpr,
         FULL: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
     ):
         """Sum of a chunk of a block stored contiguously token-major (DENSE == 3).
 
@@ -356,12 +312,9 @@ if HAS_TRITON:
         divides the block, so each is a loop-invariant lane vector plus a tile
         scalar (the tile's slot; its head when TILE < ROW) and no lane lies
         past the block. Same pieces and weights as the other loops, so the
-        same sum. ITEM_TILES > 0: the chunk's tile count (every work item's)
-        at compile time.
+        same sum.
         """
         base, block_offset, valid, m0, c0, chunk_start, num_tiles = work
-        if ITEM_TILES > 0:
-            num_tiles = ITEM_TILES
         ROW: tl.constexpr = HEADS * PIECES
         lane = tl.arange(0, TILE)
         lane_slot = lane // ROW
@@ -462,7 +415,6 @@ if HAS_TRITON:
         FULL: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
     ):
         """One program's uint64 sum, by the loop its block shape and layout
         allow: memory order for a dense token-major block (DENSE == 3, only
@@ -477,7 +429,6 @@ if HAS_TRITON:
                 NARROW,
                 FULL,
                 TILE_ALIGNED,
-                ITEM_TILES,
             )
         elif HEAD_TILES:
             total = _head_tiles_sum(
@@ -493,7 +444,6 @@ if HAS_TRITON:
                 FULL,
                 DENSE,
                 TILE_ALIGNED,
-                ITEM_TILES,
             )
         else:
             total = _flat_tiles_sum(
@@ -526,7 +476,6 @@ if HAS_TRITON:
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
     ):
         """One program's uint64 sum. With VECTOR a row whose slots are all
         valid (every row but a request's last, in practice) takes a copy of the
@@ -549,7 +498,6 @@ if HAS_TRITON:
                     True,
                     DENSE,
                     TILE_ALIGNED,
-                    ITEM_TILES,
                 )
             else:
                 total = _tiles_sum(
@@ -567,7 +515,6 @@ if HAS_TRITON:
                     False,
                     DENSE,
                     TILE_ALIGNED,
-                    ITEM_TILES,
                 )
         else:
             total = _tiles_sum(
@@ -585,7 +532,6 @@ if HAS_TRITON:
                 False,
                 DENSE,
                 TILE_ALIGNED,
-                ITEM_TILES,
             )
         return total
 
@@ -610,40 +556,26 @@ if HAS_TRITON:
         HEAD_TILES: tl.constexpr,
         ALIGNED: tl.constexpr,
         LANE32: tl.constexpr,
-        WIDE: tl.constexpr,
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
-        EARLY: tl.constexpr,
     ):
         """Add one work item's sum (a chunk of one row's block of one layer) into
         out[row, column] with one atomic; rows with no valid slot add nothing.
 
-        WIDE always takes the 64-bit weight loop (one call site); otherwise a
-        row whose weights all fit 32 bits takes the narrow one (two call sites).
-        Both give the same sum mod 2^64.
+        A row whose weights all fit 32 bits takes the narrow weight loop, the
+        others the 64-bit one; both give the same sum mod 2^64.
         """
         SLOT_PIECES: tl.constexpr = KERNEL_BLOCKS * TOKENS * PIECES
         BLOCK_PIECES: tl.constexpr = SLOT_PIECES * HEADS
         token_offset = tl.load(table_ptr + layer * 4 + 3)
         valid = tl.load(row_ptr + 2 * rows_field_stride) - token_offset
-        if EARLY:
-            # Every field in the same round (in bounds for any row; a row
-            # with no valid slot reads them and adds nothing).
+        if valid > 0:
             block = tl.load(row_ptr)
             first_token = tl.load(row_ptr + rows_field_stride) + token_offset
             addr = tl.load(table_ptr + layer * 4)
             first_slice = tl.load(table_ptr + layer * 4 + 1)
             column = tl.load(table_ptr + layer * 4 + 2)
-        if valid > 0:
-            if not EARLY:
-                block = tl.load(row_ptr)
-                first_token = tl.load(row_ptr + rows_field_stride) + token_offset
-                addr = tl.load(table_ptr + layer * 4)
-                first_slice = tl.load(table_ptr + layer * 4 + 1)
-                column = tl.load(table_ptr + layer * 4 + 2)
-
             base = _as_piece_pointer(addr, PIECE_BITS, ALIGNED)
             block_offset = block * block_stride
             slot_tokens = tl.minimum(valid, KERNEL_BLOCKS * TOKENS).to(tl.int32)
@@ -656,7 +588,29 @@ if HAS_TRITON:
             chunk_end = tl.minimum(chunk_start + CHUNK, BLOCK_PIECES)
             num_tiles = tl.cdiv(chunk_end - chunk_start, TILE)
             work = (base, block_offset, slot_tokens, m0, c0, chunk_start, num_tiles)
-            if WIDE:
+            # Every factor and odd weight of the row below 2^32 (always, in
+            # practice): 32 x 32 -> 64-bit weight products suffice.
+            narrow = _below_2_32(m0, 2 * (HEADS - 1)) & _below_2_32(
+                c0, 2 * (SLOT_PIECES - 1)
+            )
+            if narrow:
+                total = _chunk_sum(
+                    work,
+                    strides,
+                    KERNEL_BLOCKS,
+                    HEADS,
+                    TOKENS,
+                    PIECES,
+                    PIECE_BITS,
+                    TILE,
+                    HEAD_TILES,
+                    True,
+                    LANE32,
+                    VECTOR,
+                    DENSE,
+                    TILE_ALIGNED,
+                )
+            else:
                 total = _chunk_sum(
                     work,
                     strides,
@@ -672,50 +626,7 @@ if HAS_TRITON:
                     VECTOR,
                     DENSE,
                     TILE_ALIGNED,
-                    ITEM_TILES,
                 )
-            else:
-                # Every factor and odd weight of the row below 2^32 (always,
-                # in practice): 32 x 32 -> 64-bit weight products suffice.
-                narrow = _below_2_32(m0, 2 * (HEADS - 1)) & _below_2_32(
-                    c0, 2 * (SLOT_PIECES - 1)
-                )
-                if narrow:
-                    total = _chunk_sum(
-                        work,
-                        strides,
-                        KERNEL_BLOCKS,
-                        HEADS,
-                        TOKENS,
-                        PIECES,
-                        PIECE_BITS,
-                        TILE,
-                        HEAD_TILES,
-                        True,
-                        LANE32,
-                        VECTOR,
-                        DENSE,
-                        TILE_ALIGNED,
-                        ITEM_TILES,
-                    )
-                else:
-                    total = _chunk_sum(
-                        work,
-                        strides,
-                        KERNEL_BLOCKS,
-                        HEADS,
-                        TOKENS,
-                        PIECES,
-                        PIECE_BITS,
-                        TILE,
-                        HEAD_TILES,
-                        False,
-                        LANE32,
-                        VECTOR,
-                        DENSE,
-                        TILE_ALIGNED,
-                        ITEM_TILES,
-                    )
             tl.atomic_add(
                 out_row_ptr + column * out_col_stride,
                 total.to(tl.int64, bitcast=True),
@@ -755,18 +666,13 @@ if HAS_TRITON:
         PIECES: tl.constexpr,
         PIECE_BITS: tl.constexpr,
         CHUNK: tl.constexpr,
-        NUM_CHUNKS: tl.constexpr,
         TILE: tl.constexpr,
         HEAD_TILES: tl.constexpr,
         ALIGNED: tl.constexpr,
         LANE32: tl.constexpr,
-        PERSISTENT: tl.constexpr,
-        WIDE: tl.constexpr,
         VECTOR: tl.constexpr,
         DENSE: tl.constexpr,
         TILE_ALIGNED: tl.constexpr,
-        ITEM_TILES: tl.constexpr,
-        EARLY: tl.constexpr,
     ):
         """Add the checksums of block rows into their output columns, all layers.
 
@@ -787,97 +693,38 @@ if HAS_TRITON:
         2^64) and adds its sum to out[r, column] with one atomic, so items may
         finish in any order.
 
-        ITEM_TILES > 0: every item holds that many tiles (a compile-time trip
-        count for the tile loops; 0: counted per item). EARLY: an item's row
-        and table fields load in one round.
-
-        Grid (rows, chunks, layers): one program per item. PERSISTENT: a 1-D
-        grid whose programs loop over the items, row fastest, with a stride of
-        the grid size (the same items, so the same sums mod 2^64).
+        Grid (rows, chunks, layers): one program per item.
 
         Rows, outputs, their strides and counts are not specialized (nor are
         slices and columns, read from the table), so the variant compiled at
         warm-up serves every call of a launch.
         """
         strides = (kernel_block_stride, head_stride, token_stride, piece_stride)
-        if PERSISTENT:
-            num_items = num_rows * NUM_CHUNKS * num_layers
-            for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-                row = (item % num_rows).to(tl.int64)
-                rest = item // num_rows
-                _add_item_checksum(
-                    table_ptr,
-                    rows_ptr + row * rows_row_stride,
-                    rows_field_stride,
-                    out_ptr + row * out_row_stride,
-                    out_col_stride,
-                    rest % NUM_CHUNKS,
-                    rest // NUM_CHUNKS,
-                    block_stride,
-                    strides,
-                    KERNEL_BLOCKS,
-                    HEADS,
-                    TOKENS,
-                    PIECES,
-                    PIECE_BITS,
-                    CHUNK,
-                    TILE,
-                    HEAD_TILES,
-                    ALIGNED,
-                    LANE32,
-                    WIDE,
-                    VECTOR,
-                    DENSE,
-                    TILE_ALIGNED,
-                    ITEM_TILES,
-                    EARLY,
-                )
-        else:
-            row = tl.program_id(0).to(tl.int64)
-            _add_item_checksum(
-                table_ptr,
-                rows_ptr + row * rows_row_stride,
-                rows_field_stride,
-                out_ptr + row * out_row_stride,
-                out_col_stride,
-                tl.program_id(1),
-                tl.program_id(2),
-                block_stride,
-                strides,
-                KERNEL_BLOCKS,
-                HEADS,
-                TOKENS,
-                PIECES,
-                PIECE_BITS,
-                CHUNK,
-                TILE,
-                HEAD_TILES,
-                ALIGNED,
-                LANE32,
-                WIDE,
-                VECTOR,
-                DENSE,
-                TILE_ALIGNED,
-                ITEM_TILES,
-                EARLY,
-            )
-
-    @triton.jit
-    def _copy_words_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-        """dst[0:n] = src[0:n] (int64 words), one program per BLOCK words."""
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        words = tl.load(src_ptr + offsets, mask=mask)
-        tl.store(dst_ptr + offsets, words, mask=mask)
-
-
-def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Queue dst[:n] = src (contiguous int64, n words) on the current stream as
-    a kernel; `dst` may be pinned host memory the device writes directly."""
-    n = src.numel()
-    if n:
-        grid = (triton.cdiv(n, COPY_BLOCK_WORDS),)
-        _copy_words_kernel[grid](src, dst, n, BLOCK=COPY_BLOCK_WORDS)
+        row = tl.program_id(0).to(tl.int64)
+        _add_item_checksum(
+            table_ptr,
+            rows_ptr + row * rows_row_stride,
+            rows_field_stride,
+            out_ptr + row * out_row_stride,
+            out_col_stride,
+            tl.program_id(1),
+            tl.program_id(2),
+            block_stride,
+            strides,
+            KERNEL_BLOCKS,
+            HEADS,
+            TOKENS,
+            PIECES,
+            PIECE_BITS,
+            CHUNK,
+            TILE,
+            HEAD_TILES,
+            ALIGNED,
+            LANE32,
+            VECTOR,
+            DENSE,
+            TILE_ALIGNED,
+        )
 
 
 # Direct launches. On every call Triton's JIT binds all arguments, builds a
@@ -1107,11 +954,6 @@ class KVChecksumLaunch:
             device=self.device,
         )
         self._num_chunks = math.ceil(math.prod(self.shape) / config.chunk_pieces)
-        # Persistent programs: a multiple of the SM count (CPU: of one).
-        sms = 1
-        if self.device.type == "cuda":
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._programs = config.programs_per_sm * sms
         # A tile's largest lane offset fits int32: one wide add per address.
         token_stride, piece_stride = self._strides[3], self._strides[4]
         lane_span = (tile - 1) // pieces * abs(token_stride) + (
@@ -1124,32 +966,15 @@ class KVChecksumLaunch:
             PIECES=pieces,
             PIECE_BITS=self.piece_bits,
             CHUNK=config.chunk_pieces,
-            NUM_CHUNKS=self._num_chunks,
             TILE=tile,
             HEAD_TILES=head_tiles,
             ALIGNED=all(view.data_ptr() % 16 == 0 for view in self.views),
             LANE32=lane_span < 1 << 31,
-            PERSISTENT=self._programs > 0,
-            WIDE=config.wide_weights,
             **self._vector_constants(tile, head_tiles, token_tile > 0),
-            ITEM_TILES=self._item_tiles(tile, head_tiles or token_tile > 0),
-            EARLY=config.early_loads,
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
         self._table_address = self._table.data_ptr()
         self._direct = DirectLaunch(config.direct_launch)
-
-    def _item_tiles(self, tile: int, tiled: bool) -> int:
-        """ITEM_TILES with `static_tiles`: the tiles of every work item when a
-        chunk is a whole number of tiles and the block a whole number of
-        chunks (head or memory-order tiles only), else 0."""
-        if not (self.config.static_tiles and tiled):
-            return 0
-        block_pieces = math.prod(self.shape)
-        item = min(self.config.chunk_pieces, block_pieces)
-        if block_pieces % item or item % tile:
-            return 0
-        return item // tile
 
     def _token_order_tile(self) -> int:
         """The tile of the memory-order loop (DENSE == 3), 0 if not taken.
@@ -1218,11 +1043,7 @@ class KVChecksumLaunch:
 
     def _call_triton(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         num_rows, num_layers = rows.shape[1], len(self.views)
-        if self._programs:
-            items = num_rows * self._num_chunks * num_layers
-            grid = (min(items, self._programs), 1, 1)
-        else:
-            grid = (num_rows, self._num_chunks, num_layers)
+        grid = (num_rows, self._num_chunks, num_layers)
         per_call = (
             rows.stride(0),
             rows.stride(1),

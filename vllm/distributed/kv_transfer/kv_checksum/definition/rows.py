@@ -124,37 +124,22 @@ def upload_segments(
     parts: Sequence[np.ndarray],
     device: torch.device,
     reserve: Sequence[int] = (),
-    staging: torch.Tensor | None = None,
-    target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """`pack_segments` straight into pinned host memory, then one non-blocking
     copy to `device` (no pageable array pinned by a copy of its own, issue
-    30); on CPU the packed tensor itself. Returns it and the columns.
-
-    `staging` (pinned, flat int64) and `target` (flat int64 on `device`),
-    both long enough, take the packed array and its device copy instead of
-    new allocations; the caller owns their reuse."""
+    30); on CPU the packed tensor itself. Returns it and the columns."""
     on_device = device.type != "cpu"
     host: list[torch.Tensor] = []
 
     def zeros(shape: tuple[int, int]) -> np.ndarray:
-        if staging is None:
-            host.append(torch.zeros(shape, dtype=torch.int64, pin_memory=on_device))
-            return host[-1].numpy()
-        host.append(staging[: shape[0] * shape[1]].view(shape))
-        array = host[-1].numpy()
-        array.fill(0)
-        return array
+        host.append(torch.zeros(shape, dtype=torch.int64, pin_memory=on_device))
+        return host[-1].numpy()
 
     _, columns = pack_segments(parts, zeros, reserve)
     packed = host[0]
     if not on_device:
         return packed, columns
-    if target is None:
-        return packed.to(device, non_blocking=True), columns
-    uploaded = target[: packed.numel()].view(packed.shape)
-    uploaded.copy_(packed, non_blocking=True)
-    return uploaded, columns
+    return packed.to(device, non_blocking=True), columns
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

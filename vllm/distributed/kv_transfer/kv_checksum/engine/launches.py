@@ -4,9 +4,7 @@
 
 All rows of a step are built on the host, copied to the device once, and each
 group pass's plan is queued on the compute stream (R48); the results are
-copied to pinned host memory on a side stream with an event to wait on (R55),
-or, with `ZERO_COPY_RESULTS` and a device that allows it, written there by a
-kernel queued on the compute stream (no copy engine).
+copied to pinned host memory on a side stream with an event to wait on (R55).
 """
 
 from collections import deque
@@ -17,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_checksum.definition import kernels
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
 )
@@ -28,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
     RowSegment,
-    packed_width,
     segment_rows,
     upload_segments,
 )
@@ -45,22 +41,9 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.records import (
     KVChecksumPendingRecord,
     PassResult,
 )
-from vllm.logger import init_logger
 
-logger = init_logger(__name__)
-
-# Waited-for result events and step buffers kept for reuse; a step takes one
-# of each.
+# Waited-for result events kept for reuse; a step takes one.
 EVENT_POOL_SIZE = 8
-BUFFER_POOL_SIZE = 4
-# A new step buffer's columns: at least this, else the next power of two.
-MIN_BUFFER_COLUMNS = 1024
-# Reuse step buffers (`StepBuffers`). Off, as SPEC R52 rules out a reusable
-# staging pool. On an H200 (2026-12-04d) the CUDA tests passed with it and an
-# engine run verified every load, and it saved 36-57 us of a ~450 us pass
-# (issue 30; `scripts/gpu_runs.sh trial-step-buffers`). Off: every pass
-# allocates its pinned upload, device copy and pinned results.
-REUSE_STEP_BUFFERS = False
 
 Requests = Sequence[tuple[str, KVChecksumBlocks]]
 
@@ -83,43 +66,11 @@ class ChecksumLauncher:
         # event for good, not a new one per `wait_stream`, issue 30).
         self._streams: _SideStreams | None = None
         self._compute_done: Any = None
-        # Result events and step buffers whose record was waited for
-        # (`finalize` gives them back, `_give_back`): reused, so a step
-        # creates and destroys no event and a pass allocates no pinned or
-        # device memory (issue 30).
+        # Result events whose record was waited for (`finalize` gives them
+        # back, `_give_back`): reused, so a step creates and destroys no
+        # event (issue 30). Every pass allocates its pinned upload, device
+        # copy and pinned results (R52: no reusable staging pool).
         self._events: deque[Any] = deque(maxlen=EVENT_POOL_SIZE)
-        self._buffers: deque[StepBuffers] = deque(maxlen=BUFFER_POOL_SIZE)
-        # Zero-copy results: pinned buffers the device may still be writing,
-        # held until their events completed so no allocation reuses them.
-        self.zero_copy = False
-        self._in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
-
-    def enable_zero_copy(self) -> bool:
-        """At start-up, with `ZERO_COPY_RESULTS`: write a known buffer into
-        pinned host memory with the copy kernel and use that path for every
-        step if it arrived intact; otherwise (no CUDA, Triton refusing a host
-        pointer, wrong words) keep the side-stream copy. Waits on the device
-        once, here, never in a step."""
-        if not kernels.ZERO_COPY_RESULTS or self.topology.device.type != "cuda":
-            return False
-        try:
-            expected = np.arange(1, 2049, dtype=np.int64) * 0x9E3779B9
-            src = torch.from_numpy(expected).to(self.topology.device)
-            dst = torch.zeros(expected.size, dtype=torch.int64, pin_memory=True)
-            with torch.cuda.device(self.topology.device):
-                kernels.copy_words(src, dst)
-                event = torch.cuda.Event()
-                event.record()
-                event.synchronize()
-            self.zero_copy = bool(np.array_equal(dst.numpy(), expected))
-        except Exception as error:
-            logger.warning(
-                "KV checksums: zero-copy results unavailable (%r); "
-                "copying them on a side stream.",
-                error,
-            )
-            self.zero_copy = False
-        return self.zero_copy
 
     def launch(
         self,
@@ -130,7 +81,7 @@ class ChecksumLauncher:
         saves: Sequence[EntryRows] = (),
         restores: Sequence[EntryRestore] = (),
         copies: Sequence[EntryCopy] = (),
-    ) -> tuple[list[PassResult], torch.Tensor | None, "StepBuffers | None"]:
+    ) -> tuple[list[PassResult], torch.Tensor | None]:
         """Build all rows, copy them once to the device and queue every launch.
 
         P/D receives and sends are checksummed per chunk (R135), offloaded-KV
@@ -141,10 +92,8 @@ class ChecksumLauncher:
         one launch (issue 30). An offload tier's entry moves ride in the same
         upload: `restores` (a load's entries back from its host slots) before
         anything, `copies` (a store's entries to its slots) after every entry
-        write. Returns the results, the one device run
-        holding them all and the step buffers it lives in, for
-        `copy_to_host` (None, None without a pass: saves alone use buffers
-        of their own, as no record waits for them).
+        write. Returns the results and the one device run holding them
+        all, for `copy_to_host` (None without a pass).
         """
         # (group, plan, whether it reads stored entries, req ids, starts, counts)
         passes: list[
@@ -175,18 +124,10 @@ class ChecksumLauncher:
                     passes.append((plans, plan, reads, req_ids, starts, counts))
                     parts.append(rows)
         if not passes and not saves and not restores and not copies:
-            return [], None, None
+            return [], None
         layout = _Layout(self.groups, passes, parts, saves, checks_at, restores, copies)
-        buffers = None
-        if passes and REUSE_STEP_BUFFERS and not self.zero_copy:
-            sizes = [part.shape[1] for part in layout.parts] + layout.reserve
-            buffers = self._step_buffers(packed_width(sizes))
         rows_dev, columns = upload_segments(
-            layout.parts,
-            self.topology.device,
-            layout.reserve,
-            None if buffers is None else buffers.staging,
-            None if buffers is None else buffers.device,
+            layout.parts, self.topology.device, layout.reserve
         )
         scratch = rows_dev[0]
         part_columns = iter(columns[: len(layout.order)])
@@ -253,20 +194,10 @@ class ChecksumLauncher:
         for copy, column in zip(copies, move_columns[len(restores) :]):
             self.table.copy_to(rows_dev, column, copy)
         if not passes:
-            return [], None, None
+            return [], None
         first_out = columns[len(layout.parts)]
         run = scratch[first_out : columns[-1] + layout.reserve[-1]]
-        return results, run, buffers
-
-    def _step_buffers(self, columns: int) -> "StepBuffers":
-        """Buffers for an upload of `columns`: a pooled one large enough (a
-        smaller one popped is dropped), else new ones."""
-        while self._buffers:
-            buffers = self._buffers.pop()
-            if buffers.columns >= columns:
-                return buffers
-        size = max(MIN_BUFFER_COLUMNS, 1 << (columns - 1).bit_length())
-        return StepBuffers.allocate(size, self.topology.device)
+        return results, run
 
     def _write_entries(
         self,
@@ -292,29 +223,19 @@ class ChecksumLauncher:
             dest,
         )
 
-    def copy_to_host(
-        self,
-        pending: KVChecksumPendingRecord,
-        run: torch.Tensor,
-        buffers: "StepBuffers | None" = None,
-    ) -> None:
+    def copy_to_host(self, pending: KVChecksumPendingRecord, run: torch.Tensor) -> None:
         """Copy the step's results, `run` from `launch`, to one pinned host
-        buffer on a side stream (or by the zero-copy kernel,
-        `enable_zero_copy`); record an event. One buffer and one copy per
+        buffer on a side stream; record an event. One buffer and one copy per
         step, whatever the passes; each result's host values sit where its
         device segment sits in `run` (offsets only: no host tensor views on
-        the step, issue 30). The record holds the step's `buffers` until its
-        reader waited for the copy, then gives them back for reuse."""
-        if self.zero_copy:
-            host, event = self._write_to_host(run)
-        else:
-            target = None if buffers is None else buffers.host[: run.numel()]
-            host, event = self._copy_on_side_stream(run, target)
-            # Held by the record until its reader waited for the copy, so the
-            # allocator cannot hand `run` to the compute stream's next
-            # kernels while the side stream reads it (no record_stream).
-            pending.device_run, pending.buffers = run, buffers
-            pending.give_back = self._give_back
+        the step, issue 30). The record gives its event back for reuse once
+        its reader waited for the copy."""
+        host, event = self._copy_on_side_stream(run)
+        # Held by the record until its reader waited for the copy, so the
+        # allocator cannot hand `run` to the compute stream's next kernels
+        # while the side stream reads it (no record_stream).
+        pending.device_run = run
+        pending.give_back = self._give_back
         base, size = run.data_ptr(), run.element_size()
         for result in pending.results:
             result.host_at = (result.device.data_ptr() - base) // size
@@ -323,12 +244,10 @@ class ChecksumLauncher:
         pending.host = host
         pending.event = event
 
-    def _give_back(self, event: Any, buffers: "StepBuffers | None") -> None:
-        """A record's event and step buffers, once its reader waited for the
-        copy and read it (any thread: deque appends are atomic)."""
+    def _give_back(self, event: Any) -> None:
+        """A record's event, once its reader waited for the copy and read it
+        (any thread: deque appends are atomic)."""
         self._events.append(event)
-        if buffers is not None:
-            self._buffers.append(buffers)
 
     def _side_streams(self) -> "_SideStreams":
         """The side copy's streams. On CUDA: a side stream on the worker's own
@@ -358,14 +277,14 @@ class ChecksumLauncher:
         )
 
     def _copy_on_side_stream(
-        self, flat: torch.Tensor, host: torch.Tensor | None = None
+        self, flat: torch.Tensor
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """`flat` copied to one pinned buffer (`host`, or a new one) on the
-        side stream, after the compute stream's work so far; the event
-        follows. The side stream is current for the copy only; then the
-        compute stream is again, and the device that was current before
-        (setting a stream selects its device). The caller keeps `flat` alive
-        until the event is waited for."""
+        """`flat` copied to one new pinned buffer on the side stream, after
+        the compute stream's work so far; the event follows. The side stream
+        is current for the copy only; then the compute stream is again, and
+        the device that was current before (setting a stream selects its
+        device). The caller keeps `flat` alive until the event is waited
+        for."""
         on_device = self.topology.device.type != "cpu"
         if self._streams is None:
             self._streams = self._side_streams()
@@ -375,8 +294,7 @@ class ChecksumLauncher:
         compute = streams.current()
         self._compute_done.record(compute)
         side.wait_event(self._compute_done)
-        if host is None:
-            host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
+        host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
         previous = None if index is None else torch.accelerator.current_device_index()
         streams.set_current(side)
         try:
@@ -388,50 +306,6 @@ class ChecksumLauncher:
         event = self._events.pop() if self._events else torch.cuda.Event()
         event.record(side)
         return host, event
-
-    def _write_to_host(
-        self, flat: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """`flat` written to one pinned buffer by one copy kernel on the
-        compute stream after the checksum kernels (no copy engine, so no
-        queueing behind offload stores); the event follows it."""
-        while self._in_flight and self._in_flight[0][0].query():
-            self._in_flight.popleft()  # its buffer's last device write is done
-        on_device = self.topology.device.type != "cpu"
-        host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=on_device)
-        kernels.copy_words(flat, host)
-        event = torch.cuda.Event()
-        event.record()
-        self._in_flight.append((event, host))
-        return host, event
-
-
-@dataclass
-class StepBuffers:
-    """A step's pinned upload (`staging`, [3, columns] flat), its device copy
-    (`device`; None on CPU, where the kernels read `staging`) and the pinned
-    results (`host`, the upload's first row at most). Reused once the step's
-    record waited for its copy: that event follows the upload's copy, the
-    kernels and the copy back (issue 30: no allocation a pass)."""
-
-    staging: torch.Tensor
-    device: torch.Tensor | None
-    host: torch.Tensor
-
-    @property
-    def columns(self) -> int:
-        return self.host.numel()
-
-    @classmethod
-    def allocate(cls, columns: int, device: torch.device) -> "StepBuffers":
-        pinned = device.type != "cpu"
-        return cls(
-            torch.empty(3 * columns, dtype=torch.int64, pin_memory=pinned),
-            torch.empty(3 * columns, dtype=torch.int64, device=device)
-            if pinned
-            else None,
-            torch.empty(columns, dtype=torch.int64, pin_memory=pinned),
-        )
 
 
 @dataclass(frozen=True)

@@ -52,13 +52,11 @@ class KVChecksumPendingRecord:
     host: torch.Tensor | None = None
     event: object | None = None
     # Side-stream copies: the device run being copied, held until the copy
-    # is waited for (instead of the allocator's record_stream), and the
-    # launcher's step buffers holding the upload and results (issue 30).
+    # is waited for (instead of the allocator's record_stream).
     device_run: torch.Tensor | None = field(default=None, repr=False)
-    buffers: object | None = field(default=None, repr=False)
-    # give_back(event, buffers): once waited for and read, the launcher
-    # reuses them (issue 30: no driver calls or allocations a step for them).
-    give_back: Callable[[Any, Any], None] | None = field(default=None, repr=False)
+    # give_back(event): once waited for and read, the launcher reuses the
+    # event (issue 30: no event created or destroyed a step).
+    give_back: Callable[[Any], None] | None = field(default=None, repr=False)
     _record: KVChecksumRecord | None = field(default=None, repr=False)
 
     def __reduce__(self) -> tuple:
@@ -100,10 +98,10 @@ class KVChecksumPendingRecord:
         self.results = []
         self.host = None
         if self.give_back is not None and self.event is not None:
-            # Waited for, values copied out: the event, the upload, its
-            # device copy and the host results are free for another step.
-            self.give_back(self.event, self.buffers)
-        self.event, self.buffers, self.give_back = None, None, None
+            # Waited for, values copied out: the event is free for another
+            # step.
+            self.give_back(self.event)
+        self.event, self.give_back = None, None
         return self._record
 
 

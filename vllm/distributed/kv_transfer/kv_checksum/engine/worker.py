@@ -89,14 +89,12 @@ class KVChecksumWorker:
 
     def warm_up(self) -> None:
         """Compile every launch and load the entry writes' device code at
-        start-up, so neither lands in a step (R62); with `ZERO_COPY_RESULTS`,
-        check the zero-copy result path once."""
+        start-up, so neither lands in a step (R62)."""
         for plans in self.groups.values():
             for plan in dict.fromkeys((plans.recv, plans.send, plans.load)):
                 for launch in plan.launches:
                     launch.warm_up()
         self.block_table.warm_up()
-        self.launcher.enable_zero_copy()
 
     def bind(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take this step's requests: sends replace, receives and loads accumulate."""
@@ -184,7 +182,7 @@ class KVChecksumWorker:
             if saves or restores or copies:
                 self.launcher.launch((), (), (), (), saves, restores, copies)
             return None
-        results, run, buffers = self.launcher.launch(
+        results, run = self.launcher.launch(
             recvs, loads, sends, checks, saves, restores, copies
         )
         pending = KVChecksumPendingRecord(
@@ -197,7 +195,7 @@ class KVChecksumWorker:
             received=received,
         )
         if run is not None:
-            self.launcher.copy_to_host(pending, run, buffers)
+            self.launcher.copy_to_host(pending, run)
         return pending
 
     # ------------------------------------------------------------------

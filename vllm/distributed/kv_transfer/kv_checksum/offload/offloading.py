@@ -446,18 +446,9 @@ class OffloadWorkerSide:
         self.entries = HostEntryTable(table, spec.num_chunks, spec.blocks_per_chunk)
         self.injector = injector
         self.host_tensors = host_tensors
-        # The metadata whose store jobs `start_loads` saved (its step's
-        # `save_step_stores` skips them).
-        self._saved: Any = None
 
-    def save_stores(
-        self,
-        metadata: Any,
-        job_ids: Iterable[int],
-        restore: EntryRestore | None = None,
-    ) -> None:
-        """Entries of the blocks these store jobs copy, into their host slots
-        (after `restore`, in the same upload).
+    def save_stores(self, metadata: Any, job_ids: Iterable[int]) -> None:
+        """Entries of the blocks these store jobs copy, into their host slots.
 
         Queued on the current stream after the forward that wrote the blocks
         and before the store's copy stream waits on it.
@@ -467,8 +458,6 @@ class OffloadWorkerSide:
             stored = metadata.store_jobs
             jobs = {j: stored[j] for j in job_ids if j in stored}
         if not jobs:
-            if restore is not None:  # the loads' entries all the same
-                self.entries.restore_ids(restore.block_ids, restore.slots)
             return
         runs = getattr(metadata, "kv_checksum_store_runs", None) or {}
         gpu_ids, slots = self.entries.indices(
@@ -477,38 +466,20 @@ class OffloadWorkerSide:
         self.checksum_worker.save_block_checksums(
             [run for job_id in jobs for run in runs.get(job_id, ())],
             self.entries.copy_to_slots(gpu_ids, slots),
-            restore,
         )
 
     def save_step_stores(self, metadata: Any) -> None:
-        """The step's store jobs (wait_for_save), unless `start_loads`
-        already saved them."""
-        if metadata is self._saved:
-            self._saved = None
-            return
+        """The step's store jobs (wait_for_save)."""
         self.save_stores(metadata, metadata.store_jobs)
 
-    def start_loads(self, metadata: Any, after_forward: bool = False) -> None:
-        """Before loads are submitted: faults (if configured), then entries.
-
-        `after_forward`: the step's forward is already queued (vLLM starts
-        loads after it unless some are synchronous), so the step's store
-        jobs are saved here too, the loads' entries in the same upload
-        (issue 30); the step's `save_step_stores` then does nothing.
-        """
+    def start_loads(self, metadata: Any) -> None:
+        """Before loads are submitted: faults (if configured), then entries."""
         jobs = list(metadata.load_jobs.values()) if metadata.load_jobs else []
         if self.injector is not None:
             for job in jobs:
                 self._inject(job)
-        transfers = [(job.dst_spec, job.src_spec) for job in jobs]
-        if after_forward and metadata.store_jobs:
-            restore = None
-            if transfers:
-                restore = self.entries.restore_of(*self.entries.indices(transfers))
-            self.save_stores(metadata, metadata.store_jobs, restore)
-            self._saved = metadata
-        elif transfers:
-            self.entries.restore(transfers)
+        if jobs:
+            self.entries.restore([(job.dst_spec, job.src_spec) for job in jobs])
 
     def _inject(self, job: Any) -> None:
         host = self.host_tensors()

@@ -25,9 +25,7 @@ the number of prefix tokens it covers, (position + 1) * block size. So:
   the loaded CPU blocks go back into the block table at the GPU block ids,
   queued on the current stream (no host sync, R55). When the wiring keeps
   the step's copies back until its checksum pass (`in_pass`), both are
-  queued for that pass instead, in its one upload; when it says so (loads
-  started after the forward, `SAVE_STORES_WITH_LOADS`), the step's store
-  entries are saved with the loads' in start_load_kv;
+  queued for that pass instead, in its one upload;
 - scheduler side, `on_failure`: the CPU blocks of a failed load at the
   mismatched positions are dropped (R121) through `HostCopyDropper`; the
   wiring's removal takes the block's hashes out of the CPU prefix cache at
@@ -46,7 +44,6 @@ import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
-    EntryRestore,
     FullBlocks,
 )
 from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
@@ -297,9 +294,6 @@ class SimpleOffloadWorkerSide:
         self.entries = HostEntryTable(table, num_cpu_blocks, 1)
         self.injector = injector
         self.host_tensors = host_tensors
-        # The metadata whose stores `start_loads` saved (its step's
-        # `save_stores` skips them).
-        self._saved: Any = None
 
     def save_stores(self, metadata: Any, in_pass: bool = False) -> None:
         """Entries of this step's stored blocks, into their CPU blocks' slots.
@@ -308,62 +302,36 @@ class SimpleOffloadWorkerSide:
         copy waits on it (vLLM's wait_for_save records that event after us).
         `in_pass`: the store's copy is kept back until the step's checksum
         pass, so the entries are queued for that pass's one upload (issue
-        30). Nothing when `start_loads` already saved this step's stores.
+        30).
         """
-        if metadata is self._saved:
-            self._saved = None
+        gpu_ids = getattr(metadata, "store_gpu_blocks", None)
+        if not gpu_ids:
             return
-        self._save(metadata, in_pass=in_pass)
+        runs = getattr(metadata, "kv_checksum_store_runs", None) or []
+        copy = self.entries.copy_to_slots(gpu_ids, metadata.store_cpu_blocks)
+        if in_pass:
+            self.checksum_worker.queue_block_checksums(runs, copy)
+        else:
+            self.checksum_worker.save_block_checksums(runs, copy)
 
-    def start_loads(
-        self, metadata: Any, after_forward: bool = False, in_pass: bool = False
-    ) -> None:
+    def start_loads(self, metadata: Any, in_pass: bool = False) -> None:
         """Before the load copy is submitted: faults (if configured), then the
         loaded CPU blocks' entries into the block table at the GPU ids.
 
         `in_pass`: the load's copy is kept back until the step's checksum
         pass, so its entries' move is queued for that pass's one upload
-        (issue 30). Else `after_forward`: the step's forward is already
-        queued (vLLM starts loads after it unless some are synchronous), so
-        this step's stores are saved here too, in the same upload as the
-        loads' entries, before vLLM hands either batch to its copy thread
-        (issue 30); the step's `save_stores` then does nothing.
+        (issue 30).
         """
         cpu_ids = getattr(metadata, "load_cpu_blocks", None)
         if cpu_ids and self.injector is not None:
             self._inject(metadata, cpu_ids)
-        if in_pass:
-            if cpu_ids:
-                restore = self.entries.restore_of(metadata.load_gpu_blocks, cpu_ids)
-                self.checksum_worker.queue_block_checksums((), restore=restore)
-        elif after_forward and getattr(metadata, "store_gpu_blocks", None):
-            restore = None
-            if cpu_ids:
-                restore = self.entries.restore_of(metadata.load_gpu_blocks, cpu_ids)
-            self._save(metadata, restore)
-            self._saved = metadata
-        elif cpu_ids:
-            self.entries.restore_ids(metadata.load_gpu_blocks, cpu_ids)
-
-    def _save(
-        self,
-        metadata: Any,
-        restore: EntryRestore | None = None,
-        in_pass: bool = False,
-    ) -> None:
-        """The stored blocks' entries into their slots (after `restore`),
-        now or (`in_pass`) in the step's checksum pass."""
-        gpu_ids = getattr(metadata, "store_gpu_blocks", None)
-        if not gpu_ids:
-            if restore is not None:  # the loads' entries all the same
-                self.entries.restore_ids(restore.block_ids, restore.slots)
+        if not cpu_ids:
             return
-        runs = getattr(metadata, "kv_checksum_store_runs", None) or []
-        copy = self.entries.copy_to_slots(gpu_ids, metadata.store_cpu_blocks)
         if in_pass:
-            self.checksum_worker.queue_block_checksums(runs, copy, restore)
+            restore = self.entries.restore_of(metadata.load_gpu_blocks, cpu_ids)
+            self.checksum_worker.queue_block_checksums((), restore=restore)
         else:
-            self.checksum_worker.save_block_checksums(runs, copy, restore)
+            self.entries.restore_ids(metadata.load_gpu_blocks, cpu_ids)
 
     def _inject(self, metadata: Any, cpu_ids: Sequence[int]) -> None:
         """Each loading request's first CPU block may be corrupted (R131)."""

@@ -19,17 +19,13 @@ OffloadingConnector.update_connector_output
     How: after the original
     Upstream: a "remove key" call on the manager
 OffloadingConnector.handle_preemptions, .wait_for_save
-    Why: entries go to their host slots when stores are queued (wait_for_save:
-    unless start_load_kv saved them)
+    Why: entries go to their host slots when stores are queued
     How: before the original
     Upstream: the CPU worker moving a per-block payload
 OffloadingConnector.start_load_kv
-    Why: entries come back before loads are submitted; host faults first (R131);
-    with `SAVE_STORES_WITH_LOADS` (off by default) and called after the
-    forward (Model Runner V2 without sync loads), the step's store entries go
-    in the same upload, before either job is submitted
-    How: before the original (`save_stores_with_loads`)
-    Upstream: as above, with the worker told where in the step it is
+    Why: entries come back before loads are submitted; host faults first (R131)
+    How: before the original
+    Upstream: as above
 CPU manager prepare_store, lookup (instance)
     Why: no store from a quarantine start on (R138); bad keys pending removal MISS
     How: instance wrappers, checksums on only
@@ -135,23 +131,18 @@ def install_offload_connector() -> None:
 
     @_wrap(OffloadingConnector, "start_load_kv")
     def start_load_kv(original: Callable, self: Any, *args: Any, **kw: Any) -> Any:
-        """R118, R131: host faults (if configured), then entries of loads;
-        after the forward, with the step's store entries if so set (issue 30)."""
+        """R118, R131: host faults (if configured), then entries of loads."""
         side = self.__dict__.get("_kv_checksum_offload_worker")
         if side is not None:
             with _guard(
                 self, "_kv_checksum_offload_worker", "load", _disable_offload_worker
             ):
-                after = loads_after_forward(getattr(self, "_vllm_config", None), kw)
-                side.start_loads(
-                    self._connector_metadata, save_stores_with_loads(after)
-                )
+                side.start_loads(self._connector_metadata)
         return original(self, *args, **kw)
 
     @_wrap(OffloadingConnector, "wait_for_save")
     def wait_for_save(original: Callable, self: Any) -> Any:
-        """R118: entries of this step's store jobs, into their host slots
-        (unless start_load_kv saved them)."""
+        """R118: entries of this step's store jobs, into their host slots."""
         side = self.__dict__.get("_kv_checksum_offload_worker")
         if side is not None:
             with _guard(
@@ -161,26 +152,10 @@ def install_offload_connector() -> None:
         return original(self)
 
 
-# Both offload tiers save a step's stores with its loads, in start_load_kv,
-# when Model Runner V2 calls it after the forward (one upload, issue 30). Off:
-# on an H200 (2026-12-05) the eager tier's throughput on/off was lower with it
-# (0.887-0.931, 95 % interval of 12 pairs) than without (0.928-0.950, 6
-# pairs), its device calls then waiting on vLLM's copy thread; `gpu_runs.sh
-# trial-early-saves` sets it True for an engine A/B.
-SAVE_STORES_WITH_LOADS = False
-
-
-def save_stores_with_loads(after_forward: bool) -> bool:
-    """Whether start_load_kv saves the step's stores too (`after_forward`:
-    `loads_after_forward` answered yes)."""
-    return after_forward and SAVE_STORES_WITH_LOADS
-
-
 def loads_after_forward(vllm_config: Any, load_kwargs: dict[str, Any]) -> bool:
     """Whether this start_load_kv call comes after the step's whole forward
-    (then both offload tiers may save the step's stores with its loads, and
-    SimpleCPUOffloadConnector's copy hand-offs wait for the step's checksum
-    work, issue 30).
+    (then SimpleCPUOffloadConnector's copy hand-offs wait for the step's
+    checksum work, issue 30).
 
     vLLM 0.33.0's Model Runner V2 passes the step's `scheduler_output` and
     calls start_load_kv after the forward launch unless the step has

@@ -15,18 +15,15 @@ SimpleCPUOffloadConnector.build_connector_meta
     How: after the original, runs from the stored GPU blocks' cache keys
     Upstream: the metadata carrying each stored block's place
 SimpleCPUOffloadConnector.wait_for_save
-    Why: entries go to their CPU slots before the store event (unless
-    start_load_kv saved them); while the step's copies are held, queued for
-    the step's checksum pass instead (`ENTRY_MOVES_IN_PASS`)
+    Why: entries go to their CPU slots before the store event; while the
+    step's copies are held, queued for the step's checksum pass instead (one
+    upload a step, issue 30)
     How: before the original
     Upstream: the worker moving a per-block payload
 SimpleCPUOffloadConnector.start_load_kv
     Why: entries come back before the load copy; host faults first (R131);
     while the step's copies are held, the move is queued for the step's
-    checksum pass (`ENTRY_MOVES_IN_PASS`: one upload a step, issue 30); else
-    with `SAVE_STORES_WITH_LOADS` (wiring/offloading.py, off by default) and
-    called after the forward (Model Runner V2 without sync loads), the step's
-    store entries go in the same upload
+    checksum pass (one upload a step, issue 30)
     How: before the original; "after the forward" read from the scheduler
     output V2 passes and the config (no drafter forward still to come)
     Upstream: as above, with the worker told where in the step it is
@@ -64,20 +61,10 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
 from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
     _disable_offload_worker,
     loads_after_forward,
-    save_stores_with_loads,
 )
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-# Keep a step's copy hand-offs back until its checksum work is queued (issue
-# 30); `gpu_runs.sh trial-no-hold` sets it False for an engine A/B.
-HOLD_COPY_HAND_OFFS = True
-# While they are held, the step's entry moves (the loads' restores, the
-# stores' entry writes and copies to slots) ride in the checksum pass's one
-# upload instead of two uploads of their own (issue 30);
-# `gpu_runs.sh trial-own-uploads` sets it False for an engine A/B.
-ENTRY_MOVES_IN_PASS = True
 
 
 def install_simple_offload_connector() -> None:
@@ -137,8 +124,7 @@ def install_simple_offload_connector() -> None:
     @_wrap(connector, "start_load_kv")
     def start_load_kv(original: Callable, self: Any, *args: Any, **kw: Any) -> Any:
         """R118, R131: host faults (if configured), then the loads' entries
-        (after the forward: with the step's store entries if so set, and the
-        copy hand-offs held, issue 30)."""
+        (after the forward: the copy hand-offs held, issue 30)."""
         side = self.__dict__.get("_kv_checksum_simple_offload_worker")
         if side is not None:
             after = loads_after_forward(getattr(self, "_vllm_config", None), kw)
@@ -151,11 +137,7 @@ def install_simple_offload_connector() -> None:
                 "load",
                 _disable_offload_worker,
             ):
-                side.start_loads(
-                    self._connector_metadata,
-                    save_stores_with_loads(after),
-                    _moves_in_pass(held),
-                )
+                side.start_loads(self._connector_metadata, _moves_in_pass(held))
         return original(self, *args, **kw)
 
     @_wrap(connector, "wait_for_save")
@@ -179,7 +161,7 @@ def _moves_in_pass(held: HeldCalls | None) -> bool:
     its copy hand-offs are held, which the ActiveKVConnector.post_forward
     hook releases after that pass (and after making whatever the pass did
     not, `flush_queued_entries`)."""
-    return ENTRY_MOVES_IN_PASS and held is not None and held.holding
+    return held is not None and held.holding
 
 
 def _simple_offload_children(connector: Any) -> list[Any]:
@@ -302,7 +284,7 @@ def _hold_copy_hand_offs(connector: Any, handler: Any) -> None:
     from vllm.v1.simple_kv_offload.copy_backend import DmaCopyBackend
 
     backend = getattr(handler, "_backend", None)
-    if not HOLD_COPY_HAND_OFFS or not isinstance(backend, DmaCopyBackend):
+    if not isinstance(backend, DmaCopyBackend):
         return
     held = HeldCalls(backend.launch_copy)
     backend.launch_copy = held  # type: ignore[method-assign]
