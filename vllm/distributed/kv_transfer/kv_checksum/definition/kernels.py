@@ -19,7 +19,7 @@ This module imports only torch, the standard library and, optionally, Triton
 """
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +31,6 @@ try:
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the installation
     HAS_TRITON = False
-try:
-    from triton import knobs
-    from triton.runtime import driver
-
-    HAS_TRITON_KNOBS = True
-except ImportError:  # pragma: no cover - Triton < 3.4 or no Triton
-    HAS_TRITON_KNOBS = False
 
 # Piece width in bits of each supported view dtype; narrower pieces are
 # zero-extended to 64 bits (R21, R23).
@@ -65,13 +58,6 @@ VECTOR_FULL_TILES = True
 # did not change (benchmark --variants, "vector 4w head order";
 # h200_kernel_variants_8f9458e_2026-12-02d).
 TOKEN_ORDER_TILES = True
-# Launches after the first go straight to the compiled kernel's launcher, not
-# through the JIT's per-call dispatch (CompiledLaunch; R142), on the
-# Triton versions whose launcher takes the arguments as read here (the JIT's
-# launch and the CUDA launcher read in 3.4-3.8, 3.6 run on an H200); other
-# versions keep the JIT.
-DIRECT_LAUNCH = True
-DIRECT_LAUNCH_TRITON = ((3, 4), (3, 8))
 # Upper bound of the data one gather of the PyTorch path materializes, counted
 # as widened int64 pieces (R63). Read at call time so tests can shrink it.
 GATHER_CHUNK_BYTES = 64 << 20
@@ -93,7 +79,6 @@ class LaunchConfig:
     tiles, so 128-bit loads), and with it `token_order_tiles` walks blocks
     stored contiguously token-major in memory order (contiguous tiles there
     too).
-    `direct_launch` launches the kernel compiled by the first call directly.
     """
 
     max_tile: int
@@ -102,7 +87,6 @@ class LaunchConfig:
     warp_pieces: int
     vector_full_tiles: bool = False
     token_order_tiles: bool = True
-    direct_launch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tile", "chunk_pieces", "num_warps", "warp_pieces"):
@@ -120,7 +104,6 @@ def default_config() -> LaunchConfig:
         warp_pieces=WARP_PIECES,
         vector_full_tiles=VECTOR_FULL_TILES,
         token_order_tiles=TOKEN_ORDER_TILES,
-        direct_launch=DIRECT_LAUNCH,
     )
 
 
@@ -727,140 +710,6 @@ if HAS_TRITON:
         )
 
 
-# Direct launches. On every call Triton's JIT binds all arguments, builds a
-# specialization key, looks up its kernel cache and builds launch metadata for
-# its hooks: for the checksum kernel's 32 arguments, host time on every engine
-# step (R142). A launch whose specialized arguments never change keeps the
-# kernel its first JIT call compiled and hands later arguments straight to
-# that kernel's launcher. (Triton's own `CompiledKernel[grid](...)` does the
-# same but builds launch metadata and reads the hooks on every call.)
-
-
-def direct_launch_supported(version: str) -> bool:
-    """Whether Triton `version` is in DIRECT_LAUNCH_TRITON's range (by major
-    and minor; an unreadable version is not)."""
-    try:
-        major_minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return False
-    low, high = DIRECT_LAUNCH_TRITON
-    return low <= major_minor <= high
-
-
-def launch_hooks_set() -> bool:
-    """Whether a Triton launch hook (a profiler's) is registered: the JIT path
-    then runs, so the hook sees every launch with its metadata."""
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
-
-
-@dataclass
-class CompiledLaunch:
-    """The kernel a JIT call compiled, its launcher and the device it was
-    loaded on, with the constexpr values appended to every call's arguments.
-
-    Valid only for calls whose specialized arguments equal the first call's:
-    the caller keeps those fixed and passes the rest (pointers, strides and
-    counts the kernel's `do_not_specialize` names) through `launch`.
-    """
-
-    launcher: Callable[..., object]
-    function: object
-    packed_metadata: object
-    device: int
-    constexprs: tuple[object, ...]
-
-    @classmethod
-    def capture(
-        cls,
-        kernel: object,
-        arg_names: Sequence[str],
-        num_args: int,
-        constants: dict[str, object],
-    ) -> "CompiledLaunch | None":
-        """The launch of `kernel` (a JIT call's return value) whose parameters
-        are `arg_names`, the first `num_args` passed per call and the rest
-        constexprs from `constants`; None if this Triton does not expose what a
-        direct launch needs."""
-        if not (HAS_TRITON_KNOBS and direct_launch_supported(triton.__version__)):
-            return None
-        try:
-            launcher = kernel.run  # type: ignore[attr-defined]
-            function = kernel.function  # type: ignore[attr-defined]
-            packed_metadata = kernel.packed_metadata  # type: ignore[attr-defined]
-            constexprs = tuple(constants[name] for name in arg_names[num_args:])
-            device = int(driver.active.get_current_device())
-        except (AttributeError, KeyError, RuntimeError, TypeError):
-            return None
-        if not callable(launcher) or function is None:
-            return None
-        return cls(launcher, function, packed_metadata, device, constexprs)
-
-    def launch(self, grid: tuple[int, int, int], args: Sequence[object]) -> bool:
-        """Queue the kernel on the current stream; False (nothing queued) when
-        the current device is not the one it was loaded on or a launch hook
-        is set, so the caller takes the JIT path."""
-        if launch_hooks_set():
-            return False
-        active = driver.active
-        device = active.get_current_device()
-        if device != self.device:
-            return False
-        self.launcher(
-            grid[0],
-            grid[1],
-            grid[2],
-            active.get_current_stream(device),
-            self.function,
-            self.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-            *self.constexprs,
-        )
-        return True
-
-
-class DirectLaunch:
-    """A kernel's direct launch beside its JIT path, the one state machine of
-    every kernel here (issue 30): captured from one JIT call, used while its
-    launcher takes a call, given up for good once that launcher raises."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.compiled: CompiledLaunch | None = None
-        # One capture attempt: a Triton without a launcher keeps the JIT.
-        self.pending = enabled
-
-    def launch(self, grid: tuple[int, int, int], args: Sequence[object]) -> bool:
-        """Queue the call without the JIT; False (nothing queued) when there
-        is no launch, it declines, or it raised (then never again)."""
-        compiled = self.compiled
-        if compiled is None:
-            return False
-        try:
-            return compiled.launch(grid, args)
-        except Exception:  # noqa: BLE001 - any launcher error: JIT for good
-            self.compiled = None
-            return False
-
-    def capture(
-        self,
-        kernel: object,
-        arg_names: Sequence[str],
-        num_args: int,
-        constants: dict[str, object],
-    ) -> None:
-        """After a JIT call (its return value `kernel`): take its launch, if
-        the one attempt is still pending (`CompiledLaunch.capture`)."""
-        if not self.pending:
-            return
-        self.pending = False
-        self.compiled = CompiledLaunch.capture(kernel, arg_names, num_args, constants)
-
-
 class KVChecksumLaunch:
     """One fused launch: every layer view sharing one layout (R61).
 
@@ -973,8 +822,6 @@ class KVChecksumLaunch:
             **self._vector_constants(tile, head_tiles, token_tile > 0),
             num_warps=max(1, min(config.num_warps, tile // config.warp_pieces)),
         )
-        self._table_address = self._table.data_ptr()
-        self._direct = DirectLaunch(config.direct_launch)
 
     def _token_order_tile(self) -> int:
         """The tile of the memory-order loop (DENSE == 3), 0 if not taken.
@@ -1044,25 +891,18 @@ class KVChecksumLaunch:
     def _call_triton(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         num_rows, num_layers = rows.shape[1], len(self.views)
         grid = (num_rows, self._num_chunks, num_layers)
-        per_call = (
+        _kv_checksum_kernel[grid](
+            self._table,
+            rows,
             rows.stride(0),
             rows.stride(1),
+            out,
             out.stride(0),
             out.stride(1),
             num_rows,
             num_layers,
-        )
-        direct = self._direct
-        if direct.compiled is not None and _direct_args_ok(rows, out, num_rows):
-            # Pointers as addresses: the launcher then makes no driver call
-            # (cuPointerGetAttribute) per tensor (issue 30).
-            addresses = (self._table_address, rows.data_ptr(), out.data_ptr())
-            if direct.launch(grid, _kernel_args(addresses, per_call, self._strides)):
-                return
-        args = _kernel_args((self._table, rows, out), per_call, self._strides)
-        kernel = _kv_checksum_kernel[grid](*args, **self._constants)
-        direct.capture(
-            kernel, _kv_checksum_kernel.arg_names, len(args), self._constants
+            *self._strides,
+            **self._constants,
         )
 
     # PyTorch backend.
@@ -1120,40 +960,6 @@ class KVChecksumLaunch:
         per_head = pieces.sum(dim=(1, 3, 4))
         start_term = (per_head * self._start_factors[layer]).sum(dim=1)
         return at_start + first_tokens * start_term
-
-
-def _kernel_args(
-    pointers: tuple[object, object, object],
-    per_call: tuple[int, ...],
-    view_strides: tuple[int, ...],
-) -> tuple[object, ...]:
-    """The kernel's arguments before its constexprs, in its signature's order:
-    table, rows and out (tensors, or their addresses for a direct launch),
-    the per-call strides and counts, then the views' strides."""
-    table, rows, out = pointers
-    rows_field, rows_row, out_row, out_col, num_rows, num_layers = per_call
-    return (
-        table,
-        rows,
-        rows_field,
-        rows_row,
-        out,
-        out_row,
-        out_col,
-        num_rows,
-        num_layers,
-        *view_strides,
-    )
-
-
-def _direct_args_ok(rows: torch.Tensor, out: torch.Tensor, num_rows: int) -> bool:
-    """Whether a call's per-call arguments specialize as the first call's did:
-    int64 tensors and 32-bit counts and strides (the JIT widens larger ones)."""
-    return (
-        rows.dtype == torch.int64
-        and out.dtype == torch.int64
-        and max(num_rows, *rows.stride(), *out.stride()) < 1 << 31
-    )
 
 
 def pick_tile(

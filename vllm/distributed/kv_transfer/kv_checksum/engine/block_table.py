@@ -63,7 +63,7 @@ class BlockChecksumTable:
         self.groups = groups
         self.topology = topology
         self.tensor: torch.Tensor | None = None
-        # Entry writes and moves: one kernel each on CUDA (issue 30).
+        # Entry writes and moves (PyTorch operations, shared per device).
         self.kernels = entry_kernels(topology.device)
         # Groups whose entries offloaded-KV loads (R117) and prefix hits read.
         self.stored_groups: set[int] = set()
@@ -105,8 +105,6 @@ class BlockChecksumTable:
         entries.bitwise_xor_(scratch[0, :1])
         scratch[0].index_copy_(0, index, entries)
         scratch[1].index_copy_(0, index, scratch[0].index_select(0, index))
-        if self.kernels.use_kernels:
-            self.kernels.warm_up(device)
 
     def new_step(self) -> None:
         """A new engine step: forget the blocks the last one stored."""
