@@ -152,6 +152,13 @@ class KVChecksumPrefixHits:
         self.has_entry[:] = False
         self.entry_handed[:] = False
 
+    def release(self) -> None:
+        """Verification stopped: every entry, pending check and the step's
+        saves and checks are dropped (R141)."""
+        self.clear()
+        self.pending.clear()
+        self._step = PrefixHitStep()
+
     def add_hits(self, request: Any, block_ids: np.ndarray) -> None:
         """Check the request's hit blocks (positions 0..) in this step.
 

@@ -5,7 +5,8 @@
 With checksums or `kv_checksum_verify_prefix_hits` off nothing is attached and
 vLLM runs unchanged. Called from the package's scheduler and worker hooks
 (wiring/scheduler.py, wiring/worker.py; one line each), so no vLLM method is
-wrapped twice.
+wrapped twice. Verification stops, and drops its state, with the engine's
+checksums (the scheduler guard, a worker's disabled record: R134, R141).
 
 Hooks (target; why; how; the upstream change that lets it go):
 
@@ -99,7 +100,7 @@ def schedule(scheduler: Any, output: Any) -> None:
     """R140. Called by the Scheduler._update_after_schedule hook after it set
     `kv_checksum_scheduled`: hits of this step's scheduled requests become
     checks; the step's entries to save and checks join the SchedulerOutput."""
-    state = scheduler.__dict__.get(_STATE_ATTR)
+    state = _live_state(scheduler)
     if state is None:
         return
     try:
@@ -113,7 +114,7 @@ def verify(scheduler: Any, scheduler_output: Any, model_output: Any) -> None:
     update_from_output: verify the step's checks; with policy "recompute" the
     requests on mismatched blocks restart (vLLM's preemption), with "fail" the
     blocks join `invalid_block_ids` and vLLM fails those requests."""
-    state = scheduler.__dict__.get(_STATE_ATTR)
+    state = _live_state(scheduler)
     if state is None:
         return
     try:
@@ -132,7 +133,7 @@ def entries_written_of(scheduler: Any) -> EntriesWrittenFn | None:
         return None
 
     def entries_written(groups: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
-        state = scheduler.__dict__.get(_STATE_ATTR)
+        state = _live_state(scheduler)
         if state is None:
             return np.zeros(block_ids.shape, dtype=bool)
         return state.hits.entries_written(groups, block_ids)
@@ -157,7 +158,37 @@ def _turn_off(scheduler: Any, where: str) -> None:
         "vLLM goes on without it.",
         where,
     )
+    _release(scheduler)
+
+
+def _live_state(scheduler: Any) -> "_SchedulerState | None":
+    """The scheduler's prefix-hit state while verification runs; None once
+    it is off. Verification stops with the engine's checksums (the scheduler
+    guard cleared its checksum scheduler, or a worker's checksums are off,
+    R134): nothing would take the step's saves and checks any more, so its
+    state is released then (R141)."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
+    if state is not None:
+        kcs = scheduler.kv_checksum_scheduler
+        if kcs is None or kcs.disabled_workers:
+            logger.warning(
+                "KV checksum prefix-hit verification stopped: checksums are "
+                "off for this engine."
+            )
+            _release(scheduler)
+            return None
+    return state
+
+
+def _release(scheduler: Any) -> None:
+    """Prefix-hit verification off: every entry, check and note dropped."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
     scheduler.__dict__[_STATE_ATTR] = None
+    if state is not None:
+        state.hits.release()
+        state.noted.clear()
+        state.step_keys.clear()
+        state.restarted.clear()
 
 
 def attach_scheduler(scheduler: Any, kcs: Any) -> None:
@@ -186,7 +217,7 @@ def attach_scheduler(scheduler: Any, kcs: Any) -> None:
     )
     state = _SchedulerState(hits)
     _hook_block_pool(scheduler, pool, hits)
-    _hook_hit_lookup(manager, state)
+    _hook_hit_lookup(scheduler, manager, state)
     scheduler.__dict__[_STATE_ATTR] = state
     kcs.tracked_sources.append(lambda: _pending_request_ids(scheduler))  # R141
 
@@ -244,7 +275,7 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
         cache_full_blocks(
             request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs
         )
-        if scheduler.__dict__.get(_STATE_ATTR) is None:
+        if _live_state(scheduler) is None:
             return
         try:
             _note_cached(hits, request, blocks, num_cached_blocks, num_full_blocks)
@@ -253,7 +284,7 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
 
     def drop_evicted(block_ids: Iterable[int]) -> None:
         """Entries of these blocks that no prefix-cache key reaches any more."""
-        if scheduler.__dict__.get(_STATE_ATTR) is None or not hits.entry_keys:
+        if not hits.entry_keys or _live_state(scheduler) is None:
             return
         try:
             # The blocks with entries that no key reaches any more (R140 (c):
@@ -283,7 +314,7 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
 
     def reset_hook() -> bool:
         done = reset()
-        if done and scheduler.__dict__.get(_STATE_ATTR) is not None:
+        if done and _live_state(scheduler) is not None:
             try:
                 hits.clear()
             except Exception:
@@ -296,14 +327,14 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
     pool.reset_prefix_cache = reset_hook
 
 
-def _hook_hit_lookup(manager: Any, state: _SchedulerState) -> None:
+def _hook_hit_lookup(scheduler: Any, manager: Any, state: _SchedulerState) -> None:
     """Instance wrapper noting each request's local prefix hit."""
     get_computed_blocks = manager.get_computed_blocks
 
     def get_computed_blocks_hook(request: Any, *args: Any, **kwargs: Any) -> Any:
         result = get_computed_blocks(request, *args, **kwargs)
         with contextlib.suppress(Exception):  # R134: never into vLLM
-            if result[1] > 0:
+            if result[1] > 0 and _live_state(scheduler) is state:
                 state.noted[request.request_id] = result[1]
         return result
 
@@ -314,8 +345,6 @@ def _schedule_step(scheduler: Any, state: _SchedulerState, output: Any) -> None:
     """Hits of this step's scheduled requests become checks (R140)."""
     hits = state.hits
     noted, state.noted = state.noted, {}
-    if scheduler.kv_checksum_scheduler.disabled_workers:
-        return
     scheduled = output.num_scheduled_tokens
     for req_id, num_tokens in noted.items():
         if req_id not in scheduled:
@@ -348,10 +377,6 @@ def _verify_step(
     hits = state.hits
     kv_output = model_output.kv_connector_output
     records = finalize_records(getattr(kv_output, "kv_checksums", None))
-    if kcs.disabled_workers or any(r.disabled for r in records):
-        for key in keys:  # dropped without a verdict, as the loads are
-            hits.pending.pop(key, None)
-        return
     for record in records:
         for key in keys:
             load = hits.pending.get(key)
