@@ -24,6 +24,7 @@ import torch
 from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
 from vllm.distributed.kv_transfer.kv_checksum.config import VERIFY_PREFIX_HITS_KEY
+from vllm.v1.request import RequestStatus
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
 
@@ -136,6 +137,119 @@ def steps_of(engine: SimEngine, req_id: str) -> list[int]:
 def is_cached(engine: SimEngine, block_id: int) -> bool:
     pool = engine.scheduler.kv_cache_manager.block_pool
     return pool.blocks[block_id].block_hash is not None
+
+
+def test_rehit_while_first_check_in_flight_is_judged(model_dir: str) -> None:
+    """R140 under async scheduling: request c, restarted because another
+    request's check found a bad block c also holds, hits the prefix cache
+    again while its own first check is still in flight. Both checks are
+    judged, each on its own step's reports, and a block that went bad
+    before the re-hit is caught in it: c restarts again and every token it
+    returns comes from its clean recompute.
+
+    Bug caught: pending checks keyed by request only. The re-hit's check
+    replaced the first; the first step's reports were compared with the
+    re-hit's blocks and the re-hit was never judged, so its bad block 1 was
+    served with no mismatch. And: a moved-on check's bad block ids trusted
+    after vLLM freed them (c restarted for block 2's id, which its re-hit got
+    for its own new KV, and its clean blocks evicted)."""
+    engine = async_engine(model_dir, "rehit")
+    base = prompt(40, PREFIX + 5)
+    a = cache_prefix(engine, base)
+    b1, b2 = cached_block_id(engine, a, 1), cached_block_id(engine, a, 2)
+    assert b1 is not None and b2 is not None
+    flip_byte(engine, b2)
+    in_flight: list[Step] = []
+    add(engine, "d", base[:PREFIX] + [7, 7, 7], max_tokens=3)
+    schedule(engine, in_flight)  # d's first step on the hit
+    c_tokens = base[:PREFIX] + [8, 8, 8]
+    c = add(engine, "c", c_tokens, max_tokens=3)
+    schedule(engine, in_flight)  # c's first step on the hit: block 1 still clean
+    clean_kv = kv_of(engine, b1)
+    flip_byte(engine, b1)  # block 1 goes bad after c's first check read it
+    process(engine, in_flight)  # d's verdict: block 2 bad; d and c restart
+    assert prefix_verdicts(engine) == {"mismatch": 1}
+    # d's client leaves: only c's own checks can catch block 1 now.
+    engine.scheduler.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    run_all(engine, in_flight, ["c"])
+    # d's hit, c's first hit (block 2), c's re-hit of blocks 0-1 (block 1).
+    assert prefix_verdicts(engine) == {"mismatch": 3}
+    # After meeting bad blocks twice c reads no prefix cache: one step
+    # computes its whole prompt, and every token it returns comes after it.
+    (clean,) = [
+        i
+        for i in steps_of(engine, "c")
+        if engine.history[i].num_scheduled_tokens["c"] == len(c_tokens)
+    ]
+    tokens = engine.tokens["c"]
+    assert len(tokens) == 3 and all(t >= 1000 + clean for t in tokens), tokens
+    # Restarted for block 2, then for block 1; not for block 2's id once vLLM
+    # freed it and c's re-hit got it for its own KV.
+    assert c.num_preemptions == 2
+    again = cached_block_id(engine, a, 1)  # cached again by c's recompute
+    assert again is not None and torch.equal(kv_of(engine, again), clean_kv)
+    assert not engine.checksums.tracked_request_ids()  # R141
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_vllm_preemption_of_a_checked_request_drops_its_tokens(
+    model_dir: str, policy: str
+) -> None:
+    """R140 under async scheduling: vLLM itself preempts request c (KV cache
+    full) while c's first step on a bad hit is in flight, with a connector
+    whose preemptions deliver in-flight output (`requires_kv_delivery` off:
+    offload connectors, any kv_consumer). c's check then mismatches: the
+    token sampled over the bad block never reaches the client, and c's blocks
+    computed over it leave the prefix cache. It holds no block any more, so
+    under both policies it recomputes (vLLM fails only requests holding the
+    bad blocks).
+
+    Bug caught: only RUNNING requests were restarted, so the preempted c was
+    skipped and vLLM delivered its stale token from the bad step (and its
+    full block computed over the bad one stayed cached: vLLM had freed c's
+    blocks, so evicting "the request's blocks" found none)."""
+    # 8 usable blocks: c's 4 hit and 2 new ones, r's 2; r's next block
+    # makes vLLM preempt c, the last running request.
+    engine = async_engine(
+        model_dir,
+        f"preempted-{policy}",
+        policy=policy,
+        num_blocks=9,
+        kv_role="kv_consumer",
+    )
+    assert not engine.scheduler.requires_kv_delivery
+    base = prompt(46, PREFIX + 5)
+    a = cache_prefix(engine, base)
+    b2 = cached_block_id(engine, a, 2)
+    assert b2 is not None
+    flip_byte(engine, b2)
+    in_flight: list[Step] = []
+    add(engine, "r", prompt(47, 2 * BS - 1), max_tokens=6)
+    schedule(engine, in_flight)  # r's prompt
+    c_tokens = base[:PREFIX] + prompt(48, BS + 3)
+    add(engine, "c", c_tokens, max_tokens=3)
+    bad_step = len(engine.history)
+    schedule(engine, in_flight)  # c's first step, on the bad hit
+    held = engine.block_ids("c")[0][2:]
+    assert held[0] == b2 and is_cached(engine, held[2])  # block 4: over block 2
+    process(engine, in_flight)
+    schedule(engine, in_flight)  # r needs a block: vLLM preempts c
+    c = engine.scheduler.requests["c"]
+    assert c.status == RequestStatus.PREEMPTED
+    assert c.num_stale_output_tokens == len(c_tokens) - PREFIX  # the bad step's
+    process(engine, in_flight)  # c's verdict
+    assert prefix_verdicts(engine) == {"mismatch": 1}
+    assert [i for i in held if is_cached(engine, i)] == []
+    run_all(engine, in_flight, ["c", "r"])
+    # c's recompute: its first later step computing more than one token.
+    recompute = next(
+        i
+        for i in steps_of(engine, "c")
+        if i > bad_step and engine.history[i].num_scheduled_tokens["c"] > 1
+    )
+    tokens = engine.tokens["c"]
+    assert len(tokens) == 3 and all(t >= 1000 + recompute for t in tokens), tokens
+    assert not engine.checksums.tracked_request_ids()  # R141
 
 
 @pytest.mark.parametrize("how", ["worker", "guard"])

@@ -25,14 +25,29 @@ KVCacheManager get_computed_blocks (instance)
     Upstream: a per-request "local hit" field on SchedulerOutput
 Scheduler update_after_schedule / update_from_output (through the package's hooks)
     Why: ask the workers to save entries and check hits; compare the results
-    How: `schedule` fills the step's checksum metadata, `verify` compares and, on
-    a mismatch, evicts the blocks; "recompute": preempts the running requests
-    on them (vLLM's `_preempt_request(drop_stale_output=True)`, as its
-    reset_prefix_cache does; the second time with the request's
-    `skip_reading_prefix_cache` set); "fail": reports the blocks as invalid so
-    vLLM fails those requests
-    Upstream: a verification hook on prefix-cache hits, and invalid-block
-    recovery that drops in-flight output under async scheduling
+    How: `schedule` fills the step's checksum metadata (one record key per
+    check, so a restarted request's re-hit is judged apart from its first
+    hit; the request's `num_preemptions` noted), `verify` compares each
+    check with its own step's reports
+    Upstream: a verification hook on prefix-cache hits
+Scheduler state on a mismatch (through `verify`; a mismatch's path only)
+    Why: no token computed over a bad hit reaches a client and no block
+    computed over it stays cached, whatever vLLM did since the check's step
+    How: the bad blocks leave the prefix cache (vLLM's `evict_blocks`);
+    "recompute": running holders are preempted (vLLM's
+    `_preempt_request(drop_stale_output=True)`, as its reset_prefix_cache
+    does; the second time with the request's `skip_reading_prefix_cache`
+    set); "fail": the blocks join `invalid_block_ids` and vLLM fails the
+    holders.
+    A checked request preempted since its check's step (by vLLM, KV cache
+    full) holds no blocks: its in-flight output is dropped
+    (`drop_stale_output` set while `num_stale_output_tokens` is non-zero;
+    vLLM otherwise delivers it unless its connector requires KV delivery)
+    and its blocks are evicted by key, as they are no longer in its block
+    table
+    Upstream: invalid-block recovery that evicts every dependent block of
+    every holder, fails or restarts requests in any queue, and drops
+    in-flight output under async scheduling
 """
 
 import contextlib
@@ -48,7 +63,6 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumScheduled,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
-    HIT_KEY_SUFFIX,
     KVChecksumPrefixHits,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
@@ -227,7 +241,7 @@ def _pending_request_ids(scheduler: Any) -> list[str]:
     state = scheduler.__dict__.get(_STATE_ATTR)
     if state is None:
         return []
-    return [key[: -len(HIT_KEY_SUFFIX)] for key in state.hits.pending]
+    return state.hits.request_ids()
 
 
 _block_id = attrgetter("block_id")
@@ -351,7 +365,8 @@ def _schedule_step(scheduler: Any, state: _SchedulerState, output: Any) -> None:
             continue
         count = num_tokens // hits.block_size
         ids = scheduler.kv_cache_manager.get_block_ids(req_id)[0][:count]
-        hits.add_hits(scheduler.requests[req_id], np.asarray(ids, dtype=np.int64))
+        request = scheduler.requests[req_id]
+        hits.add_hits(request, np.asarray(ids, dtype=np.int64), request.num_preemptions)
     step = hits.take_step()
     if step.keys:
         state.step_keys[id(output)] = step.keys
@@ -367,7 +382,8 @@ def _verify_step(
     scheduler: Any, state: _SchedulerState, output: Any, model_output: Any
 ) -> None:
     """Verify the step's checks; the requests on mismatched blocks restart or
-    fail (R140)."""
+    fail, and every block computed over them leaves the prefix cache (R140,
+    R138)."""
     if state.restarted:  # R141: nothing kept for requests vLLM dropped
         state.restarted.intersection_update(scheduler.requests)
     keys = state.step_keys.pop(id(output), None)
@@ -385,9 +401,12 @@ def _verify_step(
                 load.reports[(record.pp_rank, record.tp_rank)] = report
     invalid: set[int] = set()
     for key in keys:
-        req_id = key[: -len(HIT_KEY_SUFFIX)]
-        request = scheduler.requests.get(req_id)
-        if request is None or request.is_finished():
+        pending = hits.pending.get(key)
+        if pending is None:
+            continue
+        request = pending.request
+        req_id = request.request_id
+        if scheduler.requests.get(req_id) is not request or request.is_finished():
             # R141: aborted since its step was scheduled; vLLM freed (or
             # frees) its blocks: no verdict, and nothing kept for it.
             hits.pending.pop(key, None)
@@ -405,30 +424,121 @@ def _verify_step(
                 verdict.reasons,
             )
             continue
-        bad = hits.bad_block_ids(load, verdict)
+        bad = hits.bad_blocks(load, verdict)
         logger.error(
             "KV checksum mismatch in prefix-cache hit of request %s: group %d "
             "block positions %s (block ids %s); the blocks leave the prefix "
             "cache and the request is recomputed from its first bad block.",
             req_id,
             hits.group_id,
-            verdict.mismatches.get(hits.group_id),
-            sorted(bad),
+            [position for position, _ in bad],
+            [block_id for _, block_id in bad],
         )
-        if kcs.on_failed_load is not None:  # R138 containment evicts them
-            kcs.on_failed_load(req_id, verdict, load.blocks)
+        if request.num_preemptions == load.attempt:
+            # Still on the checked blocks: they are its own (never freed since)
+            # and, through the holders below, its later blocks leave the cache.
+            if kcs.on_failed_load is not None:  # R138 containment
+                kcs.on_failed_load(req_id, verdict, load.blocks)
+            invalid.update(block_id for _, block_id in bad)
         else:
-            scheduler.kv_cache_manager.evict_blocks(bad)
-        invalid |= bad
-    if not invalid:
+            invalid |= _recover_preempted(scheduler, hits, request, bad)
+    if invalid:
+        scheduler.kv_cache_manager.evict_blocks(invalid)
+        _recover_holders(scheduler, state, invalid, kv_output)
+
+
+def _recover_preempted(
+    scheduler: Any, hits: KVChecksumPrefixHits, request: Any, bad: list[tuple[int, int]]
+) -> set[int]:
+    """A bad hit of a request preempted since its check's step (by vLLM, or
+    restarted for another request's check): the output of that step is still
+    in flight and is dropped (vLLM delivers a preempted request's in-flight
+    output unless `drop_stale_output` is set, and resumes the request only
+    once it is delivered); every block cached under its hashes from the first
+    bad position on leaves the prefix cache (vLLM freed its blocks; those
+    computed over the bad one are still cached). Returns the bad blocks still
+    cached as checked, whose holders recover too: a block id freed since may
+    be another request's now."""
+    if request.num_stale_output_tokens:
+        request.drop_stale_output = True
+    first = bad[0][0]
+    keys = _block_keys(scheduler, hits, request, first)
+    blocks = scheduler.kv_cache_manager.block_pool.blocks
+    still_bad = {
+        block_id
+        for position, block_id in bad
+        if position - first < len(keys)
+        and blocks[block_id].block_hash == keys[position - first]
+    }
+    _evict_keys(scheduler, keys)
+    return still_bad
+
+
+def _block_keys(
+    scheduler: Any, hits: KVChecksumPrefixHits, request: Any, start: int
+) -> list[Any]:
+    """The prefix-cache keys of the request's full blocks from `start` on,
+    as vLLM's `BlockPool.cache_full_blocks` makes them."""
+    from vllm.v1.core.kv_cache_utils import (
+        make_block_hash_with_group_id,
+        resolve_block_hashes,
+    )
+
+    pool = scheduler.kv_cache_manager.block_pool
+    hashes = resolve_block_hashes(
+        request.block_hashes, pool.hash_block_size, hits.block_size
+    )
+    return [
+        make_block_hash_with_group_id(hashes[position], hits.group_id)
+        for position in range(start, len(hashes))
+    ]
+
+
+def _evict_keys(scheduler: Any, keys: list[Any]) -> None:
+    """Every block the prefix cache holds under these keys leaves it (vLLM's
+    `evict_blocks`, the call `_handle_invalid_blocks` uses; one key may
+    reach several blocks). A mismatch's path, not a step's."""
+    manager = scheduler.kv_cache_manager
+    cached = manager.block_pool.cached_block_hash_to_block
+    evicted: set[int] = set()
+    for key in keys:
+        while (block := cached.get_one_block(key)) is not None:
+            if block.block_id in evicted:
+                break  # vLLM kept it: never loop on it
+            evicted.add(block.block_id)
+            manager.evict_blocks({block.block_id})
+
+
+def _recover_holders(
+    scheduler: Any, state: _SchedulerState, bad: set[int], kv_output: Any
+) -> None:
+    """R140: every running request holding a bad block recovers per
+    kv_load_failure_policy."""
+    recompute = scheduler.recompute_kv_load_failures
+    manager = scheduler.kv_cache_manager
+    bad_ids = np.fromiter(bad, dtype=np.int64, count=len(bad))
+    restart: list[Any] = []
+    for request in scheduler.running:
+        ids = manager.get_block_ids(request.request_id)[0]
+        if not np.isin(np.asarray(ids, dtype=np.int64), bad_ids).any():
+            continue
+        if request.status == RequestStatus.RUNNING:
+            restart.append(request)
+    if not recompute:
+        if kv_output is not None:  # policy "fail": vLLM fails the requests on them
+            kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | bad
         return
-    if scheduler.recompute_kv_load_failures:
-        _restart_requests_on(scheduler, state, invalid)
-    elif kv_output is not None:  # policy "fail": vLLM fails the requests on them
-        kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | invalid
+    _restart(scheduler, state, restart)
 
 
-def _restart_requests_on(scheduler: Any, state: _SchedulerState, bad: set[int]) -> None:
+def _note_restart(state: _SchedulerState, request: Any) -> None:
+    """The second restart of a request reads no prefix cache."""
+    if request.request_id in state.restarted:
+        request.skip_reading_prefix_cache = True
+    state.restarted.add(request.request_id)
+
+
+def _restart(scheduler: Any, state: _SchedulerState, requests: list[Any]) -> None:
     """R140: each running request on a bad block starts over through vLLM's
     own preemption, which drops the output of its steps still in flight.
 
@@ -444,15 +554,8 @@ def _restart_requests_on(scheduler: Any, state: _SchedulerState, bad: set[int]) 
     restart it forever.
     """
     timestamp = time.monotonic()
-    for request in list(scheduler.running):
-        ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
-        # vLLM preempts RUNNING requests only (asserted): anything else in the
-        # queue is left to vLLM rather than dropped from it half-way.
-        if bad.isdisjoint(ids) or request.status != RequestStatus.RUNNING:
-            continue
-        if request.request_id in state.restarted:
-            request.skip_reading_prefix_cache = True
-        state.restarted.add(request.request_id)
+    for request in requests:
+        _note_restart(state, request)
         scheduler.running.remove(request)
         scheduler._preempt_request(request, timestamp, drop_stale_output=True)
         # Resumed in the next step as if not scheduled in this one (V1 runner).
