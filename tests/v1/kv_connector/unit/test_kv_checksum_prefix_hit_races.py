@@ -192,6 +192,41 @@ def test_rehit_while_first_check_in_flight_is_judged(model_dir: str) -> None:
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_blocks_computed_over_a_bad_hit_leave_the_cache(
+    model_dir: str, policy: str
+) -> None:
+    """R138, R140: request c runs its first step on a hit holding bad block 2
+    (its full blocks 4 and 5 are computed over it and cached when scheduled)
+    when another request's check finds block 2 bad. Every block c held from
+    position 2 on leaves the prefix cache with the verdict, under both
+    policies, as vLLM's own `_handle_invalid_blocks` evicts them under
+    "fail"; reference: the block table c ran that step with.
+
+    Bug caught: under "recompute" the restart preempted c but evicted
+    nothing, so blocks 4 and 5 stayed cached and a later request hitting
+    them (once block 2's hash is cached again) was counted verified."""
+    engine = async_engine(model_dir, f"derived-{policy}", policy=policy)
+    base = prompt(41, PREFIX + 5)
+    a = cache_prefix(engine, base)
+    b2 = cached_block_id(engine, a, 2)
+    assert b2 is not None
+    flip_byte(engine, b2)
+    in_flight: list[Step] = []
+    add(engine, "d", base[:PREFIX] + [7, 7, 7], max_tokens=3)
+    schedule(engine, in_flight)  # d's first step on the hit
+    c_tokens = base[:PREFIX] + prompt(42, 2 * BS + 3)
+    add(engine, "c", c_tokens, max_tokens=3)
+    schedule(engine, in_flight)  # c runs over bad block 2
+    held = engine.block_ids("c")[0][2:]
+    assert held[0] == b2 and all(is_cached(engine, i) for i in held[2:4])
+    process(engine, in_flight)  # d's verdict
+    assert prefix_verdicts(engine) == {"mismatch": 1}
+    assert [i for i in held if is_cached(engine, i)] == []
+    run_all(engine, in_flight, ["c", "d"])
+    assert not engine.checksums.tracked_request_ids()  # R141
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_vllm_preemption_of_a_checked_request_drops_its_tokens(
     model_dir: str, policy: str
 ) -> None:

@@ -33,7 +33,10 @@ Scheduler update_after_schedule / update_from_output (through the package's hook
 Scheduler state on a mismatch (through `verify`; a mismatch's path only)
     Why: no token computed over a bad hit reaches a client and no block
     computed over it stays cached, whatever vLLM did since the check's step
-    How: the bad blocks leave the prefix cache (vLLM's `evict_blocks`);
+    How: every running request holding a bad block has its blocks from the
+    first bad one on evicted by their prefix-cache keys
+    (`resolve_block_hashes`, `make_block_hash_with_group_id`,
+    `cached_block_hash_to_block.get_one_block`, vLLM's `evict_blocks`);
     "recompute": running holders are preempted (vLLM's
     `_preempt_request(drop_stale_output=True)`, as its reset_prefix_cache
     does; the second time with the request's `skip_reading_prefix_cache`
@@ -443,7 +446,6 @@ def _verify_step(
         else:
             invalid |= _recover_preempted(scheduler, hits, request, bad)
     if invalid:
-        scheduler.kv_cache_manager.evict_blocks(invalid)
         _recover_holders(scheduler, state, invalid, kv_output)
 
 
@@ -513,15 +515,22 @@ def _recover_holders(
     scheduler: Any, state: _SchedulerState, bad: set[int], kv_output: Any
 ) -> None:
     """R140: every running request holding a bad block recovers per
-    kv_load_failure_policy."""
+    kv_load_failure_policy, and its blocks from the first bad one on leave
+    the prefix cache: they were computed over it (R138; vLLM's
+    `_handle_invalid_blocks` evicts them under "fail" only for the first
+    request on a shared bad block)."""
     recompute = scheduler.recompute_kv_load_failures
     manager = scheduler.kv_cache_manager
     bad_ids = np.fromiter(bad, dtype=np.int64, count=len(bad))
     restart: list[Any] = []
     for request in scheduler.running:
         ids = manager.get_block_ids(request.request_id)[0]
-        if not np.isin(np.asarray(ids, dtype=np.int64), bad_ids).any():
+        first = np.flatnonzero(np.isin(np.asarray(ids, dtype=np.int64), bad_ids))
+        if not first.size:
             continue
+        _evict_keys(
+            scheduler, _block_keys(scheduler, state.hits, request, int(first[0]))
+        )
         if request.status == RequestStatus.RUNNING:
             restart.append(request)
     if not recompute:
