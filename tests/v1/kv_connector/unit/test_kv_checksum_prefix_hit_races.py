@@ -21,9 +21,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    consumer_kv_transfer_params,
+    make_request,
+)
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
 from vllm.distributed.kv_transfer.kv_checksum.config import VERIFY_PREFIX_HITS_KEY
+from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
@@ -285,6 +289,58 @@ def test_vllm_preemption_of_a_checked_request_drops_its_tokens(
     tokens = engine.tokens["c"]
     assert len(tokens) == 3 and all(t >= 1000 + recompute for t in tokens), tokens
     assert not engine.checksums.tracked_request_ids()  # R141
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_request_waiting_for_remote_kv_never_runs_on_a_known_bad_block(
+    model_dir: str, policy: str
+) -> None:
+    """R140, R95: consumer request w waits for its remote KV (an async P/D
+    load) holding a local hit that includes block 2, when request d's check
+    finds block 2 bad. w never runs with block 2 in its block table: under
+    "recompute" its load counts as failed and it recomputes from its clean
+    prefix (vLLM's failed-load path), under "fail" it ends with an error.
+
+    Bug caught: under "recompute" only running requests were restarted, so w
+    kept the known-bad block and computed over it once its load finished."""
+    engine = async_engine(model_dir, f"remote-{policy}", policy=policy)
+    base = prompt(43, PREFIX + 5)
+    a = cache_prefix(engine, base)
+    b2 = cached_block_id(engine, a, 2)
+    assert b2 is not None
+    flip_byte(engine, b2)
+    in_flight: list[Step] = []
+    w_tokens = base[:PREFIX] + prompt(44, 2 * BS + 3)
+    add(
+        engine,
+        "w",
+        w_tokens,
+        max_tokens=2,
+        kv_transfer_params=consumer_kv_transfer_params("remote-w"),
+    )
+    add(engine, "d", base[:PREFIX] + [7, 7, 7], max_tokens=2)
+    schedule(engine, in_flight)  # w starts its load; d runs on the hit
+    w = engine.scheduler.requests["w"]
+    assert w.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert engine.block_ids("w")[0][2] == b2
+    schedule(engine, in_flight)
+    process(engine, in_flight)  # d's verdict: block 2 bad
+    assert prefix_verdicts(engine) == {"mismatch": 1}
+    engine.finish_load("w")
+    ran_on_bad: list[int] = []
+
+    def check(output: Any) -> None:
+        if "w" in output.num_scheduled_tokens and b2 in engine.block_ids("w")[0]:
+            ran_on_bad.append(len(engine.history) - 1)
+
+    run_all(engine, in_flight, ["w", "d"], after_schedule=check)
+    assert ran_on_bad == []
+    if policy == "fail":
+        assert engine.final["w"].finish_reason == FinishReason.ERROR
+    else:
+        assert engine.final["w"].finish_reason == FinishReason.LENGTH
+        # Its clean re-hit (blocks 0-1) was checked in the step it ran.
+        assert prefix_verdicts(engine).get("verified", 0) >= 1
 
 
 @pytest.mark.parametrize("how", ["worker", "guard"])

@@ -33,15 +33,17 @@ Scheduler update_after_schedule / update_from_output (through the package's hook
 Scheduler state on a mismatch (through `verify`; a mismatch's path only)
     Why: no token computed over a bad hit reaches a client and no block
     computed over it stays cached, whatever vLLM did since the check's step
-    How: every running request holding a bad block has its blocks from the
-    first bad one on evicted by their prefix-cache keys
+    How: every request holding a bad block (`running`, and in
+    `kv_holding_waiting` those WAITING_FOR_REMOTE_KVS) has its blocks from
+    the first bad one on evicted by their prefix-cache keys
     (`resolve_block_hashes`, `make_block_hash_with_group_id`,
     `cached_block_hash_to_block.get_one_block`, vLLM's `evict_blocks`);
     "recompute": running holders are preempted (vLLM's
     `_preempt_request(drop_stale_output=True)`, as its reset_prefix_cache
     does; the second time with the request's `skip_reading_prefix_cache`
-    set); "fail": the blocks join `invalid_block_ids` and vLLM fails the
-    holders.
+    set), holders waiting for their remote KV fail their load (vLLM's
+    `_handle_failed_recving`: freed and recomputed once the load ends);
+    "fail": the blocks join `invalid_block_ids` and vLLM fails the holders.
     A checked request preempted since its check's step (by vLLM, KV cache
     full) holds no blocks: its in-flight output is dropped
     (`drop_stale_output` set while `num_stale_output_tokens` is non-zero;
@@ -514,16 +516,22 @@ def _evict_keys(scheduler: Any, keys: list[Any]) -> None:
 def _recover_holders(
     scheduler: Any, state: _SchedulerState, bad: set[int], kv_output: Any
 ) -> None:
-    """R140: every running request holding a bad block recovers per
-    kv_load_failure_policy, and its blocks from the first bad one on leave
-    the prefix cache: they were computed over it (R138; vLLM's
-    `_handle_invalid_blocks` evicts them under "fail" only for the first
-    request on a shared bad block)."""
+    """R140: every request holding a bad block, running or waiting for its
+    remote KV, recovers per kv_load_failure_policy, and its blocks from the
+    first bad one on leave the prefix cache: they were computed over it
+    (R138; vLLM's `_handle_invalid_blocks` evicts them under "fail" only for
+    the first request on a shared bad block)."""
     recompute = scheduler.recompute_kv_load_failures
     manager = scheduler.kv_cache_manager
     bad_ids = np.fromiter(bad, dtype=np.int64, count=len(bad))
+    waiting = [
+        r
+        for r in scheduler.kv_holding_waiting
+        if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    ]
     restart: list[Any] = []
-    for request in scheduler.running:
+    reload: list[Any] = []
+    for request in [*scheduler.running, *waiting]:
         ids = manager.get_block_ids(request.request_id)[0]
         first = np.flatnonzero(np.isin(np.asarray(ids, dtype=np.int64), bad_ids))
         if not first.size:
@@ -533,11 +541,20 @@ def _recover_holders(
         )
         if request.status == RequestStatus.RUNNING:
             restart.append(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            reload.append(request)
     if not recompute:
         if kv_output is not None:  # policy "fail": vLLM fails the requests on them
             kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | bad
         return
     _restart(scheduler, state, restart)
+    if reload:
+        # vLLM's failed-load recovery ("recompute"): once its load ends the
+        # request frees its blocks and starts over, reading the prefix cache
+        # again up to its first bad block (that hit is checked).
+        for request in reload:
+            _note_restart(state, request)
+        scheduler._handle_failed_recving({r.request_id for r in reload})
 
 
 def _note_restart(state: _SchedulerState, request: Any) -> None:
