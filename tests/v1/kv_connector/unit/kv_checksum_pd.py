@@ -214,6 +214,10 @@ class SideConfig:
     connector_extra: dict[str, Any] | None = None
     # The scheduler's max_num_seqs (None: the harness default, 16).
     max_num_seqs: int | None = None
+    # kv_role: "kv_consumer" makes vLLM's own preemptions deliver in-flight
+    # output (`requires_kv_delivery` is the producer role), as offload
+    # connectors do.
+    kv_role: str = "kv_both"
 
     def describe(self) -> str:
         return f"TP{self.tp}/PP{self.pp}/bs{self.block_size}"
@@ -260,6 +264,7 @@ class SimEngine:
             tp_size=side.tp,
             pp_size=side.pp,
             kv_connector=side.connector,
+            kv_role=side.kv_role,
             extra_config=extra,
             kv_load_failure_policy=side.policy,  # type: ignore[arg-type]
             max_num_batched_tokens=side.max_num_batched_tokens,

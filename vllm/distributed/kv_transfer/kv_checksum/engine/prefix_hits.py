@@ -31,17 +31,24 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     UnverifiedReason,
 )
 
-# A hit check travels in records under this key, apart from the request's own
-# loads of the same step.
+# A hit check travels in records under the request id, this marker and the
+# check's number, apart from the request's own loads of the same step: a
+# request restarted while its check is in flight can hit again before that
+# check's step reports, and each check is judged on its own step's reports.
 HIT_KEY_SUFFIX = "#kv-checksum-prefix-hit"
 
 # (group id, first position, block ids, the request's hash at each block's end)
 SaveRun = tuple[int, int, np.ndarray, list[bytes]]
 
 
-def hit_key(req_id: str) -> str:
-    """The record key of a request's prefix-hit check."""
-    return req_id + HIT_KEY_SUFFIX
+def hit_key(req_id: str, number: int) -> str:
+    """The record key of a request's prefix-hit check `number`."""
+    return f"{req_id}{HIT_KEY_SUFFIX}{number}"
+
+
+def hit_request_id(key: str) -> str:
+    """The request id of a prefix-hit check's record key."""
+    return key.rpartition(HIT_KEY_SUFFIX)[0]
 
 
 def _position_runs(
@@ -68,9 +75,12 @@ class PrefixHitStep:
 
 @dataclass
 class PendingPrefixHit(PendingOffloadLoad):
-    """A request's hit check; `unchecked` hit blocks had no entry."""
+    """A request's hit check; `unchecked` hit blocks had no entry; `attempt`
+    is the request's preemption count when its hit was checked (a request
+    preempted since then no longer runs on the checked blocks)."""
 
     unchecked: int = 0
+    attempt: int = 0
 
 
 class KVChecksumPrefixHits:
@@ -100,6 +110,7 @@ class KVChecksumPrefixHits:
         # block id -> the prefix-cache key the entry was recorded under
         self.entry_keys: dict[int, Hashable] = {}
         self.pending: dict[str, PendingPrefixHit] = {}
+        self._num_checks = 0  # numbers the checks' record keys
         self._step = PrefixHitStep()
         # Tags of hit blocks: a shared prefix is hashed once, not per hit.
         self.tags = BlockTagCache(num_blocks)
@@ -152,8 +163,16 @@ class KVChecksumPrefixHits:
         self.has_entry[:] = False
         self.entry_handed[:] = False
 
-    def add_hits(self, request: Any, block_ids: np.ndarray) -> None:
-        """Check the request's hit blocks (positions 0..) in this step.
+    def release(self) -> None:
+        """Verification stopped: every entry, pending check and the step's
+        saves and checks are dropped (R141)."""
+        self.clear()
+        self.pending.clear()
+        self._step = PrefixHitStep()
+
+    def add_hits(self, request: Any, block_ids: np.ndarray, attempt: int) -> None:
+        """Check the request's hit blocks (positions 0..) in this step;
+        `attempt`: the request's preemption count now.
 
         The leading blocks with entries are checked; a hit without any entry is
         reported unverified (never mismatched, R140).
@@ -167,8 +186,11 @@ class KVChecksumPrefixHits:
         blocks = KVChecksumBlocks(
             count * self.block_size, {self.group_id: (0, block_ids[:count])}
         )
-        load = PendingPrefixHit(blocks, request, unchecked=int(block_ids.size) - count)
-        key = hit_key(request.request_id)
+        load = PendingPrefixHit(
+            blocks, request, unchecked=int(block_ids.size) - count, attempt=attempt
+        )
+        self._num_checks += 1
+        key = hit_key(request.request_id, self._num_checks)
         self.pending[key] = load
         self._step.keys.append(key)
         if count:
@@ -218,12 +240,18 @@ class KVChecksumPrefixHits:
             verdict.reasons.append((UnverifiedReason.OTHER_BLOCKS, detail))
         return load, verdict
 
-    def bad_block_ids(
+    def bad_blocks(
         self, load: PendingOffloadLoad, verdict: KVChecksumVerdict
-    ) -> set[int]:
-        """The block ids of the mismatched positions of a check."""
+    ) -> list[tuple[int, int]]:
+        """(position, block id) of the mismatched blocks of a check, in
+        position order."""
         start, ids = load.blocks.groups[self.group_id]
-        positions = np.asarray(
-            verdict.mismatches.get(self.group_id, ()), dtype=np.int64
+        positions = np.unique(
+            np.asarray(verdict.mismatches.get(self.group_id, ()), dtype=np.int64)
         )
-        return set(np.asarray(ids)[positions - start].tolist())
+        block_ids = np.asarray(ids)[positions - start]
+        return list(zip(positions.tolist(), block_ids.tolist()))
+
+    def request_ids(self) -> list[str]:
+        """The requests whose checks wait for their step's reports (R141)."""
+        return [load.request.request_id for load in self.pending.values()]

@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.entry_queue import (
 from vllm.distributed.kv_transfer.kv_checksum.engine.launches import ChecksumLauncher
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import plan_groups
 from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
-    HIT_KEY_SUFFIX,
+    hit_request_id,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.records import (
     KVChecksumPendingRecord,
@@ -122,8 +122,7 @@ class KVChecksumWorker:
 
     def pending_hit_checks(self) -> dict[str, KVChecksumBlocks]:
         """Per request id, the prefix-hit blocks `post_forward` checks this step."""
-        suffix = len(HIT_KEY_SUFFIX)
-        return {key[:-suffix]: blocks for key, blocks in self._to_check.items()}
+        return {hit_request_id(key): blocks for key, blocks in self._to_check.items()}
 
     def group_layer_names(self) -> dict[int, list[str]]:
         """Per covered group, the layers (one per distinct cache) it checksums."""

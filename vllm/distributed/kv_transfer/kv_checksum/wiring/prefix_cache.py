@@ -5,7 +5,8 @@
 With checksums or `kv_checksum_verify_prefix_hits` off nothing is attached and
 vLLM runs unchanged. Called from the package's scheduler and worker hooks
 (wiring/scheduler.py, wiring/worker.py; one line each), so no vLLM method is
-wrapped twice.
+wrapped twice. Verification stops, and drops its state, with the engine's
+checksums (the scheduler guard, a worker's disabled record: R134, R141).
 
 Hooks (target; why; how; the upstream change that lets it go):
 
@@ -24,14 +25,34 @@ KVCacheManager get_computed_blocks (instance)
     Upstream: a per-request "local hit" field on SchedulerOutput
 Scheduler update_after_schedule / update_from_output (through the package's hooks)
     Why: ask the workers to save entries and check hits; compare the results
-    How: `schedule` fills the step's checksum metadata, `verify` compares and, on
-    a mismatch, evicts the blocks; "recompute": preempts the running requests
-    on them (vLLM's `_preempt_request(drop_stale_output=True)`, as its
-    reset_prefix_cache does; the second time with the request's
-    `skip_reading_prefix_cache` set); "fail": reports the blocks as invalid so
-    vLLM fails those requests
-    Upstream: a verification hook on prefix-cache hits, and invalid-block
-    recovery that drops in-flight output under async scheduling
+    How: `schedule` fills the step's checksum metadata (one record key per
+    check, so a restarted request's re-hit is judged apart from its first
+    hit; the request's `num_preemptions` noted), `verify` compares each
+    check with its own step's reports
+    Upstream: a verification hook on prefix-cache hits
+Scheduler state on a mismatch (through `verify`; a mismatch's path only)
+    Why: no token computed over a bad hit reaches a client and no block
+    computed over it stays cached, whatever vLLM did since the check's step
+    How: every request holding a bad block (`running`, and in
+    `kv_holding_waiting` those WAITING_FOR_REMOTE_KVS) has its blocks from
+    the first bad one on evicted by their prefix-cache keys
+    (`resolve_block_hashes`, `make_block_hash_with_group_id`,
+    `cached_block_hash_to_block.get_one_block`, vLLM's `evict_blocks`);
+    "recompute": running holders are preempted (vLLM's
+    `_preempt_request(drop_stale_output=True)`, as its reset_prefix_cache
+    does; the second time with the request's `skip_reading_prefix_cache`
+    set), holders waiting for their remote KV fail their load (vLLM's
+    `_handle_failed_recving`: freed and recomputed once the load ends);
+    "fail": the blocks join `invalid_block_ids` and vLLM fails the holders.
+    A checked request preempted since its check's step (by vLLM, KV cache
+    full) holds no blocks: its in-flight output is dropped
+    (`drop_stale_output` set while `num_stale_output_tokens` is non-zero;
+    vLLM otherwise delivers it unless its connector requires KV delivery)
+    and its blocks are evicted by key, as they are no longer in its block
+    table
+    Upstream: invalid-block recovery that evicts every dependent block of
+    every holder, fails or restarts requests in any queue, and drops
+    in-flight output under async scheduling
 """
 
 import contextlib
@@ -47,7 +68,6 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumScheduled,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
-    HIT_KEY_SUFFIX,
     KVChecksumPrefixHits,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
@@ -99,7 +119,7 @@ def schedule(scheduler: Any, output: Any) -> None:
     """R140. Called by the Scheduler._update_after_schedule hook after it set
     `kv_checksum_scheduled`: hits of this step's scheduled requests become
     checks; the step's entries to save and checks join the SchedulerOutput."""
-    state = scheduler.__dict__.get(_STATE_ATTR)
+    state = _live_state(scheduler)
     if state is None:
         return
     try:
@@ -113,7 +133,7 @@ def verify(scheduler: Any, scheduler_output: Any, model_output: Any) -> None:
     update_from_output: verify the step's checks; with policy "recompute" the
     requests on mismatched blocks restart (vLLM's preemption), with "fail" the
     blocks join `invalid_block_ids` and vLLM fails those requests."""
-    state = scheduler.__dict__.get(_STATE_ATTR)
+    state = _live_state(scheduler)
     if state is None:
         return
     try:
@@ -132,7 +152,7 @@ def entries_written_of(scheduler: Any) -> EntriesWrittenFn | None:
         return None
 
     def entries_written(groups: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
-        state = scheduler.__dict__.get(_STATE_ATTR)
+        state = _live_state(scheduler)
         if state is None:
             return np.zeros(block_ids.shape, dtype=bool)
         return state.hits.entries_written(groups, block_ids)
@@ -157,7 +177,37 @@ def _turn_off(scheduler: Any, where: str) -> None:
         "vLLM goes on without it.",
         where,
     )
+    _release(scheduler)
+
+
+def _live_state(scheduler: Any) -> "_SchedulerState | None":
+    """The scheduler's prefix-hit state while verification runs; None once
+    it is off. Verification stops with the engine's checksums (the scheduler
+    guard cleared its checksum scheduler, or a worker's checksums are off,
+    R134): nothing would take the step's saves and checks any more, so its
+    state is released then (R141)."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
+    if state is not None:
+        kcs = scheduler.kv_checksum_scheduler
+        if kcs is None or kcs.disabled_workers:
+            logger.warning(
+                "KV checksum prefix-hit verification stopped: checksums are "
+                "off for this engine."
+            )
+            _release(scheduler)
+            return None
+    return state
+
+
+def _release(scheduler: Any) -> None:
+    """Prefix-hit verification off: every entry, check and note dropped."""
+    state = scheduler.__dict__.get(_STATE_ATTR)
     scheduler.__dict__[_STATE_ATTR] = None
+    if state is not None:
+        state.hits.release()
+        state.noted.clear()
+        state.step_keys.clear()
+        state.restarted.clear()
 
 
 def attach_scheduler(scheduler: Any, kcs: Any) -> None:
@@ -186,7 +236,7 @@ def attach_scheduler(scheduler: Any, kcs: Any) -> None:
     )
     state = _SchedulerState(hits)
     _hook_block_pool(scheduler, pool, hits)
-    _hook_hit_lookup(manager, state)
+    _hook_hit_lookup(scheduler, manager, state)
     scheduler.__dict__[_STATE_ATTR] = state
     kcs.tracked_sources.append(lambda: _pending_request_ids(scheduler))  # R141
 
@@ -196,7 +246,7 @@ def _pending_request_ids(scheduler: Any) -> list[str]:
     state = scheduler.__dict__.get(_STATE_ATTR)
     if state is None:
         return []
-    return [key[: -len(HIT_KEY_SUFFIX)] for key in state.hits.pending]
+    return state.hits.request_ids()
 
 
 _block_id = attrgetter("block_id")
@@ -244,7 +294,7 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
         cache_full_blocks(
             request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs
         )
-        if scheduler.__dict__.get(_STATE_ATTR) is None:
+        if _live_state(scheduler) is None:
             return
         try:
             _note_cached(hits, request, blocks, num_cached_blocks, num_full_blocks)
@@ -253,7 +303,7 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
 
     def drop_evicted(block_ids: Iterable[int]) -> None:
         """Entries of these blocks that no prefix-cache key reaches any more."""
-        if scheduler.__dict__.get(_STATE_ATTR) is None or not hits.entry_keys:
+        if not hits.entry_keys or _live_state(scheduler) is None:
             return
         try:
             # The blocks with entries that no key reaches any more (R140 (c):
@@ -283,7 +333,7 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
 
     def reset_hook() -> bool:
         done = reset()
-        if done and scheduler.__dict__.get(_STATE_ATTR) is not None:
+        if done and _live_state(scheduler) is not None:
             try:
                 hits.clear()
             except Exception:
@@ -296,14 +346,14 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
     pool.reset_prefix_cache = reset_hook
 
 
-def _hook_hit_lookup(manager: Any, state: _SchedulerState) -> None:
+def _hook_hit_lookup(scheduler: Any, manager: Any, state: _SchedulerState) -> None:
     """Instance wrapper noting each request's local prefix hit."""
     get_computed_blocks = manager.get_computed_blocks
 
     def get_computed_blocks_hook(request: Any, *args: Any, **kwargs: Any) -> Any:
         result = get_computed_blocks(request, *args, **kwargs)
         with contextlib.suppress(Exception):  # R134: never into vLLM
-            if result[1] > 0:
+            if result[1] > 0 and _live_state(scheduler) is state:
                 state.noted[request.request_id] = result[1]
         return result
 
@@ -314,15 +364,14 @@ def _schedule_step(scheduler: Any, state: _SchedulerState, output: Any) -> None:
     """Hits of this step's scheduled requests become checks (R140)."""
     hits = state.hits
     noted, state.noted = state.noted, {}
-    if scheduler.kv_checksum_scheduler.disabled_workers:
-        return
     scheduled = output.num_scheduled_tokens
     for req_id, num_tokens in noted.items():
         if req_id not in scheduled:
             continue
         count = num_tokens // hits.block_size
         ids = scheduler.kv_cache_manager.get_block_ids(req_id)[0][:count]
-        hits.add_hits(scheduler.requests[req_id], np.asarray(ids, dtype=np.int64))
+        request = scheduler.requests[req_id]
+        hits.add_hits(request, np.asarray(ids, dtype=np.int64), request.num_preemptions)
     step = hits.take_step()
     if step.keys:
         state.step_keys[id(output)] = step.keys
@@ -338,7 +387,8 @@ def _verify_step(
     scheduler: Any, state: _SchedulerState, output: Any, model_output: Any
 ) -> None:
     """Verify the step's checks; the requests on mismatched blocks restart or
-    fail (R140)."""
+    fail, and every block computed over them leaves the prefix cache (R140,
+    R138)."""
     if state.restarted:  # R141: nothing kept for requests vLLM dropped
         state.restarted.intersection_update(scheduler.requests)
     keys = state.step_keys.pop(id(output), None)
@@ -348,10 +398,6 @@ def _verify_step(
     hits = state.hits
     kv_output = model_output.kv_connector_output
     records = finalize_records(getattr(kv_output, "kv_checksums", None))
-    if kcs.disabled_workers or any(r.disabled for r in records):
-        for key in keys:  # dropped without a verdict, as the loads are
-            hits.pending.pop(key, None)
-        return
     for record in records:
         for key in keys:
             load = hits.pending.get(key)
@@ -360,9 +406,12 @@ def _verify_step(
                 load.reports[(record.pp_rank, record.tp_rank)] = report
     invalid: set[int] = set()
     for key in keys:
-        req_id = key[: -len(HIT_KEY_SUFFIX)]
-        request = scheduler.requests.get(req_id)
-        if request is None or request.is_finished():
+        pending = hits.pending.get(key)
+        if pending is None:
+            continue
+        request = pending.request
+        req_id = request.request_id
+        if scheduler.requests.get(req_id) is not request or request.is_finished():
             # R141: aborted since its step was scheduled; vLLM freed (or
             # frees) its blocks: no verdict, and nothing kept for it.
             hits.pending.pop(key, None)
@@ -380,30 +429,142 @@ def _verify_step(
                 verdict.reasons,
             )
             continue
-        bad = hits.bad_block_ids(load, verdict)
+        bad = hits.bad_blocks(load, verdict)
         logger.error(
             "KV checksum mismatch in prefix-cache hit of request %s: group %d "
             "block positions %s (block ids %s); the blocks leave the prefix "
             "cache and the request is recomputed from its first bad block.",
             req_id,
             hits.group_id,
-            verdict.mismatches.get(hits.group_id),
-            sorted(bad),
+            [position for position, _ in bad],
+            [block_id for _, block_id in bad],
         )
-        if kcs.on_failed_load is not None:  # R138 containment evicts them
-            kcs.on_failed_load(req_id, verdict, load.blocks)
+        if request.num_preemptions == load.attempt:
+            # Still on the checked blocks: they are its own (never freed since)
+            # and, through the holders below, its later blocks leave the cache.
+            if kcs.on_failed_load is not None:  # R138 containment
+                kcs.on_failed_load(req_id, verdict, load.blocks)
+            invalid.update(block_id for _, block_id in bad)
         else:
-            scheduler.kv_cache_manager.evict_blocks(bad)
-        invalid |= bad
-    if not invalid:
+            invalid |= _recover_preempted(scheduler, hits, request, bad)
+    if invalid:
+        _recover_holders(scheduler, state, invalid, kv_output)
+
+
+def _recover_preempted(
+    scheduler: Any, hits: KVChecksumPrefixHits, request: Any, bad: list[tuple[int, int]]
+) -> set[int]:
+    """A bad hit of a request preempted since its check's step (by vLLM, or
+    restarted for another request's check): the output of that step is still
+    in flight and is dropped (vLLM delivers a preempted request's in-flight
+    output unless `drop_stale_output` is set, and resumes the request only
+    once it is delivered); every block cached under its hashes from the first
+    bad position on leaves the prefix cache (vLLM freed its blocks; those
+    computed over the bad one are still cached). Returns the bad blocks still
+    cached as checked, whose holders recover too: a block id freed since may
+    be another request's now."""
+    if request.num_stale_output_tokens:
+        request.drop_stale_output = True
+    first = bad[0][0]
+    keys = _block_keys(scheduler, hits, request, first)
+    blocks = scheduler.kv_cache_manager.block_pool.blocks
+    still_bad = {
+        block_id
+        for position, block_id in bad
+        if position - first < len(keys)
+        and blocks[block_id].block_hash == keys[position - first]
+    }
+    _evict_keys(scheduler, keys)
+    return still_bad
+
+
+def _block_keys(
+    scheduler: Any, hits: KVChecksumPrefixHits, request: Any, start: int
+) -> list[Any]:
+    """The prefix-cache keys of the request's full blocks from `start` on,
+    as vLLM's `BlockPool.cache_full_blocks` makes them."""
+    from vllm.v1.core.kv_cache_utils import (
+        make_block_hash_with_group_id,
+        resolve_block_hashes,
+    )
+
+    pool = scheduler.kv_cache_manager.block_pool
+    hashes = resolve_block_hashes(
+        request.block_hashes, pool.hash_block_size, hits.block_size
+    )
+    return [
+        make_block_hash_with_group_id(hashes[position], hits.group_id)
+        for position in range(start, len(hashes))
+    ]
+
+
+def _evict_keys(scheduler: Any, keys: list[Any]) -> None:
+    """Every block the prefix cache holds under these keys leaves it (vLLM's
+    `evict_blocks`, the call `_handle_invalid_blocks` uses; one key may
+    reach several blocks). A mismatch's path, not a step's."""
+    manager = scheduler.kv_cache_manager
+    cached = manager.block_pool.cached_block_hash_to_block
+    evicted: set[int] = set()
+    for key in keys:
+        while (block := cached.get_one_block(key)) is not None:
+            if block.block_id in evicted:
+                break  # vLLM kept it: never loop on it
+            evicted.add(block.block_id)
+            manager.evict_blocks({block.block_id})
+
+
+def _recover_holders(
+    scheduler: Any, state: _SchedulerState, bad: set[int], kv_output: Any
+) -> None:
+    """R140: every request holding a bad block, running or waiting for its
+    remote KV, recovers per kv_load_failure_policy, and its blocks from the
+    first bad one on leave the prefix cache: they were computed over it
+    (R138; vLLM's `_handle_invalid_blocks` evicts them under "fail" only for
+    the first request on a shared bad block)."""
+    recompute = scheduler.recompute_kv_load_failures
+    manager = scheduler.kv_cache_manager
+    bad_ids = np.fromiter(bad, dtype=np.int64, count=len(bad))
+    waiting = [
+        r
+        for r in scheduler.kv_holding_waiting
+        if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    ]
+    restart: list[Any] = []
+    reload: list[Any] = []
+    for request in [*scheduler.running, *waiting]:
+        ids = manager.get_block_ids(request.request_id)[0]
+        first = np.flatnonzero(np.isin(np.asarray(ids, dtype=np.int64), bad_ids))
+        if not first.size:
+            continue
+        _evict_keys(
+            scheduler, _block_keys(scheduler, state.hits, request, int(first[0]))
+        )
+        if request.status == RequestStatus.RUNNING:
+            restart.append(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            reload.append(request)
+    if not recompute:
+        if kv_output is not None:  # policy "fail": vLLM fails the requests on them
+            kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | bad
         return
-    if scheduler.recompute_kv_load_failures:
-        _restart_requests_on(scheduler, state, invalid)
-    elif kv_output is not None:  # policy "fail": vLLM fails the requests on them
-        kv_output.invalid_block_ids = set(kv_output.invalid_block_ids or ()) | invalid
+    _restart(scheduler, state, restart)
+    if reload:
+        # vLLM's failed-load recovery ("recompute"): once its load ends the
+        # request frees its blocks and starts over, reading the prefix cache
+        # again up to its first bad block (that hit is checked).
+        for request in reload:
+            _note_restart(state, request)
+        scheduler._handle_failed_recving({r.request_id for r in reload})
 
 
-def _restart_requests_on(scheduler: Any, state: _SchedulerState, bad: set[int]) -> None:
+def _note_restart(state: _SchedulerState, request: Any) -> None:
+    """The second restart of a request reads no prefix cache."""
+    if request.request_id in state.restarted:
+        request.skip_reading_prefix_cache = True
+    state.restarted.add(request.request_id)
+
+
+def _restart(scheduler: Any, state: _SchedulerState, requests: list[Any]) -> None:
     """R140: each running request on a bad block starts over through vLLM's
     own preemption, which drops the output of its steps still in flight.
 
@@ -419,15 +580,8 @@ def _restart_requests_on(scheduler: Any, state: _SchedulerState, bad: set[int]) 
     restart it forever.
     """
     timestamp = time.monotonic()
-    for request in list(scheduler.running):
-        ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
-        # vLLM preempts RUNNING requests only (asserted): anything else in the
-        # queue is left to vLLM rather than dropped from it half-way.
-        if bad.isdisjoint(ids) or request.status != RequestStatus.RUNNING:
-            continue
-        if request.request_id in state.restarted:
-            request.skip_reading_prefix_cache = True
-        state.restarted.add(request.request_id)
+    for request in requests:
+        _note_restart(state, request)
         scheduler.running.remove(request)
         scheduler._preempt_request(request, timestamp, drop_stale_output=True)
         # Resumed in the next step as if not scheduled in this one (V1 runner).
