@@ -477,6 +477,7 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             self._copy(meta.store_gpu_blocks, meta.store_cpu_blocks, to_host=True)
             self.num_stored_blocks += len(meta.store_gpu_blocks)
         finished, _ = self._finished_loads(finished, [])
+        finished = finished | self._take_pulls()
         records = self._records(finished, output)
         completed = self._completed_stores(meta.store_event if stored else None)
         if self.held:

@@ -10,18 +10,21 @@ loaded from there instead, and the NIXL child only frees the producer's
 blocks. Either way the load that happened must be judged: a P/D pull against
 the producer's checksums, a host load against the entries stored with it.
 
-The engine is vLLM's real Scheduler and connectors with the CPU offload
+The engine is vLLM's real Scheduler and connectors (OffloadingConnector
+both ways round, SimpleCPUOffloadConnector listed first) with the CPU offload
 simulation (`kv_checksum_offload_sim`); a P/D pull is simulated by copying a
 producer's KV into the load's blocks and reporting the load finished.
 """
 
 import random
+from typing import Any
 
 import pytest
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     OffloadSimEngine,
+    SimpleOffloadSimEngine,
     metadata_of,
     verdicts,
 )
@@ -55,7 +58,16 @@ OFFLOAD = {
     "kv_role": "kv_both",
     "kv_connector_extra_config": OFFLOAD_EXTRA,
 }
-ORDERS = {"offload-first": [OFFLOAD, NIXL], "nixl-first": [NIXL, OFFLOAD]}
+SIMPLE = {
+    "kv_connector": "SimpleCPUOffloadConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {**OFFLOAD_EXTRA, "num_cpu_blocks": 64},
+}
+ORDERS = {
+    "offload-first": [OFFLOAD, NIXL],
+    "nixl-first": [NIXL, OFFLOAD],
+    "simple-offload-first": [SIMPLE, NIXL],
+}
 # (fail_closed, kv_load_failure_policy): the policy matters only fail-closed.
 POLICIES = {
     "fail-open": (False, "fail"),
@@ -64,7 +76,8 @@ POLICIES = {
 }
 
 
-def make_engine(model_dir: str, order: str, policy: str) -> OffloadSimEngine:
+def make_engine(model_dir: str, order: str, policy: str) -> Any:
+    """An OffloadSimEngine (SimpleOffloadSimEngine for SimpleCPUOffload)."""
     fail_closed, load_policy = POLICIES[policy]
     side = SideConfig(
         num_blocks=24,
@@ -73,12 +86,13 @@ def make_engine(model_dir: str, order: str, policy: str) -> OffloadSimEngine:
         fail_closed=fail_closed,
         policy=load_policy,
     )
-    engine = OffloadSimEngine(model_dir, side, f"order-{order}-{policy}")
+    sim = SimpleOffloadSimEngine if order.startswith("simple") else OffloadSimEngine
+    engine = sim(model_dir, side, f"order-{order}-{policy}")
     set_host_faults(engine, False)
     return engine
 
 
-def set_host_faults(engine: OffloadSimEngine, on: bool) -> None:
+def set_host_faults(engine: Any, on: bool) -> None:
     """Corrupt the first block of every host load (on) or of none (off)."""
     for side in engine.sides:
         assert side is not None
@@ -90,14 +104,14 @@ def tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(3, 200) for _ in range(count)]
 
 
-def run(engine: OffloadSimEngine, req_id: str, prompt: list[int]) -> None:
+def run(engine: Any, req_id: str, prompt: list[int]) -> None:
     """A request without kv_transfer_params, run to its end."""
     engine.add(make_request(req_id, prompt, max_tokens=2, block_size=BS))
     engine.run(req_id, max_steps=60)
 
 
 def to_host_then_evict(
-    engine: OffloadSimEngine, rng: random.Random, prefixes: list[list[int]]
+    engine: Any, rng: random.Random, prefixes: list[list[int]]
 ) -> None:
     """Each prefix computed (and stored to host memory), then pushed out of
     the 24 GPU blocks by unrelated prompts."""
@@ -108,7 +122,7 @@ def to_host_then_evict(
 
 
 def run_pd(
-    engine: OffloadSimEngine,
+    engine: Any,
     producer: SimEngine,
     req_id: str,
     prompt: list[int],
@@ -148,7 +162,7 @@ def run_pd(
     return pulled
 
 
-def expect_outcome(engine: OffloadSimEngine, policy: str, req_id: str) -> None:
+def expect_outcome(engine: Any, policy: str, req_id: str) -> None:
     """How a request whose load mismatched ends: served anyway (fail-open),
     failed (fail-closed, policy "fail") or recomputed from its first bad
     block on (fail-closed, policy "recompute")."""
@@ -191,7 +205,7 @@ def test_R119_R101_every_load_judged_in_either_child_order(
     producer = SimEngine(model_dir, SideConfig(num_blocks=64), f"prod-{order}-{policy}")
     prefixes = [tokens(rng, PREFIX_BLOCKS * BS) for _ in range(4)]
     to_host_then_evict(engine, rng, prefixes)
-    offload_first = order == "offload-first"
+    offload_first = order != "nixl-first"
 
     # NIXL first, fail-closed "recompute": the failed pull's recompute
     # loads the prefix from host memory (corrupted too): one more mismatch.
