@@ -12,7 +12,9 @@ chunk] per layer, into which each step's store jobs copy GPU blocks and from
 which load jobs copy them back, at the places vLLM's worker does: loads
 before the forward (after `start_loads`, as `start_load_kv`), stores after it
 (after `save_stores`, as `wait_for_save`). Finished async loads and completed
-jobs are reported in the same step's KVConnectorOutput. With `hooks=True`
+jobs are reported in the same step's KVConnectorOutput, with the P/D pulls
+the test reported finished (`finish_load`: a MultiConnector's NIXL child,
+whose KV the test copies itself). With `hooks=True`
 the worker sides run inside the real connector class's worker hooks (and
 their last-resort guard, R134) on an instance without __init__.
 """
@@ -135,6 +137,12 @@ class _OffloadSimBase(SimEngine):
             return finished, jobs
         held, self._held_loads = self._held_loads, (finished, jobs)
         return held
+
+    def _take_pulls(self) -> set[str]:
+        """P/D pulls the test reported finished (`finish_load`): loads of a
+        MultiConnector's P/D child, whose copies the test makes itself."""
+        pulls, self._finish_next = self._finish_next, set()
+        return pulls
 
     def _block_bytes(self, cache: torch.Tensor) -> int:
         return cache.numel() * cache.element_size() // self.side.num_blocks
@@ -307,6 +315,7 @@ class OffloadSimEngine(_OffloadSimBase):
             {job.req_id for job in load_jobs.values() if not job.sync},
             list(load_jobs),
         )
+        finished = finished | self._take_pulls()
         records = self._records(finished, output)
         kv_output = make_kv_connector_output(finished_recving=finished)
         completed = {j: len(self.workers) for j in (*loaded, *store_jobs)}
@@ -468,6 +477,7 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
             self._copy(meta.store_gpu_blocks, meta.store_cpu_blocks, to_host=True)
             self.num_stored_blocks += len(meta.store_gpu_blocks)
         finished, _ = self._finished_loads(finished, [])
+        finished = finished | self._take_pulls()
         records = self._records(finished, output)
         completed = self._completed_stores(meta.store_event if stored else None)
         if self.held:

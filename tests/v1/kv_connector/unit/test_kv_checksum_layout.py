@@ -19,6 +19,8 @@ LAYERS = {
     "config": 0,
     "definition": 0,
     "wire": 1,
+    # version.py: what a checksum configuration gets on another vLLM (R144).
+    "version": 1,
     "carriers": 2,
     "offload": 2,
     "hybrid": 2,

@@ -95,6 +95,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksu
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     offloading as wiring_offloading,
 )
+from vllm.distributed.kv_transfer.kv_checksum.wiring import version_guard
 from vllm.distributed.kv_transfer.kv_checksum.wiring import worker as wiring_worker
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -258,17 +259,18 @@ FRESH_PROCESS_SCRIPT = textwrap.dedent(
     assert not hasattr(KVConnectorOutput, "kv_checksums")
     logging.getLogger("vllm").addHandler(Collect())
 
-    # A wrong vLLM version: an error, and nothing patched (R7).
+    # A wrong vLLM version: one warning, only the version guard (R7, R144).
     real_version = plugin._installed_vllm_version
     plugin._installed_vllm_version = lambda: "0.32.0"
     plugin.register()
     assert not hooked(), "hooks installed for vLLM 0.32.0"
     assert not wiring._installed
     assert not hasattr(KVConnectorOutput, "kv_checksums")
-    errors = [r for r in records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1, [r.getMessage() for r in records]
-    assert "0.32.0" in errors[0].getMessage(), errors[0].getMessage()
-    assert "0.33.0" in errors[0].getMessage(), errors[0].getMessage()
+    assert not [r for r in records if r.levelno >= logging.ERROR]
+    warnings = [r for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in records]
+    assert "0.32.0" in warnings[0].getMessage(), warnings[0].getMessage()
+    assert "0.33.0" in warnings[0].getMessage(), warnings[0].getMessage()
 
     # The right version, loaded the way every vLLM process loads it (R7).
     plugin._installed_vllm_version = real_version
@@ -482,25 +484,32 @@ def test_register_twice_is_a_no_op() -> None:
 def test_wrong_vllm_version_patches_nothing(
     monkeypatch: pytest.MonkeyPatch, vllm_caplog: pytest.LogCaptureFixture
 ) -> None:
-    """R7: on another vLLM version `register()` logs an error and never calls
-    into the wiring. Catches a version check that only warns, or that runs
-    after some patching. (The fresh-process test checks the same without any
-    hook installed beforehand.)"""
+    """R7, R144: on another vLLM version `register()` never calls into the
+    wiring: it installs only the version guard (test_kv_checksum_version_guard
+    checks what that does) and logs one warning. Catches a version check that
+    runs after some patching, or one that skips the guard. (The fresh-process
+    test checks the same without any hook installed beforehand.)"""
     before = wrapped_attributes()
     installs = []
+    guards: list[str] = []
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(wiring, "_installed", False)
     monkeypatch.setattr(plugin, "_installed_vllm_version", lambda: "0.32.0")
     monkeypatch.setattr(wiring, "install", lambda: installs.append(True))
+    monkeypatch.setattr(
+        version_guard, "install_version_guard", lambda v: not guards.append(v)
+    )
     plugin.register()
     assert installs == []
+    assert guards == ["0.32.0"]
     assert {k: v[2] for k, v in wrapped_attributes().items()} == {
         k: v[2] for k, v in before.items()
     }
-    errors = checksum_logs(vllm_caplog, logging.ERROR)
-    assert len(errors) == 1
-    assert "0.32.0" in errors[0].getMessage()
-    assert plugin.SUPPORTED_VLLM_VERSION in errors[0].getMessage()
+    assert checksum_logs(vllm_caplog, logging.ERROR) == []
+    warnings = checksum_logs(vllm_caplog, logging.WARNING)
+    assert len(warnings) == 1
+    assert "0.32.0" in warnings[0].getMessage()
+    assert plugin.SUPPORTED_VLLM_VERSION in warnings[0].getMessage()
 
 
 def test_install_error_is_logged_not_raised(

@@ -5,7 +5,9 @@
 A P/D load is noted when its request arrives (R69); when it starts, the blocks
 it writes are registered (R70) and, once it finished and every worker
 reported, compared with the producer's payload (R72). A load of offloaded KV
-goes to `KVChecksumOffloadLoads` instead (R119-R121). Under fail-closed a load
+goes to `KVChecksumOffloadLoads` instead (R119-R121), also for a noted request
+whose load does not come from the producer (a MultiConnector whose offload
+child, listed first, loads its prefix from host memory). Under fail-closed a load
 that did not verify must fail (R4).
 """
 
@@ -91,15 +93,25 @@ class KVChecksumConsumer:
     ) -> None:
         """Register the blocks a starting load writes (R70, R119)."""
         req_id = request.request_id
-        if req_id not in self._noted:
-            self._add_offload_load(request, blocks, num_local_computed_tokens)
-            return
+        noted = req_id in self._noted
         self._noted.discard(req_id)
         num_external = request.num_computed_tokens - num_local_computed_tokens
         if num_external <= 0:
             return
-        if set(self.hit_sources(request, num_external)) != {P2P_SOURCE}:
-            return
+        sources = set(self.hit_sources(request, num_external))
+        if noted and sources == {P2P_SOURCE}:
+            self._add_receive(request, blocks, num_local_computed_tokens)
+        else:
+            # Not a P/D pull, also for a noted request that a MultiConnector
+            # hands to an offload child listed before its P/D child: judged
+            # as a load of its own sources (R119).
+            self._add_offload_load(request, blocks, num_local_computed_tokens, sources)
+
+    def _add_receive(
+        self, request: Any, blocks: Any, num_local_computed_tokens: int
+    ) -> None:
+        """A P/D pull is checked if its connector carries checksums (R70)."""
+        req_id = request.request_id
         carrier = self.setup.carrier(request, True)
         if carrier is None:
             return
@@ -112,15 +124,14 @@ class KVChecksumConsumer:
         self._step_recvs[req_id] = selected
 
     def _add_offload_load(
-        self, request: Any, blocks: Any, num_local_computed_tokens: int
+        self,
+        request: Any,
+        blocks: Any,
+        num_local_computed_tokens: int,
+        sources: set[str],
     ) -> None:
         """A load whose every hit source stores checksums is checked (R119)."""
-        num_external = request.num_computed_tokens - num_local_computed_tokens
-        if num_external <= 0:
-            return
-        if not self.offload.is_checked(
-            request, set(self.hit_sources(request, num_external))
-        ):
+        if not self.offload.is_checked(request, sources):
             return
         selected = self._loaded_blocks(request, blocks, num_local_computed_tokens)
         self.offload.add(request, selected)

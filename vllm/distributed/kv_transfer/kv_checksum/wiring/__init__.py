@@ -8,7 +8,8 @@ worker (model runner, ActiveKVConnector, aggregator, V1 refusal),
 connector_api (records, carrier API, MultiConnector), nixl_push, mooncake,
 offloading, simple_cpu_offload, containment (KV cache coordinator), metrics
 and mamba_layers. This module holds what they share: `install()`, the `_wrap`
-helper and the last-resort guard.
+helper and the last-resort guard. On any other vLLM none of them is
+installed, only version_guard (R144), which the plugin installs itself.
 
 Every hook is a thin wrapper that calls the original vLLM method and then a
 short call into the core modules. With checksums disabled the scheduler's
