@@ -53,6 +53,7 @@ import sys
 import sysconfig
 import tarfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import upstream_tests as ut
@@ -377,7 +378,11 @@ def baseline(
     setup: tuple[Path, Path],
     args: argparse.Namespace,
 ) -> tuple[ut.Results, str]:
-    """The unpatched archive's results for `targets`, run once and cached."""
+    """The unpatched archive's results for `targets` (those it has: the
+    series may add test files), run once and cached."""
+    targets = [t for t in targets if (root / t.split("::")[0]).exists()]
+    if not targets:
+        return ut.Results(), "unpatched: none of the tests exist"
     key = hashlib.sha256(
         json.dumps([targets, str(site_packages()), args.timeout]).encode()
     ).hexdigest()[:16]
@@ -394,30 +399,65 @@ def baseline(
 
 
 def compare(unpatched: ut.Results, patched: ut.Results) -> tuple[str, int]:
-    documented = {
-        ("patched", t): f"added by the series ({o})"
-        for t, o in patched.outcomes.items()
-        if t not in unpatched.outcomes and o in ("passed", "skipped")
-    }
-    documented.update({("patched", t): r for t, r in SERIES_DIFFERENCES.items()})
-    return ut.summarize(
+    """The per-file table and the differences from the unpatched run; the
+    tests the series adds are counted apart (their failures are differences)."""
+    added = {t for t in patched.outcomes if t not in unpatched.outcomes}
+    added_ok = {t for t in added if patched.outcomes[t] in ("passed", "skipped")}
+    kept = ut.Results(
+        {t: o for t, o in patched.outcomes.items() if t not in added_ok},
+        {t: f for t, f in patched.files.items() if t not in added_ok},
+    )
+    table, unexplained = ut.summarize(
         ["unpatched", "patched"],
-        {"unpatched": unpatched, "patched": patched},
+        {"unpatched": unpatched, "patched": kept},
         reference="unpatched",
         title="Tests whose result differs from the unpatched run",
-        documented=documented,
+        documented={("patched", t): r for t, r in SERIES_DIFFERENCES.items()},
     )
+    counts = Counter(patched.outcomes[t] for t in added)
+    files = sorted({patched.files[t] for t in added})
+    table += (
+        f"\nTests the series adds: {len(added)} ({counts['passed']} passed, "
+        f"{counts['failed'] + counts['error']} failed, {counts['skipped']} "
+        f"skipped) in {', '.join(files) or 'no file'}; the table above counts "
+        "only the failed ones.\n"
+    )
+    return table, unexplained
+
+
+def _is_test_file(path: str) -> bool:
+    return re.fullmatch(r"test_.*\.py", Path(path).name) is not None
 
 
 def commit_test_files(tree: Path, commit: str) -> list[str]:
-    """The vLLM test files (tests/**/test_*.py) a commit adds or changes."""
-    return [
-        path
-        for status, path in changed_files(tree, f"{commit}^", commit)
-        if status != "D"
-        and path.startswith("tests/")
-        and re.fullmatch(r"test_.*\.py", Path(path).name)
-    ]
+    """The tests of the files a commit touches: the vLLM test files it adds or
+    changes, and the test files under DEFAULT_TARGETS that import a vLLM
+    module it changes (by its dotted name)."""
+    files = set()
+    for status, path in changed_files(tree, f"{commit}^", commit):
+        if status == "D":
+            continue
+        if path.startswith("tests/") and _is_test_file(path):
+            files.add(path)
+        elif path.startswith("vllm/") and path.endswith(".py"):
+            module = path.removesuffix(".py").removesuffix("/__init__")
+            found = git(
+                tree,
+                "grep",
+                "-l",
+                "-F",
+                "-e",
+                module.replace("/", "."),
+                commit,
+                "--",
+                *DEFAULT_TARGETS,
+            )
+            files.update(
+                line.split(":", 1)[1]
+                for line in found.splitlines()
+                if _is_test_file(line.split(":", 1)[1])
+            )
+    return sorted(files)
 
 
 def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
@@ -430,29 +470,44 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
 
 
 def check_each(args: argparse.Namespace, tree: Path, cache: Path, out: Path) -> int:
+    """Each prefix of the series applies, and the tests of the files its last
+    commit touches fail nowhere the unpatched archive passes."""
     setup = (ut.install_deps(args.sdist_cache), ut.write_hf_configs(args.sdist_cache))
+    commits = apply_series(tree, args.upto)
+    files = {c: commit_test_files(tree, c) for c in commits}
+    union = sorted({f for fs in files.values() for f in fs})
+    sdist = ut.fetch_sdist(args.sdist_cache)
+    unpatched, _ = baseline(
+        ut.unpack(sdist, args.sdist_cache), union, cache, setup, args
+    )
+    failing = {t for t, o in unpatched.outcomes.items() if o in ("failed", "error")}
     failed = 0
     lines = []
     for k, patch in enumerate(patches()[: args.upto], start=1):
         start = time.monotonic()
-        commits = apply_series(tree, k)
+        apply_series(tree, k)
         overlay = build_overlay(tree, cache)
         python = build_env(cache, overlay)
         plugin = probe_env(python, overlay)
-        files = commit_test_files(tree, commits[-1])
         verdict = "applies"
-        if files:
+        targets = files[commits[k - 1]]
+        if targets:
             root = export_tests(tree, cache / "src")
             results = run_tests(
-                f"each-{k:04d}", str(python), root, files, out, setup, args
+                f"each-{k:04d}", str(python), root, targets, out, setup, args
             )
             bad = sorted(
-                t for t, o in results.outcomes.items() if o in ("failed", "error")
+                t
+                for t, o in results.outcomes.items()
+                if o in ("failed", "error") and t not in failing
             )
-            verdict += f"; {ut._counts(results)} (passed / failed / skipped)"
+            verdict += (
+                f"; {len(targets)} test files: {ut._counts(results)} "
+                "(passed / failed / skipped)"
+            )
             if bad:
                 failed += 1
-                verdict += "; FAILED: " + ", ".join(bad)
+                verdict += "; FAILED where unpatched passes: " + ", ".join(bad)
         seconds = time.monotonic() - start
         lines.append(f"- {patch.name}: {verdict}; {plugin} ({seconds:.0f} s)")
         log(lines[-1])
