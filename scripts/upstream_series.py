@@ -560,9 +560,14 @@ def check(args: argparse.Namespace) -> int:
     )
     patched_time = (out / "seconds-patched.txt").read_text().strip()
     table, unexplained = compare(unpatched, patched)
+    applied = (
+        f"the scratch tree's HEAD ({len(commits)} commits)"
+        if args.keep_tree
+        else f"patches 1-{args.upto} of {total} "
+        f"({', '.join(p.name for p in patches()[: args.upto]) or 'none'})"
+    )
     summary = (
-        f"vLLM {ut.VLLM_VERSION} with patches 1-{args.upto} of {total} "
-        f"({', '.join(p.name for p in patches()[: args.upto]) or 'none'})\n"
+        f"vLLM {ut.VLLM_VERSION} with {applied}\n"
         f"targets: {' '.join(targets)}; set-up {setup_seconds:.0f} s, "
         f"{unpatched_time}, patched {patched_time} s\n"
         f"plugin: {plugin}\n\n{table}"
