@@ -508,6 +508,8 @@ def check_each(args: argparse.Namespace, tree: Path, cache: Path, out: Path) -> 
             if bad:
                 failed += 1
                 verdict += "; FAILED where unpatched passes: " + ", ".join(bad)
+            elif any(o in ("failed", "error") for o in results.outcomes.values()):
+                verdict += ", each failure failing unpatched too"
         seconds = time.monotonic() - start
         lines.append(f"- {patch.name}: {verdict}; {plugin} ({seconds:.0f} s)")
         log(lines[-1])
