@@ -151,12 +151,17 @@ def base_tree(sdist: Path, cache: Path) -> Path:
 
 
 def apply_series(tree: Path, upto: int) -> list[str]:
-    """Check out the base, apply the first `upto` patches; their commits."""
+    """Check out the base, apply the first `upto` patches; their commits.
+    Refuses to run over uncommitted edits in the tree (they would be lost)."""
+    if git(tree, "status", "--porcelain", "--untracked-files=normal").strip():
+        raise CheckFailed(
+            f"{tree} has uncommitted changes: commit them (and export) first"
+        )
     git(tree, "checkout", "-q", "-f", "--detach", BASE_TAG)
     git(tree, "clean", "-q", "-f", "-d", "-x")
     for patch in patches()[:upto]:
         try:
-            git(tree, "am", "-q", str(patch))
+            git(tree, "am", "-q", "--keep-non-patch", str(patch))
         except CheckFailed as e:
             subprocess.run(["git", "am", "--abort"], cwd=tree, capture_output=True)
             raise CheckFailed(f"{patch.name} does not apply: {e}") from e
