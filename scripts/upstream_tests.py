@@ -211,10 +211,19 @@ def run_mode(
     hf_home: Path,
     out: Path,
     args: argparse.Namespace,
+    *,
+    python: str = sys.executable,
+    name: str | None = None,
+    targets: list[str] | None = None,
 ) -> tuple[str, int, float]:
+    """Run pytest on `targets` (paths relative to `root`; default: the
+    `args.files` of UNIT) in one mode with `python`; logs and junit files are
+    named after `name` (default: the mode). Returns (name, exit status,
+    seconds)."""
+    name = name or mode
     env = dict(os.environ)
-    for name in ("VLLM_PLUGINS", "PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
-        env.pop(name, None)
+    for variable in ("VLLM_PLUGINS", "PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
+        env.pop(variable, None)
     env.update(
         VLLM_TARGET_DEVICE="cpu",
         VLLM_USE_V2_MODEL_RUNNER="1",
@@ -222,7 +231,7 @@ def run_mode(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         KV_CHECKSUM_UPSTREAM_MODE=mode,
-        KV_CHECKSUM_UPSTREAM_STATS=str(out / f"hooks-{mode}.json"),
+        KV_CHECKSUM_UPSTREAM_STATS=str(out / f"hooks-{name}.json"),
         PYTHONPATH=os.pathsep.join([str(deps), str(SCRIPTS)]),
         PYTHONDONTWRITEBYTECODE="1",
     )
@@ -230,9 +239,10 @@ def run_mode(
         env["KV_CHECKSUM_UPSTREAM_EXACT_CLEANUP"] = "1"
     if args.package:
         env["KV_CHECKSUM_UPSTREAM_PACKAGE"] = str(args.package.resolve())
-    targets = [f"{UNIT}/{f}" for f in args.files] or [UNIT]
+    if targets is None:
+        targets = [f"{UNIT}/{f}" for f in args.files] or [UNIT]
     command = [
-        sys.executable,
+        python,
         "-m",
         "pytest",
         "-p",
@@ -246,7 +256,7 @@ def run_mode(
         "--tb=native",
         "--durations=15",
         f"--timeout={args.timeout}",
-        f"--junitxml={out / f'junit-{mode}.xml'}",
+        f"--junitxml={out / f'junit-{name}.xml'}",
         "-o",
         "junit_family=xunit1",
         *targets,
@@ -263,11 +273,11 @@ def run_mode(
             *command,
         ]
     start = time.monotonic()
-    with open(out / f"{mode}.log", "w") as output:
+    with open(out / f"{name}.log", "w") as output:
         rc = subprocess.run(
             command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT
         ).returncode
-    return mode, rc, time.monotonic() - start
+    return name, rc, time.monotonic() - start
 
 
 @dataclass
@@ -311,8 +321,21 @@ def _counts(results: Results, file: str | None = None) -> str:
     return f"{c['passed']} / {c['failed'] + c['error']} / {c['skipped']}"
 
 
-def summarize(modes: list[str], runs: dict[str, Results]) -> tuple[str, int]:
-    """(Markdown summary, number of differences without a documented reason)."""
+def summarize(
+    modes: list[str],
+    runs: dict[str, Results],
+    reference: str | None = None,
+    title: str = "Tests whose result differs from the run without the plugin",
+    documented: dict[tuple[str, str], str] | None = None,
+) -> tuple[str, int]:
+    """(Markdown summary, number of differences without a documented reason).
+
+    Every run is compared with the `reference` run (default: ``none`` when
+    present); without one, every failed test is listed. `documented` maps
+    (run, test id) to the reason a difference is expected (default:
+    DOCUMENTED_DIFFERENCES)."""
+    if documented is None:
+        documented = DOCUMENTED_DIFFERENCES
     files = sorted({f for r in runs.values() for f in r.files.values()})
     header = "| file | " + " | ".join(f"{m}: passed / failed / skipped" for m in modes)
     lines = [header + " |", "|---" * (len(modes) + 1) + "|"]
@@ -320,7 +343,8 @@ def summarize(modes: list[str], runs: dict[str, Results]) -> tuple[str, int]:
         row = " | ".join(_counts(runs[m], file) for m in modes)
         lines.append(f"| {file} | {row} |")
     lines.append("| **total** | " + " | ".join(_counts(runs[m]) for m in modes) + " |")
-    reference = "none" if "none" in modes else None
+    if reference is None and "none" in modes:
+        reference = "none"
     differing: dict[str, dict[str, str]] = defaultdict(dict)
     test_ids = sorted({t for r in runs.values() for t in r.outcomes})
     for test_id in test_ids:
@@ -331,17 +355,12 @@ def summarize(modes: list[str], runs: dict[str, Results]) -> tuple[str, int]:
         elif len(set(outcomes.values())) > 1:
             differing[test_id] = outcomes
     unexplained = 0
-    title = (
-        "Tests whose result differs from the run without the plugin"
-        if reference
-        else "Tests that failed"
-    )
+    if reference is None:
+        title = "Tests that failed"
     lines += ["", f"{title}: {len(differing)}"]
     for test_id, outcomes in differing.items():
         reasons = [
-            DOCUMENTED_DIFFERENCES[(m, test_id)]
-            for m in modes
-            if (m, test_id) in DOCUMENTED_DIFFERENCES
+            documented[(m, test_id)] for m in modes if (m, test_id) in documented
         ]
         if not reasons:
             unexplained += 1

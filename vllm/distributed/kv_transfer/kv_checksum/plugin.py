@@ -35,6 +35,18 @@ def _installed_vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
+def _vllm_has_native_kv_checksums() -> bool:
+    """Whether vLLM has KV checksums built in (the in-tree patch series,
+    upstream/), told by its KVTransferConfig having an `enable_kv_checksum`
+    field; the plugin must then install nothing (R146)."""
+    import dataclasses
+
+    from vllm.config import KVTransferConfig
+
+    fields = dataclasses.fields(KVTransferConfig)
+    return any(f.name == "enable_kv_checksum" for f in fields)
+
+
 def register() -> None:
     """Install the checksum hooks into vLLM, once per process."""
     global _registered
@@ -42,6 +54,9 @@ def register() -> None:
         return
     _registered = True
     try:
+        if _vllm_has_native_kv_checksums():
+            logger.info("vLLM has KV checksums built in: the plugin installs nothing.")
+            return
         version = _installed_vllm_version()
         if not is_supported_version(version):
             _register_unsupported(version)

@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The plugin on a vLLM with KV checksums built in installs nothing (R146).
+
+The in-tree patch series (upstream/) makes `enable_kv_checksum` a field of
+vLLM's KVTransferConfig. Here a native config class is simulated with vLLM's
+own `@config` decorator, as the series declares its fields.
+"""
+
+from __future__ import annotations
+
+import logging
+from unittest import mock
+
+import pytest
+from pydantic import Field
+
+import vllm.config
+from vllm.config.utils import config
+from vllm.distributed.kv_transfer.kv_checksum import plugin, wiring
+
+
+@config
+class NativeKVTransferConfig:
+    """KVTransferConfig as the patch series' first commit declares it (a
+    validated field with a pydantic Field default)."""
+
+    kv_connector: str | None = None
+    enable_kv_checksum: bool = Field(default=False, strict=True)
+
+
+@pytest.fixture
+def fresh_register(monkeypatch: pytest.MonkeyPatch) -> mock.MagicMock:
+    """register() as in a fresh process, with wiring.install() recorded."""
+    monkeypatch.setattr(plugin, "_registered", False)
+    install = mock.MagicMock()
+    monkeypatch.setattr(wiring, "install", install)
+    return install
+
+
+def test_vllm_0_33_0_has_no_native_kv_checksums() -> None:
+    """R146. Catches a detection that is always true (the released vLLM would
+    get no checksums at all), e.g. one looking for a name 0.33.0 has."""
+    assert not plugin._vllm_has_native_kv_checksums()
+
+
+def test_native_field_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """R146. Catches a detection that reads the field's value rather than its
+    presence: `getattr(KVTransferConfig, "enable_kv_checksum", False)` is the
+    field's default, False."""
+    monkeypatch.setattr(vllm.config, "KVTransferConfig", NativeKVTransferConfig)
+    assert plugin._vllm_has_native_kv_checksums()
+
+
+def test_register_installs_nothing_on_native_vllm(
+    fresh_register: mock.MagicMock,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_caplog: pytest.LogCaptureFixture,
+) -> None:
+    """R146. Catches register() still installing its hooks over a vLLM that
+    has the subsystem built in (two checksum implementations on one engine),
+    also when that vLLM is not 0.33.0 (the version check must not run first
+    and log an error for a vLLM that needs no plugin)."""
+    monkeypatch.setattr(vllm.config, "KVTransferConfig", NativeKVTransferConfig)
+    monkeypatch.setattr(plugin, "_installed_vllm_version", lambda: "0.34.0")
+    with vllm_caplog.at_level(logging.INFO):
+        plugin.register()
+    fresh_register.assert_not_called()
+    assert "built in" in vllm_caplog.text
+    assert not [r for r in vllm_caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_register_installs_on_vllm_0_33_0(fresh_register: mock.MagicMock) -> None:
+    """R146. Catches the native check disabling the plugin on the released
+    vLLM it exists for."""
+    plugin.register()
+    fresh_register.assert_called_once_with()
