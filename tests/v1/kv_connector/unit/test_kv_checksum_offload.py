@@ -405,33 +405,23 @@ def _count_entry_kernels(worker: KVChecksumWorker) -> dict[str, int]:
     ids=["in-order", "shuffled", "held-entry", "twice"],
 )
 @pytest.mark.parametrize("queued", [True, False], ids=["in-pass", "now"])
-@pytest.mark.parametrize("fold", [True, False], ids=["folded", "apart"])
 def test_R118_a_stores_copy_rides_in_its_entry_write(
-    copy_ids: list[int],
-    copy_slots: list[int],
-    moves: int,
-    queued: bool,
-    fold: bool,
-    monkeypatch: pytest.MonkeyPatch,
+    copy_ids: list[int], copy_slots: list[int], moves: int, queued: bool
 ) -> None:
     """Issue 30, R118: a store, queued for the checksum pass or saved at
     once, puts each written block's entry in its host slot with the same
-    kernel that writes the table (`fold_copy`); only blocks the write does
-    not cover (an entry the table already holds, a second slot of one
-    block) are moved apart. With `FOLD_STORE_COPIES` off (the engine A/B's
-    other arm) the whole copy is one move after the write. Either way
-    every slot ends equal to the reference entry (partial sums XOR R116
-    tags) of the block it was asked for. Bugs caught (each tried): the
-    copy's slots taken in its own order, not the write's (shuffled: entries
-    in the wrong slots); the uncovered rest dropped (block 4's slot stays
-    zero); a block counted as covered when only its first slot is (the
-    second slot stays zero)."""
+    write that fills the table (`fold_copy`); only blocks the write does not
+    cover (an entry the table already holds, a second slot of one block)
+    are moved apart. Every slot ends equal to the reference entry (partial
+    sums XOR R116 tags) of the block it was asked for. Bugs caught (each
+    tried): the copy's slots taken in its own order, not the write's
+    (shuffled: entries in the wrong slots); the uncovered rest dropped
+    (block 4's slot stays zero); a block counted as covered when only its
+    first slot is (the second slot stays zero)."""
     from vllm.distributed.kv_transfer.kv_checksum.definition.full_blocks import (
         EntryCopy,
     )
-    from vllm.distributed.kv_transfer.kv_checksum.engine import block_table
 
-    monkeypatch.setattr(block_table, "FOLD_STORE_COPIES", fold)
     worker, entries, hashes = _stored_entries(23, 29)
     table = worker.init_block_checksums([0])
     table[4] = 0x5EED
@@ -443,7 +433,7 @@ def test_R118_a_stores_copy_rides_in_its_entry_write(
         worker.flush_queued_entries()
     else:
         worker.save_block_checksums([(0, 0, BLOCK_IDS, hashes)], copy)
-    assert counts == {"write": 1, "move": moves if fold else 1}
+    assert counts == {"write": 1, "move": moves}
     expected = {b: int(e) for b, e in zip(BLOCK_IDS, entries)} | {4: 0x5EED}
     got = table_entries(host, copy_slots)
     assert [hex(v) for v in got] == [hex(expected[b]) for b in copy_ids]

@@ -33,13 +33,6 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.rows import (
 from vllm.distributed.kv_transfer.kv_checksum.definition.views import WorkerTopology
 from vllm.distributed.kv_transfer.kv_checksum.engine.plans import GroupPlans
 
-# A store's copy to its host slots rides in its entry write (`fold_copy`):
-# one launch less a store step on CUDA, where a store save took 236 us folded
-# against 260 apart (H100, 2026-12-06, `gpu_runs.sh device-calls`); on CPU
-# 1-2 us slower (the move it saves is one torch call there). Off is the
-# other arm of an engine A/B (`--trial copy-apart`).
-FOLD_STORE_COPIES = True
-
 
 @dataclass(frozen=True, eq=False)
 class EntryRows:
@@ -327,9 +320,8 @@ def fold_copy(
     writes, and the
     copy of the blocks no write covers (entries the table already holds),
     None if it covers them all. A group with a block the copy does not take
-    stays apart; with `FOLD_STORE_COPIES` off, all of them. No Python loop
-    over blocks (R142)."""
-    if not FOLD_STORE_COPIES or copy is None or not len(copy.slots) or not per_group:
+    stays apart. No Python loop over blocks (R142)."""
+    if copy is None or not len(copy.slots) or not per_group:
         return per_group, copy
     ids, slots = copy.block_ids, copy.slots
     if len(per_group) == 1 and np.array_equal(per_group[0].rows[0], ids):
