@@ -316,11 +316,10 @@ def fold_copy(
 ) -> tuple[list[EntryRows], EntryCopy | None]:
     """A store's copy to host slots folded into its entry writes (issue 30):
     each written block's slot rides in row 1 of its tags (set in place), so
-    one kernel puts its entry in the table and in the slot. Returned: the
-    writes, and the
-    copy of the blocks no write covers (entries the table already holds),
-    None if it covers them all. A group with a block the copy does not take
-    stays apart. No Python loop over blocks (R142)."""
+    one write puts its entry in the table and in the slot. Returned: the
+    writes, and the copy of the blocks no write covers (entries the table
+    already holds), None if it covers them all. A group with a block the
+    copy does not take stays apart. No Python loop over blocks (R142)."""
     if copy is None or not len(copy.slots) or not per_group:
         return per_group, copy
     ids, slots = copy.block_ids, copy.slots
@@ -352,8 +351,8 @@ def fold_copy(
 
 def merge_entry_rows(per_group: Sequence[EntryRows]) -> list[EntryRows]:
     """Entry writes of one group and one destination joined into one (a
-    launch then makes one kernel of them, issue 30), in first-seen order;
-    as they are when a block id appears twice (a single kernel would leave
+    launch then makes one write of them, issue 30), in first-seen order;
+    as they are when a block id appears twice (a single write would leave
     either entry)."""
     if len(per_group) < 2:
         return list(per_group)
