@@ -20,9 +20,12 @@ on, checksum code inside a hook runs under a last-resort guard (`_guard`,
 R134): an exception is logged once as an error and turns checksums off for
 that engine (scheduler or worker), while the original vLLM call's result or
 exception passes through untouched. The only exceptions that reach vLLM on
-purpose are start-up errors for invalid flags (R8).
+purpose are start-up errors: invalid flags (R8), and on another vLLM version
+the version guard's refusal of a fail-closed configuration (R144,
+`version_guard.py`).
 
-The list is repeated in docs/features/kv_checksum.md ("vLLM internals").
+The list is repeated in docs/design/kv_checksum.md ("vLLM internals the plugin
+hooks").
 """
 
 import contextlib
