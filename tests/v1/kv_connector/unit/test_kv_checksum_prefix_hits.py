@@ -331,18 +331,24 @@ def test_entries_dropped_per_call_of_vllms_eviction(model_dir: str) -> None:
 
 
 def test_cached_blocks_read_without_a_loop_per_block() -> None:
-    """R140, R142: the cache_full_blocks hook hands on exactly the blocks vLLM gave
-    a hash in this call (vLLM's KVCacheBlock: not the null block, not a masked
-    one), at their positions in the request, read with C-level maps. Reference:
-    the positions, ids and keys written out by hand. Bugs caught: positions
-    taken as 0.. of the new blocks, or not thinned with the ids (the kept
-    blocks' positions shifted), and null or unhashed blocks recorded."""
+    """R140, R142: the cache_full_blocks hook hands the listener exactly the
+    blocks vLLM gave a hash in this call (vLLM's KVCacheBlock: not the null
+    block, not a masked one), at their positions in the request, and the
+    listener records them. Reference: the positions, ids and keys written out
+    by hand. Bugs caught: positions taken as 0.. of the new blocks, or not
+    thinned with the ids (the kept blocks' positions shifted), null or
+    unhashed blocks recorded, another KV cache group's blocks recorded."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
+        PrefixHitEntryListener,
+    )
     from vllm.distributed.kv_transfer.kv_checksum.wiring import prefix_cache
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     calls: list[tuple[list[int], list[int], list[Any]]] = []
 
     class Hits:
+        group_id = 0
+
         def on_cached(self, request, positions, block_ids, keys) -> None:
             calls.append((positions.tolist(), block_ids.tolist(), list(keys)))
 
@@ -352,17 +358,23 @@ def test_cached_blocks_read_without_a_loop_per_block() -> None:
             b.set_block_hash(key, num_tokens=16)
         return b
 
+    listener = PrefixHitEntryListener(Hits(), lambda: True, print)  # type: ignore[arg-type]
+
+    def note(blocks: list, start: int, end: int, group: int = 0) -> None:
+        new, positions = prefix_cache._cached_blocks(blocks, start, end)
+        listener.on_blocks_cached(None, new, positions, group, 16)
+
     blocks = [block(7, "k0"), block(9, "k1"), block(0, None, null=True)]
     blocks += [block(4, None), block(12, "k4"), block(3, "k5")]
-    note = prefix_cache._note_cached
-    note(Hits(), None, blocks, 1, 6)  # type: ignore[arg-type]
+    note(blocks, 1, 6)
     assert calls == [([1, 4, 5], [9, 12, 3], ["k1", "k4", "k5"])]
     calls.clear()
-    note(Hits(), None, blocks, 4, 6)  # type: ignore[arg-type]
+    note(blocks, 4, 6)
     assert calls == [([4, 5], [12, 3], ["k4", "k5"])]
     calls.clear()
-    note(Hits(), None, blocks, 2, 4)  # type: ignore[arg-type]
-    note(Hits(), None, blocks, 6, 6)  # type: ignore[arg-type]
+    note(blocks, 2, 4)
+    note(blocks, 6, 6)
+    note(blocks, 0, 6, group=1)
     assert calls == []
 
 

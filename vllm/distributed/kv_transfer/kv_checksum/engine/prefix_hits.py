@@ -10,8 +10,9 @@ compared with those entries like a load of offloaded KV (R120): a "load" from
 the local prefix cache. Plain bookkeeping over block ids; no vLLM objects.
 """
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -255,3 +256,70 @@ class KVChecksumPrefixHits:
     def request_ids(self) -> list[str]:
         """The requests whose checks wait for their step's reports (R141)."""
         return [load.request.request_id for load in self.pending.values()]
+
+
+_block_id = attrgetter("block_id")
+_block_hash = attrgetter("block_hash")
+
+
+class PrefixHitEntryListener:
+    """Keeps the entries in step with the prefix cache: full blocks cached
+    get an entry, blocks no key reaches lose theirs, a reset drops all.
+
+    The listener interface of the block pool (`BlockPoolListener` of the
+    in-tree series, called by vLLM's pool there); on vLLM 0.33.0 the plugin's
+    block-pool hooks make the same calls. `live()` is False once
+    verification stopped; `on_error(where)` turns it off after an error.
+    """
+
+    def __init__(
+        self,
+        hits: KVChecksumPrefixHits,
+        live: Callable[[], bool],
+        on_error: Callable[[str], None],
+    ) -> None:
+        self.hits = hits
+        self.live = live
+        self.on_error = on_error
+
+    def on_blocks_cached(
+        self,
+        request: Any,
+        blocks: Sequence[Any],
+        positions: Sequence[int],
+        kv_cache_group_id: int,
+        block_size: int,
+    ) -> None:
+        """Record the entries of full blocks vLLM just cached (positions
+        strictly increasing), read with C-level maps (R142)."""
+        if not blocks or kv_cache_group_id != self.hits.group_id or not self.live():
+            return
+        try:
+            ids = np.fromiter(map(_block_id, blocks), dtype=np.int64, count=len(blocks))
+            keys = list(map(_block_hash, blocks))
+            self.hits.on_cached(
+                request, np.asarray(positions, dtype=np.int64), ids, keys
+            )
+        except Exception:
+            self.on_error("recording entries")
+
+    def on_blocks_uncached(self, block_ids: Sequence[int]) -> None:
+        """Drop the entries of blocks that lost every prefix-cache key."""
+        entry_keys = self.hits.entry_keys
+        if not entry_keys or not self.live():
+            return
+        try:
+            gone = [block_id for block_id in block_ids if block_id in entry_keys]
+            if gone:
+                self.hits.on_evicted(gone)
+        except Exception:
+            self.on_error("dropping entries")
+
+    def on_prefix_cache_reset(self) -> None:
+        """vLLM reset the prefix cache: every entry is gone."""
+        if not self.live():
+            return
+        try:
+            self.hits.clear()
+        except Exception:
+            self.on_error("resetting entries")

@@ -15,10 +15,13 @@ BlockPool cache_full_blocks, get_new_blocks, evict_blocks, reset_prefix_cache
     Why: an entry is recorded when vLLM caches a full block, dropped when it
     evicts the block (its two callers of `_maybe_evict_cached_block` that a
     single-group attention model reaches: allocation and eviction by id)
-    How: after vLLM's own call, note the blocks (positions, hashes) or drop
-    the entries of the blocks no key reaches any more, one frame per call
-    (issue 30: not one per allocated block)
-    Upstream: block-cached / block-evicted callbacks on the block pool
+    How: after vLLM's own call, the calls of the series' block-pool listener
+    on `PrefixHitEntryListener` (engine/prefix_hits.py): the blocks cached
+    (positions, hashes), the blocks no key reaches any more, the reset; one
+    frame per call (issue 30: not one per allocated block)
+    Upstream: `BlockPool.set_listener` (series commit 0003), which also
+    reports the keys 0.33.0 removes elsewhere (`cache_partial_block` with
+    `replace_existing_hashes`, `move_block_hashes`)
 KVCacheManager get_computed_blocks (instance)
     Why: the hit blocks of a request are checked before its output is used
     How: note the request's local hit length after vLLM's lookup
@@ -69,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
     KVChecksumPrefixHits,
+    PrefixHitEntryListener,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
 from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import EntriesWrittenFn
@@ -253,31 +257,31 @@ _block_id = attrgetter("block_id")
 _block_hash = attrgetter("block_hash")
 
 
-def _note_cached(
-    hits: KVChecksumPrefixHits,
-    request: Any,
-    blocks: list,
-    num_cached_blocks: int,
-    num_full_blocks: int,
-) -> None:
-    """The blocks vLLM just cached (those it gave a hash: not null, not masked),
-    read with C-level maps, not a Python loop per block (issue 30)."""
+def _cached_blocks(
+    blocks: list, num_cached_blocks: int, num_full_blocks: int
+) -> tuple[list, list[int]]:
+    """The blocks vLLM just cached in `cache_full_blocks` (those it gave a
+    hash: not null, not masked) and their positions, read with C-level maps,
+    not a Python loop per block (issue 30)."""
     new = blocks[num_cached_blocks:num_full_blocks]
-    if not new:
-        return
+    positions = list(range(num_cached_blocks, num_cached_blocks + len(new)))
     keys = list(map(_block_hash, new))
-    ids = np.fromiter(map(_block_id, new), dtype=np.int64, count=len(new))
-    positions = np.arange(num_cached_blocks, num_cached_blocks + len(new))
     if None in keys:  # null or masked blocks (sliding window): vLLM skipped them
-        kept = np.flatnonzero([key is not None for key in keys])
-        keys = [keys[i] for i in kept.tolist()]
-        ids, positions = ids[kept], positions[kept]
-    if keys:
-        hits.on_cached(request, positions, ids, keys)
+        kept = [i for i, key in enumerate(keys) if key is not None]
+        new = [new[i] for i in kept]
+        positions = [positions[i] for i in kept]
+    return new, positions
 
 
 def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> None:
-    """Instance wrappers: entries on cache_full_blocks, dropped on eviction."""
+    """Instance wrappers on the block pool making the calls of the in-tree
+    series' block-pool listener (`PrefixHitEntryListener`) after vLLM's own:
+    blocks cached, blocks that lost their keys, reset."""
+    listener = PrefixHitEntryListener(
+        hits,
+        lambda: _live_state(scheduler) is not None,
+        lambda where: _turn_off(scheduler, where),
+    )
     cache_full_blocks = pool.cache_full_blocks
     get_new_blocks = pool.get_new_blocks
     evict_blocks = pool.evict_blocks
@@ -288,28 +292,37 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
         blocks: list,
         num_cached_blocks: int,
         num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
         *args: Any,
         **kwargs: Any,
     ) -> None:
         cache_full_blocks(
-            request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            *args,
+            **kwargs,
         )
-        if _live_state(scheduler) is None:
-            return
         try:
-            _note_cached(hits, request, blocks, num_cached_blocks, num_full_blocks)
+            new, positions = _cached_blocks(blocks, num_cached_blocks, num_full_blocks)
         except Exception:
             _turn_off(scheduler, "recording entries")
+            return
+        listener.on_blocks_cached(
+            request, new, positions, kv_cache_group_id, block_size
+        )
 
-    def drop_evicted(block_ids: Iterable[int]) -> None:
-        """Entries of these blocks that no prefix-cache key reaches any more."""
-        if not hits.entry_keys or _live_state(scheduler) is None:
+    def uncached(block_ids: Iterable[int]) -> None:
+        """Those of the blocks with entries that no key reaches any more (a
+        surviving key keeps its entry, R140 (c), so a reuse is caught)."""
+        entry_keys = hits.entry_keys
+        if not entry_keys:
             return
         try:
-            # The blocks with entries that no key reaches any more (R140 (c):
-            # a surviving key keeps its entry, so a reuse of the block is
-            # caught); their entries dropped in one call.
-            entry_keys = hits.entry_keys
             contain = pool.cached_block_hash_to_block.contain
             gone = [
                 block_id
@@ -317,27 +330,24 @@ def _hook_block_pool(scheduler: Any, pool: Any, hits: KVChecksumPrefixHits) -> N
                 if block_id in entry_keys
                 and not contain(entry_keys[block_id], block_id)
             ]
-            if gone:
-                hits.on_evicted(gone)
         except Exception:
             _turn_off(scheduler, "dropping entries")
+            return
+        listener.on_blocks_uncached(gone)
 
     def get_new_blocks_hook(num_blocks: int, *args: Any, **kwargs: Any) -> list:
         blocks = get_new_blocks(num_blocks, *args, **kwargs)
-        drop_evicted(map(_block_id, blocks))
+        uncached(map(_block_id, blocks))
         return blocks
 
     def evict_blocks_hook(block_ids: set[int], *args: Any, **kwargs: Any) -> None:
         evict_blocks(block_ids, *args, **kwargs)
-        drop_evicted(block_ids)
+        uncached(block_ids)
 
     def reset_hook() -> bool:
         done = reset()
-        if done and _live_state(scheduler) is not None:
-            try:
-                hits.clear()
-            except Exception:
-                _turn_off(scheduler, "resetting entries")
+        if done:
+            listener.on_prefix_cache_reset()
         return done
 
     pool.cache_full_blocks = cache_full_blocks_hook
