@@ -75,3 +75,42 @@ def test_register_installs_on_vllm_0_33_0(fresh_register: mock.MagicMock) -> Non
     vLLM it exists for."""
     plugin.register()
     fresh_register.assert_called_once_with()
+
+
+def test_flags_read_from_native_fields() -> None:
+    """R146: on a vLLM with the series the settings are KVTransferConfig fields
+    (validated there, the extra-config spelling mapped onto them), and the
+    subsystem reads the fields, not kv_connector_extra_config. Reference: the
+    field values set by hand. Bugs caught: the flags read from the extra config
+    only (every native deployment unchecked), the nested fault config's kinds
+    or seed dropped, the host-fault setting (still an extra-config key of the
+    offload tiers) lost."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_checksum.config import (
+        FaultInjectionConfig,
+        read_flags,
+    )
+
+    native = SimpleNamespace(
+        enable_kv_checksum=True,
+        kv_checksum_fail_closed=True,
+        kv_checksum_max_payload_bytes=4096,
+        kv_checksum_verify_prefix_hits=True,
+        kv_checksum_fault_injection=SimpleNamespace(
+            rate=0.5, kinds=["zero_block"], seed=7
+        ),
+        kv_connector_extra_config={
+            "enable_kv_checksum": False,
+            "kv_checksum_host_fault_injection": {"rate": 1, "kinds": ["host_bit_flip"]},
+        },
+    )
+    flags = read_flags(native)
+    assert flags.enabled and flags.fail_closed and flags.verify_prefix_hits
+    assert flags.max_payload_bytes == 4096
+    assert flags.fault_injection == FaultInjectionConfig(0.5, ("zero_block",), 7)
+    assert flags.host_fault_injection == FaultInjectionConfig(1.0, ("host_bit_flip",))
+    native.enable_kv_checksum = False
+    native.kv_checksum_fault_injection = None
+    flags = read_flags(native)
+    assert not flags.enabled and flags.fault_injection is None

@@ -125,8 +125,20 @@ def read_fault_setting(
     return FaultInjectionConfig(float(rate), tuple(dict.fromkeys(kinds)), seed)
 
 
+def has_native_fields(kv_transfer_config: Any) -> bool:
+    """Whether the settings are `KVTransferConfig` fields (a vLLM with the
+    in-tree series, patch 0001: validated there, the extra-config spelling
+    already mapped onto them)."""
+    return hasattr(kv_transfer_config, ENABLE_KEY)
+
+
 def read_fault_injection(kv_transfer_config: Any) -> FaultInjectionConfig | None:
     """The `kv_checksum_fault_injection` setting (R131); None when absent."""
+    if has_native_fields(kv_transfer_config):
+        value = kv_transfer_config.kv_checksum_fault_injection
+        if value is None:
+            return None
+        return FaultInjectionConfig(float(value.rate), tuple(value.kinds), value.seed)
     return read_fault_setting(
         kv_transfer_config, FAULT_INJECTION_KEY, VALID_FAULT_KINDS, FAULT_KINDS
     )
@@ -136,6 +148,17 @@ def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
     """The flags of a KVTransferConfig; non-boolean values are an error (R8)."""
     if kv_transfer_config is None:
         return KVChecksumFlags()
+    if has_native_fields(kv_transfer_config):
+        return KVChecksumFlags(
+            enabled=kv_transfer_config.enable_kv_checksum,
+            fail_closed=kv_transfer_config.kv_checksum_fail_closed,
+            max_payload_bytes=kv_transfer_config.kv_checksum_max_payload_bytes,
+            fault_injection=read_fault_injection(kv_transfer_config),
+            host_fault_injection=read_fault_setting(
+                kv_transfer_config, HOST_FAULT_KEY, HOST_FAULT_KINDS
+            ),
+            verify_prefix_hits=kv_transfer_config.kv_checksum_verify_prefix_hits,
+        )
     extra = kv_transfer_config.kv_connector_extra_config or {}
     max_bytes = extra.get(MAX_PAYLOAD_BYTES_KEY, DEFAULT_MAX_PAYLOAD_BYTES)
     if max_bytes is not None and (

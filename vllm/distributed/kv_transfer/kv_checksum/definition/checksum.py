@@ -7,7 +7,6 @@ model (SPEC section 4). Workers report partial sums in a `KVChecksumRecord`; the
 scheduler tells workers what to checksum with a `KVChecksumScheduled`.
 """
 
-import enum
 import hashlib
 import math
 from collections import deque
@@ -18,12 +17,15 @@ from typing import Any
 
 import numpy as np
 
+from vllm.distributed.kv_transfer.kv_checksum.carrier import (  # noqa: F401 (re-exported)
+    KV_TRANSFER_PARAMS_KEY,
+    KVChecksumCarrier,
+)
+
 # H of the definition: slice factors are m = 2 * (layer * H + head) + 1.
 MAX_KV_HEADS_PER_LAYER = 1 << 16
 H = MAX_KV_HEADS_PER_LAYER
 
-# The kv_transfer_params key that carries the base64 payload.
-KV_TRANSFER_PARAMS_KEY = "kv_checksums"
 
 U64_MASK = (1 << 64) - 1
 
@@ -32,15 +34,6 @@ MAX_CHUNK_TOKENS = 16
 
 # Producer records fold every replica-0 view of a chunk into one column.
 SEND_COLUMN_KEY = (1, 0)
-
-
-class KVChecksumCarrier(enum.Enum):
-    """How a connector moves a request's checksum bytes to the consumer (R97)."""
-
-    # Generic code adds and reads kv_transfer_params["kv_checksums"].
-    KV_TRANSFER_PARAMS = "kv_transfer_params"
-    # The connector moves opaque bytes in its own messages.
-    CONNECTOR = "connector"
 
 
 def num_valid_tokens(position: int, block_size: int, num_tokens: int) -> int:
