@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm.distributed.kv_transfer.kv_checksum.config import read_flags
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
     KVChecksumRecord,
@@ -38,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import (
 from vllm.distributed.kv_transfer.kv_checksum.engine.producer import (
     KVChecksumProducer,
 )
+from vllm.distributed.kv_transfer.kv_checksum.engine.records import finalize_records
 from vllm.distributed.kv_transfer.kv_checksum.engine.transfers import (
     CarrierFn,
     TransferSetup,
@@ -129,6 +131,8 @@ class KVChecksumScheduler:
         self.tracked_sources: list[Callable[[], Iterable[str]]] = []
         # When the R141 gauge recounts `tracked_request_ids` (R142).
         self.tracked_recount = TrackedRecount()
+        # Loads started in this schedule(): (request, blocks, external tokens).
+        self.starting_loads: list[tuple[Any, Any, int]] = []
 
     @property
     def on_failed_load(self) -> FailedLoadFn | None:
@@ -177,6 +181,71 @@ class KVChecksumScheduler:
             on_failure,
             hash_block_size,
         )
+
+    # ------------------------------------------------------------------
+    # The engine's calls, one per place in vLLM's Scheduler (the plugin's
+    # hooks and the in-tree series' call sites make the same calls)
+    # ------------------------------------------------------------------
+
+    def note_load_start(self, request: Any, blocks: Any, num_external: int) -> None:
+        """A connector load starts (`update_state_after_alloc`, deferred loads
+        too); registered once the step's token counts are final (R10 d)."""
+        if num_external > 0:
+            self.starting_loads.append((request, blocks, num_external))
+
+    def schedule_step(
+        self,
+        num_scheduled_tokens: Mapping[str, int],
+        requests: Mapping[str, Any],
+        kv_cache_manager: Any,
+    ) -> KVChecksumScheduled | None:
+        """After `_update_after_schedule`: register the loads started and the
+        prompts finished in this step; the workers' metadata (R10 c, d)."""
+        from vllm.v1.request import RequestStatus
+
+        starting, self.starting_loads = self.starting_loads, []
+        for request, blocks, num_external in starting:
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                local = request.num_computed_tokens - num_external
+                self.add_recv(request, blocks, local)
+        self.add_sends(num_scheduled_tokens, requests, kv_cache_manager)
+        return self.build_checksum_meta()
+
+    def verify_step(self, kv_output: Any, failed_req_ids: Iterable[str]) -> None:
+        """Before vLLM handles a step's load failures: store the workers'
+        records, verify finished loads; fail-closed failures join
+        `kv_output.failed_recving`, so vLLM's kv_load_failure_policy decides
+        (R10 e, R73, R4). Loads vLLM already failed (`failed_req_ids`) or
+        hit by invalid blocks are not compared."""
+        records = getattr(kv_output, "kv_checksums", None)
+        # Most steps report no finished load and no record (R142).
+        if kv_output is None or not (kv_output.finished_recving or records):
+            return
+        failed = set(kv_output.failed_recving or ())
+        failing = self.update_from_output(
+            finalize_records(records),
+            kv_output.finished_recving,
+            skip_req_ids=failed.union(failed_req_ids),
+            invalid_block_ids=kv_output.invalid_block_ids,
+        )
+        if failing:
+            kv_output.failed_recving = failed | failing
+
+    def finish_request(
+        self,
+        request: Any,
+        kv_transfer_params: dict[str, Any] | None,
+        kv_cache_manager: Any,
+        send: Callable[[Any, bytes], None],
+    ) -> dict[str, Any] | None:
+        """When the connector finished a request (`_connector_finished`): the
+        kv_transfer_params to return, with the payload for KV_TRANSFER_PARAMS
+        carriers; CONNECTOR bytes go to `send(request, data)` (R10 f)."""
+        params = self.request_finished(request, kv_transfer_params, kv_cache_manager)
+        data = self.take_kv_checksums_to_send(request.request_id)
+        if data is not None:
+            send(request, data)
+        return params
 
     # ------------------------------------------------------------------
     # Registration
@@ -313,6 +382,35 @@ class KVChecksumScheduler:
         for source in self.tracked_sources:
             ids.update(source())
         return ids
+
+
+def create_kv_checksum_scheduler(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    connector: Any,
+    hit_sources: HitSourcesFn,
+    hash_block_size: int | None = None,
+) -> KVChecksumScheduler:
+    """The checksum scheduler of an engine whose checksums are enabled, bound
+    to its scheduler-side connector's carrier, checked sources and failure
+    callback; `hit_sources(request, tokens)` names a starting load's sources."""
+    flags = read_flags(vllm_config.kv_transfer_config)
+    parallel = vllm_config.parallel_config
+    return KVChecksumScheduler.create(
+        kv_cache_config,
+        num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        tp_size=parallel.tensor_parallel_size,
+        fail_closed=flags.fail_closed,
+        carrier=connector.kv_checksum_carrier,
+        hit_sources=hit_sources,
+        max_model_len=vllm_config.model_config.max_model_len,
+        max_payload_bytes=flags.max_payload_bytes,
+        checksum_sources=lambda request: {
+            getattr(s, "value", s) for s in connector.get_kv_checksum_sources(request)
+        },
+        on_failure=connector.on_kv_checksum_failure,
+        hash_block_size=hash_block_size,
+    )
 
 
 def _transfer_groups(kv_cache_config: Any) -> dict[int, SchedulerGroup]:

@@ -28,7 +28,6 @@ The list is repeated in docs/design/kv_checksum.md ("vLLM internals the plugin
 hooks").
 """
 
-import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
@@ -37,6 +36,12 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     kv_checksum_enabled,
     read_flags,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.guard import (
+    KVChecksumGuard as _guard,  # noqa: F401 (the hooks' guard, engine/guard.py)
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.guard import (
+    disable_after_error as _disable_after_error,  # noqa: F401
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.outbox import ChecksumOutbox
 from vllm.distributed.kv_transfer.kv_checksum.wire.payload import (
@@ -73,22 +78,6 @@ def _wrap(cls: type, name: str) -> Callable[[Callable], Callable]:
     return decorator
 
 
-def _disable_after_error(owner: Any, attr: str, where: str) -> None:
-    """Last-resort guard (R134); call from an `except` block.
-
-    Logs one error with the traceback and sets `owner.attr` (a scheduler's
-    `kv_checksum_scheduler`, an ActiveKVConnector's `kv_checksum_worker`) to
-    None, so the hooks pass that object through from now on.
-    """
-    logger.exception(
-        "KV checksums disabled for this engine after an error in %s; vLLM "
-        "goes on without them.",
-        where,
-    )
-    with contextlib.suppress(Exception):
-        setattr(owner, attr, None)
-
-
 def _enabled(vllm_config: Any, where: str) -> bool:
     """`kv_checksum_enabled` for a constructor hook: invalid flags raise
     ValueError (a start-up error by design, R8); any other error is logged
@@ -119,39 +108,6 @@ def _payload_byte_limit(vllm_config: Any) -> int:
     return max_valid_payload_bytes(
         vllm_config.model_config.max_model_len, len(kv_cache_config.kv_cache_groups)
     )
-
-
-class _guard:  # noqa: N801 (used as `with _guard(...)`, like a function)
-    """The last-resort guard (R134) around a hook's checksum code: an exception
-    is logged once and `disable(owner, attr, where)` (default:
-    `_disable_after_error`) turns checksums off for `owner`; nothing is raised.
-
-    A plain class, not a generator context manager: hooks enter it every
-    engine step, and this costs a fraction of a generator's set-up (R142).
-    """
-
-    __slots__ = ("owner", "attr", "where", "disable")
-
-    def __init__(
-        self,
-        owner: Any,
-        attr: str,
-        where: str,
-        disable: Callable[[Any, str, str], None] | None = None,
-    ) -> None:
-        self.owner = owner
-        self.attr = attr
-        self.where = where
-        self.disable = disable
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
-        if exc_type is None or not issubclass(exc_type, Exception):
-            return False  # BaseExceptions (KeyboardInterrupt, SystemExit) pass
-        (self.disable or _disable_after_error)(self.owner, self.attr, self.where)
-        return True
 
 
 def install() -> None:

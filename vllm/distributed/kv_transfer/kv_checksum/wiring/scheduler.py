@@ -1,7 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Hooks on the engine's Scheduler (R10 a-f, R73); the logic is in
-engine/scheduler.py.
+engine/scheduler.py. Each hook makes one call of `KVChecksumScheduler`
+(`create_kv_checksum_scheduler`, `on_new_request`, `note_load_start`,
+`schedule_step`, `verify_step`, `finish_request`), the same call the in-tree
+series makes at that place in vLLM's Scheduler, under the guard of
+engine/guard.py.
 
 Hooks (target; why; how; the upstream change that lets it go):
 
@@ -38,11 +42,9 @@ Scheduler._connector_finished
 from collections.abc import Callable
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_checksum.config import read_flags
 from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
-    KVChecksumScheduler,
+    create_kv_checksum_scheduler,
 )
-from vllm.distributed.kv_transfer.kv_checksum.engine.worker import finalize_records
 from vllm.distributed.kv_transfer.kv_checksum.wire.outbox import ChecksumOutbox
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     OUTBOX_ATTR,
@@ -63,29 +65,6 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring.simple_cpu_offload import (
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-def _create_scheduler(scheduler: Any) -> KVChecksumScheduler:
-    """The checksum scheduler of a scheduler whose checksums are enabled."""
-    connector = scheduler.connector
-    vllm_config = scheduler.vllm_config
-    flags = read_flags(vllm_config.kv_transfer_config)
-    parallel = vllm_config.parallel_config
-    return KVChecksumScheduler.create(
-        scheduler.kv_cache_config,
-        num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
-        tp_size=parallel.tensor_parallel_size,
-        fail_closed=flags.fail_closed,
-        carrier=connector.kv_checksum_carrier,
-        hit_sources=_hit_sources_of(scheduler),
-        max_model_len=vllm_config.model_config.max_model_len,
-        max_payload_bytes=flags.max_payload_bytes,
-        checksum_sources=lambda request: {
-            getattr(s, "value", s) for s in connector.get_kv_checksum_sources(request)
-        },
-        on_failure=connector.on_kv_checksum_failure,
-        hash_block_size=getattr(scheduler, "hash_block_size", None),
-    )
 
 
 class HitSources:
@@ -143,7 +122,6 @@ def _hit_sources_of(scheduler: Any) -> HitSources:
 
 def install_scheduler_hooks() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import RequestStatus
 
     # Read when checksums are off: class defaults, nothing set on instances.
     Scheduler.kv_checksum_scheduler = None  # type: ignore[attr-defined]
@@ -165,14 +143,19 @@ def install_scheduler_hooks() -> None:
         if self.connector is None or not _enabled(self.vllm_config, "Scheduler"):
             return
         with _guard(self, "kv_checksum_scheduler", "Scheduler.__init__"):
-            kcs = _create_scheduler(self)
+            kcs = create_kv_checksum_scheduler(
+                self.vllm_config,
+                self.kv_cache_config,
+                self.connector,
+                _hit_sources_of(self),
+                getattr(self, "hash_block_size", None),
+            )
             entries_written = prefix_cache.entries_written_of(self)  # R140
             _attach_offload_schedulers(self.connector, entries_written)
             _attach_simple_offload_schedulers(self.connector, entries_written)
             _attach_containment(self, kcs)
             prefix_cache.attach(self, kcs)  # R140
             kcs.tracked_sources.append(lambda: _outbox_request_ids(self.connector))
-            self._kv_checksum_starting_loads = []
             _note_starting_loads(self)
             self.kv_checksum_scheduler = kcs
 
@@ -198,27 +181,18 @@ def install_scheduler_hooks() -> None:
 
         Why: only after it are `num_computed_tokens` final for the step, both
         for loads started in this schedule() and for prompts it finishes.
-        How: `add_recv` per started load, `add_sends` for the scheduled
-        producer requests, then `build_checksum_meta()` on the SchedulerOutput.
+        How: `schedule_step` (the loads started, the scheduled producer
+        requests) fills `kv_checksum_scheduled` on the SchedulerOutput.
         Upstream: a `kv_checksum_scheduled` field filled by the Scheduler.
         """
         original(self, output)
         kcs = getattr(self, "kv_checksum_scheduler", None)
         if kcs is None:
             return
-        starting, self._kv_checksum_starting_loads = (
-            self._kv_checksum_starting_loads,
-            [],
-        )
         with _guard(self, "kv_checksum_scheduler", "Scheduler._update_after_schedule"):
-            for request, blocks, num_external in starting:
-                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    local = request.num_computed_tokens - num_external
-                    kcs.add_recv(request, blocks, local)
-            kcs.add_sends(
+            output.kv_checksum_scheduled = kcs.schedule_step(
                 output.num_scheduled_tokens, self.requests, self.kv_cache_manager
             )
-            output.kv_checksum_scheduled = kcs.build_checksum_meta()
             prefix_cache.schedule(self, output)  # R140
         self._kv_checksum_hit_sources.seen.clear()
 
@@ -230,10 +204,11 @@ def install_scheduler_hooks() -> None:
 
         Why: a load must be verified before the request is rescheduled, and
         records must be stored before the per-request loop finishes producers.
-        How: before the original, store records and verify the finished loads
-        (skipping loads reported failed, already failed or hit by invalid
-        blocks); fail-closed failures are added to `failed_recving`, so vLLM's
-        own `_handle_failed_recving` and kv_load_failure_policy decide (R4).
+        How: before the original, `verify_step` stores records and verifies
+        the finished loads (skipping loads reported failed, already failed or
+        hit by invalid blocks); fail-closed failures are added to
+        `failed_recving`, so vLLM's own `_handle_failed_recving` and
+        kv_load_failure_policy decide (R4).
         If checksum code raises, one error log and checksums off for this
         engine; vLLM's update_from_output then runs unchanged (R134).
         Upstream: a checksum step between vLLM's failure handling and its
@@ -243,21 +218,9 @@ def install_scheduler_hooks() -> None:
         if kcs is None:
             return original(self, scheduler_output, model_output)
         with _guard(self, "kv_checksum_scheduler", "Scheduler.update_from_output"):
-            kv_output = model_output.kv_connector_output
-            # Most steps report no finished load and no record: nothing to
-            # store or verify (R142).
-            if kv_output is not None and (
-                kv_output.finished_recving or getattr(kv_output, "kv_checksums", None)
-            ):
-                failed = set(kv_output.failed_recving or ())
-                failing = kcs.update_from_output(
-                    finalize_records(getattr(kv_output, "kv_checksums", None)),
-                    kv_output.finished_recving,
-                    skip_req_ids=failed | self.failed_recving_kv_req_ids,
-                    invalid_block_ids=kv_output.invalid_block_ids,
-                )
-                if failing:
-                    kv_output.failed_recving = failed | failing
+            kcs.verify_step(
+                model_output.kv_connector_output, self.failed_recving_kv_req_ids
+            )
             prefix_cache.verify(self, scheduler_output, model_output)  # R140
         return original(self, scheduler_output, model_output)
 
@@ -269,7 +232,7 @@ def install_scheduler_hooks() -> None:
 
         Why: a finished producer's payload travels with what the connector
         returns (kv_transfer_params) or in the connector's own messages.
-        How: after the original, `request_finished` adds "kv_checksums" to the
+        How: after the original, `finish_request` adds "kv_checksums" to the
         returned params (leaving out blocks vLLM has freed since the prompt
         was checksummed); CONNECTOR bytes go to `send_kv_checksums`. On an
         error, vLLM's own result is returned (R134).
@@ -281,10 +244,9 @@ def install_scheduler_hooks() -> None:
             return result
         with _guard(self, "kv_checksum_scheduler", "Scheduler._connector_finished"):
             delay_free, params = result
-            params = kcs.request_finished(request, params, self.kv_cache_manager)
-            data = kcs.take_kv_checksums_to_send(request.request_id)
-            if data is not None:
-                self.connector.send_kv_checksums(request, data)
+            params = kcs.finish_request(
+                request, params, self.kv_cache_manager, self.connector.send_kv_checksums
+            )
             return delay_free, params
         return result
 
@@ -316,10 +278,9 @@ def _note_starting_loads(scheduler: Any) -> None:
 
     def update_state_after_alloc(request: Any, blocks: Any, num_external: int) -> Any:
         result = original(request, blocks, num_external)
-        if num_external > 0 and scheduler.kv_checksum_scheduler is not None:
-            scheduler._kv_checksum_starting_loads.append(
-                (request, blocks, num_external)
-            )
+        kcs = scheduler.kv_checksum_scheduler
+        if kcs is not None:
+            kcs.note_load_start(request, blocks, num_external)
         return result
 
     connector.update_state_after_alloc = update_state_after_alloc
