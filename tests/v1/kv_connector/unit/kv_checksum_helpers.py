@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import json
 import threading
 from collections import defaultdict, deque
@@ -135,6 +136,55 @@ MODEL_CONFIG_JSON: dict[str, Any] = {
 }
 
 
+# The settings that are KVTransferConfig fields on a vLLM with the series.
+NATIVE_SETTING_KEYS = (
+    "enable_kv_checksum",
+    "kv_checksum_fail_closed",
+    "kv_checksum_max_payload_bytes",
+    "kv_checksum_fault_injection",
+    "kv_checksum_verify_prefix_hits",
+)
+
+
+def native_kv_checksums() -> bool:
+    """Whether this vLLM has KV checksums built in (the in-tree series under
+    `upstream/`): the plugin and its wiring are not installed there, and the
+    behaviour tests run against vLLM's own calls."""
+    return (
+        importlib.util.find_spec("vllm.distributed.kv_transfer.kv_checksum.plugin")
+        is None
+    )
+
+
+def skip_unless_capability(capability: str) -> None:
+    """Skip the calling test on a vLLM with the in-tree series when the series
+    does not carry `capability` yet (its commit comes later); on vLLM 0.33.0
+    the plugin carries every capability and nothing is skipped."""
+    import pytest
+
+    if not native_kv_checksums():
+        return
+    if capability == "nixl_push":
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+            NixlPushConnector,
+        )
+
+        present = "kv_checksum_carrier" in NixlPushConnector.__dict__
+    else:
+        present = False
+    if not present:
+        pytest.skip(f"the in-tree series has no {capability} commit yet")
+
+
+def register_plugin() -> None:
+    """The plugin's registration on vLLM 0.33.0 (its hooks); nothing on a vLLM
+    with the subsystem built in."""
+    if not native_kv_checksums():
+        from vllm.distributed.kv_transfer.kv_checksum import plugin
+
+        plugin.register()
+
+
 def write_model_dir(path: str | Path) -> str:
     """Create ``path`` holding only the tiny model's ``config.json``."""
     folder = Path(path)
@@ -220,12 +270,16 @@ def make_vllm_config(
     )
     kv_transfer_config = None
     if kv_connector is not None:
+        extra, fields = dict(extra_config or {}), {}
+        if native_kv_checksums():  # the settings are KVTransferConfig fields there
+            fields = {k: extra.pop(k) for k in NATIVE_SETTING_KEYS if k in extra}
         kv_transfer_config = KVTransferConfig(
             kv_connector=kv_connector,
             kv_role=kv_role,  # type: ignore[arg-type]
-            kv_connector_extra_config=dict(extra_config or {}),
+            kv_connector_extra_config=extra,
             kv_load_failure_policy=kv_load_failure_policy,
             engine_id=engine_id,
+            **fields,
         )
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -1202,15 +1256,21 @@ def make_active_connector(
     builds it: the worker agent is the global one, the KVCacheConfig is the
     wiring's context variable (set as the initialize_kv_cache hook sets it)."""
     from vllm.distributed.kv_transfer import kv_transfer_state
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
     from vllm.v1.worker.gpu import kv_connector as gpu_kv_connector
 
     monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
-    token = wiring._kv_cache_config.set(kv_cache_config)
-    try:
-        active = gpu_kv_connector.get_kv_connector(vllm_config, kv_caches)
-    finally:
-        wiring._kv_cache_config.reset(token)
+    if native_kv_checksums():  # the series passes the KVCacheConfig itself
+        active = gpu_kv_connector.get_kv_connector(  # type: ignore[call-arg]
+            vllm_config, kv_caches, kv_cache_config
+        )
+    else:
+        from vllm.distributed.kv_transfer.kv_checksum import wiring
+
+        token = wiring._kv_cache_config.set(kv_cache_config)
+        try:
+            active = gpu_kv_connector.get_kv_connector(vllm_config, kv_caches)
+        finally:
+            wiring._kv_cache_config.reset(token)
     assert isinstance(active, gpu_kv_connector.ActiveKVConnector)
     assert active.kv_connector is connector
     return active

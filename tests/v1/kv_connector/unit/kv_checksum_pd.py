@@ -52,8 +52,8 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     make_request,
     make_scheduler,
     make_vllm_config,
+    register_plugin,
 )
-from vllm.distributed.kv_transfer.kv_checksum import plugin
 from vllm.distributed.kv_transfer.kv_checksum.config import FAULT_INJECTION_KEY
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumBlocks,
@@ -246,7 +246,7 @@ class SimEngine:
     """A real vLLM scheduler with simulated workers holding CPU KV caches."""
 
     def __init__(self, model_dir: str, side: SideConfig, name: str) -> None:
-        plugin.register()
+        register_plugin()
         register_carrier_connector()
         self.side = side
         extra: dict[str, Any] = {"test_engine_name": name}

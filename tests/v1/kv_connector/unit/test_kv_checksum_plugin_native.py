@@ -114,3 +114,33 @@ def test_flags_read_from_native_fields() -> None:
     native.kv_checksum_fault_injection = None
     flags = read_flags(native)
     assert not flags.enabled and flags.fault_injection is None
+
+
+def test_enabled_by_the_native_field_alone() -> None:
+    """R146: with the settings as KVTransferConfig fields and nothing in the
+    extra config, `enable_kv_checksum` alone turns checksums on, and off when
+    false. Bug caught: the start-up decision looking for the flag in the
+    extra config only (seen on the series' tree: every native engine ran
+    unchecked, with no log line)."""
+    from types import SimpleNamespace
+
+    from tests.v1.kv_connector.unit.kv_checksum_pd import (
+        CARRIER_CONNECTOR_NAME,
+        register_carrier_connector,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.config import kv_checksum_enabled
+
+    register_carrier_connector()
+    native = SimpleNamespace(
+        kv_connector=CARRIER_CONNECTOR_NAME,
+        kv_connector_module_path=None,
+        enable_kv_checksum=True,
+        kv_checksum_fail_closed=False,
+        kv_checksum_max_payload_bytes=None,
+        kv_checksum_verify_prefix_hits=False,
+        kv_checksum_fault_injection=None,
+        kv_connector_extra_config={},
+    )
+    assert kv_checksum_enabled(SimpleNamespace(kv_transfer_config=native))
+    native.enable_kv_checksum = False
+    assert not kv_checksum_enabled(SimpleNamespace(kv_transfer_config=native))

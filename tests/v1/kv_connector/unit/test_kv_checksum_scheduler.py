@@ -36,6 +36,8 @@ import pytest
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     TEST_CONNECTOR_NAME,
     make_request,
+    register_plugin,
+    skip_unless_capability,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     CARRIER_CONNECTOR_NAME,
@@ -51,7 +53,6 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     run_local,
 )
 from vllm.distributed.kv_transfer.kv_checksum import config as checksum_config
-from vllm.distributed.kv_transfer.kv_checksum import plugin
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KV_TRANSFER_PARAMS_KEY,
     KVChecksumCarrier,
@@ -813,7 +814,7 @@ def test_nixl_pull_carrier() -> None:
     requests and regular loads, and not for a bidirectional load (its source
     sent none). Catches NIXL pull declaring no carrier (nothing ever sent or
     verified over NIXL)."""
-    plugin.register()
+    register_plugin()
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
         NixlPullConnector,
     )
@@ -838,29 +839,36 @@ def test_nixl_pull_carrier() -> None:
     assert carrier(None, plain, False) is None
 
 
-def test_connector_declares_carrier() -> None:
-    """R100, R101: NixlConnector, NixlPullConnector, NixlPushConnector (R103)
-    and a MultiConnector with a NIXL child declare a carrier; the plain test
-    connector does not. Catches enabling checksums on a connector that cannot
-    carry them or refusing NIXL pull or push."""
-    plugin.register()
+def _declares(name: str, **extra: Any) -> bool:
     from vllm.config import KVTransferConfig
 
-    def declares(name: str, **extra: Any) -> bool:
-        config = KVTransferConfig(
-            kv_connector=name, kv_role="kv_both", kv_connector_extra_config=extra
-        )
-        return checksum_config.connector_declares_carrier(config)
+    config = KVTransferConfig(
+        kv_connector=name, kv_role="kv_both", kv_connector_extra_config=extra
+    )
+    return checksum_config.connector_declares_carrier(config)
 
+
+def test_connector_declares_carrier() -> None:
+    """R100, R101: NixlConnector, NixlPullConnector and a MultiConnector with a
+    NIXL child declare a carrier; the plain test connector does not. Catches
+    enabling checksums on a connector that cannot carry them or refusing NIXL
+    pull."""
+    register_plugin()
     nixl_child = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
     plain_child = {"kv_connector": TEST_CONNECTOR_NAME, "kv_role": "kv_both"}
-    assert declares("NixlConnector")
-    assert declares("NixlPullConnector")
-    assert declares(CARRIER_CONNECTOR_NAME)
-    assert declares("MultiConnector", connectors=[plain_child, nixl_child])
-    assert declares("NixlPushConnector")
-    assert not declares(TEST_CONNECTOR_NAME)
-    assert not declares("MultiConnector", connectors=[plain_child])
+    assert _declares("NixlConnector")
+    assert _declares("NixlPullConnector")
+    assert _declares(CARRIER_CONNECTOR_NAME)
+    assert _declares("MultiConnector", connectors=[plain_child, nixl_child])
+    assert not _declares(TEST_CONNECTOR_NAME)
+    assert not _declares("MultiConnector", connectors=[plain_child])
+
+
+def test_nixl_push_declares_carrier() -> None:
+    """R103: NixlPushConnector declares a carrier. Catches refusing NIXL push."""
+    register_plugin()
+    skip_unless_capability("nixl_push")
+    assert _declares("NixlPushConnector")
 
 
 def test_R71_a_steps_record_keeps_its_own_empty_parts() -> None:

@@ -238,7 +238,8 @@ def _ray_pp_without_aggregation(parallel: Any) -> bool:
 
 
 def _mentions_checksums(vllm_config: Any) -> bool:
-    """Whether a configured connector's extra config holds any checksum flag.
+    """Whether a configured connector's settings hold any checksum flag (the
+    `KVTransferConfig` fields where vLLM has them, else the extra config).
 
     Reads nothing but the KV transfer config, tolerating partial or mock
     configs (no KV transfer config, a non-dict extra config: no flags), and
@@ -249,6 +250,8 @@ def _mentions_checksums(vllm_config: Any) -> bool:
         kv_transfer_config, "kv_connector", None
     ):
         return False
+    if has_native_fields(kv_transfer_config):
+        return True  # validated fields: read_flags decides
     extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
     return isinstance(extra, dict) and any(key in extra for key in _FLAG_KEYS)
 

@@ -79,7 +79,7 @@ def layer_module(layer_name: str) -> str | None:
 
 
 def layer_number(layer_name: str) -> int:
-    """vLLM's layer number of a layer name (R30), else UncoveredGroup (R34 d)."""
+    """The layer number vLLM gives a layer name (R30), else UncoveredGroup (R34 d)."""
     try:
         return extract_layer_index(layer_name)
     except (AssertionError, ValueError) as e:

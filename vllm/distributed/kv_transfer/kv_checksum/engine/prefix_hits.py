@@ -316,7 +316,7 @@ class PrefixHitEntryListener:
             self.on_error("dropping entries")
 
     def on_prefix_cache_reset(self) -> None:
-        """vLLM reset the prefix cache: every entry is gone."""
+        """The prefix cache was reset: every entry is gone."""
         if not self.live():
             return
         try:

@@ -195,7 +195,7 @@ def _finished_normally(request: Any) -> bool:
 
 @functools.cache
 def _normal_finishes() -> tuple[Any, ...]:
-    """vLLM's stop and length statuses, imported on first use and then kept,
+    """The stop and length statuses of vLLM, imported on first use and kept,
     not imported again by every finishing request (issue 30)."""
     from vllm.v1.request import RequestStatus
 

@@ -396,6 +396,14 @@ def create_kv_checksum_scheduler(
     callback; `hit_sources(request, tokens)` names a starting load's sources."""
     flags = read_flags(vllm_config.kv_transfer_config)
     parallel = vllm_config.parallel_config
+    # The offloaded-KV API (R119, R121) is optional: a connector without it
+    # stores no entries and drops no copies.
+    sources = getattr(connector, "get_kv_checksum_sources", None)
+    checksum_sources: ChecksumSourcesFn = (
+        no_sources
+        if sources is None
+        else lambda request: {getattr(s, "value", s) for s in sources(request)}
+    )
     return KVChecksumScheduler.create(
         kv_cache_config,
         num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
@@ -405,10 +413,8 @@ def create_kv_checksum_scheduler(
         hit_sources=hit_sources,
         max_model_len=vllm_config.model_config.max_model_len,
         max_payload_bytes=flags.max_payload_bytes,
-        checksum_sources=lambda request: {
-            getattr(s, "value", s) for s in connector.get_kv_checksum_sources(request)
-        },
-        on_failure=connector.on_kv_checksum_failure,
+        checksum_sources=checksum_sources,
+        on_failure=getattr(connector, "on_kv_checksum_failure", ignore_failure),
         hash_block_size=hash_block_size,
     )
 

@@ -39,7 +39,8 @@ StateSplits = tuple[MambaStateSplit, ...]
 
 
 def _shard(size: int, tp_size: int) -> int | None:
-    """size / TP, or None when TP does not divide it (or sizes are not positive)."""
+    """The share of one TP rank, or None when TP does not divide `size` (or
+    sizes are not positive)."""
     if tp_size < 1 or size < 1 or size % tp_size != 0:
         return None
     return size // tp_size

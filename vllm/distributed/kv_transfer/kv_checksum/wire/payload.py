@@ -26,7 +26,6 @@ import base64
 import binascii
 import functools
 import hashlib
-import sys
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -224,9 +223,11 @@ def _describe_group(group: KVChecksumPayloadGroup) -> list[str]:
     )
     more = f" ... ({num_values} values)" if num_values > _INSPECT_MAX_VALUES else ""
     return [
-        f"group {group.group_id}: fingerprint 0x{group.fingerprint:016x}, "
-        f"chunk tokens {group.chunk_tokens}, start {group.start}, "
-        f"chunks {num_values}",
+        (
+            f"group {group.group_id}: fingerprint 0x{group.fingerprint:016x}, "
+            f"chunk tokens {group.chunk_tokens}, start {group.start}, "
+            f"chunks {num_values}"
+        ),
         f"  values: {shown or '(none)'}{more}",
     ]
 
@@ -251,10 +252,8 @@ def _b64decode(text: str | bytes) -> bytes:
     try:
         if pybase64 is not None:
             data = pybase64.b64decode(text, validate=True)
-        elif sys.version_info >= (3, 11):
+        else:  # Python >= 3.11, as vLLM 0.33.0 requires
             data = binascii.a2b_base64(text, strict_mode=True)
-        else:
-            data = base64.b64decode(text, validate=True)
     except ValueError as exc:  # binascii.Error, or non-ASCII str
         raise _invalid(f"bad base64 ({exc})") from None
     tail = len(data) % 3
