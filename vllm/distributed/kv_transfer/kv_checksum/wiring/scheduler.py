@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _enabled,
     _guard,
     _wrap,
+    external_loads,
     prefix_cache,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wiring.containment import (
@@ -171,6 +172,7 @@ def install_scheduler_hooks() -> None:
             _attach_simple_offload_schedulers(self.connector, entries_written)
             _attach_containment(self, kcs)
             prefix_cache.attach(self, kcs)  # R140
+            external_loads.attach(self, kcs)  # R147
             kcs.tracked_sources.append(lambda: _outbox_request_ids(self.connector))
             self._kv_checksum_starting_loads = []
             _note_starting_loads(self)
@@ -215,11 +217,12 @@ def install_scheduler_hooks() -> None:
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     local = request.num_computed_tokens - num_external
                     kcs.add_recv(request, blocks, local)
+            external_loads.note_loads(self, starting, output)  # R147
             kcs.add_sends(
                 output.num_scheduled_tokens, self.requests, self.kv_cache_manager
             )
             output.kv_checksum_scheduled = kcs.build_checksum_meta()
-            prefix_cache.schedule(self, output)  # R140
+            external_loads.schedule(self, output)  # R147, and R140's step
         self._kv_checksum_hit_sources.seen.clear()
 
     @_wrap(Scheduler, "update_from_output")
