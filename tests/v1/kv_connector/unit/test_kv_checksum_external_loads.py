@@ -396,3 +396,55 @@ def _flip(kv: torch.Tensor, token: int) -> torch.Tensor:
 def _zero_from(kv: torch.Tensor, token: int) -> torch.Tensor:
     kv[token:] = 0
     return kv
+
+
+def offload_engine(model_dir: str, name: str, faults: bool = False) -> Any:
+    """vLLM's OffloadingConnector (CPU backend, async loads) whose own entry
+    checks are off, as after an error in its checksum side (R134): its loads
+    are then external loads, judged against this engine's entries."""
+    from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
+        OffloadSimEngine,
+    )
+    from vllm.distributed.kv_transfer.kv_checksum.config import HOST_FAULT_KEY
+
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": 1 << 22,
+        VERIFY_EXTERNAL_LOADS_KEY: True,
+    }
+    if faults:
+        extra[HOST_FAULT_KEY] = {"rate": 1.0, "kinds": ["host_bit_flip"]}
+    side = SideConfig(
+        num_blocks=24,
+        policy="recompute",
+        connector="OffloadingConnector",
+        connector_extra=extra,
+    )
+    engine = OffloadSimEngine(model_dir, side, name)
+    engine.checksums.offload.off_sources.add("host")
+    for worker in engine.workers:
+        worker.checksum.enable_external_entries(DEFAULT_EXTERNAL_ENTRY_LIMIT)
+    return engine
+
+
+def test_async_loads_checked_before_use(model_dir: str) -> None:
+    """R147, R119: loads that finish asynchronously (WAITING_FOR_REMOTE_KVS)
+    and that no other path checks are verified in the step their request
+    first runs; a host copy with a flipped bit is a mismatch and the request
+    recovers (bug: only loads started and run in one step checked, so async
+    loads go unchecked; or an offload load checked by its tier counted
+    again as external)."""
+    from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
+        run_shared_prefixes,
+    )
+
+    engine = offload_engine(model_dir, "async-clean")
+    run_shared_prefixes(engine, 14)
+    counts = dict(engine.checksums.stats.external_loads)
+    assert engine.num_loads >= 6
+    assert counts == {"verified": engine.num_loads}, counts
+    assert not engine.checksums.stats.loads  # no offload-tier verdict
+    faulty = offload_engine(model_dir, "async-faulty", faults=True)
+    run_shared_prefixes(faulty, 14)
+    counts = dict(faulty.checksums.stats.external_loads)
+    assert faulty.num_loads >= 1 and counts == {"mismatch": faulty.num_loads}
+    assert len(faulty.final) == 14
