@@ -2,11 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Hooks of prefix-hit verification (R140); the logic is in engine/prefix_hits.py.
 
-With checksums or `kv_checksum_verify_prefix_hits` off nothing is attached and
-vLLM runs unchanged. Called from the package's scheduler and worker hooks
-(wiring/scheduler.py, wiring/worker.py; one line each), so no vLLM method is
-wrapped twice. Verification stops, and drops its state, with the engine's
-checksums (the scheduler guard, a worker's disabled record: R134, R141).
+With checksums off, or both `kv_checksum_verify_prefix_hits` and
+`kv_checksum_verify_external_loads` off, nothing is attached and vLLM runs
+unchanged; with the external flag alone entries are recorded (for
+wiring/external_loads.py) but hits are not looked up or checked. Called from
+the package's scheduler and worker hooks (wiring/scheduler.py,
+wiring/worker.py; one line each), so no vLLM method is wrapped twice.
+Verification stops, and drops its state, with the engine's checksums (the
+scheduler guard, a worker's disabled record: R134, R141).
 
 Hooks (target; why; how; the upstream change that lets it go):
 
