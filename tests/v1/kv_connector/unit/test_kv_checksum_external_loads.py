@@ -204,9 +204,9 @@ def test_flags_are_validated() -> None:
 
 def test_clean_load_verified(model_dir: str, tmp_path: Path) -> None:
     """R147: a prefix stored by ExampleConnector and loaded back unchanged is
-    verified, and the request runs on it (bug: the slots copied before the
-    step's entry writes, so they hold stale entries; or the loaded positions
-    counted from 0 instead of after the local hit)."""
+    verified, and the request runs on it (bugs: the step's entries never
+    copied into their slots, so every load is unverified; the loaded
+    positions counted from 0 instead of after the local hit, a mismatch)."""
     engine = engine_for(model_dir, tmp_path, "clean")
     base = prompt(1)
     computed_then_loaded(engine, base)
@@ -241,9 +241,9 @@ def test_changed_file_caught_at_its_blocks(
     """R147, R138, R95: a stored file changed on disk is a mismatch at exactly
     the blocks whose tokens changed; the request is restarted ("recompute"):
     loaded again and caught again, then computed without reading any cache
-    (bug: the checked blocks' entries written again from the loaded KV in
-    the same step, so every load verifies; or positions reported off by the
-    load's start)."""
+    (bugs: the checked blocks' entries written again from the loaded KV in
+    the same step, so every load verifies; the entries not brought back from
+    their slots before the check, so every block mismatches)."""
     engine = engine_for(model_dir, tmp_path, fault.replace(" ", "-"))
     corrupt_file_when_stored(engine, change)
     final = computed_then_loaded(engine, prompt(2))
@@ -259,8 +259,9 @@ def test_changed_file_caught_at_its_blocks(
 def test_swapped_file_caught(model_dir: str, tmp_path: Path) -> None:
     """R147: another prefix's file (same length, same layout, KV this engine
     computed too) in place of the stored one mismatches at every block: the
-    entries are bound to the blocks' hashes (bug: entries looked up by slot
-    or position rather than by the loaded block's hash)."""
+    entries are bound to the blocks' hashes (bug: the checked blocks' entries
+    written again from the loaded KV, so the other prefix's KV is compared
+    with its own checksums)."""
     engine = engine_for(model_dir, tmp_path, "swapped")
     base, other = prompt(3), prompt(4)
     run(engine, "other", other)
@@ -278,9 +279,11 @@ def test_swapped_file_caught(model_dir: str, tmp_path: Path) -> None:
 def test_load_without_entry_unverified(model_dir: str, tmp_path: Path) -> None:
     """R147, R94: a prefix another instance computed and stored (this engine
     recorded no entry of it) is unverified with the no-entry reason and, fail-
-    open, the request runs on it; fail-closed, it is recomputed (bug: blocks
+    open, the request runs on it; fail-closed, it is recomputed (bugs: blocks
     without an entry compared with whatever the table holds, a false
-    mismatch; or an unverified load failed under fail-open)."""
+    mismatch; an unverified load failed under fail-open; the entries of
+    loaded blocks kept in the table, so the fail-closed retry "verifies" the
+    unchecked KV against itself)."""
     base = prompt(5)
     writer = engine_for(model_dir, tmp_path, "writer")
     run(writer, "w", base)
@@ -303,8 +306,8 @@ def test_table_bounded_oldest_dropped(model_dir: str, tmp_path: Path) -> None:
     """R147, R141: the table holds at most its limit (reported as a gauge);
     past it the oldest entries go: a prefix whose first two entries were
     dropped is unverified for those two, its other blocks still checked
-    (and a corrupted one still caught) (bug: the table growing past its
-    limit; a reused slot answering for the hash it held before)."""
+    (bugs: the table counting past its limit; a reused slot answering for
+    the hash it held before, a false mismatch)."""
     engine = engine_for(model_dir, tmp_path, "bounded", limit=6)
     a, b, c = prompt(6), prompt(7), prompt(8)
     for name, tokens in (("a", a), ("b-first", b), ("c", c)):
@@ -328,9 +331,8 @@ def test_table_bounded_oldest_dropped(model_dir: str, tmp_path: Path) -> None:
 
 def test_partial_entries_still_catch_corruption(model_dir: str, tmp_path: Path) -> None:
     """R147: with some entries dropped, a corrupted block that still has one
-    is a mismatch at its position (bug: only a leading run of blocks with
-    entries checked, or the no-entry blocks' results dropped with all the
-    others)."""
+    is a mismatch at its position (bug: only the leading run of blocks with
+    entries checked)."""
     engine = engine_for(model_dir, tmp_path, "partial", limit=6)
     b, c = prompt(9), prompt(10)
     corrupt_file_when_stored(engine, lambda kv: _flip(kv, 3 * BS + 1))
@@ -345,8 +347,9 @@ def test_partial_entries_still_catch_corruption(model_dir: str, tmp_path: Path) 
 def test_flag_off_attaches_nothing(model_dir: str, tmp_path: Path) -> None:
     """R147, R1: without the flag checksums stay off for ExampleConnector (it
     declares no carrier) and a carrier connector's engine keeps no entry
-    table, asks workers for no entry move and allocates no slots (bug:
-    external-load state attached whatever the flag)."""
+    table, asks workers for no entry move and allocates no slots (bugs:
+    external-load state attached whatever the flag; the carrier requirement
+    waived without the flag)."""
     engine = engine_for(model_dir, tmp_path, "off", flag=False)
     assert engine.checksums is None
     computed_then_loaded(engine, prompt(11))
@@ -398,10 +401,13 @@ def _zero_from(kv: torch.Tensor, token: int) -> torch.Tensor:
     return kv
 
 
-def offload_engine(model_dir: str, name: str, faults: bool = False) -> Any:
+def offload_engine(
+    model_dir: str, name: str, faults: bool = False, tier_checks: bool = False
+) -> Any:
     """vLLM's OffloadingConnector (CPU backend, async loads) whose own entry
     checks are off, as after an error in its checksum side (R134): its loads
-    are then external loads, judged against this engine's entries."""
+    are then external loads, judged against this engine's entries. With
+    `tier_checks` its tier checks them itself."""
     from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
         OffloadSimEngine,
     )
@@ -420,7 +426,8 @@ def offload_engine(model_dir: str, name: str, faults: bool = False) -> Any:
         connector_extra=extra,
     )
     engine = OffloadSimEngine(model_dir, side, name)
-    engine.checksums.offload.off_sources.add("host")
+    if not tier_checks:
+        engine.checksums.offload.off_sources.add("host")
     for worker in engine.workers:
         worker.checksum.enable_external_entries(DEFAULT_EXTERNAL_ENTRY_LIMIT)
     return engine
@@ -430,9 +437,8 @@ def test_async_loads_checked_before_use(model_dir: str) -> None:
     """R147, R119: loads that finish asynchronously (WAITING_FOR_REMOTE_KVS)
     and that no other path checks are verified in the step their request
     first runs; a host copy with a flipped bit is a mismatch and the request
-    recovers (bug: only loads started and run in one step checked, so async
-    loads go unchecked; or an offload load checked by its tier counted
-    again as external)."""
+    recovers (bugs: async loads never noted, only sync ones checked; a load
+    its tier checks counted again as external)."""
     from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
         run_shared_prefixes,
     )
@@ -448,3 +454,8 @@ def test_async_loads_checked_before_use(model_dir: str) -> None:
     counts = dict(faulty.checksums.stats.external_loads)
     assert faulty.num_loads >= 1 and counts == {"mismatch": faulty.num_loads}
     assert len(faulty.final) == 14
+    # A load its tier checks is not checked again as an external load.
+    tier = offload_engine(model_dir, "async-tier", tier_checks=True)
+    run_shared_prefixes(tier, 8)
+    assert tier.num_loads >= 1 and not tier.checksums.stats.external_loads
+    assert dict(tier.checksums.stats.loads) == {"verified": tier.num_loads}
