@@ -236,11 +236,13 @@ def _keep_entries(
     is reported when it changed."""
     meta = output.kv_checksum_scheduled
     saves = [] if meta is None else meta.blocks_to_save
+    checked, state.checked = state.checked, []
+    if not saves and restore is None:
+        return  # most steps (R142)
     # Blocks of loads, checked this step or not yet: their entries were
     # taken from loaded KV, not computed here.
-    loaded = [state.loads.loaded_ids(), *state.checked]
-    state.checked = []
-    ids, slots = state.loads.keep(saves, np.concatenate(loaded))
+    loaded = np.concatenate([state.loads.loaded_ids(), *checked])
+    ids, slots = state.loads.keep(saves, loaded)
     if restore is not None or ids.size:
         if meta is None:
             meta = output.kv_checksum_scheduled = KVChecksumScheduled()
