@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_checksum.config import (
     DEFAULT_EXTERNAL_ENTRY_LIMIT,
     EXTERNAL_ENTRY_LIMIT_KEY,
     VERIFY_EXTERNAL_LOADS_KEY,
+    VERIFY_PREFIX_HITS_KEY,
     read_flags,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.external_loads import (
@@ -34,6 +35,10 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.external_loads import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     UnverifiedReason,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+    external_loads,
+    prefix_cache,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
@@ -279,9 +284,9 @@ def test_swapped_file_caught(model_dir: str, tmp_path: Path) -> None:
 def test_load_without_entry_unverified(model_dir: str, tmp_path: Path) -> None:
     """R147, R94: a prefix another instance computed and stored (this engine
     recorded no entry of it) is unverified with the no-entry reason and, fail-
-    open, the request runs on it; fail-closed, it is recomputed (bugs: blocks
-    without an entry compared with whatever the table holds, a false
-    mismatch; an unverified load failed under fail-open; the entries of
+    open, the request runs on it; fail-closed, it is recomputed (bugs: a load
+    with no entry judged from its empty comparison, unverified for another
+    reason than no_entry; an unverified load failed under fail-open; the entries of
     loaded blocks kept in the table, so the fail-closed retry "verifies" the
     unchecked KV against itself)."""
     base = prompt(5)
@@ -354,16 +359,23 @@ def test_flag_off_attaches_nothing(model_dir: str, tmp_path: Path) -> None:
     assert engine.checksums is None
     computed_then_loaded(engine, prompt(11))
     assert engine.scheduled_tokens("b") == LENGTH - PREFIX  # vLLM as usual
-    carrier = SimEngine(model_dir, SideConfig(num_blocks=48), "carrier-off")
+    # A carrier connector's engine with prefix-hit verification on: entries
+    # recorded, but none kept for external loads.
+    side = SideConfig(num_blocks=48, connector_extra={VERIFY_PREFIX_HITS_KEY: True})
+    carrier = SimEngine(model_dir, side, "carrier-off")
     assert carrier.checksums is not None
     assert "_kv_checksum_external_loads" not in carrier.scheduler.__dict__
+    for worker in carrier.workers:  # the ActiveKVConnector hook's calls
+        prefix_cache.enable_worker(worker.checksum, carrier.vllm_config)
+        external_loads.enable_worker(worker.checksum, carrier.vllm_config)
+        assert worker.checksum.external_entries is None
     run(carrier, "a", prompt(12))
-    for output in carrier.history:
-        meta = output.kv_checksum_scheduled
+    metas = [o.kv_checksum_scheduled for o in carrier.history]
+    assert any(m is not None and m.blocks_to_save for m in metas)
+    for meta in metas:
         assert meta is None or (
             meta.entries_to_keep is None and meta.entries_to_restore is None
         )
-    assert all(w.checksum.external_entries is None for w in carrier.workers)
 
 
 def test_entry_table_fifo_reference() -> None:
