@@ -471,3 +471,28 @@ def test_async_loads_checked_before_use(model_dir: str) -> None:
     run_shared_prefixes(tier, 8)
     assert tier.num_loads >= 1 and not tier.checksums.stats.external_loads
     assert dict(tier.checksums.stats.loads) == {"verified": tier.num_loads}
+
+
+def test_error_turns_verification_off_without_a_verdict(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R134, R147: an error in external-load scheduling after a check was
+    registered turns external-load and prefix-hit verification off: no
+    verdict is given for that check and the request runs as vLLM runs it
+    (bug: only the external side turned off, so the check, left without
+    its entry moves, is judged anyway)."""
+    from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
+        KVChecksumPrefixHits,
+    )
+
+    def broken(self: Any, block_ids: Any) -> None:
+        raise RuntimeError("injected into external-load scheduling")
+
+    monkeypatch.setattr(KVChecksumPrefixHits, "skip_saves", broken)
+    engine = engine_for(model_dir, tmp_path, "guard")
+    computed_then_loaded(engine, prompt(13))
+    assert engine.verdicts == []
+    assert engine.scheduler.__dict__["_kv_checksum_external_loads"] is None
+    assert engine.scheduler.__dict__["_kv_checksum_prefix_hits"] is None
+    assert engine.scheduled_tokens("b") == LENGTH - PREFIX
+    assert engine.final["b"].finish_reason is not None

@@ -105,13 +105,13 @@ def attach(scheduler: Any, kcs: Any) -> None:
 
 def enable_worker(worker: Any, vllm_config: Any) -> None:
     """R147. Called by the ActiveKVConnector.__init__ hook: the worker keeps
-    entries in slots for external loads."""
-    try:
-        flags = read_flags(vllm_config.kv_transfer_config)
-        if flags.verify_external_loads:
-            worker.enable_external_entries(flags.external_entry_limit)
-    except Exception:
-        logger.exception("KV checksums: external-load verification is off.")
+    entries in slots for external loads. An error is left to that hook's
+    guard, which turns this worker's checksums off and tells the scheduler
+    (R134): a worker without slots, checking what the scheduler asks, would
+    report false mismatches."""
+    flags = read_flags(vllm_config.kv_transfer_config)
+    if flags.verify_external_loads:
+        worker.enable_external_entries(flags.external_entry_limit)
 
 
 def _live_state(scheduler: Any) -> _SchedulerState | None:
@@ -132,13 +132,16 @@ def _release(scheduler: Any) -> None:
 
 
 def _turn_off(scheduler: Any, where: str) -> None:
-    """Last-resort guard (R134): log once, external-load verification off."""
+    """Last-resort guard (R134): log once; external-load and prefix-hit
+    verification off, since a check this step registered may lack the entry
+    moves it needs (no verdict is better than a false one)."""
     logger.exception(
-        "KV checksum external-load verification turned off after an error in "
-        "%s; vLLM goes on without it.",
+        "KV checksum external-load and prefix-hit verification turned off "
+        "after an error in %s; vLLM goes on without them.",
         where,
     )
     _release(scheduler)
+    prefix_cache._release(scheduler)
 
 
 def note_loads(scheduler: Any, starting: list, output: Any) -> None:
