@@ -303,6 +303,11 @@ class SimEngine:
         self.scheduler_stats: list[Any] = []
         self._finish_next: set[str] = set()
         self._fail_next: set[str] = set()
+        # A connector's worker side, if a test drives one: called with each
+        # SchedulerOutput before the step's KV writes (loads) and after them
+        # (saves).
+        self.before_writes: Callable[[Any], None] | None = None
+        self.after_writes: Callable[[Any], None] | None = None
 
     @property
     def checksums(self) -> Any:
@@ -469,6 +474,8 @@ class SimEngine:
         self.history.append(output)
         for load in getattr(scheduler.connector, "started_loads", ()):
             self.loads.setdefault(load.request_id, load)
+        if self.before_writes is not None:
+            self.before_writes(output)
         for req_id, num_tokens in output.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]
             end = request.num_computed_tokens
@@ -477,6 +484,8 @@ class SimEngine:
             # Async scheduling: a decode's input token is not known yet here.
             tokens = np.asarray(known + [0] * (num_tokens - len(known)))
             self.write_tokens(self.block_ids(req_id), tokens, np.arange(start, end))
+        if self.after_writes is not None:
+            self.after_writes(output)
         finished = self._finish_next | self._fail_next
         failed = set(self._fail_next)
         self._finish_next, self._fail_next = set(), set()

@@ -312,6 +312,8 @@ def test_reason_texts_are_the_spec_table():
         "a replica was not checksummed",
         # R134: this project's last-resort guard (not in the spec's table).
         "verifying the checksums raised an error",
+        # R147: an external load's block with no entry (not in the table).
+        "a loaded block has no entry this engine recorded",
     }
 
 

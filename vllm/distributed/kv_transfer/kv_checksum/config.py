@@ -22,6 +22,14 @@ MAX_PAYLOAD_BYTES_KEY = "kv_checksum_max_payload_bytes"
 FAULT_INJECTION_KEY = "kv_checksum_fault_injection"
 # R140: verify local prefix-cache hits against entries recorded at caching.
 VERIFY_PREFIX_HITS_KEY = "kv_checksum_verify_prefix_hits"
+# R147: verify KV a connector loads back from an external cache against the
+# entries this engine recorded when it computed those blocks.
+VERIFY_EXTERNAL_LOADS_KEY = "kv_checksum_verify_external_loads"
+# R147: at most this many such entries are kept (FIFO).
+EXTERNAL_ENTRY_LIMIT_KEY = "kv_checksum_external_entry_limit"
+# 2**18 entries: 4M tokens at block size 16, several GPU prefix caches' worth,
+# for 2 MiB on each worker's device and about 50 MiB in the scheduler.
+DEFAULT_EXTERNAL_ENTRY_LIMIT = 1 << 18
 
 # None: the cap is derived from the consumer's own sizes (payload.py's
 # `max_valid_payload_bytes`); an explicit setting overrides it.
@@ -61,6 +69,8 @@ class KVChecksumFlags:
     fault_injection: FaultInjectionConfig | None = None
     host_fault_injection: FaultInjectionConfig | None = None
     verify_prefix_hits: bool = False
+    verify_external_loads: bool = False
+    external_entry_limit: int = DEFAULT_EXTERNAL_ENTRY_LIMIT
 
 
 def _bool_flag(extra: dict[str, Any], key: str) -> bool:
@@ -74,6 +84,16 @@ def _bool_flag(extra: dict[str, Any], key: str) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(extra: dict[str, Any], key: str, default: int) -> int:
+    value = extra.get(key, default)
+    if not _is_int(value) or value <= 0:
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}] must be a positive integer, "
+            f"got {value!r}"
+        )
+    return int(value)
 
 
 def read_fault_setting(
@@ -177,6 +197,10 @@ def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
             kv_transfer_config, HOST_FAULT_KEY, HOST_FAULT_KINDS
         ),
         verify_prefix_hits=_bool_flag(extra, VERIFY_PREFIX_HITS_KEY),
+        verify_external_loads=_bool_flag(extra, VERIFY_EXTERNAL_LOADS_KEY),
+        external_entry_limit=_positive_int(
+            extra, EXTERNAL_ENTRY_LIMIT_KEY, DEFAULT_EXTERNAL_ENTRY_LIMIT
+        ),
     )
 
 
@@ -196,7 +220,9 @@ def connector_declares_carrier(kv_transfer_config: Any) -> bool:
 
     It can if it declares a carrier (overrides `kv_checksum_carrier`) or
     stored-checksum sources for its offload loads (overrides
-    `get_kv_checksum_sources`, R119).
+    `get_kv_checksum_sources`, R119). Not asked with
+    `kv_checksum_verify_external_loads`: every connector's loads are then
+    checked against this engine's own entries (R147).
     """
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -280,7 +306,9 @@ def kv_checksum_enabled(vllm_config: Any) -> bool:
             "a Ray executor with pipeline parallelism does not return every "
             "stage's connector output"
         )
-    if not connector_declares_carrier(kv_transfer_config):
+    if not flags.verify_external_loads and not connector_declares_carrier(
+        kv_transfer_config
+    ):
         name = kv_transfer_config.kv_connector
         if flags.fail_closed:
             raise ValueError(

@@ -120,6 +120,11 @@ class KVChecksumScheduled:
     blocks_to_save: list[tuple[int, int, Any, list[bytes]]] = field(
         default_factory=list
     )
+    # External-load entries (R147): (block ids, slots) whose entries move from
+    # their slots into the block table before this step's checks, and those
+    # copied from the table into their slots after this step's entry writes.
+    entries_to_restore: tuple[Any, Any] | None = None
+    entries_to_keep: tuple[Any, Any] | None = None
 
     def is_empty(self) -> bool:
         return not (
@@ -128,6 +133,8 @@ class KVChecksumScheduled:
             or self.reqs_to_load
             or self.reqs_to_check
             or self.blocks_to_save
+            or self.entries_to_restore is not None
+            or self.entries_to_keep is not None
         )
 
 

@@ -69,9 +69,25 @@ class KVChecksumStats:
     prefix_hits: Counter = field(default_factory=Counter)
     # requests holding checksum state now (R141); None: unchanged since sent
     tracked_requests: int | None = None
+    # external-cache loads checked against this engine's entries (R147)
+    external_loads: Counter = field(default_factory=Counter)
+    # entries kept for external loads now (R147); None: unchanged since sent
+    external_entries: int | None = None
 
     def record_prefix_hit(self, verdict: KVChecksumVerdict) -> None:
         self.prefix_hits[verdict.status.value] += 1
+
+    def record_external_load(self, verdict: KVChecksumVerdict) -> None:
+        """An external load's verdict (R147): counted by source and, its
+        reasons and mismatched positions, as every load's are."""
+        self.external_loads[verdict.status.value] += 1
+        if verdict.status == KVChecksumStatus.MISMATCH:
+            self.mismatched_positions += sum(
+                len(p) for p in verdict.mismatches.values()
+            )
+        elif verdict.status == KVChecksumStatus.UNVERIFIED:
+            for reason in dict.fromkeys(r for r, _ in verdict.reasons):
+                self.unverified_reasons[reason.value] += 1
 
     def record_verdict(self, verdict: KVChecksumVerdict) -> None:
         self.loads[verdict.status.value] += 1
@@ -104,6 +120,8 @@ class KVChecksumStats:
             or self.disabled_workers
             or self.prefix_hits
             or self.tracked_requests is not None
+            or self.external_loads
+            or self.external_entries is not None
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,6 +138,10 @@ class KVChecksumStats:
         }
         if self.tracked_requests is not None:
             data["tracked_requests"] = self.tracked_requests
+        if self.external_loads:
+            data["external_loads"] = dict(self.external_loads)
+        if self.external_entries is not None:
+            data["external_entries"] = self.external_entries
         return data
 
     @classmethod
@@ -137,6 +159,8 @@ class KVChecksumStats:
             disabled_workers=_count(data.get("disabled_workers")),
             prefix_hits=_counts(data.get("prefix_hits")),
             tracked_requests=_gauge(data.get("tracked_requests")),
+            external_loads=_counts(data.get("external_loads")),
+            external_entries=_gauge(data.get("external_entries")),
         )
 
     def take(self) -> "KVChecksumStats":

@@ -83,6 +83,17 @@ class PendingPrefixHit(PendingOffloadLoad):
     unchecked: int = 0
     attempt: int = 0
 
+    def judge(self, verdict: KVChecksumVerdict) -> KVChecksumVerdict:
+        """The check's verdict from the comparison of its checked blocks: a
+        hit with blocks without an entry is unverified, never mismatched."""
+        if verdict.status == KVChecksumStatus.VERIFIED and (
+            self.unchecked or not verdict.compared_groups
+        ):
+            verdict.status = KVChecksumStatus.UNVERIFIED
+            detail = f"{self.unchecked} hit blocks have no entry"
+            verdict.reasons.append((UnverifiedReason.OTHER_BLOCKS, detail))
+        return verdict
+
 
 class KVChecksumPrefixHits:
     """Entries of cached blocks and the pending checks of prefix hits (R140).
@@ -197,6 +208,36 @@ class KVChecksumPrefixHits:
         if count:
             self._step.checks[key] = blocks
 
+    def add_check(self, load: PendingPrefixHit, check: bool) -> str:
+        """Register a check built elsewhere (an external load, R147) in this
+        step, its blocks checksummed if `check`; returns its record key."""
+        self._num_checks += 1
+        key = hit_key(load.request.request_id, self._num_checks)
+        self.pending[key] = load
+        self._step.keys.append(key)
+        if check:
+            self._step.checks[key] = load.blocks
+        return key
+
+    def skip_saves(self, block_ids: np.ndarray) -> None:
+        """This step writes no entry of `block_ids` from their KV: their
+        entries are brought back from elsewhere (an external load, R147).
+        One pass per save run, not per block."""
+        if not block_ids.size or not self._step.saves:
+            return
+        saves: list[SaveRun] = []
+        for group_id, start, ids, hashes in self._step.saves:
+            keep = ~np.isin(ids, block_ids)
+            if keep.all():
+                saves.append((group_id, start, ids, hashes))
+                continue
+            positions = start + np.flatnonzero(keep)
+            for pos, kept in _position_runs(positions, ids[keep]) if keep.any() else ():
+                first = int(pos[0]) - start
+                run_hashes = hashes[first : first + len(pos)]
+                saves.append((group_id, int(pos[0]), kept, run_hashes))
+        self._step.saves = saves
+
     def take_step(self) -> PrefixHitStep:
         """This step's saves and checks for the workers, then reset."""
         step, self._step = self._step, PrefixHitStep()
@@ -232,14 +273,7 @@ class KVChecksumPrefixHits:
             self.hash_block_size,
             self.tags,
         )
-        unchecked = load.unchecked
-        if verdict.status == KVChecksumStatus.VERIFIED and (
-            unchecked or not verdict.compared_groups
-        ):
-            verdict.status = KVChecksumStatus.UNVERIFIED
-            detail = f"{unchecked} hit blocks have no entry"
-            verdict.reasons.append((UnverifiedReason.OTHER_BLOCKS, detail))
-        return load, verdict
+        return load, load.judge(verdict)
 
     def bad_blocks(
         self, load: PendingOffloadLoad, verdict: KVChecksumVerdict

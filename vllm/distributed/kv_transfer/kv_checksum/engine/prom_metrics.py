@@ -21,6 +21,12 @@ server: the counters appear on vLLM's `/metrics` endpoint.
   verification, kept out of the prefix cache (R138);
 - `vllm:kv_checksum_prefix_hits{verdict}`: local prefix-cache hits checked
   against the entries recorded when their blocks were cached (R140);
+- `vllm:kv_checksum_external_loads{verdict}`: loads from a connector's
+  external cache checked against the entries this engine recorded when it
+  computed the blocks (R147); their reasons and mismatched positions count
+  in the load counters above too;
+- `vllm:kv_checksum_external_entries` (a gauge, R147): entries kept for
+  external loads now, at most `kv_checksum_external_entry_limit`;
 - `vllm:kv_checksum_disabled_workers`: workers whose checksums their
   last-resort guard turned off (R134); from the first one on the engine runs
   as with checksums off (after an offload tier's worker side, only that
@@ -29,8 +35,8 @@ server: the counters appear on vLLM's `/metrics` endpoint.
   per-request checksum state on the engine's scheduler now; back to 0 when
   the engine is idle, so a value that only grows is a leak.
 
-All but the gauge are counters (prometheus_client appends `_total`); all have
-vLLM's `model_name` and `engine` labels first. The gauge is sent when it
+All but the gauges are counters (prometheus_client appends `_total`); all have
+vLLM's `model_name` and `engine` labels first. A gauge is sent when it
 changes (and once at start), like the counters only in steps with log_stats.
 An unverified load with several fixed reasons counts once under each of them.
 """
@@ -68,6 +74,7 @@ REASON_LABELS: dict[str, str] = {
     UnverifiedReason.NO_COMMON_BLOCK.value: "no_common_block",
     UnverifiedReason.REPLICA_MISSING.value: "replica_missing",
     UnverifiedReason.INTERNAL_ERROR.value: "internal_error",
+    UnverifiedReason.NO_ENTRY.value: "no_entry",
 }
 # The label of a reason text not in REASON_LABELS (a newer scheduler).
 OTHER_REASON = "other"
@@ -209,6 +216,26 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
         self.tracked_requests: dict[int, Any] = {
             i: tracked.labels(*values) for i, values in engines.items()
         }
+        self.external_loads = _LabeledCounter(
+            counter(
+                "vllm:kv_checksum_external_loads",
+                "KV loaded from a connector's external cache and checked "
+                "against this engine's entries, by verdict.",
+                ["verdict"],
+            ),
+            engines,
+            VERDICT_LABELS,
+        )
+        entries = gauge_cls(
+            name="vllm:kv_checksum_external_entries",
+            documentation="Entries of blocks this engine computed, kept to "
+            "check external-cache loads; at most the configured limit.",
+            multiprocess_mode="mostrecent",
+            labelnames=labelnames,
+        )
+        self.external_entries: dict[int, Any] = {
+            i: entries.labels(*values) for i, values in engines.items()
+        }
 
     @classmethod
     def for_connector_prom(
@@ -260,3 +287,7 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
             self.disabled_workers[engine_idx].inc(stats.disabled_workers)
         if stats.tracked_requests is not None:
             self.tracked_requests[engine_idx].set(stats.tracked_requests)
+        for verdict, n in stats.external_loads.items():
+            self.external_loads.inc(engine_idx, verdict, n)
+        if stats.external_entries is not None:
+            self.external_entries[engine_idx].set(stats.external_entries)

@@ -131,8 +131,10 @@ class KVChecksumScheduler:
         self.tracked_sources: list[Callable[[], Iterable[str]]] = []
         # When the R141 gauge recounts `tracked_request_ids` (R142).
         self.tracked_recount = TrackedRecount()
-        # Loads started in this schedule(): (request, blocks, external tokens).
+        # Loads started in this schedule(): (request, blocks, external tokens),
+        # and those the last `schedule_step` registered (for R147's checks).
         self.starting_loads: list[tuple[Any, Any, int]] = []
+        self.last_started_loads: list[tuple[Any, Any, int]] = []
 
     @property
     def on_failed_load(self) -> FailedLoadFn | None:
@@ -204,6 +206,7 @@ class KVChecksumScheduler:
         from vllm.v1.request import RequestStatus
 
         starting, self.starting_loads = self.starting_loads, []
+        self.last_started_loads = starting
         for request, blocks, num_external in starting:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 local = request.num_computed_tokens - num_external

@@ -44,6 +44,12 @@ class VerdictLog:
         self._log_verdict(req_id, verdict, blocks)
         self.stats.record_verdict(verdict)
 
+    def log(
+        self, req_id: str, verdict: KVChecksumVerdict, blocks: KVChecksumBlocks
+    ) -> None:
+        """Log one verdict (R96) that is counted apart (R147)."""
+        self._log_verdict(req_id, verdict, blocks)
+
     def failed(
         self, req_id: str, verdict: KVChecksumVerdict, blocks: KVChecksumBlocks
     ) -> None:

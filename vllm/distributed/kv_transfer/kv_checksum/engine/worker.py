@@ -86,6 +86,11 @@ class KVChecksumWorker:
         # An offload tier's entry writes and moves queued for this step's
         # pass (`queue_block_checksums`): made in its one upload.
         self.queued = QueuedEntryMoves()
+        # External-load entries (R147): their slots, and this step's moves
+        # between the slots and the block table (apart from `queued`, which
+        # an offload save may make before this step's entry writes).
+        self.external_entries: torch.Tensor | None = None
+        self._external = QueuedEntryMoves()
 
     def warm_up(self) -> None:
         """Compile every launch and load the entry writes' device code at
@@ -99,6 +104,8 @@ class KVChecksumWorker:
     def bind(self, scheduled: KVChecksumScheduled | None) -> None:
         """Take this step's requests: sends replace, receives and loads accumulate."""
         self.block_table.new_step()
+        if self._external.due():
+            self._external = QueuedEntryMoves()
         if scheduled is None:  # most steps: nothing new, nothing allocated (R142)
             if self._to_send or self._to_check or self._to_save:
                 self._to_send, self._to_check, self._to_save = {}, {}, []
@@ -108,6 +115,20 @@ class KVChecksumWorker:
         self._to_save = list(scheduled.blocks_to_save)
         self._to_recv.update(scheduled.reqs_to_recv)
         self._to_load.update(scheduled.reqs_to_load)
+        self._bind_external(scheduled)
+
+    def _bind_external(self, scheduled: KVChecksumScheduled) -> None:
+        """This step's external-load entry moves (R147), if any."""
+        slots = self.external_entries
+        restore = getattr(scheduled, "entries_to_restore", None)
+        keep = getattr(scheduled, "entries_to_keep", None)
+        if slots is None or (restore is None and keep is None):
+            return
+        self._external.add(
+            [],
+            None if keep is None else EntryCopy(keep[0], keep[1], slots),
+            None if restore is None else EntryRestore(restore[0], restore[1], slots),
+        )
 
     def pending_load_blocks(
         self, req_ids: Iterable[str]
@@ -147,6 +168,7 @@ class KVChecksumWorker:
             or self._to_check
             or self._to_save
             or self.queued.due()
+            or self._external.due()
         ):
             return None  # most steps: nothing to checksum (R142)
         failed = set(failed_recving or ())
@@ -171,6 +193,12 @@ class KVChecksumWorker:
         # An offload tier's queued store entries come first: the step's
         # prefix entries skip the blocks they write.
         restores, copies, saves = self.queued.take()
+        if self._external.due():
+            # Restored before the step's checks read them, kept after every
+            # entry write (R147).
+            external_restores, external_copies, _ = self._external.take()
+            restores = external_restores + restores
+            copies = copies + external_copies
         if self._to_save:
             saves += self.block_table.prefix_entry_rows(self._to_save)
         checks = list(self._to_check.items())
@@ -213,6 +241,15 @@ class KVChecksumWorker:
         """Record and check entries of locally cached blocks of every covered
         group (R140), in the block table the offload tier shares."""
         self.block_table.enable_prefix_entries()
+
+    def enable_external_entries(self, limit: int) -> None:
+        """Keep entries of locally computed blocks in `limit` slots, by block
+        hash, to check loads from external caches against (R147)."""
+        self.enable_prefix_entries()
+        if self.external_entries is None:
+            self.external_entries = torch.zeros(
+                limit, dtype=torch.int64, device=self.topology.device
+            )
 
     def stop_stored_entries(self) -> None:
         """A connector's side failed, so its block table is no longer kept up

@@ -47,6 +47,8 @@ class UnverifiedReason(enum.Enum):
     NO_COMMON_BLOCK = "a group has no block in common"
     REPLICA_MISSING = "a replica was not checksummed"
     INTERNAL_ERROR = "verifying the checksums raised an error"
+    # R147: an externally loaded block this engine holds no entry of.
+    NO_ENTRY = "a loaded block has no entry this engine recorded"
 
 
 class KVChecksumStatus(enum.Enum):

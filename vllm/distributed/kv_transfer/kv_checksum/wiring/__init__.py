@@ -6,9 +6,10 @@ One module per vLLM part hooked, each starting with the list of its hooks
 (target, why, how, the upstream change that would let it go): scheduler,
 worker (model runner, ActiveKVConnector, aggregator, V1 refusal),
 connector_api (records, carrier API, MultiConnector), nixl_push, mooncake,
-offloading, simple_cpu_offload, containment (KV cache coordinator), metrics
-and mamba_layers. This module holds what they share: `install()`, the `_wrap`
-helper and the last-resort guard. On any other vLLM none of them is
+offloading, simple_cpu_offload, containment (KV cache coordinator), metrics,
+mamba_layers, prefix_cache and external_loads (which wraps nothing itself).
+This module holds what they share: `install()`, the `_wrap` helper and the
+last-resort guard. On any other vLLM none of them is
 installed, only version_guard (R144), which the plugin installs itself.
 
 Every hook is a thin wrapper that calls the original vLLM method and then a

@@ -2,11 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Hooks of prefix-hit verification (R140); the logic is in engine/prefix_hits.py.
 
-With checksums or `kv_checksum_verify_prefix_hits` off nothing is attached and
-vLLM runs unchanged. Called from the package's scheduler and worker hooks
-(wiring/scheduler.py, wiring/worker.py; one line each), so no vLLM method is
-wrapped twice. Verification stops, and drops its state, with the engine's
-checksums (the scheduler guard, a worker's disabled record: R134, R141).
+With checksums off, or both `kv_checksum_verify_prefix_hits` and
+`kv_checksum_verify_external_loads` off, nothing is attached and vLLM runs
+unchanged; with the external flag alone entries are recorded (for
+wiring/external_loads.py) but hits are not looked up or checked. Called from
+the package's scheduler and worker hooks (wiring/scheduler.py,
+wiring/worker.py; one line each), so no vLLM method is wrapped twice.
+Verification stops, and drops its state, with the engine's checksums (the
+scheduler guard, a worker's disabled record: R134, R141).
 
 Hooks (target; why; how; the upstream change that lets it go):
 
@@ -70,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_checksum.config import read_flags
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumScheduled,
 )
+from vllm.distributed.kv_transfer.kv_checksum.engine import external_loads
 from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
     KVChecksumPrefixHits,
     PrefixHitEntryListener,
@@ -103,6 +107,14 @@ def _verify_prefix_hits(vllm_config: Any) -> bool:
     return read_flags(kv_transfer_config).verify_prefix_hits
 
 
+def _records_entries(vllm_config: Any) -> bool:
+    """Entries of cached blocks are recorded for prefix hits (R140) or for
+    external loads (R147, wiring/external_loads.py)."""
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    flags = read_flags(kv_transfer_config)
+    return flags.verify_prefix_hits or flags.verify_external_loads
+
+
 def attach(scheduler: Any, kcs: Any) -> None:
     """R140. Called by the Scheduler.__init__ hook once it built the checksum
     scheduler `kcs`.
@@ -113,7 +125,7 @@ def attach(scheduler: Any, kcs: Any) -> None:
     attached with the flag off. An error leaves prefix-hit verification off.
     """
     try:
-        if _verify_prefix_hits(scheduler.vllm_config):
+        if _records_entries(scheduler.vllm_config):
             attach_scheduler(scheduler, kcs)
     except Exception:
         _turn_off(scheduler, "setup")
@@ -152,7 +164,7 @@ def entries_written_of(scheduler: Any) -> EntriesWrittenFn | None:
     scheduler's prefix-hit verification already had the workers write (all
     false once it turned off: a store then checksums its blocks itself);
     None with the flag off."""
-    if not _verify_prefix_hits(scheduler.vllm_config):
+    if not _records_entries(scheduler.vllm_config):
         return None
 
     def entries_written(groups: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
@@ -168,7 +180,7 @@ def enable_worker(worker: Any, vllm_config: Any) -> None:
     """R140. Called by the ActiveKVConnector.__init__ hook with the checksum
     worker it created: the worker saves entries and checks hits."""
     try:
-        if _verify_prefix_hits(vllm_config):
+        if _records_entries(vllm_config):
             worker.enable_prefix_entries()
     except Exception:
         logger.exception("KV checksums: prefix-hit verification is off.")
@@ -182,6 +194,18 @@ def _turn_off(scheduler: Any, where: str) -> None:
         where,
     )
     _release(scheduler)
+
+
+def live_state(scheduler: Any) -> "_SchedulerState | None":
+    """The prefix-hit state while verification runs (external-load
+    verification shares it, R147); None once it is off."""
+    return _live_state(scheduler)
+
+
+def attached_state(scheduler: Any) -> "_SchedulerState | None":
+    """The prefix-hit state `attach` set up, if any (R147: read while the
+    Scheduler.__init__ hook still builds the checksum scheduler)."""
+    return scheduler.__dict__.get(_STATE_ATTR)
 
 
 def _live_state(scheduler: Any) -> "_SchedulerState | None":
@@ -240,7 +264,8 @@ def attach_scheduler(scheduler: Any, kcs: Any) -> None:
     )
     state = _SchedulerState(hits)
     _hook_block_pool(scheduler, pool, hits)
-    _hook_hit_lookup(scheduler, manager, state)
+    if _verify_prefix_hits(scheduler.vllm_config):  # not for external loads only
+        _hook_hit_lookup(scheduler, manager, state)
     scheduler.__dict__[_STATE_ATTR] = state
     kcs.tracked_sources.append(lambda: _pending_request_ids(scheduler))  # R141
 
@@ -430,25 +455,31 @@ def _verify_step(
         if result is None:
             continue
         load, verdict = result
-        kcs.stats.record_prefix_hit(verdict)
-        if verdict.status != KVChecksumStatus.MISMATCH:
-            logger.debug(
-                "KV checksums of prefix-cache hit of request %s: %s %s",
+        if external_loads.is_external(load):  # R147
+            bad = external_loads.judge(kcs, req_id, load, verdict)
+            if not bad:
+                continue
+        else:
+            kcs.stats.record_prefix_hit(verdict)
+            if verdict.status != KVChecksumStatus.MISMATCH:
+                logger.debug(
+                    "KV checksums of prefix-cache hit of request %s: %s %s",
+                    req_id,
+                    verdict.status.value,
+                    verdict.reasons,
+                )
+                continue
+            bad = hits.bad_blocks(load, verdict)
+            logger.error(
+                "KV checksum mismatch in prefix-cache hit of request %s: group "
+                "%d block positions %s (block ids %s); the blocks leave the "
+                "prefix cache and the request is recomputed from its first bad "
+                "block.",
                 req_id,
-                verdict.status.value,
-                verdict.reasons,
+                hits.group_id,
+                [position for position, _ in bad],
+                [block_id for _, block_id in bad],
             )
-            continue
-        bad = hits.bad_blocks(load, verdict)
-        logger.error(
-            "KV checksum mismatch in prefix-cache hit of request %s: group %d "
-            "block positions %s (block ids %s); the blocks leave the prefix "
-            "cache and the request is recomputed from its first bad block.",
-            req_id,
-            hits.group_id,
-            [position for position, _ in bad],
-            [block_id for _, block_id in bad],
-        )
         if request.num_preemptions == load.attempt:
             # Still on the checked blocks: they are its own (never freed since)
             # and, through the holders below, its later blocks leave the cache.

@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _enabled,
     _guard,
     _wrap,
+    external_loads,
     prefix_cache,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wiring.containment import (
@@ -155,6 +156,7 @@ def install_scheduler_hooks() -> None:
             _attach_simple_offload_schedulers(self.connector, entries_written)
             _attach_containment(self, kcs)
             prefix_cache.attach(self, kcs)  # R140
+            external_loads.attach(self, kcs)  # R147
             kcs.tracked_sources.append(lambda: _outbox_request_ids(self.connector))
             _note_starting_loads(self)
             self.kv_checksum_scheduler = kcs
@@ -193,7 +195,8 @@ def install_scheduler_hooks() -> None:
             output.kv_checksum_scheduled = kcs.schedule_step(
                 output.num_scheduled_tokens, self.requests, self.kv_cache_manager
             )
-            prefix_cache.schedule(self, output)  # R140
+            external_loads.note_loads(self, kcs.last_started_loads, output)  # R147
+            external_loads.schedule(self, output)  # R147, and R140's step
         self._kv_checksum_hit_sources.seen.clear()
 
     @_wrap(Scheduler, "update_from_output")
