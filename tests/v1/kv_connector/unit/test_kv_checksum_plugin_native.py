@@ -84,7 +84,8 @@ def test_flags_read_from_native_fields() -> None:
     field values set by hand. Bugs caught: the flags read from the extra config
     only (every native deployment unchecked), the nested fault config's kinds
     or seed dropped, the host-fault setting (still an extra-config key of the
-    offload tiers) lost."""
+    offload tiers) or the external-load settings (extra-config keys until
+    their series commit) lost."""
     from types import SimpleNamespace
 
     from vllm.distributed.kv_transfer.kv_checksum.config import (
@@ -103,6 +104,8 @@ def test_flags_read_from_native_fields() -> None:
         kv_connector_extra_config={
             "enable_kv_checksum": False,
             "kv_checksum_host_fault_injection": {"rate": 1, "kinds": ["host_bit_flip"]},
+            "kv_checksum_verify_external_loads": True,
+            "kv_checksum_external_entry_limit": 64,
         },
     )
     flags = read_flags(native)
@@ -110,6 +113,7 @@ def test_flags_read_from_native_fields() -> None:
     assert flags.max_payload_bytes == 4096
     assert flags.fault_injection == FaultInjectionConfig(0.5, ("zero_block",), 7)
     assert flags.host_fault_injection == FaultInjectionConfig(1.0, ("host_bit_flip",))
+    assert flags.verify_external_loads and flags.external_entry_limit == 64
     native.enable_kv_checksum = False
     native.kv_checksum_fault_injection = None
     flags = read_flags(native)

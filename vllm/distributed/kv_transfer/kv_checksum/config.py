@@ -169,6 +169,7 @@ def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
     if kv_transfer_config is None:
         return KVChecksumFlags()
     if has_native_fields(kv_transfer_config):
+        native_extra = kv_transfer_config.kv_connector_extra_config or {}
         return KVChecksumFlags(
             enabled=kv_transfer_config.enable_kv_checksum,
             fail_closed=kv_transfer_config.kv_checksum_fail_closed,
@@ -178,6 +179,11 @@ def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
                 kv_transfer_config, HOST_FAULT_KEY, HOST_FAULT_KINDS
             ),
             verify_prefix_hits=kv_transfer_config.kv_checksum_verify_prefix_hits,
+            # Not fields yet (their series commit comes later): extra config.
+            verify_external_loads=_bool_flag(native_extra, VERIFY_EXTERNAL_LOADS_KEY),
+            external_entry_limit=_positive_int(
+                native_extra, EXTERNAL_ENTRY_LIMIT_KEY, DEFAULT_EXTERNAL_ENTRY_LIMIT
+            ),
         )
     extra = kv_transfer_config.kv_connector_extra_config or {}
     max_bytes = extra.get(MAX_PAYLOAD_BYTES_KEY, DEFAULT_MAX_PAYLOAD_BYTES)
