@@ -13,6 +13,9 @@
 #                                             #  for gdn), same warm machine; 64 MiB
 #                                             #  a call: nixl+serve or nixl+moe
 #   bash scripts/gpu_runs.sh update-package   # this tree's package files into SITE
+#   bash scripts/gpu_runs.sh install-series   # the in-tree series' vLLM files
+#                                             #  (gpu_series/) over SITE's vLLM,
+#                                             #  the plugin removed
 #   bash scripts/gpu_runs.sh RUN [ARGS...]    # RUN: serve, pull, pull-offload, push,
 #                                             # mooncake, hybrid, hybrid-tp2, offload,
 #                                             # prefix-hits,
@@ -178,6 +181,24 @@ update-package)
     (cd "$repo" && find vllm/distributed/kv_transfer/kv_checksum -name '*.py' \
         -not -path '*/__pycache__/*' -exec cp --parents {} "$site/" \;)
     echo "[gpu_runs] package updated in $site"
+    ;;
+# The in-tree series instead of the plugin (issue 77): vLLM's files as the
+# series patches them (gpu_series/, made here by `bash scripts/upstream_series.sh
+# files`) over the bundle's vLLM in $SITE, the plugin and its entry point
+# removed. Every later RUN then runs vLLM's own checksum code.
+install-series)
+    rm -rf "$site/vllm/distributed/kv_transfer/kv_checksum" "$site"/vllm_kv_checksum-*.dist-info
+    cp -r "$repo/gpu_series/vllm/." "$site/vllm/"
+    python3 - <<'PY' || exit 1
+import importlib.metadata as m
+import importlib.util
+from vllm.config import KVTransferConfig
+assert "enable_kv_checksum" in KVTransferConfig.__dataclass_fields__, "not the series"
+assert importlib.util.find_spec("vllm.distributed.kv_transfer.kv_checksum.plugin") is None
+eps = [e.value for e in m.entry_points(group="vllm.general_plugins")]
+assert not any("kv_checksum" in e for e in eps), eps
+print("[gpu_runs] the series' vLLM is installed; no plugin:", eps)
+PY
     ;;
 install-wheels)
     for dir in gpu_nixl gpu_serve gpu_mooncake/slim; do

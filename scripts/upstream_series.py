@@ -553,6 +553,18 @@ def check(args: argparse.Namespace) -> int:
         return 0
     targets = args.targets or list(DEFAULT_TARGETS)
     setup = (ut.install_deps(sdist_cache), ut.write_hf_configs(sdist_cache))
+    native: list[str] = []
+    native_ok = True
+    if args.project:
+        for run in (run_project, run_demo):
+            report, ok = run(python, setup[0], out)
+            native.append(report)
+            native_ok = native_ok and ok
+        if args.project_only:
+            summary = "\n\n".join([f"plugin: {plugin}", *native])
+            (out / "summary.md").write_text(summary + "\n")
+            print(summary)
+            return 0 if native_ok else 1
     unpatched, unpatched_time = baseline(
         ut.unpack(sdist, sdist_cache), targets, cache, setup, args
     )
@@ -579,9 +591,80 @@ def check(args: argparse.Namespace) -> int:
         f"{unpatched_time}, patched {patched_time} s\n"
         f"plugin: {plugin}\n\n{table}"
     )
+    summary = "\n\n".join([summary, *native])
     (out / "summary.md").write_text(summary)
     print(summary)
-    return 1 if unexplained else 0
+    return 1 if unexplained or not native_ok else 0
+
+
+PROJECT_TESTS = "tests/v1/kv_connector/unit"
+DEMO = "examples/disaggregated/kv_checksum_pd_demo.py"
+
+
+def native_env(deps: Path) -> dict[str, str]:
+    """The environment of this project's own runs in the patched vLLM: its
+    virtualenv sees the overlay first and never the plugin."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_PLUGINS", "PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTHONPATH")
+    }
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_USE_V2_MODEL_RUNNER="1",
+        PYTHONPATH=str(deps),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    return env
+
+
+def run_project(python: Path, deps: Path, out: Path) -> tuple[str, bool]:
+    """(b) This checkout's test suite against the patched vLLM: the plugin is
+    not importable there, test files that need its wiring (or a capability
+    the series has not reached) are not collected, and every collected test
+    must pass or skip. Returns (report, passed)."""
+    log(f"project: pytest {PROJECT_TESTS} against the patched vLLM")
+    junit = out / "junit-project.xml"
+    started = time.monotonic()
+    with open(out / "project.log", "w") as stream:
+        rc = subprocess.call(
+            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             PROJECT_TESTS, f"--junitxml={junit}"],
+            cwd=REPO, env=native_env(deps), stdout=stream, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    seconds = time.monotonic() - started
+    results = ut.read_junit(junit)
+    counts = Counter(results.outcomes.values())
+    text = (out / "project.log").read_text()
+    left_out = text.split("not collected on the native subsystem", 1)[-1]
+    left_out_files = re.findall(r"^(test_\w+\.py): needs (\S+)", left_out, re.M)
+    failed = sorted(t for t, o in results.outcomes.items() if o in ("failed", "error"))
+    lines = [
+        f"this project's {PROJECT_TESTS} against the patched vLLM: "
+        f"{counts['passed']} passed, {len(failed)} failed, {counts['skipped']} "
+        f"skipped in {seconds:.0f} s (pytest exit {rc}); "
+        f"{len(left_out_files)} files not collected:",
+        *(f"- {name}: needs {module}" for name, module in left_out_files),
+        *(f"- FAILED {test}" for test in failed),
+    ]
+    log(f"project: {lines[0]}")
+    return "\n".join(lines), rc == 0 and not failed and bool(results.outcomes)
+
+
+def run_demo(python: Path, deps: Path, out: Path) -> tuple[str, bool]:
+    """(c) The CPU demo against the patched vLLM: every injected fault must be
+    detected (the demo's own exit status)."""
+    log(f"demo: {DEMO} against the patched vLLM")
+    result = subprocess.run(
+        [str(python), DEMO], cwd=REPO, env=native_env(deps),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    (out / "demo.log").write_text(result.stdout + result.stderr)
+    last = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    log(f"demo: exit {result.returncode}: {last}")
+    return f"the CPU demo against the patched vLLM: exit {result.returncode}, {last}", (
+        result.returncode == 0
+    )
 
 
 def tree_command(args: argparse.Namespace) -> int:
@@ -591,6 +674,24 @@ def tree_command(args: argparse.Namespace) -> int:
     apply_series(tree, upto)
     git(tree, "checkout", "-q", "-B", "series")
     print(tree)
+    return 0
+
+
+def files_command(args: argparse.Namespace) -> int:
+    """The vLLM files the series adds or changes, as patched, under
+    OUT/vllm/ (for a GPU host: `scripts/gpu_runs.sh install-series`)."""
+    _, cache, sdist = prepare(args)
+    tree = base_tree(sdist, cache)
+    upto = len(patches()) if args.upto is None else args.upto
+    apply_series(tree, upto)
+    dest: Path = args.out or REPO / "gpu_series"
+    shutil.rmtree(dest, ignore_errors=True)
+    for status, path in changed_files(tree, BASE_TAG, "HEAD"):
+        if path.startswith("vllm/") and status != "D":
+            target = dest / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(git_bytes(tree, "HEAD", path))
+    print(dest)
     return 0
 
 
@@ -621,7 +722,10 @@ def export_command(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "command", nargs="?", default="check", choices=("check", "tree", "export")
+        "command",
+        nargs="?",
+        default="check",
+        choices=("check", "tree", "export", "files"),
     )
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument(
@@ -646,12 +750,28 @@ def main() -> int:
         help="test the scratch tree's committed HEAD as it is (after "
         "editing it; see the tree command) instead of applying upstream/",
     )
+    parser.add_argument(
+        "--no-project",
+        dest="project",
+        action="store_false",
+        help="skip (b) this project's suite and (c) the demo on the patched vLLM",
+    )
+    parser.add_argument(
+        "--project-only",
+        action="store_true",
+        help="run (b) and (c) only, not vLLM's own tests",
+    )
     parser.add_argument("--rebaseline", action="store_true")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument("--out", type=Path, help="folder for logs and junit files")
     parser.add_argument("--no-netns", dest="netns", action="store_false")
     args = parser.parse_args()
-    commands = {"check": check, "tree": tree_command, "export": export_command}
+    commands = {
+        "check": check,
+        "tree": tree_command,
+        "export": export_command,
+        "files": files_command,
+    }
     try:
         return commands[args.command](args)
     except CheckFailed as e:
