@@ -174,6 +174,7 @@ def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
         lmcache_loads=sum(1 for _, need in hits if need > 0),
         lmcache_loaded_tokens=sum(need for _, need in hits),
         degraded="degraded mode" in server_log,
+        torch_baseline_ops="stays on the torch baseline" in server_log,
         failed_verification=server_log.count("failed verification"),
         corruptions=server_log.count("KVC corrupt:"),
         injected=server_log.count("KV checksum fault injection:"),
