@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# LMCacheConnectorV1 (lmcache 0.5.6, local CPU backend) with checksums on the
+# offline GPU host, after `scripts/gpu_runs.sh install-bundle` on the same warm
+# machine. Build first, on the CPU machine:
+#   bash scripts/lmcache_bundle.sh gpu_lmcache   # about 21 MB (lmcache + deps)
+# then, after `bash scripts/gpu_runs.sh install-bundle` (carry gpu_bundle/so,
+# its tarball and install scripts), one call carrying gpu_bundle/whl and
+# gpu_lmcache (lmcache, its small deps and the `vllm serve` wheels):
+#   bash scripts/lmcache_gpu.sh [DRIVER ARGS...]
+# Steps: install the wheels into $SITE, refresh this tree's package there, check
+# that LMCache and its CUDA ops import (under the host's torch), then run
+# scripts/lmcache_gpu_driver.py (modes off, on, fault, corrupt). Everything
+# goes under $OUT: preflight.log, lmcache.log, summary.json, lmcache.tar.gz
+# (server logs and /metrics lines).
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+site=${SITE:-/tmp/site}
+out=${OUT:-/tmp/lmcache_gpu}
+mkdir -p "$out"
+export PYTHONPATH=$site VLLM_USE_FLASHINFER_SAMPLER=0 LMCACHE_TRACK_USAGE=false
+
+for dir in gpu_bundle/whl gpu_lmcache; do
+    if compgen -G "$repo/$dir/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile \
+            --target "$site" "$repo/$dir"/*.whl 2>&1 | grep -v WARNING
+        echo "[lmcache_gpu] installed $dir"
+    fi
+done
+(cd "$repo" && find vllm/distributed/kv_transfer/kv_checksum -name '*.py' \
+    -not -path '*/__pycache__/*' -exec cp --parents {} "$site/" \;)
+
+# LMCache's CUDA ops link libtorch's unstable C++ ABI: they load only under
+# the torch they were built for (not under torch 2.14: c10_cuda_check_implementation
+# changed). Without them LMCache runs its torch baseline copies, which refuse
+# HND layouts; the driver reports which ran. The other imports are required.
+python3 - >"$out/preflight.log" 2>&1 <<'PY'
+import importlib, sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__,
+      "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+ok = True
+for name in ("lmcache", "lmcache.lmcache_native", "lmcache.cuda_ops",
+             "lmcache.integration.vllm.vllm_v1_adapter", "uvicorn"):
+    try:
+        importlib.import_module(name)
+        print("import", name, "ok")
+    except Exception as e:
+        ok = ok and name == "lmcache.cuda_ops"
+        print("import", name, "FAILED:", repr(e)[:400])
+sys.exit(0 if ok else 3)
+PY
+rc=$?
+cat "$out/preflight.log"
+[ $rc -eq 0 ] || { echo "[lmcache_gpu] preflight failed"; exit $rc; }
+
+(cd "$repo" && timeout --kill-after=20 "${KV_CHECKSUM_RUN_LIMIT:-540}" python3 \
+    scripts/lmcache_gpu_driver.py --out "$out/lmcache" "$@") >"$out/lmcache.log" 2>&1
+rc=$?
+pkill -9 -f "EngineCore|vllm.entrypoints" 2>/dev/null
+[ -f "$out/lmcache/summary.json" ] && cp "$out/lmcache/summary.json" "$out/summary.json"
+tar -czf "$out/lmcache.tar.gz" -C "$out" lmcache && rm -rf "${out:?}/lmcache"
+tail -n 30 "$out/lmcache.log"
+echo "[lmcache_gpu] exit $rc"
+exit $rc

@@ -1,0 +1,219 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""LMCacheConnectorV1 (lmcache 0.5.6, local CPU backend) with external-load
+verification on one GPU: a prefix-reuse workload against one `vllm serve`
+per mode, run by scripts/lmcache_gpu.sh.
+
+Modes: off (checksums off), on (enable_kv_checksum and
+kv_checksum_verify_external_loads), fault (on plus the package's fault
+injector) and corrupt (on, with lmcache_corrupt/sitecustomize.py flipping a
+byte of chunks LMCache's local CPU backend hands out). The GPU prefix cache is
+kept small (--num-gpu-blocks-override) so the shared prefix is evicted
+between its uses and comes back from LMCache. Writes OUT/summary.json, each
+server's log and its `vllm:kv_checksum_*` and prefix-cache /metrics lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import sys
+import time
+from typing import Any
+
+import requests
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "examples", "disaggregated"))
+from kv_checksum_serve_pd import SERVE, VOCAB, build_model, log  # noqa: E402
+
+HIT = re.compile(r"LMCache hit tokens: (\d+), need to load: (\d+)")
+METRIC = re.compile(r"^(vllm:kv_checksum_\S+|vllm:\S*prefix_cache\S*)\s+(\S+)$")
+MODES = ("off", "on", "fault", "corrupt")
+
+
+def kv_transfer_config(mode: str) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if mode != "off":
+        extra = {"enable_kv_checksum": True, "kv_checksum_verify_external_loads": True}
+    if mode == "fault":
+        extra["kv_checksum_fault_injection"] = {
+            "rate": 0.5,
+            "kinds": ["bit_flip"],
+            "seed": 0,
+        }
+    return {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def server_env(mode: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        PYTHONHASHSEED="0",  # LMCache's chunk hashes, stable across processes
+        LMCACHE_LOCAL_CPU="True",
+        LMCACHE_CHUNK_SIZE="16",
+        LMCACHE_MAX_LOCAL_CPU_SIZE="2",
+        LMCACHE_TRACK_USAGE="false",
+        LMCACHE_DISABLE_BANNER="1",
+    )
+    if mode == "corrupt":
+        corrupt = os.path.join(REPO, "scripts", "lmcache_corrupt")
+        env["PYTHONPATH"] = corrupt + os.pathsep + env.get("PYTHONPATH", "")
+        env["KVC_LMCACHE_CORRUPT"] = "1"
+    return env
+
+
+def start(mode: str, args: argparse.Namespace, port: int) -> Any:
+    import subprocess
+
+    cmd = [sys.executable, *SERVE, args.model, "--served-model-name", "tiny"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    cmd += ["--max-model-len", "2048", "--block-size", "16", "--dtype", "bfloat16"]
+    cmd += ["--num-gpu-blocks-override", str(args.gpu_blocks), "--enforce-eager"]
+    cmd += ["--gpu-memory-utilization", "0.3", "--max-num-seqs", "4"]
+    cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(mode))]
+    path = os.path.join(args.out, f"{mode}.log")
+    out = open(path, "wb")  # noqa: SIM115 - the server's lifetime
+    out.write((" ".join(cmd) + "\n").encode())
+    out.flush()
+    proc = subprocess.Popen(
+        cmd,
+        env=server_env(mode),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + args.start_timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).ok:
+                return proc
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    return proc if proc.poll() is None and time.time() < deadline else None
+
+
+def stop(proc: Any) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except Exception:
+        with contextlib.suppress(Exception):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def workload(args: argparse.Namespace) -> list[str]:
+    """The shared prefix with a new suffix, fillers that evict it from the
+    GPU prefix cache, and the prefix again, `rounds` times."""
+    rng = random.Random(0)
+
+    def words(n: int) -> str:
+        return " ".join(f"t{rng.randrange(4, VOCAB)}" for _ in range(n))
+
+    prefix = words(args.prefix_len)
+    prompts = []
+    for _ in range(args.rounds):
+        prompts.append(prefix + " " + words(8))
+        prompts += [words(args.filler_len) for _ in range(args.fillers)]
+    prompts.append(prefix + " " + words(8))
+    return prompts
+
+
+def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+    log(f"{mode}: starting")
+    proc = start(mode, args, port)
+    result: dict[str, Any] = {"mode": mode, "started": proc is not None}
+    if proc is None:
+        return result
+    outputs = []
+    try:
+        for i, prompt in enumerate(workload(args)):
+            body: dict[str, Any] = {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0.0,
+                "seed": 0,
+            }
+            r = requests.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json=body,
+                timeout=120,
+                headers={"X-Request-Id": f"{mode}-{i}"},
+            )
+            outputs.append(
+                r.json()["choices"][0]["text"] if r.ok else f"HTTP {r.status_code}"
+            )
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    finally:
+        stop(proc)
+    lines = [ln for ln in text.splitlines() if METRIC.match(ln)]
+    with open(os.path.join(args.out, f"{mode}.metrics"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, f"{mode}.log"), errors="replace") as f:
+        server_log = f.read()
+    hits = [(int(a), int(b)) for a, b in HIT.findall(server_log)]
+    result.update(
+        outputs=outputs,
+        metrics={ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines},
+        lmcache_loads=sum(1 for _, need in hits if need > 0),
+        lmcache_loaded_tokens=sum(need for _, need in hits),
+        degraded="degraded mode" in server_log,
+        torch_baseline_ops="stays on the torch baseline" in server_log,
+        failed_verification=server_log.count("failed verification"),
+        corruptions=server_log.count("KVC corrupt:"),
+        injected=server_log.count("KV checksum fault injection:"),
+    )
+    brief = {k: v for k, v in result.items() if k != "outputs"}
+    log(f"{mode}: {json.dumps(brief)[:1500]}")
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="/tmp/kv-checksum-serve-tiny")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--gpu-blocks", type=int, default=96)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--filler-len", type=int, default=600)
+    p.add_argument("--fillers", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--start-timeout", type=float, default=240)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    build_model(args)
+    results = {
+        m: run_mode(m, args, 8300 + i) for i, m in enumerate(args.modes.split(","))
+    }
+    summary: dict[str, Any] = {"modes": results}
+    if "off" in results and "on" in results:
+        summary["on_equals_off"] = results["on"].get("outputs") == results["off"].get(
+            "outputs"
+        )
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    on = results.get("on", {})
+    ok = bool(summary.get("on_equals_off")) and on.get("lmcache_loads", 0) > 0
+    ok = ok and not any(r.get("degraded") for r in results.values())
+    log(f"on_equals_off={summary.get('on_equals_off')} ok={ok}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
