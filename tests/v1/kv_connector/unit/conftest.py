@@ -109,16 +109,32 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(f"{name}: needs {missing}")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "kv_checksum_capability(name): needs a capability that a vLLM with the "
+        "in-tree series may not have wired yet (skipped there until it has)",
+    )
+
+
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    """Skip tests marked ``cuda`` when no CUDA device is available."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """Skip tests marked ``cuda`` when no CUDA device is available, and, on a
+    vLLM with the in-tree series, tests of a capability it has not wired yet."""
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import native_capability
+
+    no_cuda = not torch.cuda.is_available()
     for item in items:
-        if item.get_closest_marker("cuda") is not None:
-            item.add_marker(skip)
+        if no_cuda and item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        for marker in item.iter_markers("kv_checksum_capability"):
+            if not native_capability(marker.args[0]):
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"the in-tree series has no {marker.args[0]} commit yet"
+                    )
+                )
 
 
 @pytest.fixture

@@ -156,23 +156,29 @@ def native_kv_checksums() -> bool:
     )
 
 
-def skip_unless_capability(capability: str) -> None:
-    """Skip the calling test on a vLLM with the in-tree series when the series
-    does not carry `capability` yet (its commit comes later); on vLLM 0.33.0
-    the plugin carries every capability and nothing is skipped."""
-    import pytest
-
+def native_capability(capability: str) -> bool:
+    """On a vLLM with the in-tree series: whether the series has wired
+    `capability` into vLLM yet (each capability's commit is detected by what
+    it adds to vLLM). On vLLM 0.33.0 the plugin carries them all."""
     if not native_kv_checksums():
-        return
+        return True
+    if capability == "plugin":  # the plugin's own code (wiring, scripts)
+        return False
     if capability == "nixl_push":
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
             NixlPushConnector,
         )
 
-        present = "kv_checksum_carrier" in NixlPushConnector.__dict__
-    else:
-        present = False
-    if not present:
+        return "kv_checksum_carrier" in NixlPushConnector.__dict__
+    return False  # the series has no commit for it yet
+
+
+def skip_unless_capability(capability: str) -> None:
+    """Skip the calling test on a vLLM with the in-tree series when the series
+    does not carry `capability` yet (its commit comes later)."""
+    import pytest
+
+    if not native_capability(capability):
         pytest.skip(f"the in-tree series has no {capability} commit yet")
 
 

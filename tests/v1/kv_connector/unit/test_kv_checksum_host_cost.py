@@ -33,6 +33,7 @@ def _wrapped(coordinator: Any) -> bool:
     )
 
 
+@pytest.mark.kv_checksum_capability("containment")
 def test_R142_cache_blocks_unwrapped_unless_a_request_is_quarantined(
     model_dir: str,
 ) -> None:

@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[4] / "vllm/distributed/kv_transfer/kv_ch
 LAYERS = {
     "config": 0,
     "definition": 0,
+    # carrier.py: the carrier enum, below the definition that re-exports it
+    # (imports nothing; the file of the series' 0002).
+    "carrier": -1,
     "wire": 1,
     # version.py: what a checksum configuration gets on another vLLM (R144).
     "version": 1,

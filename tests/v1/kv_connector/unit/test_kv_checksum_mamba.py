@@ -758,6 +758,7 @@ def _mixer2(n_groups: int, tp: int, monkeypatch: pytest.MonkeyPatch) -> Any:
     return layer
 
 
+@pytest.mark.kv_checksum_capability("hybrid")
 @pytest.mark.parametrize(("n_groups", "tp"), [(1, 1), (1, 2), (2, 2), (1, 4)])
 def test_plugin_attaches_mamba2_splits_r44(
     model_dir: str, monkeypatch: pytest.MonkeyPatch, n_groups: int, tp: int

@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     verify_load,
 )
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.kv_checksum_capability("hybrid")]
 
 HIDDEN, HEADS, HEAD_DIM, STATE, LAYERS = 64, 4, 32, 8, 2
 INTERMEDIATE = HEADS * HEAD_DIM  # expand 2

@@ -72,7 +72,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.utils.math_utils import cdiv
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.kv_checksum_capability("hybrid")]
 
 # The one-process gloo TP group the ranks are built in (a module fixture).
 distributed = models.distributed

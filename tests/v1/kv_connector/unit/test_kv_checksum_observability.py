@@ -34,7 +34,7 @@ from vllm.plugins import load_general_plugins
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.kv_checksum_capability("metrics")]
 
 REPO = Path(__file__).resolve().parents[4]
 FOLDER = REPO / "examples" / "observability" / "kv_checksum"

@@ -30,7 +30,11 @@ from vllm.distributed.kv_transfer.kv_checksum.config import VERIFY_PREFIX_HITS_K
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+pytestmark = [
+    pytest.mark.cpu,
+    pytest.mark.usefixtures("cuda_stream_stubs"),
+    pytest.mark.kv_checksum_capability("prefix_hits"),
+]
 
 BS = 16
 PREFIX = 4 * BS

@@ -37,7 +37,11 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hits import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.faults.injector import KVFaultInjector
 
-pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+pytestmark = [
+    pytest.mark.cpu,
+    pytest.mark.usefixtures("cuda_stream_stubs"),
+    pytest.mark.kv_checksum_capability("prefix_hits"),
+]
 
 BS = 16
 PREFIX = 4 * BS

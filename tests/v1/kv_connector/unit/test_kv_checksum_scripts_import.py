@@ -44,6 +44,7 @@ def test_scripts_exist() -> None:
     assert "benchmarks/benchmark_kv_checksum_serve.py" in SCRIPTS
 
 
+@pytest.mark.kv_checksum_capability("plugin")
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_package_imports_of_scripts_resolve(script: str) -> None:
     """Every package module a script names (also inside functions) imports."""

@@ -12,6 +12,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.v1.kv_connector.unit.kv_checksum_scripts import load_script
 from tests.v1.kv_connector.unit.test_kv_checksum_chaos_driver import (
     EXAMPLES,
@@ -120,6 +122,7 @@ def test_judge_tamper() -> None:
     assert not plan.judge_tamper(phases, LOG, {"on": [], "off": []}).passed
 
 
+@pytest.mark.kv_checksum_capability("metrics")
 def test_reason_texts_are_the_package_and_guide_ones() -> None:
     """Bug caught: the driver looking for reason texts or labels the package
     does not log (every GPU tamper run failing, or a renamed reason unseen)."""

@@ -43,6 +43,7 @@ SCHEDULER_PATH_FILES = (
 )
 
 
+@pytest.mark.kv_checksum_capability("plugin")
 def test_vllm_scheduler_path_tests_pass_with_checksums_forced_on(
     tmp_path: Path,
 ) -> None:
