@@ -12,10 +12,19 @@ with torch indexing. vLLM's process groups are not started: the three calls
 LMCache makes into them (TP group broadcasts, TP rank, last PP rank) get
 single-rank answers.
 
+The checksum side is the package's own: the Scheduler carries its hooks
+(`enable_kv_checksum` and `kv_checksum_verify_external_loads` on, policy
+"recompute", fail-open) and `kv_checksum_pd.SimEngine` runs one real
+`KVChecksumWorker` over the same CPU KV views LMCache's worker side copies to
+and from; each step's "forward" writes a deterministic KV per token and
+position between LMCache's `start_load_kv` and its `wait_for_save`.
+
 A prefix goes the way an engine sends it: request A computes it and LMCache's
 `wait_for_save` stores it; the GPU prefix cache is reset (as an eviction
 would); request B with the same prefix loads it back through
 `get_num_new_matched_tokens`, `update_state_after_alloc` and `start_load_kv`.
+The independent reference is the KV itself: the bytes A computed, the chunk
+byte the test flips, and KV another instance computed (another salt).
 
 Skipped when `lmcache` is not importable (it is not a test dependency).
 """
@@ -164,15 +173,21 @@ class LMCacheEngine(SimEngine):
         self.connector = LMCacheConnectorV1(
             self.vllm_config, KVConnectorRole.WORKER, self.scheduler.kv_cache_config
         )
-        self.connector.register_kv_caches(self.kv_caches)
-        # As the ActiveKVConnector hook does on a real worker.
-        external_loads.enable_worker(worker.checksum, self.vllm_config)
+        try:
+            self.connector.register_kv_caches(self.kv_caches)
+            # As the ActiveKVConnector hook does on a real worker.
+            external_loads.enable_worker(worker.checksum, self.vllm_config)
+        except BaseException:
+            self.stop()  # else the storage manager's thread keeps pytest alive
+            raise
         self.before_writes = self._load
         self.after_writes = self._save
         # Pages of each new request's first NUM_CHUNKS blocks right after
         # LMCache's load, per step (before any check or recovery).
         self.after_load: dict[str, list[dict[str, torch.Tensor]]] = {}
         self.verdicts: list[Any] = []
+        if self.checksums is None:  # the package did not attach: tests fail
+            return
         record = self.checksums.stats.record_external_load
 
         def keep(verdict: Any) -> None:
@@ -180,6 +195,12 @@ class LMCacheEngine(SimEngine):
             record(verdict)
 
         self.checksums.stats.record_external_load = keep
+
+    def stop(self) -> None:
+        """Stops LMCache's one non-daemon thread, its storage manager's loop."""
+        manager = self.store.storage_manager
+        manager.loop.call_soon_threadsafe(manager.loop.stop)
+        manager.thread.join(timeout=10)
 
     @property
     def store(self) -> Any:
@@ -230,9 +251,7 @@ def lmcache_engine(model_dir: str) -> Iterator[LMCacheEngine]:
         try:
             yield engine
         finally:
-            manager = engine.store.storage_manager
-            manager.loop.call_soon_threadsafe(manager.loop.stop)
-            manager.thread.join(timeout=10)
+            engine.stop()
 
 
 def _build_engine(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> LMCacheEngine:
@@ -296,11 +315,13 @@ def test_external_loads_flag_attaches_checksums(
     update_state_after_alloc); with `enable_kv_checksum` alone it stays off
     and LMCache runs unwrapped.
 
-    Catches: the external flag ignored (`attach` in wiring/external_loads.py
-    returning early: no external-load state, so every load goes unchecked);
-    `connector_declares_carrier` (config.py) answering True for a connector
-    that overrides neither `kv_checksum_carrier` nor `get_kv_checksum_sources`
-    (the flag-less scheduler would attach and claim loads it cannot verify)."""
+    Catches: the external flag ignored, either by `attach` in
+    wiring/external_loads.py (no external-load state: every load goes
+    unchecked) or by the carrier check in config.py (the package stays off
+    for LMCache); `connector_declares_carrier` (config.py) answering True for
+    a connector that overrides neither `kv_checksum_carrier` nor
+    `get_kv_checksum_sources` (the flag-less scheduler would attach and claim
+    loads it cannot verify)."""
     scheduler = lmcache_engine.scheduler
     assert scheduler.kv_checksum_scheduler is not None
     assert scheduler.__dict__.get("_kv_checksum_external_loads") is not None
@@ -367,17 +388,19 @@ def test_clean_load_verified(lmcache_engine: LMCacheEngine) -> None:
     side lands byte for byte in B's blocks and is verified (one external
     load verdict "verified"); B runs on it.
 
-    Catches: the external flag ignored (no verdict at all); the entry table
-    not kept (`KVChecksumExternalLoads.keep` adding nothing: unverified,
-    no_entry); a copier stand-in writing loads one slot off (B's bytes would
-    differ from A's, and the verdict a mismatch)."""
+    Catches: the external flag ignored by `attach` (no verdict at all); the
+    entry table not kept (`KVChecksumExternalLoads.keep` adding nothing:
+    unverified, no_entry); the check's block start or hashes shifted by one
+    block in `KVChecksumExternalLoads.check` (unverified); a copier
+    stand-in writing loads one slot off (B's bytes differ from A's, and the
+    verdict is a mismatch)."""
     engine = lmcache_engine
     tokens = prefix(2000)
     computed = store_and_evict(engine, tokens)
     since = len(engine.verdicts)
     verified = engine.checksums.stats.external_loads.get("verified", 0)
     final = run(engine, "b2000", tokens + [7, 8, 9])
-    (loaded,) = engine.after_load["b2000"]
+    loaded = engine.after_load["b2000"][0]
     for name, pages in computed.items():
         assert torch.equal(loaded[name], pages), name
     assert engine.new_verdicts(since) == ["verified"]
@@ -394,10 +417,13 @@ def test_corrupted_chunk_is_a_mismatch_at_its_block(
     finds a mismatch at exactly that chunk's block (position 1), the block
     leaves the prefix cache and B is recomputed ("recompute").
 
-    Catches: the external flag ignored or the entry table not kept (no
-    mismatch); the loaded blocks' positions off by one (the mismatch at
-    position 0 or 2); a corruption that misses the stored copy (B's pages
-    would equal the computed ones)."""
+    Catches: the external flag ignored by `attach` or the entry table not kept
+    (no mismatch); the check's block start or hashes shifted by one block
+    (unverified); the mismatched block positions off by one in
+    `verify_offloaded_load` (offload/entries.py: reported at 2, block 2
+    leaves the cache, the corrupted block 1 stays and the retry runs on it
+    as a local hit, "verified"); a corruption that misses the stored copy
+    (B's pages would equal the computed ones)."""
     engine = lmcache_engine
     tokens = prefix(3000)
     computed = store_and_evict(engine, tokens)
@@ -437,9 +463,11 @@ def test_prefix_of_another_instance_is_unverified(
     (this engine recorded no entry of it) is loaded, unverified with the
     reason no_entry and, fail-open, B runs on it.
 
-    Catches: a load with no entry judged from its empty comparison (a
-    mismatch or "verified"); unverified for another reason than no_entry;
-    an unverified load failed under fail-open (B recomputed)."""
+    Catches: a load with no entry judged from its empty comparison
+    (`PendingExternalLoad.judge` without its nothing-checked branch: another
+    reason than no_entry); an unverified load failed under fail-open
+    (`bad_positions` ignoring `fail_closed`: B loaded again and recomputed);
+    the external flag ignored by `attach` (no verdict)."""
     engine = lmcache_engine
     tokens = prefix(4000)
     # "Another instance": its KV (another salt) written into spare blocks and
@@ -467,11 +495,13 @@ def test_prefix_of_another_instance_is_unverified(
     since = len(engine.verdicts)
 
     final = run(engine, "b4000", tokens + [7, 8, 9])
-    (loaded,) = engine.after_load["b4000"]
+    loaded = engine.after_load["b4000"][0]
     for name, pages in written.items():
         assert torch.equal(loaded[name], pages), name
-    assert engine.new_verdicts(since) == ["unverified"]
+    assert engine.new_verdicts(since)[:1] == ["unverified"]
     reasons = [reason for reason, _ in engine.verdicts[since].reasons]
     assert reasons == [UnverifiedReason.NO_ENTRY]
-    assert engine.scheduled_tokens("b4000") == 3  # ran on the load
+    # Fail-open: B ran on the load (one verdict, 3 tokens computed).
+    assert engine.new_verdicts(since) == ["unverified"]
+    assert engine.scheduled_tokens("b4000") == 3
     assert final.finish_reason is not None
