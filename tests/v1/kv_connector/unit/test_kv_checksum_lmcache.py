@@ -12,20 +12,30 @@ with torch indexing. vLLM's process groups are not started: the three calls
 LMCache makes into them (TP group broadcasts, TP rank, last PP rank) get
 single-rank answers.
 
+The checksum side is the package's own: the Scheduler carries its hooks
+(`enable_kv_checksum` and `kv_checksum_verify_external_loads` on, policy
+"recompute", fail-open) and `kv_checksum_pd.SimEngine` runs one real
+`KVChecksumWorker` over the same CPU KV views LMCache's worker side copies to
+and from; each step's "forward" writes a deterministic KV per token and
+position between LMCache's `start_load_kv` and its `wait_for_save`.
+
 A prefix goes the way an engine sends it: request A computes it and LMCache's
 `wait_for_save` stores it; the GPU prefix cache is reset (as an eviction
 would); request B with the same prefix loads it back through
 `get_num_new_matched_tokens`, `update_state_after_alloc` and `start_load_kv`.
+The independent reference is the KV itself: the bytes A computed, the chunk
+byte the test flips, and KV another instance computed (another salt).
 
 Skipped when `lmcache` is not importable (it is not a test dependency).
 """
 
+import dataclasses
 import importlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,14 +46,25 @@ pytest.importorskip(
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
     BLOCK_SIZE,
+    cpu_cuda_streams,
     make_kv_cache_config,
-    make_kv_caches,
-    make_model_runner_output,
     make_request,
     make_scheduler,
     make_vllm_config,
 )
-from vllm.distributed.kv_transfer.kv_checksum import plugin  # noqa: E402
+from tests.v1.kv_connector.unit.kv_checksum_pd import (  # noqa: E402
+    SideConfig,
+    SimEngine,
+)
+from vllm.distributed.kv_transfer.kv_checksum.config import (  # noqa: E402
+    VERIFY_EXTERNAL_LOADS_KEY,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (  # noqa: E402
+    UnverifiedReason,
+)
+from vllm.distributed.kv_transfer.kv_checksum.wiring import (  # noqa: E402
+    external_loads,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
 )
@@ -51,10 +72,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (  # 
     LMCacheConnectorV1,
 )
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
 
 pytestmark = pytest.mark.cpu
 
@@ -133,47 +152,91 @@ def _copier_class() -> type:
     return CpuPagedCopier
 
 
-@dataclass
-class LMCacheEngine:
-    """One engine's two LMCacheConnectorV1 sides and its KV cache views."""
+class LMCacheEngine(SimEngine):
+    """One engine: vLLM's Scheduler with the package's hooks and
+    LMCacheConnectorV1's scheduler side, one checksum worker over CPU KV
+    views and LMCacheConnectorV1's worker side over the same views. Each
+    step's forward runs LMCache's `start_load_kv` before the KV writes and
+    its `wait_for_save` after them, as vLLM's model runner does."""
 
-    scheduler: Scheduler
-    worker: LMCacheConnectorV1
-    kv_caches: dict[str, torch.Tensor]
+    def __init__(self, model_dir: str) -> None:
+        side = SideConfig(
+            num_blocks=64,
+            policy="recompute",
+            connector="LMCacheConnectorV1",
+            connector_extra={VERIFY_EXTERNAL_LOADS_KEY: True},
+        )
+        super().__init__(model_dir, side, "lmcache")
+        self.vllm_config.cache_config.kv_cache_layout = side.layout.name
+        (worker,) = self.workers
+        self.kv_caches = worker.caches
+        self.connector = LMCacheConnectorV1(
+            self.vllm_config, KVConnectorRole.WORKER, self.scheduler.kv_cache_config
+        )
+        try:
+            self.connector.register_kv_caches(self.kv_caches)
+            # As the ActiveKVConnector hook does on a real worker.
+            external_loads.enable_worker(worker.checksum, self.vllm_config)
+        except BaseException:
+            self.stop()  # else the storage manager's thread keeps pytest alive
+            raise
+        self.before_writes = self._load
+        self.after_writes = self._save
+        # Pages of each new request's first NUM_CHUNKS blocks right after
+        # LMCache's load, per step (before any check or recovery).
+        self.after_load: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self.verdicts: list[Any] = []
+        if self.checksums is None:  # the package did not attach: tests fail
+            return
+        record = self.checksums.stats.record_external_load
+
+        def keep(verdict: Any) -> None:
+            self.verdicts.append(verdict)
+            record(verdict)
+
+        self.checksums.stats.record_external_load = keep
+
+    def stop(self) -> None:
+        """Stops LMCache's one non-daemon thread, its storage manager's loop."""
+        manager = self.store.storage_manager
+        manager.loop.call_soon_threadsafe(manager.loop.stop)
+        manager.thread.join(timeout=10)
 
     @property
     def store(self) -> Any:
         """LMCache's engine on the worker side."""
-        return self.worker._lmcache_engine.lmcache_engine
+        return self.connector._lmcache_engine.lmcache_engine
 
-    def step(self) -> SchedulerOutput:
-        """schedule(), the worker's load and save around the forward, update."""
-        return self.finish_step(self.scheduler.schedule())
-
-    def finish_step(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The worker's load and save around the forward of `out`, update."""
-        meta = out.kv_connector_metadata
+    def _load(self, output: SchedulerOutput) -> None:
+        meta = output.kv_connector_metadata
         assert meta is not None
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(FORWARD_CONTEXT)  # type: ignore[arg-type]
-        self.worker.wait_for_save()
-        self.worker.clear_connector_metadata()
-        runner = make_model_runner_output(out, scheduler=self.scheduler)
-        self.scheduler.update_from_output(out, runner)
-        return out
+        self.connector.bind_connector_metadata(meta)
+        self.connector.start_load_kv(FORWARD_CONTEXT)  # type: ignore[arg-type]
+        for new in output.scheduled_new_reqs:
+            blocks = list(new.block_ids[0][:NUM_CHUNKS])
+            pages = self.page_bytes(blocks)
+            self.after_load.setdefault(new.req_id, []).append(pages)
 
-    def run(self, request: Request) -> list[int]:
-        """Run `request` (max_tokens 1) to its end; its block ids."""
-        self.scheduler.add_request(request)
-        out = self.step()
-        assert request.is_finished()
-        return list(out.scheduled_new_reqs[0].block_ids[0])
+    def _save(self, output: SchedulerOutput) -> None:
+        self.connector.wait_for_save()
+        self.connector.clear_connector_metadata()
+
+    def blocks_of(self, req_id: str) -> list[int]:
+        """The blocks `req_id` was first scheduled on."""
+        for output in self.history:
+            for new in output.scheduled_new_reqs:
+                if new.req_id == req_id:
+                    return list(new.block_ids[0])
+        raise AssertionError(f"{req_id} was never scheduled")
 
     def page_bytes(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
         return {
             name: view[block_ids].view(torch.int16).clone()
             for name, view in self.kv_caches.items()
         }
+
+    def new_verdicts(self, since: int) -> list[str]:
+        return [v.status.value for v in self.verdicts[since:]]
 
 
 @pytest.fixture(scope="module")
@@ -183,14 +246,12 @@ def lmcache_engine(model_dir: str) -> Iterator[LMCacheEngine]:
     ZMQ context, which waits for the worker's sockets; the worker's servers
     close sockets another thread is blocked on). Its threads are daemons but
     one: the storage manager's event loop, stopped here."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    with pytest.MonkeyPatch.context() as monkeypatch, cpu_cuda_streams(monkeypatch):
         engine = _build_engine(model_dir, monkeypatch)
         try:
             yield engine
         finally:
-            manager = engine.store.storage_manager
-            manager.loop.call_soon_threadsafe(manager.loop.stop)
-            manager.thread.join(timeout=10)
+            engine.stop()
 
 
 def _build_engine(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> LMCacheEngine:
@@ -219,21 +280,7 @@ def _build_engine(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> LMCacheEng
         "get_pp_group",
         lambda: single_rank,
     )
-    plugin.register()
-    # TODO(R147): add "kv_checksum_verify_external_loads": True once the
-    # external-load verification lands, and assert its verdicts below.
-    vllm_config = make_vllm_config(
-        model_dir,
-        kv_connector="LMCacheConnectorV1",
-        extra_config={"enable_kv_checksum": True},
-        kv_cache_layout=KVCacheLayout.LBHNC,
-    )
-    kv_cache_config = make_kv_cache_config(vllm_config)
-    worker = LMCacheConnectorV1(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-    kv_caches = make_kv_caches(kv_cache_config, KVCacheLayout.LBHNC)
-    worker.register_kv_caches(kv_caches)
-    scheduler = make_scheduler(vllm_config, kv_cache_config)
-    return LMCacheEngine(scheduler, worker, kv_caches)
+    return LMCacheEngine(model_dir)
 
 
 def prefix(first: int) -> list[int]:
@@ -242,33 +289,57 @@ def prefix(first: int) -> list[int]:
     return list(range(first, first + NUM_CHUNKS * CHUNK))
 
 
+def run(engine: LMCacheEngine, req_id: str, tokens: list[int]) -> Any:
+    engine.add(make_request(req_id, tokens, max_tokens=1))
+    return engine.run(req_id)
+
+
 def store_and_evict(engine: LMCacheEngine, tokens: list[int]) -> dict[str, Any]:
     """Request A computes `tokens` and LMCache stores them; the GPU prefix
     cache is reset and the KV views zeroed. Returns A's pages as computed."""
-    blocks = engine.run(make_request(f"a{tokens[0]}", tokens + [3, 4], max_tokens=1))
-    computed = engine.page_bytes(blocks[:NUM_CHUNKS])
+    req_id = f"a{tokens[0]}"
+    run(engine, req_id, tokens + [3, 4])
+    computed = engine.page_bytes(engine.blocks_of(req_id)[:NUM_CHUNKS])
     assert engine.scheduler.reset_prefix_cache()
     for view in engine.kv_caches.values():
         view.zero_()
     return computed
 
 
-def test_checksums_stay_off_without_a_carrier(
-    lmcache_engine: LMCacheEngine,
+def test_external_loads_flag_attaches_checksums(
+    lmcache_engine: LMCacheEngine, model_dir: str
 ) -> None:
-    """R15: LMCacheConnectorV1 carries no checksums, so `enable_kv_checksum`
-    alone (fail-open) leaves the package off for this engine and LMCache runs
-    unwrapped. TODO(R147): with `kv_checksum_verify_external_loads` the
-    package attaches; build a second engine with it and assert it does.
+    """R147, R15: LMCacheConnectorV1 carries no checksums; with
+    `kv_checksum_verify_external_loads` the package attaches anyway (its
+    scheduler, the external-load state, the wrap of LMCache's
+    update_state_after_alloc); with `enable_kv_checksum` alone it stays off
+    and LMCache runs unwrapped.
 
-    Catches: `connector_declares_carrier` (config.py) answering True for a
-    connector that overrides neither `kv_checksum_carrier` nor
-    `get_kv_checksum_sources` (the package would attach, wrap LMCache's
-    update_state_after_alloc and claim loads it cannot verify)."""
+    Catches: the external flag ignored, either by `attach` in
+    wiring/external_loads.py (no external-load state: every load goes
+    unchecked) or by the carrier check in config.py (the package stays off
+    for LMCache); `connector_declares_carrier` (config.py) answering True for
+    a connector that overrides neither `kv_checksum_carrier` nor
+    `get_kv_checksum_sources` (the flag-less scheduler would attach and claim
+    loads it cannot verify)."""
     scheduler = lmcache_engine.scheduler
-    assert getattr(scheduler, "kv_checksum_scheduler", None) is None
+    assert scheduler.kv_checksum_scheduler is not None
+    assert scheduler.__dict__.get("_kv_checksum_external_loads") is not None
     assert scheduler.connector is not None
-    assert "update_state_after_alloc" not in vars(scheduler.connector)
+    assert "update_state_after_alloc" in vars(scheduler.connector)
+    assert lmcache_engine.workers[0].checksum.external_entries is not None
+
+    # A second scheduler (LMCache's scheduler side only) without the flag.
+    config = make_vllm_config(
+        model_dir,
+        kv_connector="LMCacheConnectorV1",
+        extra_config={"enable_kv_checksum": True},
+        kv_cache_layout=KVCacheLayout.LBHNC,
+    )
+    plain = make_scheduler(config, make_kv_cache_config(config))
+    assert getattr(plain, "kv_checksum_scheduler", None) is None
+    assert plain.connector is not None
+    assert "update_state_after_alloc" not in vars(plain.connector)
 
 
 def test_stored_prefix_is_reported_as_external_tokens(
@@ -296,11 +367,10 @@ def test_stored_prefix_is_reported_as_external_tokens(
     other = make_request("c1000", [999] + tokens[1:] + [7], max_tokens=1)
     assert connector.get_num_new_matched_tokens(other, 0) == (0, False)
 
-    engine.scheduler.add_request(request)
-    out = engine.scheduler.schedule()
+    engine.add(request)
+    out = engine.step()
     # The prefix comes from LMCache; only the 5 new tokens are computed.
     assert out.num_scheduled_tokens == {request.request_id: 5}
-    assert request.num_computed_tokens == len(tokens) + 5
     meta: Any = out.kv_connector_metadata  # LMCache's LMCacheConnectorMetadata
     (spec,) = [r.load_spec for r in meta.requests]
     assert (spec.vllm_cached_tokens, spec.lmcache_cached_tokens) == (0, len(tokens))
@@ -309,46 +379,63 @@ def test_stored_prefix_is_reported_as_external_tokens(
     assert connector.get_external_cache_hit_sources(request, len(tokens)) == {
         CacheHitSource.EXTERNAL_UNSPECIFIED: len(tokens)
     }
-    engine.finish_step(out)
     assert request.is_finished()
 
 
-def test_loaded_prefix_equals_the_computed_one(lmcache_engine: LMCacheEngine) -> None:
-    """R147 groundwork: a prefix stored by this engine and loaded back by
-    LMCacheConnectorV1's worker side lands byte for byte in B's blocks (the
-    baseline the external-load verdict "verified" will rest on).
+def test_clean_load_verified(lmcache_engine: LMCacheEngine) -> None:
+    """R147: a prefix this engine computed, stored through LMCache, evicted
+    from the GPU prefix cache and loaded back by LMCacheConnectorV1's worker
+    side lands byte for byte in B's blocks and is verified (one external
+    load verdict "verified"); B runs on it.
 
-    Catches: a copier stand-in writing loads one slot off (the bytes of B's
-    blocks would differ from A's; the verdict tests would then test it)."""
+    Catches: the external flag ignored by `attach` (no verdict at all); the
+    entry table not kept (`KVChecksumExternalLoads.keep` adding nothing:
+    unverified, no_entry); the check's block start or hashes shifted by one
+    block in `KVChecksumExternalLoads.check` (unverified); a copier
+    stand-in writing loads one slot off (B's bytes differ from A's, and the
+    verdict is a mismatch)."""
     engine = lmcache_engine
     tokens = prefix(2000)
     computed = store_and_evict(engine, tokens)
-    blocks = engine.run(make_request("b2000", tokens + [7, 8, 9], max_tokens=1))
-    loaded = engine.page_bytes(blocks[:NUM_CHUNKS])
+    since = len(engine.verdicts)
+    verified = engine.checksums.stats.external_loads.get("verified", 0)
+    final = run(engine, "b2000", tokens + [7, 8, 9])
+    loaded = engine.after_load["b2000"][0]
     for name, pages in computed.items():
         assert torch.equal(loaded[name], pages), name
-    # TODO(R147): with kv_checksum_verify_external_loads, this load is
-    # verified: vllm:kv_checksum_external_loads_total{verdict="verified"} +1.
+    assert engine.new_verdicts(since) == ["verified"]
+    assert engine.checksums.stats.external_loads["verified"] == verified + 1
+    assert engine.scheduled_tokens("b2000") == 3  # ran on the loaded prefix
+    assert final.finish_reason is not None
 
 
-def test_corrupted_chunk_is_loaded_without_any_error(
+def test_corrupted_chunk_is_a_mismatch_at_its_block(
     lmcache_engine: LMCacheEngine,
 ) -> None:
-    """R147 groundwork: a byte flipped in a chunk in LMCache's local CPU backend
-    is loaded into B's blocks and LMCache reports no load error: only the
-    external-load verification can catch it.
+    """R147, R95: a byte flipped in a chunk in LMCache's local CPU backend is
+    loaded into B's blocks with no load error from LMCache; the verification
+    finds a mismatch at exactly that chunk's block (position 1), the block
+    leaves the prefix cache and B is recomputed ("recompute").
 
-    Catches: a corruption that misses the stored copy (B's pages would equal
-    the computed ones and the TODO's mismatch would be vacuous)."""
+    Catches: the external flag ignored by `attach` or the entry table not kept
+    (no mismatch); the check's block start or hashes shifted by one block
+    (unverified); the mismatched block positions off by one in
+    `verify_offloaded_load` (offload/entries.py: reported at 2, block 2
+    leaves the cache, the corrupted block 1 stays and the retry runs on it
+    as a local hit, "verified"); a corruption that misses the stored copy
+    (B's pages would equal the computed ones)."""
     engine = lmcache_engine
     tokens = prefix(3000)
     computed = store_and_evict(engine, tokens)
     backend = engine.store.storage_manager.storage_backends["LocalCPUBackend"]
     chunks = list(backend.hot_cache.values())[-NUM_CHUNKS:]  # this test's store
     chunks[1].tensor.view(torch.uint8).view(-1)[0] ^= 0x01  # chunk 1, layer 0 K
+    since = len(engine.verdicts)
+    quarantined = engine.checksums.stats.quarantined_blocks
 
-    blocks = engine.run(make_request("b3000", tokens + [7, 8, 9], max_tokens=1))
-    loaded = engine.page_bytes(blocks[:NUM_CHUNKS])
+    prompt = tokens + [7, 8, 9]
+    final = run(engine, "b3000", prompt)
+    loaded = engine.after_load["b3000"][0]
     differ = {
         name: [i for i in range(NUM_CHUNKS) if not torch.equal(pages[i], ref[i])]
         for name, (pages, ref) in ((n, (loaded[n], computed[n])) for n in computed)
@@ -356,6 +443,65 @@ def test_corrupted_chunk_is_loaded_without_any_error(
     layers = list(differ)
     assert differ[layers[0]] == [1], differ
     assert all(not differ[name] for name in layers[1:]), differ
-    assert engine.worker.get_block_ids_with_load_errors() == set()
-    # TODO(R147): with kv_checksum_verify_external_loads, assert the verdict
-    # "mismatch" at block position 1 and the request recomputed (fail-open).
+    assert engine.connector.get_block_ids_with_load_errors() == set()
+
+    # Loaded and caught twice (the restart reads the cache again), then
+    # computed without reading any cache, as for ExampleConnector.
+    assert engine.new_verdicts(since) == ["mismatch", "mismatch"]
+    for verdict in engine.verdicts[since:]:
+        assert verdict.mismatches == {0: [1]}
+    assert engine.checksums.stats.quarantined_blocks > quarantined
+    scheduled = [o.num_scheduled_tokens.get("b3000") for o in engine.history]
+    assert [n for n in scheduled if n] == [3, 3, len(prompt)]
+    assert final.finish_reason is not None
+
+
+def test_prefix_of_another_instance_is_unverified(
+    lmcache_engine: LMCacheEngine,
+) -> None:
+    """R147, R94: a prefix another instance computed and stored in LMCache
+    (this engine recorded no entry of it) is loaded, unverified with the
+    reason no_entry and, fail-open, B runs on it.
+
+    Catches: a load with no entry judged from its empty comparison
+    (`PendingExternalLoad.judge` without its nothing-checked branch: another
+    reason than no_entry); an unverified load failed under fail-open
+    (`bad_positions` ignoring `fail_closed`: B loaded again and recomputed);
+    the external flag ignored by `attach` (no verdict)."""
+    engine = lmcache_engine
+    tokens = prefix(4000)
+    # "Another instance": its KV (another salt) written into spare blocks and
+    # stored through LMCache's engine as its wait_for_save stores it.
+    blocks = list(range(engine.side.num_blocks - NUM_CHUNKS, engine.side.num_blocks))
+    positions = np.arange(len(tokens))
+    side = engine.side
+    engine.side = dataclasses.replace(side, kv_salt=7)
+    try:
+        engine.write_tokens([blocks], np.asarray(tokens), positions)
+    finally:
+        engine.side = side
+    written = engine.page_bytes(blocks)
+    slots = torch.tensor([blocks[p // CHUNK] * CHUNK + p % CHUNK for p in positions])
+    engine.store.store(
+        torch.tensor(tokens),
+        mask=torch.ones(len(tokens), dtype=torch.bool),
+        kvcaches=list(engine.kv_caches.values()),
+        slot_mapping=slots,
+        offset=0,
+    )
+    assert engine.store.lookup(torch.tensor(tokens)) == len(tokens)
+    for view in engine.kv_caches.values():
+        view.zero_()
+    since = len(engine.verdicts)
+
+    final = run(engine, "b4000", tokens + [7, 8, 9])
+    loaded = engine.after_load["b4000"][0]
+    for name, pages in written.items():
+        assert torch.equal(loaded[name], pages), name
+    assert engine.new_verdicts(since)[:1] == ["unverified"]
+    reasons = [reason for reason, _ in engine.verdicts[since].reasons]
+    assert reasons == [UnverifiedReason.NO_ENTRY]
+    # Fail-open: B ran on the load (one verdict, 3 tokens computed).
+    assert engine.new_verdicts(since) == ["unverified"]
+    assert engine.scheduled_tokens("b4000") == 3
+    assert final.finish_reason is not None
