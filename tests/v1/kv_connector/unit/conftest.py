@@ -122,7 +122,10 @@ def pytest_collection_modifyitems(
 ) -> None:
     """Skip tests marked ``cuda`` when no CUDA device is available, and, on a
     vLLM with the in-tree series, tests of a capability it has not wired yet."""
-    from tests.v1.kv_connector.unit.kv_checksum_helpers import native_capability
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+        capability_skip_reason,
+        native_capability,
+    )
 
     no_cuda = not torch.cuda.is_available()
     for item in items:
@@ -130,11 +133,8 @@ def pytest_collection_modifyitems(
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         for marker in item.iter_markers("kv_checksum_capability"):
             if not native_capability(marker.args[0]):
-                item.add_marker(
-                    pytest.mark.skip(
-                        reason=f"the in-tree series has no {marker.args[0]} commit yet"
-                    )
-                )
+                reason = capability_skip_reason(marker.args[0])
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture

@@ -173,13 +173,20 @@ def native_capability(capability: str) -> bool:
     return False  # the series has no commit for it yet
 
 
+def capability_skip_reason(capability: str) -> str:
+    """Why a test of `capability` is skipped on a vLLM with the series."""
+    if capability == "plugin":
+        return "tests the plugin itself, which a vLLM with the series does not load"
+    return f"the in-tree series has no {capability} commit yet"
+
+
 def skip_unless_capability(capability: str) -> None:
     """Skip the calling test on a vLLM with the in-tree series when the series
     does not carry `capability` yet (its commit comes later)."""
     import pytest
 
     if not native_capability(capability):
-        pytest.skip(f"the in-tree series has no {capability} commit yet")
+        pytest.skip(capability_skip_reason(capability))
 
 
 def register_plugin() -> None:
