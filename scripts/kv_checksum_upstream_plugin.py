@@ -115,17 +115,19 @@ _stats = {"schedulers": 0, "workers": 0, "contained_errors": 0}
 
 def _count_checksum_objects() -> None:
     from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.engine import guard
     from vllm.distributed.kv_transfer.kv_checksum.wiring import (  # noqa: F401
         scheduler,
         worker,
     )
 
-    # Each wiring module that binds the name gets its own counting wrapper.
+    # Each wiring module that binds the name gets its own counting wrapper;
+    # the hooks' guard (engine/guard.py) calls its own disable_after_error.
     modules = [
         module
         for name, module in list(sys.modules.items())
         if name == wiring.__name__ or name.startswith(wiring.__name__ + ".")
-    ]
+    ] + [guard]
 
     def counting(name: str, key: str) -> None:
         for module in modules:
@@ -143,9 +145,10 @@ def _count_checksum_objects() -> None:
 
             setattr(module, name, call)
 
-    counting("_create_scheduler", "schedulers")
+    counting("create_kv_checksum_scheduler", "schedulers")
     counting("_create_worker", "workers")
-    counting("_disable_after_error", "contained_errors")
+    counting("_disable_after_error", "contained_errors")  # wiring's own calls
+    counting("disable_after_error", "contained_errors")  # the guard's
 
 
 def _hooks_installed() -> bool:

@@ -401,11 +401,12 @@ def create_kv_checksum_scheduler(
     parallel = vllm_config.parallel_config
     # The offloaded-KV API (R119, R121) is optional: a connector without it
     # stores no entries and drops no copies.
-    sources = getattr(connector, "get_kv_checksum_sources", None)
     checksum_sources: ChecksumSourcesFn = (
         no_sources
-        if sources is None
-        else lambda request: {getattr(s, "value", s) for s in sources(request)}
+        if getattr(connector, "get_kv_checksum_sources", None) is None
+        else lambda request: {
+            getattr(s, "value", s) for s in connector.get_kv_checksum_sources(request)
+        }  # looked up per call, as the connector may replace it
     )
     return KVChecksumScheduler.create(
         kv_cache_config,
