@@ -81,16 +81,14 @@ class KVChecksumStats:
         """An external load's verdict (R147): counted by source and, its
         reasons and mismatched positions, as every load's are."""
         self.external_loads[verdict.status.value] += 1
-        if verdict.status == KVChecksumStatus.MISMATCH:
-            self.mismatched_positions += sum(
-                len(p) for p in verdict.mismatches.values()
-            )
-        elif verdict.status == KVChecksumStatus.UNVERIFIED:
-            for reason in dict.fromkeys(r for r, _ in verdict.reasons):
-                self.unverified_reasons[reason.value] += 1
+        self._record_details(verdict)
 
     def record_verdict(self, verdict: KVChecksumVerdict) -> None:
         self.loads[verdict.status.value] += 1
+        self._record_details(verdict)
+
+    def _record_details(self, verdict: KVChecksumVerdict) -> None:
+        """A load verdict's mismatched positions or unverified reasons."""
         if verdict.status == KVChecksumStatus.MISMATCH:
             self.mismatched_positions += sum(
                 len(p) for p in verdict.mismatches.values()

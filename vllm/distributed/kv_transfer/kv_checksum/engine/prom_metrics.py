@@ -206,16 +206,21 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
             i: disabled.labels(*values) for i, values in engines.items()
         }
         gauge_cls: Any = self._gauge_cls
-        tracked = gauge_cls(
-            name="vllm:kv_checksum_tracked_requests",
-            documentation="Requests holding per-request KV checksum state on "
-            "the engine's scheduler; 0 when idle.",
-            multiprocess_mode="mostrecent",
-            labelnames=labelnames,
+
+        def engine_gauges(name: str, documentation: str) -> dict[int, Any]:
+            gauge = gauge_cls(
+                name=name,
+                documentation=documentation,
+                multiprocess_mode="mostrecent",
+                labelnames=labelnames,
+            )
+            return {i: gauge.labels(*values) for i, values in engines.items()}
+
+        self.tracked_requests = engine_gauges(
+            "vllm:kv_checksum_tracked_requests",
+            "Requests holding per-request KV checksum state on the engine's "
+            "scheduler; 0 when idle.",
         )
-        self.tracked_requests: dict[int, Any] = {
-            i: tracked.labels(*values) for i, values in engines.items()
-        }
         self.external_loads = _LabeledCounter(
             counter(
                 "vllm:kv_checksum_external_loads",
@@ -226,16 +231,11 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
             engines,
             VERDICT_LABELS,
         )
-        entries = gauge_cls(
-            name="vllm:kv_checksum_external_entries",
-            documentation="Entries of blocks this engine computed, kept to "
-            "check external-cache loads; at most the configured limit.",
-            multiprocess_mode="mostrecent",
-            labelnames=labelnames,
+        self.external_entries = engine_gauges(
+            "vllm:kv_checksum_external_entries",
+            "Entries of blocks this engine computed, kept to check "
+            "external-cache loads; at most the configured limit.",
         )
-        self.external_entries: dict[int, Any] = {
-            i: entries.labels(*values) for i, values in engines.items()
-        }
 
     @classmethod
     def for_connector_prom(
