@@ -42,6 +42,11 @@ host loads (`vllm:kv_offload_load_size_count`, SimpleCPUOffloadConnector's
 `vllm:simple_kv_offload_load_blocks_total`) > 0 on both engines and the on
 engine's `vllm:kv_checksum_loads_total` verified > 0, mismatch 0 (TTFT is
 reported). Defaults: 4 rounds of `host16_c8`, about 270 s at 8B on an H200.
+`--tier lmcache` (issue 78 item 3) is the same with LMCacheConnectorV1 and its
+local CPU backend: `on` adds `kv_checksum_verify_external_loads`, and its
+verdict reads vLLM's `vllm:external_prefix_cache_hits` and the package's
+`vllm:kv_checksum_external_loads` instead (lmcache installed beside vLLM:
+`scripts/lmcache_gpu.sh` installs it).
 
     python benchmarks/benchmark_kv_checksum_prefix_hits.py --out /tmp/prefix \\
         --shape 8b --rounds 8
@@ -123,6 +128,8 @@ from kv_checksum_bench_tiers import (  # noqa: E402
     host_load_totals,
     host_loads_ok,
     kv_cache_bytes,
+    load_verdict_pattern,
+    tier_env,
     transfer_config,
 )
 from kv_checksum_cpu_pinning import (  # noqa: E402
@@ -321,6 +328,7 @@ class Engine:
         if args.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = args.gpu
         env.update(mode_env(self.mode, args.mode_env))
+        env.update(tier_env(args.tier, args.cpu_gib))
         env.update(
             VLLM_USE_FLASHINFER_SAMPLER="0",
             VLLM_NO_USAGE_STATS="1",
@@ -374,7 +382,7 @@ class Engine:
         return {
             "prefix_hits": verdict_counts(page, PREFIX_HITS),
             "host_loads": verdict_counts(page, HOST_LOADS),
-            "load_verdicts": verdict_counts(page),
+            "load_verdicts": verdict_counts(page, load_verdict_pattern(self.args.tier)),
             "server_times": verdict_counts(page, SERVER_TIMES),
         }
 

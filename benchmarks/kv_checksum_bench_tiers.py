@@ -16,6 +16,12 @@ offload tiers load from host memory, and the host-load counters of /metrics.
 - ``simple-offload``: SimpleCPUOffloadConnector with the offload tiers' small
   GPU cache, so reuses load from host memory (issue 30 item 3); on adds the
   load checksums only, as for ``offloading``.
+- ``lmcache``: LMCacheConnectorV1 (lmcache 0.5.6) with its local CPU backend
+  (configured by LMCache's environment variables, `lmcache_env`) and the
+  offload tiers' small GPU cache, so reuses load back from LMCache (issue 78
+  item 3); on adds `kv_checksum_verify_external_loads`. Its loads are counted
+  by vLLM's `vllm:external_prefix_cache_hits` and the package's
+  `vllm:kv_checksum_external_loads` verdicts.
 
 `off` is the same connector config without any of the package's keys; `on`
 adds `enable_kv_checksum` and `kv_checksum_fail_closed` (plus the prefix-hit
@@ -34,8 +40,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples/disaggregated"))
 from kv_checksum_chaos_plan import ServerSpec, kv_transfer_config  # noqa: E402
 
-TIERS = ("simple-hits", "offloading", "multi", "simple-stores", "simple-offload")
-OFFLOAD_TIERS = ("offloading", "multi", "simple-offload")
+TIERS = (
+    "simple-hits",
+    "offloading",
+    "multi",
+    "simple-stores",
+    "simple-offload",
+    "lmcache",
+)
+# The tiers whose reuses load from host memory (a small GPU cache).
+OFFLOAD_TIERS = ("offloading", "multi", "simple-offload", "lmcache")
 # Per tier: rounds and workloads by default, the CPU tier's GiB. Measured at 8B
 # on an H200 (2026-12-01): 116 s to start both engines, 31-38 s a round of one
 # workload (the bench CLI's start included); 6 rounds of two workloads did not
@@ -47,16 +61,27 @@ TIER_DEFAULTS: dict[str, tuple[int, str, int]] = {
     "multi": (4, "host16_c8", 16),
     "simple-stores": (8, "shared_c1,shared_c32", 8),
     "simple-offload": (4, "host16_c8", 16),
+    "lmcache": (4, "host16_c8", 16),
 }
 # vLLM's host-load counters (prometheus_client names): OffloadingConnector's
 # bytes loaded from host memory and one histogram sample per load transfer;
-# SimpleCPUOffloadConnector's blocks loaded.
+# SimpleCPUOffloadConnector's blocks loaded; tokens an external cache (LMCache)
+# hit.
 HOST_LOADS = re.compile(
-    r"^vllm:(?:simple_)?kv_offload_load_(bytes_total|size_count|blocks_total)"
-    r"\{[^}]*\} (\S+)"
+    r"^vllm:(?:(?:simple_)?kv_offload_load_|external_prefix_cache_)"
+    r"(bytes_total|size_count|blocks_total|hits_total)\{[^}]*\} (\S+)"
 )
 # The counters of HOST_LOADS that say a load happened, one per connector.
-LOADED_KEYS = ("size_count", "blocks_total")
+LOADED_KEYS = ("size_count", "blocks_total", "hits_total")
+# The package's verdict counter of each tier's loads.
+LOAD_VERDICTS = re.compile(
+    r'^vllm:kv_checksum_loads_total\{[^}]*verdict="(\w+)"[^}]*\} (\S+)'
+)
+EXTERNAL_VERDICTS = re.compile(
+    r'^vllm:kv_checksum_external_loads_total\{[^}]*verdict="(\w+)"[^}]*\} (\S+)'
+)
+# LMCache's chunk: 256 tokens, its default and a multiple of the block size.
+LMCACHE_CHUNK_TOKENS = 256
 # GPU blocks per request beyond its tokens (a partial last block, rounding).
 SPARE_BLOCKS = 2
 BLOCK_TOKENS = 16
@@ -85,12 +110,42 @@ def transfer_config(mode: str, cpu_gib: int, tier: str = "simple-hits") -> dict:
     connector = "SimpleCPUOffloadConnector"
     if tier == "offloading":
         connector = "OffloadingConnector"
+    if tier == "lmcache":
+        connector = "LMCacheConnectorV1"
+        extra = {}  # LMCache reads its settings from the environment
+        if on:
+            extra = {
+                "enable_kv_checksum": True,
+                "kv_checksum_verify_external_loads": True,
+                "kv_checksum_fail_closed": True,
+            }
     return {
         "kv_connector": connector,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
+
+
+def tier_env(tier: str, cpu_gib: int) -> dict[str, str]:
+    """The environment `tier`'s engines need beside vLLM's: LMCache's local CPU
+    backend of `cpu_gib` GiB (the same for both engines), its chunk hashes
+    stable across processes, no usage reporting (the GPU host is offline)."""
+    if tier != "lmcache":
+        return {}
+    return {
+        "LMCACHE_LOCAL_CPU": "True",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": str(cpu_gib),
+        "LMCACHE_CHUNK_SIZE": str(LMCACHE_CHUNK_TOKENS),
+        "LMCACHE_TRACK_USAGE": "false",
+        "PYTHONHASHSEED": "0",
+    }
+
+
+def load_verdict_pattern(tier: str) -> re.Pattern[str]:
+    """The package's verdict counter of `tier`'s loads: external-cache loads
+    for LMCache, connector loads otherwise."""
+    return EXTERNAL_VERDICTS if tier == "lmcache" else LOAD_VERDICTS
 
 
 def kv_bytes_per_token(dims: dict[str, int]) -> int:

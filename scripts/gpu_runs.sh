@@ -22,6 +22,7 @@
 #                                             # simple-offload, bench-serve,
 #                                             # bench-serve-x2, bench-serve-tp2,
 #                                             # bench-prefix, bench-offload,
+#                                             # bench-lmcache,
 #                                             # bench-offload-multi (needs
 #                                             # gpu_nixl), bench-simple-offload,
 #                                             # mla, mla-tp2, mla-tp2-consumer,
@@ -322,6 +323,10 @@ bench-offload) run bench-offload benchmarks/benchmark_kv_checksum_prefix_hits.py
 bench-offload-multi) run bench-offload-multi \
     benchmarks/benchmark_kv_checksum_prefix_hits.py --tier multi --bench-batch "$@" ;;
 # The same with SimpleCPUOffloadConnector (eager stores).
+# LMCacheConnectorV1 with its local CPU backend (issue 78 item 3), after
+# scripts/lmcache_gpu.sh on the same warm machine (it installs lmcache there).
+bench-lmcache) run bench-lmcache benchmarks/benchmark_kv_checksum_prefix_hits.py \
+    --tier lmcache --bench-batch "$@" ;;
 bench-simple-offload) run bench-simple-offload \
     benchmarks/benchmark_kv_checksum_prefix_hits.py --tier simple-offload \
     --bench-batch "$@" ;;

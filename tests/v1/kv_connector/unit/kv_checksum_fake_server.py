@@ -26,10 +26,13 @@ verified vllm:kv_checksum_prefix_hits_total. With an OffloadingConnector in it
 vllm:kv_offload_load_* counters grow (1 MiB each) and, with checksums on, one
 verified vllm:kv_checksum_loads_total. A SimpleCPUOffloadConnector without the
 prefix-hit flag does the same with vllm:simple_kv_offload_load_blocks_total
-(one block a load). ``python kv_checksum_fake_server.py
-bench serve --base-url URL --num-prompts N --result-dir D --result-filename F ...``
-is a fake `vllm bench serve`: N completions one at a time, then a result file
-with fixed timings (10 req/s, TTFT 20 ms, TPOT 5 ms).
+(one block a load). A LMCacheConnectorV1 does the same with vLLM's
+vllm:external_prefix_cache_hits_total (256 tokens a load) and, with checksums
+on, one verified vllm:kv_checksum_external_loads_total.
+``python kv_checksum_fake_server.py bench serve --base-url URL --num-prompts N
+--result-dir D --result-filename F ...`` is a fake `vllm bench serve`: N
+completions one at a time, then a result file with fixed timings (10 req/s,
+TTFT 20 ms, TPOT 5 ms).
 """
 
 import base64
@@ -53,6 +56,7 @@ STATE = {
     "unverified": 0,
     "hits": 0,
     "host_loads": 0,
+    "external_verified": 0,
 }
 REASONS = {
     "no_checksums": "the producer sent no checksums",
@@ -66,6 +70,7 @@ TRACKED = os.environ.get("FAKE_TRACKED_GAUGE") == "1"
 FAULT_EVERY = 0
 VERIFY_HITS = False
 OFFLOAD = ""  # the connector whose host loads are faked
+LMCACHE = "LMCacheConnectorV1"
 DELAY_S = float(os.environ.get("FAKE_DELAY_MS", "0")) / 1000
 WRONG_LOADS = {int(n) for n in os.environ.get("FAKE_WRONG_LOADS", "").split(",") if n}
 
@@ -94,6 +99,9 @@ def metrics() -> bytes:
     if OFFLOAD == "OffloadingConnector":  # vLLM's counters, checksums or not
         answered += f'vllm:kv_offload_load_bytes_total{{engine="0"}} {host * 2**20}\n'
         answered += f'vllm:kv_offload_load_size_count{{engine="0"}} {host}\n'
+    elif OFFLOAD == LMCACHE:
+        tokens = host * 256
+        answered += f'vllm:external_prefix_cache_hits_total{{engine="0"}} {tokens}\n'
     elif OFFLOAD:
         answered += f'vllm:simple_kv_offload_load_blocks_total{{engine="0"}} {host}\n'
     if not CHECKSUMS:
@@ -106,6 +114,11 @@ def metrics() -> bytes:
         f'vllm:kv_checksum_unverified_loads_total{{engine="0",reason="{r}"}} {n}.0'
         for r, n in UNVERIFIED.items()
     ]
+    if OFFLOAD == LMCACHE:
+        external = "vllm:kv_checksum_external_loads_total"
+        verified = float(STATE["external_verified"])
+        lines.append(f'{external}{{engine="0",verdict="verified"}} {verified}')
+        lines.append(f'{external}{{engine="0",verdict="mismatch"}} 0.0')
     if VERIFY_HITS:
         hits = "vllm:kv_checksum_prefix_hits_total"
         lines.append(f'{hits}{{engine="0",verdict="verified"}} {float(STATE["hits"])}')
@@ -216,7 +229,8 @@ class Handler(BaseHTTPRequestHandler):
                 STATE["hits"] += 1
                 if OFFLOAD:
                     STATE["host_loads"] += 1
-                    STATE["verified"] += CHECKSUMS
+                    verdict = "external_verified" if OFFLOAD == LMCACHE else "verified"
+                    STATE[verdict] += CHECKSUMS
             self.answer(body, cid, wrong)
         except OSError:
             pass  # the client went away
@@ -335,6 +349,8 @@ def main() -> None:
         names = {c.get("kv_connector") for c in children}
         if "OffloadingConnector" in names:
             OFFLOAD = "OffloadingConnector"
+        elif LMCACHE in names:
+            OFFLOAD = LMCACHE
         elif "SimpleCPUOffloadConnector" in names and not VERIFY_HITS:
             OFFLOAD = "SimpleCPUOffloadConnector"
     print("fake serve", args, flush=True)

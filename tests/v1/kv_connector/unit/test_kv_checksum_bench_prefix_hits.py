@@ -742,7 +742,53 @@ def test_simple_offload_host_loads_count_by_blocks() -> None:
     assert bench.judge(rounds, "simple-offload")["pass"] is False
 
 
-@pytest.mark.parametrize("tier", ["offloading", "multi", "simple-offload"])
+def test_lmcache_tier_differs_only_by_package_keys() -> None:
+    """Issue 78 item 3 (R147's cost): off and on run LMCacheConnectorV1 with the
+    same LMCache environment (local CPU backend of the tier's size, 256-token
+    chunks, no usage reporting) and vLLM policy; on adds exactly
+    enable_kv_checksum, kv_checksum_verify_external_loads and
+    kv_checksum_fail_closed; its loads are judged by vLLM's external-hit
+    counter and the package's external-load verdicts. Bugs caught: the
+    external-load flag missing (then nothing LMCache loads is checked and the
+    cost is not measured), LMCache's size differing between the engines, its
+    verdicts read from the connector-load counter it never grows."""
+    off, on = (
+        bench.transfer_config("off", 16, "lmcache"),
+        bench.transfer_config("on", 16, "lmcache"),
+    )
+    keys = PACKAGE_KEYS | {"kv_checksum_verify_external_loads"}
+    assert _without(on, keys) == off
+    assert off == {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {},
+    }
+    assert on["kv_connector_extra_config"] == dict.fromkeys(keys, True)
+    assert tiers.tier_env("lmcache", 16) == {
+        "LMCACHE_LOCAL_CPU": "True",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "16",
+        "LMCACHE_CHUNK_SIZE": "256",
+        "LMCACHE_TRACK_USAGE": "false",
+        "PYTHONHASHSEED": "0",
+    }
+    assert tiers.tier_env("offloading", 16) == {}
+    assert "lmcache" in tiers.OFFLOAD_TIERS
+    page = (
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 512.0\n'
+        'vllm:external_prefix_cache_queries_total{engine="0",model_name="m"} 9.0\n'
+        'vllm:kv_checksum_loads_total{engine="0",verdict="verified"} 7.0\n'
+        'vllm:kv_checksum_external_loads_total{engine="0",verdict="verified"} 2.0\n'
+        'vllm:kv_checksum_external_loads_total{engine="0",verdict="no_entry"} 1.0\n'
+    )
+    assert bench.verdict_counts(page, tiers.HOST_LOADS) == {"hits_total": 512.0}
+    pattern = tiers.load_verdict_pattern("lmcache")
+    assert bench.verdict_counts(page, pattern) == {"verified": 2.0, "no_entry": 1.0}
+    pattern = tiers.load_verdict_pattern("offloading")
+    assert bench.verdict_counts(page, pattern) == {"verified": 7.0}
+
+
+@pytest.mark.parametrize("tier", ["offloading", "multi", "simple-offload", "lmcache"])
 def test_offload_tier_run_against_fake_servers(tmp_path: Path, tier: str) -> None:
     """`--tier` with its defaults (4 ABBA rounds of host16_c8, 16 prompts at
     scale 0.02): the engines get the tier's config and the small GPU cache, the
@@ -760,18 +806,21 @@ def test_offload_tier_run_against_fake_servers(tmp_path: Path, tier: str) -> Non
     assert [r["mode"] for r in record["rounds"]] == ["off", "on", "on", "off"]
     for r in record["rounds"]:
         assert r["results"]["host16_c8"]["completed"] == 16
-        loaded = "blocks_total" if tier == "simple-offload" else "size_count"
-        assert r["host_loads"]["host16_c8"][loaded] == 16.0
+        loaded = {"simple-offload": "blocks_total", "lmcache": "hits_total"}
+        loads = r["host_loads"]["host16_c8"][loaded.get(tier, "size_count")]
+        assert loads == (16.0 * 256 if tier == "lmcache" else 16.0)
         verdicts = r["load_verdicts"]["host16_c8"]
         on = r["mode"] == "on"
-        assert verdicts == (
-            {"mismatch": 0.0, "unverified": 0.0, "verified": 16.0} if on else {}
-        )
+        expected = {"mismatch": 0.0, "verified": 16.0}
+        if tier != "lmcache":
+            expected["unverified"] = 0.0
+        assert verdicts == (expected if on else {})
     logs = out / "launch0"
     off_log, on_log = (logs / "off.log").read_text(), (logs / "on.log").read_text()
-    connector = "OffloadingConnector"
-    if tier == "simple-offload":
-        connector = "SimpleCPUOffloadConnector"
+    connector = {
+        "simple-offload": "SimpleCPUOffloadConnector",
+        "lmcache": "LMCacheConnectorV1",
+    }.get(tier, "OffloadingConnector")
     for log_text in (off_log, on_log):
         assert "'--kv-cache-memory-bytes', '3397386240'" in log_text
         assert connector in log_text
