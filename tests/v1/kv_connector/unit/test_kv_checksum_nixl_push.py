@@ -2,11 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """NIXL push as a CONNECTOR carrier (R103-R109), on CPU.
 
-Producer and consumer are real vLLM 0.33.0 Schedulers with NixlPushConnector's
+Producer and consumer are real vLLM Schedulers with NixlPushConnector's
 scheduler side and simulated checksum workers (`kv_checksum_pd.SimEngine`).
 The NIXL worker side is vLLM's NixlPushConnectorWorker built without NIXL
-(`bare_push_worker`): the hooked methods run for real, the agent is a fake
-recording the WRITEs' notifs.
+(`bare_push_worker`): its methods run for real down to the WRITE (only the
+descriptor arithmetic is stubbed), the agent is a fake recording the WRITEs'
+notifs. On vLLM 0.33.0 the plugin's hooks carry the checksums; on a vLLM
+with the in-tree series (its NIXL push commit) vLLM's own code does, and the
+same tests run against it (`attach_checksums` and `turn_off_checksums` are
+the only calls that differ).
 """
 
 import queue
@@ -18,7 +22,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    make_request,
+    native_kv_checksums,
+    register_plugin,
+)
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     Fault,
     SideConfig,
@@ -30,13 +38,14 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     transfer,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import package_state as harness_state
-from vllm.distributed.kv_transfer.kv_checksum import plugin
 from vllm.distributed.kv_transfer.kv_checksum.carriers import nixl_push
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
 from vllm.v1.request import RequestStatus
+
+pytestmark = pytest.mark.kv_checksum_capability("nixl_push")
 
 PUSH = "NixlPushConnector"
 PUSH_REG = b"PUSH_REG:"
@@ -156,7 +165,7 @@ def run_pd(
 
 @pytest.fixture
 def pd(model_dir: str, cuda_stream_stubs: Any) -> tuple[SimEngine, SimEngine]:
-    plugin.register()
+    register_plugin()
     return push_engine(model_dir, "prod"), push_engine(model_dir, "cons")
 
 
@@ -186,7 +195,7 @@ def test_push_inside_multi_connector(
     request's payload goes to the push child (send_kv_checksums) and the
     load's carrier is the child's."""
     multi_around(monkeypatch, PUSH)
-    plugin.register()
+    register_plugin()
     producer, consumer = push_engine(model_dir, "prod"), push_engine(model_dir, "cons")
     assert type(producer.scheduler.connector).__name__ == "MultiConnector"
     verdict = run_pd(producer, consumer, 0)
@@ -201,7 +210,7 @@ def test_push_carrier_and_declares() -> None:
     bidirectional load; NixlPushConnector now declares a carrier. Catches the
     carrier answering KV_TRANSFER_PARAMS (the consumer would wait for a key
     push never sends) or nothing."""
-    plugin.register()
+    register_plugin()
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_checksum.config import (
         connector_declares_carrier,
@@ -332,6 +341,79 @@ class FakeAgent:
         self.notifs.append(notif_msg)
         return len(self.notifs)
 
+    def transfer(self, handle: int) -> str:
+        return "PROC"
+
+
+def attach_checksums(worker: Any, engine: SimEngine) -> None:
+    """Checksums on for a bare push worker, as at start-up with them on: the
+    plugin's registration on vLLM 0.33.0, the worker's own set-up in the
+    series."""
+    if native_kv_checksums():
+        worker._init_kv_checksums(engine.vllm_config, engine.scheduler.kv_cache_config)
+    else:
+        from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
+
+        wiring._attach_nixl_push_worker(worker, engine.vllm_config)
+
+
+def turn_off_checksums(worker: Any) -> None:
+    """What an error in the push worker's checksum code does."""
+    if native_kv_checksums():
+        worker._turn_off_kv_checksums(worker, "_kv_checksum_push", "test")
+    else:
+        from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
+
+        wiring._disable_push_worker(worker, "_kv_checksum_push", "test")
+
+
+def _real_write_path(worker: Any, engine_id: str = "D") -> None:
+    """What vLLM's `_xfer_blocks_for_req` and `_xfer_blocks` read on their way
+    to the agent: one consumer rank, same TP and block size, one region."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
+        TPMapping,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    remote = SimpleNamespace(
+        remote_tp_size=1, remote_block_size=16, remote_physical_blocks_per_logical=1
+    )
+    worker.transfer_topo = SimpleNamespace(
+        get_engine_info=lambda engine: remote,
+        tp_ratio=lambda tp_size: 1,
+        block_size_ratio=lambda block_size: 1,
+    )
+    worker.tp_mappings = {
+        engine_id: TPMapping(
+            source_ranks_per_group=((0,),),
+            all_source_ranks=(0,),
+            rank_to_attention_slot={0: 0},
+            rank_offset_factor=0,
+        )
+    }
+    worker.engine_id = "P"
+    worker.region_group_ids = [0]
+    worker._uses_region_group_mapping = False
+    worker._transfer_layer_group_ids = ()
+    worker.use_mla = worker._has_mamba = worker._is_csa_linear = False
+    worker._group_spec_types = (FullAttentionSpec,)
+    worker.dst_xfer_side_handles = {engine_id: {0: 1}}
+    worker.src_xfer_handles_by_block_size = {16: 2}
+    for name in ("dst_num_blocks", "dst_region_num_blocks"):
+        setattr(worker, name, {engine_id: 100, "P": 100})
+    worker.dst_region_group_ids = {engine_id: [0], "P": [0]}
+    worker.dst_uses_region_group_mapping = {engine_id: False, "P": False}
+    worker._sending_transfers_lock = threading.Lock()
+    worker._sending_transfers = defaultdict(list)
+    # Descriptor arithmetic only: block ids stand for descriptor ids.
+    worker._apply_prefix_caching = lambda **kw: (
+        kw["decode_block_ids"],
+        kw["prefill_block_ids"],
+    )
+    worker._compute_desc_ids = lambda block_ids, **kw: [b for g in block_ids for b in g]
+
 
 def bare_push_worker(vllm_config: Any, world_size: int = 1) -> Any:
     """vLLM's NixlPushConnectorWorker without NIXL: just the attributes the
@@ -355,12 +437,7 @@ def bare_push_worker(vllm_config: Any, world_size: int = 1) -> Any:
         "Stats", (), {"record_notification_after_expiry": (lambda self: None)}
     )()
     worker._logical_to_kernel_block_ids = lambda ids, n: ids
-
-    def xfer(req_id: str, meta: Any) -> None:  # vLLM's notif form (R105)
-        notif_id = f"{meta.remote.request_id}:{worker.world_size}".encode()
-        worker.nixl_wrapper.make_prepped_xfer("WRITE", 0, [], 0, [], notif_msg=notif_id)
-
-    worker._xfer_blocks_for_req = xfer
+    _real_write_path(worker)
     return worker
 
 
@@ -371,12 +448,11 @@ def test_push_worker_hooks_producer(model_dir: str) -> None:
     checksums off the WRITE's notif is vLLM's plain form and nothing is
     attached. Catches sending checksum notifs to a consumer that did not ask
     (wants_checksum_notif ignored: an off consumer would fail to decode)."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NixlConnectorMetadata,
     )
 
-    plugin.register()
+    register_plugin()
     engine = push_engine(model_dir, "prod")
     off = bare_push_worker(engine.vllm_config)
     reg = {"request_id": "d1", "decode_engine_id": "D", "local_block_ids": [[1]]}
@@ -392,7 +468,7 @@ def test_push_worker_hooks_producer(model_dir: str) -> None:
     worker.pcp_rank = 0
     worker._reqs_to_process, worker._reqs_to_send = set(), {}
     worker._send_heartbeats = lambda meta: None
-    wiring._attach_nixl_push_worker(worker, engine.vllm_config)
+    attach_checksums(worker, engine)
     meta = NixlConnectorMetadata()
     meta.push_finished_blocks = {"p1": [[7]]}
     meta.push_finished_kv_checksums = {"p1": b"\x00" * 16}
@@ -415,12 +491,10 @@ def test_push_worker_hooks_consumer(model_dir: str) -> None:
     kept), an undecodable one is dropped like a lost notif, the bytes of a
     request no longer loading are dropped. Catches the queue passing the
     checksum form through (vLLM's UTF-8 decode would raise)."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
-
-    plugin.register()
+    register_plugin()
     engine = push_engine(model_dir, "cons")
     worker = bare_push_worker(engine.vllm_config)
-    wiring._attach_nixl_push_worker(worker, engine.vllm_config)
+    attach_checksums(worker, engine)
 
     class Meta:
         pp_size = 1
@@ -448,7 +522,6 @@ def test_push_worker_get_transfer_results(
     keeps its bytes to a later call; a finished send drops its payload.
     Catches reporting bytes before the load finished (`take` given every
     received id) and a payload store that is never evicted."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorTransferResults,
     )
@@ -456,7 +529,7 @@ def test_push_worker_get_transfer_results(
         NixlBaseConnectorWorker,
     )
 
-    plugin.register()
+    register_plugin()
     engine = push_engine(model_dir, "both")
     worker = bare_push_worker(engine.vllm_config)
     worker._push_writer_wake = threading.Event()
@@ -465,7 +538,7 @@ def test_push_worker_get_transfer_results(
     worker._send_failures = set()
     worker._reqs_to_send, worker._reqs_to_process = {}, set()
     worker._evict_finished_inbox = queue.Queue()
-    wiring._attach_nixl_push_worker(worker, engine.vllm_config)
+    attach_checksums(worker, engine)
 
     def base_results(self: Any) -> KVConnectorTransferResults:
         self._get_new_notifs()
@@ -503,13 +576,11 @@ def test_push_arrival_orders_producer(model_dir: str, order: str) -> None:
     (vLLM's `_handle_push_reg_notif` starts the push) or the registration
     first (the writer matches it when the blocks arrive). Both WRITEs carry
     the checksums."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
-
-    plugin.register()
+    register_plugin()
     engine = push_engine(model_dir, "prod")
     worker = bare_push_worker(engine.vllm_config)
     worker._push_finished_blocks, worker._pending_d_registrations = {}, {}
-    wiring._attach_nixl_push_worker(worker, engine.vllm_config)
+    attach_checksums(worker, engine)
     reg = {"request_id": "d1", "decode_engine_id": "D", "local_block_ids": [[1]]}
     reg.update(decode_host="h", decode_port=1, decode_tp_size=1)
     nixl_push.advertise({"d1": reg})
@@ -540,12 +611,10 @@ def test_push_hostile_notifs_bounded_and_complete_r107(model_dir: str) -> None:
     dropping the whole notif for an oversized payload (the load never
     completes); keeping bytes after the worker's checksums were disabled
     (never taken: a leak)."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import nixl_push as wiring
-
-    plugin.register()
+    register_plugin()
     engine = push_engine(model_dir, "cons")
     worker = bare_push_worker(engine.vllm_config)
-    wiring._attach_nixl_push_worker(worker, engine.vllm_config)
+    attach_checksums(worker, engine)
     q = worker._pending_completion_notifs
     q.kv_checksum_max_bytes = 64
     prefix = nixl_push.KV_CHECKSUM_NOTIF_PREFIX
@@ -570,9 +639,7 @@ def test_push_hostile_notifs_bounded_and_complete_r107(model_dir: str) -> None:
     q.put(nixl_push.encode_checksum_notif("d1", 1, b"s" * 8))
     assert q.kv_checksum_received == {"d1": b"s" * 8}
     assert q.get_nowait() == b"d1:1"
-    wiring._disable_push_worker(
-        worker, "_kv_checksum_push", "test"
-    )  # as after an error
+    turn_off_checksums(worker)  # as after an error
     assert q.kv_checksum_received == {}
     q.put(nixl_push.encode_checksum_notif("d2", 1, b"s" * 8))
     assert q.get_nowait() == b"d2:1"

@@ -21,8 +21,8 @@ The consumer advertises that it reads checksum notifs in its registration
 that asked for it, so engines with checksums off (or without the package) on
 either side keep exchanging plain notifs (see `wants_checksum_notif`).
 
-Nothing here imports vLLM's NIXL modules; the wiring module binds these
-pieces to NixlPushConnector's scheduler and worker.
+Nothing here imports vLLM's NIXL modules; NixlPushConnector's scheduler and
+worker call these pieces (the plugin's wiring module on vLLM 0.33.0).
 """
 
 import queue
