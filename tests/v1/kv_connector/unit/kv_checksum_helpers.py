@@ -170,6 +170,10 @@ def native_capability(capability: str) -> bool:
         )
 
         return "kv_checksum_carrier" in NixlPushConnector.__dict__
+    if capability == "hybrid":
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        return "state_splits" in MambaSpec.__dataclass_fields__
     return False  # the series has no commit for it yet
 
 

@@ -237,8 +237,8 @@ def build_rank(
     """vLLM's model, block alignment, specs, KV cache config and caches for
     (TP, rank), as the executor and the engine core build them; with
     `num_spec` n-gram speculative tokens."""
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import register_plugin
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.kv_transfer.kv_checksum import plugin
     from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
         create_kv_checksum_worker,
     )
@@ -252,7 +252,7 @@ def build_rank(
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
     from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache_to_layers
 
-    plugin.register()
+    register_plugin()
     config = models.make_config(model, tp)
     if num_spec:
         assert num_spec == SPEC
@@ -1015,6 +1015,7 @@ def run_local(side: HybridSide, req_id: str, prompt: list[int]) -> int:
     return hit
 
 
+@pytest.mark.kv_checksum_capability("containment")
 def test_hybrid_failed_load_after_a_local_hit_keeps_the_hit_r138(
     distributed: Any,
     tmp_path: Any,

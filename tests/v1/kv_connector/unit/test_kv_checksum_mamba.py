@@ -763,21 +763,24 @@ def _mixer2(n_groups: int, tp: int, monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_plugin_attaches_mamba2_splits_r44(
     model_dir: str, monkeypatch: pytest.MonkeyPatch, n_groups: int, tp: int
 ) -> None:
-    """R44: with checksums on, MambaMixer2.get_kv_cache_spec (vLLM's, through
-    the plugin's wrapper) returns a spec carrying the calculator's splits for
+    """R44: with checksums on, MambaMixer2.get_kv_cache_spec (through the
+    plugin's wrapper on vLLM 0.33.0, vLLM's own `get_state_splits` with the
+    in-tree series) returns a spec carrying the calculator's splits for
     the checkpoint's group count: one group at TP > 1 means replicated B/C
     (the layer's own n_groups is already padded). With checksums off the
     spec is vLLM's, untouched. Bug caught: reading the padded n_groups (TP 2,
     one group would get R = 1 and fail every heterogeneous-TP load)."""
-    from tests.v1.kv_connector.unit.kv_checksum_helpers import make_vllm_config
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+        make_vllm_config,
+        register_plugin,
+    )
     from tests.v1.kv_connector.unit.kv_checksum_pd import (
         CARRIER_CONNECTOR_NAME,
         register_carrier_connector,
     )
-    from vllm.distributed.kv_transfer.kv_checksum import plugin
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
-    plugin.register()
+    register_plugin()
     register_carrier_connector()
     for enabled in (True, False):
         config = make_vllm_config(

@@ -219,8 +219,8 @@ def build_rank(
     family: str, model: str, tp: int, rank: int, group: Any, monkeypatch: Any
 ) -> RankEngine:
     """vLLM's model, specs, KV cache config and caches for (TP, rank)."""
+    from tests.v1.kv_connector.unit.kv_checksum_helpers import register_plugin
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.kv_transfer.kv_checksum import plugin
     from vllm.platforms import current_platform
     from vllm.v1.core.kv_cache_planning import (
         get_global_kv_cache_groups,
@@ -230,7 +230,7 @@ def build_rank(
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    plugin.register()
+    register_plugin()
     # The GDN layer puts a buffer on the current device; the CPU test
     # platform has none.
     monkeypatch.setattr(

@@ -5,9 +5,10 @@
 `MambaStateSplit(axis, segments)` names the local axis TP shards in a state
 and its run of (local size, replicas) segments. The calculators sit beside
 vLLM's state shape functions (`MambaStateShapeCalculator`) and take the same
-arguments; they return None, never raise, for sizes TP does not divide (spec
-creation runs with checksums off too). The plugin attaches their result to
-each layer's MambaSpec as `state_splits` (see wiring.py); deriving segments
+arguments; they return None, never raise, for sizes TP does not divide. vLLM's
+layers return their result from `MambaBase.get_state_splits` into
+`MambaSpec.state_splits`; on vLLM 0.33.0, which lacks the field, the plugin
+sets it on each layer's spec (wiring/mamba_layers.py). Deriving segments
 from `MambaSpec.shapes` is rejected (it cannot tell sharded from replicated
 B/C), as is reading group counts from model configs (per-model names).
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import MambaSpec
 
-# The attribute the plugin sets on a MambaSpec (R44; vLLM 0.33.0 has no field).
+# The MambaSpec field (R44); on vLLM 0.33.0 an instance attribute the plugin sets.
 STATE_SPLITS_ATTR = "state_splits"
 
 Segment = tuple[int, int]  # (local size, replicas R)
