@@ -170,6 +170,12 @@ def native_capability(capability: str) -> bool:
         )
 
         return "kv_checksum_carrier" in NixlPushConnector.__dict__
+    if capability == "offloading":  # OffloadingConnector's CPU backend
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector,
+        )
+
+        return "get_kv_checksum_sources" in OffloadingConnector.__dict__
     return False  # the series has no commit for it yet
 
 
