@@ -738,6 +738,9 @@ def test_R134_offload_side_error_drops_the_loads_in_flight(
     assert "1 offload loads in flight dropped unverified" in line.getMessage()
 
 
+# The series' Scheduler (0004) asks the connector again for the checksum
+# scheduler instead of reusing the answer vLLM's stats got.
+@pytest.mark.kv_checksum_capability("load_sources_once")
 @pytest.mark.parametrize("enabled", [False, True])
 def test_R119_load_sources_read_once_per_load_with_stats(
     model_dir: str, enabled: bool
