@@ -174,6 +174,12 @@ def native_capability(capability: str) -> bool:
         from vllm.v1.kv_cache_interface import MambaSpec
 
         return "state_splits" in MambaSpec.__dataclass_fields__
+    if capability == "offloading":  # OffloadingConnector's CPU backend
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector,
+        )
+
+        return "get_kv_checksum_sources" in OffloadingConnector.__dict__
     return False  # the series has no commit for it yet
 
 

@@ -31,9 +31,9 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     make_kv_connector_output,
     make_model_runner_output,
     make_request,
+    native_kv_checksums,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
-from vllm.distributed.kv_transfer.kv_checksum.offload.held_calls import HeldCalls
 from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
     create_host_fault_injector,
 )
@@ -41,12 +41,11 @@ from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     OffloadWorkerSide,
     host_slots,
 )
-from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (
-    SimpleOffloadWorkerSide,
-)
-from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
-    take_offload_off_records,
-)
+
+# SimpleCPUOffloadConnector's modules (held copies, its worker side) are
+# imported where its simulation is built: a vLLM with the in-tree series has
+# no commit for that connector yet, and the OffloadingConnector simulation
+# runs there without them.
 
 
 def _no_copy(*args: Any, **kwargs: Any) -> None:
@@ -164,10 +163,24 @@ class _OffloadSimBase(SimEngine):
             )
             if pending is not None:
                 records.append(pending)
-            # As the ActiveKVConnector.post_forward hook: an offload side's
-            # "tier off" record rides on the worker's output (R134).
-            records += take_offload_off_records(worker.checksum)
+        # As ActiveKVConnector.post_forward: an offload side's "tier off"
+        # record rides on the worker's output (R134).
+        for worker, bare in zip(self.workers, self.bare):
+            records += self._off_records(worker, bare)
         return records
+
+    @staticmethod
+    def _off_records(worker: Any, bare: Any) -> list[Any]:
+        """A worker's pending "tier off" record: the plugin keeps it by
+        checksum worker; vLLM with the series asks the connector (a side
+        turns off only inside the real hooks, on `bare`)."""
+        if native_kv_checksums():
+            return [] if bare is None else bare.take_kv_checksum_records()
+        from vllm.distributed.kv_transfer.kv_checksum.wiring.offloading import (
+            take_offload_off_records,
+        )
+
+        return take_offload_off_records(worker.checksum)
 
     def _bare_connector(self, attr: str, side: Any) -> Any:
         """With `hooks`: an instance of the real connector class, without
@@ -381,6 +394,13 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         held: bool = False,
         delay_stores: bool = False,
     ) -> None:
+        from vllm.distributed.kv_transfer.kv_checksum.offload.held_calls import (
+            HeldCalls,
+        )
+        from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (  # noqa: E501
+            SimpleOffloadWorkerSide,
+        )
+
         super().__init__(model_dir, side, name)
         self.hooks = hooks
         self.after_forward = after_forward

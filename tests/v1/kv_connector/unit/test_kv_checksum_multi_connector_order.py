@@ -181,7 +181,18 @@ def expect_outcome(engine: Any, policy: str, req_id: str) -> None:
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize(
+    "order",
+    [
+        pytest.param(
+            order,
+            marks=[pytest.mark.kv_checksum_capability("simple_cpu_offload")]
+            if order.startswith("simple")
+            else [],
+        )
+        for order in ORDERS
+    ],
+)
 def test_R119_R101_every_load_judged_in_either_child_order(
     model_dir: str, order: str, policy: str
 ) -> None:

@@ -440,6 +440,7 @@ def test_R118_a_stores_copy_rides_in_its_entry_write(
     assert np.count_nonzero(host.numpy()) == len(set(copy_slots))
 
 
+@pytest.mark.kv_checksum_capability("simple_cpu_offload")
 @pytest.mark.parametrize("in_pass", [False, True], ids=["now", "in-pass"])
 def test_R142_a_store_never_counts_its_runs(
     in_pass: bool, monkeypatch: pytest.MonkeyPatch

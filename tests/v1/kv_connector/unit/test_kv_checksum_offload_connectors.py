@@ -22,6 +22,7 @@ import torch
 
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     make_request,
+    register_plugin,
 )
 from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     CallRecorder,
@@ -34,7 +35,6 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
     verdicts,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
-from vllm.distributed.kv_transfer.kv_checksum import wiring
 from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
     HOST_FAULT_KEY,
     HostFaultConfig,
@@ -47,11 +47,12 @@ from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import (
     failed_keys,
     host_slots,
 )
-from vllm.distributed.kv_transfer.kv_checksum.wiring import (
-    offloading as wiring_offloading,
-)
 
-pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+pytestmark = [
+    pytest.mark.cpu,
+    pytest.mark.usefixtures("cuda_stream_stubs"),
+    pytest.mark.kv_checksum_capability("offloading"),
+]
 
 BS = 16
 OFFLOAD_EXTRA = {"cpu_bytes_to_use": 1 << 22}
@@ -187,11 +188,15 @@ def test_R121_failed_keys_are_the_mismatched_positions() -> None:
     assert failed_keys(ranges, {0: [0, 2]}, {0: 16}, group) == {"a0", "c0"}
 
 
+@pytest.mark.kv_checksum_capability("plugin")
 def test_R121_dropper_frees_a_copy_once_its_load_completed() -> None:
     """On vLLM's CPUOffloadingManager, through the wiring's removal of a host
     copy: a referenced bad copy is hidden, then
     freed (lookup MISS, chunk reusable) when its load completes. Bug caught:
     freeing a chunk a load still reads, or never freeing it."""
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+        offloading as wiring_offloading,
+    )
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
@@ -504,6 +509,7 @@ def test_R1_R118_worker_hooks_on_the_real_connector_class(enabled: bool) -> None
     assert connector.__dict__ == before
 
 
+@pytest.mark.kv_checksum_capability("plugin")
 def test_R121_manager_lookup_hides_bad_copies(model_dir: str) -> None:
     """While a bad copy waits for removal, an instance wrapper on vLLM's
     CPUOffloadingManager.lookup answers MISS for it and the original for
@@ -536,6 +542,7 @@ def test_R121_manager_lookup_hides_bad_copies(model_dir: str) -> None:
     assert manager.lookup(other, ctx) == LookupResult.HIT
 
 
+@pytest.mark.kv_checksum_capability("plugin")
 def test_R142_manager_lookup_wrapper_imports_nothing_per_call(model_dir: str) -> None:
     """R142: vLLM calls the manager's lookup once per block of every request
     it schedules (128 calls for a 2K-token prefix): the wrapper runs no import
@@ -615,7 +622,7 @@ def test_R134_worker_side_error_stops_stored_entries(hook: str) -> None:
         OffloadingConnector,
     )
 
-    wiring.install()
+    register_plugin()
     calls: list[str] = []
     connector, meta = bare_offloading_connector(calls)
     connector._kv_checksum_offload_worker = _FailingSide(calls)
@@ -731,6 +738,9 @@ def test_R134_offload_side_error_drops_the_loads_in_flight(
     assert "1 offload loads in flight dropped unverified" in line.getMessage()
 
 
+# The series' Scheduler (0004) asks the connector again for the checksum
+# scheduler instead of reusing the answer vLLM's stats got.
+@pytest.mark.kv_checksum_capability("load_sources_once")
 @pytest.mark.parametrize("enabled", [False, True])
 def test_R119_load_sources_read_once_per_load_with_stats(
     model_dir: str, enabled: bool

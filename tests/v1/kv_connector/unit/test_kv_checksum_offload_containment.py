@@ -26,7 +26,11 @@ from tests.v1.kv_connector.unit.kv_checksum_offload_sim import (
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig
 from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import HOST_FAULT_KEY
 
-pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("cuda_stream_stubs")]
+pytestmark = [
+    pytest.mark.cpu,
+    pytest.mark.usefixtures("cuda_stream_stubs"),
+    pytest.mark.kv_checksum_capability("containment"),
+]
 
 BS = 16
 PREFIX_BLOCKS = 4
@@ -183,6 +187,7 @@ def test_R138_control_without_the_fault_b_loads_the_suffix(model_dir: str) -> No
 # ----------------------------------------------------------------------
 
 
+@pytest.mark.kv_checksum_capability("plugin")
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_R121_many_drops_keep_the_manager_consistent(policy: str) -> None:
     """Dropping copies one by one (some idle, one held by a load) keeps the
