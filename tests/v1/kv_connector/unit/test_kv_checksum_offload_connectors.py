@@ -738,9 +738,6 @@ def test_R134_offload_side_error_drops_the_loads_in_flight(
     assert "1 offload loads in flight dropped unverified" in line.getMessage()
 
 
-# The series' Scheduler (0004) asks the connector again for the checksum
-# scheduler instead of reusing the answer vLLM's stats got.
-@pytest.mark.kv_checksum_capability("load_sources_once")
 @pytest.mark.parametrize("enabled", [False, True])
 def test_R119_load_sources_read_once_per_load_with_stats(
     model_dir: str, enabled: bool
@@ -783,10 +780,8 @@ def test_R119_load_sources_read_once_per_load_with_stats(
         loads.update(engine.checksums.stats.loads)
         assert loads == {"verified": engine.num_loads}
         # An answer no load takes (a load not checked) leaves with its step.
-        kept = engine.scheduler._kv_checksum_hit_sources.seen
-        engine.scheduler.connector.get_external_cache_hit_sources(
-            SimpleNamespace(request_id="other"), 0
-        )
+        kept = engine.checksums.hit_sources.answers
+        engine.checksums.note_hit_sources(SimpleNamespace(request_id="other"), 0, [])
         assert list(kept) == [("other", 0)]
         engine.step()
         assert kept == {}

@@ -51,6 +51,31 @@ P2P_SOURCE = "p2p"
 HitSourcesFn = Callable[[Any, int], set[str]]
 
 
+class StepHitSources:
+    """A starting load's hit sources (R119): the answer vLLM's prefix-cache
+    stats got from the connector for the same request and token count in this
+    step, else the connector's own. OffloadingConnector's answer walks every
+    loaded key in Python, the largest scheduler-side cost per host load."""
+
+    def __init__(self, ask: HitSourcesFn) -> None:
+        self.ask = ask
+        self.answers: dict[tuple[str, int], set[str]] = {}
+
+    def note(self, request_id: str, num_tokens: int, sources: Iterable[Any]) -> None:
+        """The connector's answer to vLLM for a load starting in this step."""
+        self.answers[(request_id, num_tokens)] = {
+            getattr(s, "value", s) for s in sources
+        }
+
+    def __call__(self, request: Any, num_tokens: int) -> set[str]:
+        answer = self.answers.pop((request.request_id, num_tokens), None)
+        return self.ask(request, num_tokens) if answer is None else answer
+
+    def end_step(self) -> None:
+        """Answers no check took leave with their step."""
+        self.answers.clear()
+
+
 class KVChecksumConsumer:
     """Registers the loads into this engine and verifies them (R69-R73,
     R119-R121); the scheduler side's consumer half."""

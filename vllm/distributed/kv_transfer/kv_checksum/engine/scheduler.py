@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.consumer import (
     P2P_SOURCE,
     HitSourcesFn,
     KVChecksumConsumer,
+    StepHitSources,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import (
     KVChecksumStats,
@@ -122,8 +123,9 @@ class KVChecksumScheduler:
             self.groups, self.group_infos, num_workers, tp_size, carrier, self.log
         )
         self.producer = KVChecksumProducer(setup)
+        self.hit_sources = StepHitSources(hit_sources)
         self.consumer = KVChecksumConsumer(
-            setup, fail_closed, hit_sources, self.limits, self.offload
+            setup, fail_closed, self.hit_sources, self.limits, self.offload
         )
         # Workers whose checksums their last-resort guard turned off (R134).
         self.disabled_workers: set[WorkerKey] = set()
@@ -195,6 +197,11 @@ class KVChecksumScheduler:
         if num_external > 0:
             self.starting_loads.append((request, blocks, num_external))
 
+    def note_hit_sources(self, request: Any, num_tokens: int, sources: Any) -> None:
+        """The connector's hit sources of a starting load, as vLLM's
+        prefix-cache stats asked for them: this step's checks reuse them (R119)."""
+        self.hit_sources.note(request.request_id, num_tokens, sources)
+
     def schedule_step(
         self,
         num_scheduled_tokens: Mapping[str, int],
@@ -212,6 +219,7 @@ class KVChecksumScheduler:
                 local = request.num_computed_tokens - num_external
                 self.add_recv(request, blocks, local)
         self.add_sends(num_scheduled_tokens, requests, kv_cache_manager)
+        self.hit_sources.end_step()
         return self.build_checksum_meta()
 
     def verify_step(self, kv_output: Any, failed_req_ids: Iterable[str]) -> None:

@@ -42,6 +42,7 @@ Scheduler._connector_finished
 from collections.abc import Callable
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_checksum.engine.consumer import HitSourcesFn
 from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
     create_kv_checksum_scheduler,
 )
@@ -68,57 +69,35 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 
-class HitSources:
-    """A starting load's hit sources (R119), reusing the answer vLLM's own
-    prefix-cache stats got from the connector for the same request and token
-    count in this schedule(): OffloadingConnector's answer walks every loaded
-    key in Python (issue 30: the largest scheduler-side cost per host load).
-    vLLM is always answered by the connector itself."""
-
-    def __init__(
-        self, ask: Callable[[Any, int], Any], keep: Callable[[], bool]
-    ) -> None:
-        self.ask = ask
-        self.keep = keep  # False once checksums are off: nothing is kept
-        self.seen: dict[tuple[str, int], Any] = {}
-
-    def remember(self, request: Any, num_external_tokens: int) -> Any:
-        """The connector's answer to vLLM, kept until this step's end."""
-        result = self.ask(request, num_external_tokens)
-        if self.keep():
-            self.seen[(request.request_id, num_external_tokens)] = result
-        return result
-
-    def __call__(self, request: Any, num_external_tokens: int) -> set[str]:
-        """The source names of a load (an answer vLLM got this step, or asked)."""
-        result = self.seen.pop((request.request_id, num_external_tokens), None)
-        if result is None:
-            result = self.ask(request, num_external_tokens)
-        return {getattr(s, "value", s) for s in result}
-
-
-def _hit_sources_of(scheduler: Any) -> HitSources:
+def _hit_sources_of(scheduler: Any) -> HitSourcesFn:
     """Target: the scheduler's connector instance's
     get_external_cache_hit_sources (checksums on only).
 
     Why: R119 needs each starting load's sources; vLLM already asks the
     connector for them when it records prefix-cache stats (log_stats on, the
     `vllm serve` default), in the same schedule() that starts the load.
-    How: an instance attribute that calls the bound method and keeps its
-    answer per (request id, tokens) until `_update_after_schedule` ends the
-    step (`HitSources.seen`, cleared there), nothing once checksums are off;
-    vLLM's calls always reach the connector.
-    Upstream: the Scheduler handing the load's sources to the checksum
-    scheduler with the load.
+    How: an instance attribute that calls the bound method and hands its
+    answer to the checksum scheduler (`note_hit_sources`, kept until the
+    step's `schedule_step`), nothing once checksums are off; vLLM's calls
+    always reach the connector. Returns the connector's own answer as names.
+    Upstream: the Scheduler asking once and handing the answer to the
+    checksum scheduler (`Scheduler._external_cache_hit_sources`).
     """
     connector = scheduler.connector
-    sources = HitSources(
-        connector.get_external_cache_hit_sources,
-        lambda: scheduler.kv_checksum_scheduler is not None,
-    )
-    connector.get_external_cache_hit_sources = sources.remember
-    scheduler._kv_checksum_hit_sources = sources
-    return sources
+    ask = connector.get_external_cache_hit_sources
+
+    def remember(request: Any, num_external_tokens: int) -> Any:
+        sources = ask(request, num_external_tokens)
+        kcs = getattr(scheduler, "kv_checksum_scheduler", None)
+        if kcs is not None:
+            with _guard(scheduler, "kv_checksum_scheduler", "hit sources"):
+                kcs.note_hit_sources(request, num_external_tokens, sources)
+        return sources
+
+    connector.get_external_cache_hit_sources = remember
+    return lambda request, tokens: {
+        getattr(s, "value", s) for s in ask(request, tokens)
+    }
 
 
 def install_scheduler_hooks() -> None:
@@ -197,7 +176,6 @@ def install_scheduler_hooks() -> None:
             )
             external_loads.note_loads(self, kcs.last_started_loads, output)  # R147
             external_loads.schedule(self, output)  # R147, and R140's step
-        self._kv_checksum_hit_sources.seen.clear()
 
     @_wrap(Scheduler, "update_from_output")
     def update_from_output(
