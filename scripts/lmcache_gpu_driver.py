@@ -79,7 +79,8 @@ def start(mode: str, args: argparse.Namespace, port: int) -> Any:
 
     cmd = [sys.executable, *SERVE, args.model, "--served-model-name", "tiny"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
-    cmd += ["--max-model-len", "2048", "--block-size", "16", "--dtype", "bfloat16"]
+    cmd += ["--max-model-len", str(args.max_model_len), "--block-size", "16"]
+    cmd += ["--dtype", "bfloat16"]
     cmd += ["--num-gpu-blocks-override", str(args.gpu_blocks), "--enforce-eager"]
     cmd += ["--gpu-memory-utilization", "0.3", "--max-num-seqs", "4"]
     cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(mode))]
@@ -189,13 +190,17 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="/tmp/kv-checksum-serve-tiny")
     p.add_argument("--modes", default=",".join(MODES))
+    # vLLM refuses to start unless the GPU blocks hold one max-length request.
     p.add_argument("--gpu-blocks", type=int, default=96)
+    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--filler-len", type=int, default=600)
     p.add_argument("--fillers", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--start-timeout", type=float, default=240)
     args = p.parse_args()
+    if args.gpu_blocks * 16 < args.max_model_len:
+        p.error("--gpu-blocks x 16 tokens must hold --max-model-len")
     os.makedirs(args.out, exist_ok=True)
     build_model(args)
     results = {
