@@ -15,6 +15,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$out" \
     lmcache==0.5.6 aiofile caio aiofiles py-cpuinfo nvtx sortedcontainers redis \
+    cryptography cffi pycparser \
     $(grep -v '^#' "$(dirname "$0")/../../shared/gpu/serve_wheels.txt")
 ls -l "$out"
 du -sh "$out"

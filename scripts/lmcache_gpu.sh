@@ -30,9 +30,10 @@ done
     -not -path '*/__pycache__/*' -exec cp --parents {} "$site/" \;)
 
 # LMCache's CUDA ops link libtorch's unstable C++ ABI: they load only under
-# the torch they were built for (not under torch 2.14: c10_cuda_check_implementation
-# changed). Without them LMCache runs its torch baseline copies, which refuse
-# HND layouts; the driver reports which ran. The other imports are required.
+# the torch they were built for (not under this project's torch 2.14, nor the
+# GPU host's torch 2.11: undefined c10 symbols). Without them LMCache runs its
+# torch baseline copies, which refuse HND layouts; the driver reports which
+# ran. The other imports are required (the vLLM adapter needs cryptography).
 python3 - >"$out/preflight.log" 2>&1 <<'PY'
 import importlib, sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__,
