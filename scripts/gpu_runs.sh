@@ -189,6 +189,11 @@ update-package)
 # removed. Every later RUN then runs vLLM's own checksum code.
 install-series)
     rm -rf "$site/vllm/distributed/kv_transfer/kv_checksum" "$site"/vllm_kv_checksum-*.dist-info
+    # Any other metadata folder that still registers the plugin's entry point
+    # (on the H100 host one survived the line above and every engine logged
+    # "Failed to load plugin kv_checksum").
+    grep -l "kv_checksum.plugin" "$site"/*.dist-info/entry_points.txt \
+        "$site"/*.egg-info/entry_points.txt 2>/dev/null | xargs -r -n1 dirname | xargs -r rm -rf
     cp -r "$repo/gpu_series/vllm/." "$site/vllm/"
     python3 - <<'PY' || exit 1
 import importlib.metadata as m
