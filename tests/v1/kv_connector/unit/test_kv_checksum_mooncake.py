@@ -2,12 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Mooncake P2P as a CONNECTOR carrier (R110-R115), on CPU.
 
-Producer and consumer are real vLLM 0.33.0 Schedulers with MooncakeConnector's
+Producer and consumer are real vLLM Schedulers with MooncakeConnector's
 scheduler side (producer and consumer roles) and simulated checksum workers
 (`kv_checksum_pd.SimEngine`). The transfer side is vLLM's
-MooncakeConnectorWorker built without Mooncake (`bare_worker`): the hooked
-methods run for real; responses go through its real msgpack encoder and
-decoder.
+MooncakeConnectorWorker built without Mooncake (`bare_worker`): its methods
+run for real; responses go through its real msgpack encoder and decoder. On
+vLLM 0.33.0 the plugin's hooks carry the checksums; on a vLLM with the
+in-tree series (its Mooncake commit) vLLM's own code does, and the same tests
+run against it (`bare_worker`, `respond` and `response_class` are the only
+calls that differ).
 """
 
 import asyncio
@@ -25,6 +28,8 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     GroupsKind,
     make_kv_cache_config,
     make_request,
+    native_kv_checksums,
+    register_plugin,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     Fault,
@@ -37,13 +42,13 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (
     transfer,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import package_state as harness_state
-from vllm.distributed.kv_transfer.kv_checksum import plugin
-from vllm.distributed.kv_transfer.kv_checksum.carriers import mooncake
 from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
     KVChecksumCarrier,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import KVChecksumStatus
 from vllm.v1.request import RequestStatus
+
+pytestmark = pytest.mark.kv_checksum_capability("mooncake")
 
 MOONCAKE = "MooncakeConnector"
 MAX_BYTES = 1 << 20
@@ -89,12 +94,11 @@ class Stopped:
         return False
 
 
-def bare_worker(vllm_config: Any, producer: bool) -> Any:
-    """vLLM's MooncakeConnectorWorker without Mooncake, hooks attached."""
-    from vllm.distributed.kv_transfer.kv_checksum.wiring import (
-        mooncake as wiring_mooncake,
-    )
-
+def bare_worker(vllm_config: Any, producer: bool, kv_cache_config: Any = None) -> Any:
+    """vLLM's MooncakeConnectorWorker without Mooncake, checksums on as at
+    start-up: the plugin's registration on vLLM 0.33.0 (inside the worker's
+    KVCacheConfig context when `kv_cache_config` is given), the worker's own
+    set-up in the series (with `kv_cache_config`, else the engine's)."""
     mc = mc_module()
     worker = mc.MooncakeConnectorWorker.__new__(mc.MooncakeConnectorWorker)
     worker._encoder = msgspec.msgpack.Encoder()
@@ -109,10 +113,36 @@ def bare_worker(vllm_config: Any, producer: bool) -> Any:
     stopped = Stopped()
     worker.async_zmq_ctx = worker._sender_executor = stopped
     worker.sender_loop = worker.receiver_loop = stopped
-    wiring_mooncake._attach_mooncake_worker(
-        worker, vllm_config, mc.MooncakeXferResponse
+    if native_kv_checksums():
+        config = kv_cache_config or make_kv_cache_config(vllm_config)
+        worker._init_kv_checksums(vllm_config, config)
+        return worker
+    from vllm.distributed.kv_transfer.kv_checksum import wiring
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+        mooncake as wiring_mooncake,
     )
+
+    token = wiring._kv_cache_config.set(kv_cache_config)
+    try:
+        wiring_mooncake._attach_mooncake_worker(
+            worker, vllm_config, mc.MooncakeXferResponse
+        )
+    finally:
+        wiring._kv_cache_config.reset(token)
     return worker
+
+
+def response_class() -> Any:
+    """The transfer response type with `kv_checksums`: vLLM's own in the
+    series, the plugin's extension of it on vLLM 0.33.0."""
+    mc = mc_module()
+    if native_kv_checksums():
+        return mc.MooncakeXferResponse
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+        mooncake as wiring_mooncake,
+    )
+
+    return wiring_mooncake.response_type(mc.MooncakeXferResponse)
 
 
 def package_state(engine: SimEngine) -> int:
@@ -138,11 +168,19 @@ def respond(p_worker: Any, d_req_blocks: dict, ok: list, err: list) -> bytes:
         err_reqs=err or None,
         err_msg="failed" if err else None,
     )
-    token = mooncake.CURRENT_PULL.set(d_req_blocks)
+    if native_kv_checksums():  # what send_kv_to_decode does with it
+        if ok and p_worker._kv_checksum_send is not None:
+            p_worker._add_kv_checksums(response, d_req_blocks)
+        return p_worker._encoder.encode(response)
+    from vllm.distributed.kv_transfer.kv_checksum.wiring import (
+        mooncake as wiring_mooncake,
+    )
+
+    token = wiring_mooncake.CURRENT_PULL.set(d_req_blocks)
     try:
         return p_worker._encoder.encode(response)
     finally:
-        mooncake.CURRENT_PULL.reset(token)
+        wiring_mooncake.CURRENT_PULL.reset(token)
 
 
 def run_pd(
@@ -223,7 +261,7 @@ def run_pd(
         raw = d_worker._xfer_resp_decoder.decode(wire).kv_checksums
         first = msgspec.msgpack.decode(raw, type=dict[str, bytes])[cons_id]
         other = msgspec.msgpack.encode(
-            mooncake.response_type(mc.MooncakeXferResponse)(
+            response_class()(
                 status=mc.MooncakeXferResponseStatus.FINISH,
                 ok_reqs=[cons_id],
                 kv_checksums={cons_id: bytes(len(first))},
@@ -253,7 +291,7 @@ def run_pd(
 
 @pytest.fixture
 def pd(model_dir: str, cuda_stream_stubs: Any) -> tuple:
-    plugin.register()
+    register_plugin()
     producer = mooncake_engine(model_dir, "prod", True)
     consumer = mooncake_engine(model_dir, "cons", False)
     workers = (
@@ -271,7 +309,7 @@ def test_mooncake_inside_multi_connector(
     from tests.v1.kv_connector.unit.test_kv_checksum_nixl_push import multi_around
 
     multi_around(monkeypatch, MOONCAKE)
-    plugin.register()
+    register_plugin()
     producer = mooncake_engine(model_dir, "prod", True)
     consumer = mooncake_engine(model_dir, "cons", False)
     assert type(producer.scheduler.connector).__name__ == "MultiConnector"
@@ -292,7 +330,7 @@ def test_mooncake_carrier_and_declares() -> None:
     and for loads; the Mooncake store connector declares none. Catches a
     producer request without transfer_id counted as sending (Mooncake never
     sends it)."""
-    plugin.register()
+    register_plugin()
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_checksum.config import (
         connector_declares_carrier,
@@ -369,7 +407,7 @@ def test_mooncake_aborted_producer_keeps_nothing(pd: tuple) -> None:
     connector.send_kv_checksums(request, b"x" * 8)
     assert connector.connector_scheduler._kv_checksum_outbox.pending == {}
     meta = producer.step().kv_connector_metadata
-    assert getattr(meta, "kv_checksums", None) is None
+    assert not getattr(meta, "kv_checksums", None)
     assert package_state(producer) == 0
 
 
@@ -378,13 +416,13 @@ def test_mooncake_worker_bad_responses(model_dir: str) -> None:
     this pull does not load and failed loads leave nothing behind, and never
     fail the decode. Catches the byte cap missing (oversized bytes kept) and
     bytes kept for a request the pull does not load (never taken: a leak)."""
-    plugin.register()
+    register_plugin()
     mc = mc_module()
     engine = mooncake_engine(model_dir, "cons", False)
     worker = bare_worker(engine.vllm_config, False)
     received = worker._kv_checksum_received
     received.max_bytes = 16
-    ext = mooncake.response_type(mc.MooncakeXferResponse)
+    ext = response_class()
     finish = mc.MooncakeXferResponseStatus.FINISH
     for sums in ([1, 2], {"d1": 5}, {"d1": b"x" * 17}, {"other": b"y" * 8}):
         wire = msgspec.msgpack.encode(
@@ -404,11 +442,18 @@ def test_mooncake_worker_bad_responses(model_dir: str) -> None:
     assert received.by_request == {}
 
 
+@pytest.mark.kv_checksum_capability("plugin")
 def test_mooncake_send_kv_to_decode_context(model_dir: str) -> None:
     """R112 on vLLM's send_kv_to_decode: the pull's request blocks are
     visible to the encoder while the coroutine answers it, and not after.
-    Catches a context leaking into other pulls' responses."""
-    plugin.register()
+    Catches a context leaking into other pulls' responses. The plugin's hook
+    only: in the series send_kv_to_decode puts the checksums on the response
+    itself."""
+    from vllm.distributed.kv_transfer.kv_checksum.wiring.mooncake import (
+        CURRENT_PULL,
+    )
+
+    register_plugin()
     mc = mc_module()
     engine = mooncake_engine(model_dir, "prod", True)
     worker = bare_worker(engine.vllm_config, True)
@@ -416,7 +461,7 @@ def test_mooncake_send_kv_to_decode_context(model_dir: str) -> None:
 
     class Topo:
         def handshake_target_ranks(self, size: int) -> list[int]:
-            seen.append(mooncake.CURRENT_PULL.get())
+            seen.append(CURRENT_PULL.get())
             return []
 
     class Sock:
@@ -437,7 +482,7 @@ def test_mooncake_send_kv_to_decode_context(model_dir: str) -> None:
     )
     asyncio.run(worker.send_kv_to_decode(b"id", Sock(), meta))
     assert seen[0] == {"d1": ("t1", [[1]])}
-    assert mooncake.CURRENT_PULL.get() is None
+    assert CURRENT_PULL.get() is None
 
 
 def test_mooncake_store_says_uncovered(vllm_caplog: pytest.LogCaptureFixture) -> None:
@@ -454,7 +499,7 @@ def test_mooncake_store_says_uncovered(vllm_caplog: pytest.LogCaptureFixture) ->
         kv_checksum_enabled,
     )
 
-    plugin.register()
+    register_plugin()
 
     def config(name: str, **extra: Any) -> SimpleNamespace:
         return SimpleNamespace(
@@ -489,7 +534,7 @@ def test_mooncake_hostile_responses_bounded_r113_r114(model_dir: str) -> None:
     the maps, a failed decode for bad UTF-8, which fails the whole pull);
     checking the length after decoding; keeping bytes of a blockless pull
     (never taken: a leak per aborted request)."""
-    plugin.register()
+    register_plugin()
     mc = mc_module()
     engine = mooncake_engine(model_dir, "cons", False)
     worker = bare_worker(engine.vllm_config, False)
@@ -515,7 +560,7 @@ def test_mooncake_hostile_responses_bounded_r113_r114(model_dir: str) -> None:
         assert response.ok_reqs == ["d1"]
         assert peak < 1 << 20, peak
         assert received.by_request == {}
-    ext = mooncake.response_type(mc.MooncakeXferResponse)
+    ext = response_class()
     good = msgspec.msgpack.encode(
         ext(status=finish, ok_reqs=["d1"], kv_checksums={"d1": b"z" * 8})
     )
@@ -535,7 +580,7 @@ def test_mooncake_hostile_responses_bounded_r113_r114(model_dir: str) -> None:
 
 def _response(ok_reqs: list[str], sums: dict[str, bytes]) -> bytes:
     mc = mc_module()
-    ext = mooncake.response_type(mc.MooncakeXferResponse)
+    ext = response_class()
     finish = mc.MooncakeXferResponseStatus.FINISH
     return msgspec.msgpack.encode(
         ext(status=finish, ok_reqs=ok_reqs, kv_checksums=sums)
@@ -554,7 +599,7 @@ def test_mooncake_budget_counts_each_loading_request_once(
     ids it adds that this consumer does not load. Catches the budget counted
     per `ok_reqs` entry: 1000 repeats (or 1000 foreign ids) multiplied it and
     the map was decoded and "t"'s bytes kept."""
-    plugin.register()
+    register_plugin()
     engine = mooncake_engine(model_dir, "cons", False)
     worker = bare_worker(engine.vllm_config, False)
     received = worker._kv_checksum_received
@@ -601,10 +646,9 @@ def test_payload_cap_derived_from_the_consumer_sizes(model_dir: str) -> None:
     at most 8 KiB, not a fixed 16 MiB. Catches a cap below a valid payload
     (fault-free loads unverified) or a fixed cap far above the consumer's
     own sizes (work sized by the peer)."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
     from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
 
-    plugin.register()
+    register_plugin()
     engine = mooncake_engine(model_dir, "cons", False)
     config = make_kv_cache_config(engine.vllm_config)
     max_model_len = engine.vllm_config.model_config.max_model_len
@@ -619,13 +663,9 @@ def test_payload_cap_derived_from_the_consumer_sizes(model_dir: str) -> None:
     )
     with pytest.raises(ValueError, match="exceed the limit"):
         KVChecksumPayload.from_base64("A" * (limits.max_encoded_bytes + 1), limits)
-    # Worker side (Mooncake, raw bytes per request), built as the wiring
-    # builds it: inside the worker's KVCacheConfig context.
-    token = wiring._kv_cache_config.set(config)
-    try:
-        worker = bare_worker(engine.vllm_config, False)
-    finally:
-        wiring._kv_cache_config.reset(token)
+    # Worker side (Mooncake, raw bytes per request), built with the worker's
+    # KVCacheConfig.
+    worker = bare_worker(engine.vllm_config, False, config)
     received = worker._kv_checksum_received
     assert received.max_bytes == limits.max_encoded_bytes
     decode = worker._xfer_resp_decoder.decode
@@ -660,10 +700,9 @@ def test_payload_cap_counts_every_kv_cache_group(model_dir: str) -> None:
     all of them (`wire/payload.py`): about half this payload, so Mooncake
     skips it (and kv_transfer_params refuses it) and every such load is
     unverified."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
     from vllm.distributed.kv_transfer.kv_checksum.wire.payload import KVChecksumPayload
 
-    plugin.register()
+    register_plugin()
     engine = mooncake_engine(model_dir, "cons-groups", False, groups="both")
     config = make_kv_cache_config(engine.vllm_config)
     num_groups = len(config.kv_cache_groups)
@@ -681,11 +720,7 @@ def test_payload_cap_counts_every_kv_cache_group(model_dir: str) -> None:
     with pytest.raises(ValueError, match="exceed the limit"):
         KVChecksumPayload.from_base64("A" * (cap + 1), limits)
     # Worker side (Mooncake, raw bytes per request).
-    token = wiring._kv_cache_config.set(config)
-    try:
-        worker = bare_worker(engine.vllm_config, False)
-    finally:
-        wiring._kv_cache_config.reset(token)
+    worker = bare_worker(engine.vllm_config, False, config)
     received = worker._kv_checksum_received
     assert received.max_bytes == cap
     decode = worker._xfer_resp_decoder.decode
@@ -702,17 +737,12 @@ def test_payload_cap_setting_overrides_the_derived_cap(model_dir: str) -> None:
     """R129: an explicit `kv_checksum_max_payload_bytes` is the cap on both
     carriers' sides. Catches the operator's setting ignored once the default
     is derived."""
-    from vllm.distributed.kv_transfer.kv_checksum import wiring
-
-    plugin.register()
+    register_plugin()
     side = SideConfig(
         connector=MOONCAKE, connector_extra={"kv_checksum_max_payload_bytes": 5000}
     )
     engine = SimEngine(model_dir, side, "cons")
     assert engine.checksums.limits.max_encoded_bytes == 5000
-    token = wiring._kv_cache_config.set(make_kv_cache_config(engine.vllm_config))
-    try:
-        worker = bare_worker(engine.vllm_config, False)
-    finally:
-        wiring._kv_cache_config.reset(token)
+    config = make_kv_cache_config(engine.vllm_config)
+    worker = bare_worker(engine.vllm_config, False, config)
     assert worker._kv_checksum_received.max_bytes == 5000

@@ -9,19 +9,18 @@ transfer response, so the payload rides on it:
 * producer scheduler: an `outbox.ChecksumOutbox` keeps the bytes of
   a request about to be sent and hands them to the next connector metadata as
   `kv_checksums` (R111);
-* producer worker: `SendChecksums` keeps them per transfer id; the encoder of
-  transfer responses (`ChecksumResponseEncoder`) adds them, for the requests
-  sent successfully, to the response as `kv_checksums` (consumer request id
-  -> bytes), using the request blocks of the pull being answered (R112);
-* consumer worker: the response decodes as `response_type(base)` (an extra
-  optional field, ignored by peers without it, R113); `ReceivedChecksums`
-  keeps the first copy of each loaded request's bytes before the load is
-  marked finished and hands them over with its finished_recving (R114).
+* producer worker: `SendChecksums` keeps them per transfer id; the response
+  to a pull carries, for the requests sent successfully, the field
+  `kv_checksums` (`SendChecksums.response_field`: a msgpack map, consumer
+  request id -> bytes) (R112);
+* consumer worker: the field decodes as raw msgpack (omitted when empty,
+  ignored by peers without it, R113); `ReceivedChecksums` keeps the first
+  copy of each loaded request's bytes before the load is marked finished and
+  hands them over with its finished_recving (R114).
 
 Only Mooncake P2P: the Mooncake store connector declares no carrier (R115).
 """
 
-import contextvars
 import threading
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -35,12 +34,6 @@ from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-# The request blocks (consumer request id -> (transfer id, blocks)) of the
-# pull the current send_kv_to_decode coroutine answers.
-CURRENT_PULL: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
-    "kv_checksum_mooncake_pull", default=None
-)
 
 
 def mooncake_carrier(request: Any, receiving: bool) -> KVChecksumCarrier | None:
@@ -58,22 +51,6 @@ def mooncake_carrier(request: Any, receiving: bool) -> KVChecksumCarrier | None:
 _ENTRY_OVERHEAD = 1024
 # The checksums of a response, decoded only after their length is checked.
 _SUMS_DECODER = msgspec.msgpack.Decoder(dict[str, bytes])
-
-
-def response_type(base: type) -> type:
-    """MooncakeXferResponse with `kv_checksums` (R113), omitted when empty.
-
-    The producer encodes a map (consumer request id -> bytes). The consumer
-    decodes the field as raw msgpack, neither parsed nor copied, so that a
-    malformed or huge value never fails the decode of the response (and with
-    it the pull) nor builds objects: `ReceivedChecksums.keep` checks its
-    length against the consumer's own limit, then decodes it.
-    """
-
-    class MooncakeXferResponseWithChecksums(base, omit_defaults=True):  # type: ignore[misc, valid-type, call-arg]
-        kv_checksums: msgspec.Raw = msgspec.Raw()
-
-    return MooncakeXferResponseWithChecksums
 
 
 @dataclass
@@ -113,39 +90,22 @@ class SendChecksums:
                     out[d_req_id] = data
         return out
 
+    def response_field(
+        self, ok_reqs: Iterable[str], pull: Mapping[str, Any]
+    ) -> msgspec.Raw | None:
+        """R112: the response's `kv_checksums`, a msgpack map of the requests
+        sent successfully; None when none has checksums: the field keeps its
+        default, which is left out of the message (an empty Raw would not be,
+        and would encode as nothing)."""
+        sums = self.for_response(ok_reqs, pull)
+        return msgspec.Raw(msgspec.msgpack.encode(sums)) if sums else None
+
     def evict(self, req_ids: Iterable[str]) -> None:
         with self.lock:
             for req_id in req_ids:
                 transfer_id = self.transfer_of.pop(req_id, None)
                 if transfer_id is not None:
                     self.by_transfer.pop(transfer_id, None)
-
-
-class ChecksumResponseEncoder:
-    """Producer worker: encodes transfer responses with their checksums.
-
-    Stands in for the worker's msgpack encoder; anything but a response with
-    successfully sent requests inside a pull (`CURRENT_PULL`) is encoded
-    unchanged.
-    """
-
-    def __init__(
-        self, inner: Any, base: type, extended: type, store: SendChecksums
-    ) -> None:
-        self.inner = inner
-        self.base = base
-        self.extended = extended
-        self.store = store
-
-    def encode(self, obj: Any) -> bytes:
-        pull = CURRENT_PULL.get()
-        ok_reqs = getattr(obj, "ok_reqs", None)
-        if pull is not None and type(obj) is self.base and ok_reqs:
-            sums = self.store.for_response(ok_reqs, pull)
-            if sums:
-                fields = msgspec.structs.asdict(obj)  # type: ignore[arg-type]
-                obj = self.extended(**fields, kv_checksums=sums)
-        return self.inner.encode(obj)
 
 
 @dataclass

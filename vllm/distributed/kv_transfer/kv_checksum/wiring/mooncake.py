@@ -20,7 +20,8 @@ MooncakeConnectorWorker.start_load_kv
     Upstream: as above
 MooncakeConnectorWorker.send_kv_to_decode, `_encoder` (instance)
     Why: the response to a pull carries its requests' checksums
-    How: a context variable set around the original
+    How: a context variable set around the original; an encoder standing in
+    for the worker's that adds the field (`response_type`)
     Upstream: `kv_checksums` on MooncakeXferResponse
 MooncakeConnectorWorker.process_pulling_result, `_xfer_resp_decoder` (instance)
     Why: keep received bytes before the load is marked finished
@@ -32,7 +33,8 @@ MooncakeConnectorWorker.get_transfer_results
     Upstream: as above
 """
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -50,6 +52,55 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# The request blocks (consumer request id -> (transfer id, blocks)) of the
+# pull the current send_kv_to_decode coroutine answers.
+CURRENT_PULL: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "kv_checksum_mooncake_pull", default=None
+)
+
+
+def response_type(base: type) -> type:
+    """MooncakeXferResponse with `kv_checksums` (R113), omitted when empty.
+
+    The producer encodes a map (consumer request id -> bytes). The consumer
+    decodes the field as raw msgpack, neither parsed nor copied, so that a
+    malformed or huge value never fails the decode of the response (and with
+    it the pull) nor builds objects: `ReceivedChecksums.keep` checks its
+    length against the consumer's own limit, then decodes it.
+    """
+
+    class MooncakeXferResponseWithChecksums(base, omit_defaults=True):  # type: ignore[misc, valid-type, call-arg]
+        kv_checksums: msgspec.Raw = msgspec.Raw()
+
+    return MooncakeXferResponseWithChecksums
+
+
+class ChecksumResponseEncoder:
+    """Producer worker: encodes transfer responses with their checksums.
+
+    Stands in for the worker's msgpack encoder; anything but a response with
+    successfully sent requests inside a pull (`CURRENT_PULL`) is encoded
+    unchanged.
+    """
+
+    def __init__(
+        self, inner: Any, base: type, extended: type, store: mooncake.SendChecksums
+    ) -> None:
+        self.inner = inner
+        self.base = base
+        self.extended = extended
+        self.store = store
+
+    def encode(self, obj: Any) -> bytes:
+        pull = CURRENT_PULL.get()
+        ok_reqs = getattr(obj, "ok_reqs", None)
+        if pull is not None and type(obj) is self.base and ok_reqs:
+            sums = self.store.response_field(ok_reqs, pull)
+            if sums is not None:
+                fields = msgspec.structs.asdict(obj)  # type: ignore[arg-type]
+                obj = self.extended(**fields, kv_checksums=sums)
+        return self.inner.encode(obj)
 
 
 def install_mooncake() -> None:
@@ -122,11 +173,11 @@ def install_mooncake() -> None:
         """R112: responses to this pull may carry its requests' checksums."""
         if self.__dict__.get("_kv_checksum_send") is None:
             return await original(self, identity, sock, meta)
-        token = mooncake.CURRENT_PULL.set(meta.req_blocks)
+        token = CURRENT_PULL.set(meta.req_blocks)
         try:
             return await original(self, identity, sock, meta)
         finally:
-            mooncake.CURRENT_PULL.reset(token)
+            CURRENT_PULL.reset(token)
 
     @_wrap(mc.MooncakeConnectorWorker, "process_pulling_result")
     def process_pulling_result(
@@ -167,11 +218,9 @@ def _attach_mooncake_worker(worker: Any, vllm_config: Any, base: type) -> None:
     if worker is None or "_kv_checksum_send" in worker.__dict__:
         return
     max_bytes = _payload_byte_limit(vllm_config)
-    extended = mooncake.response_type(base)
+    extended = response_type(base)
     send = mooncake.SendChecksums()
-    worker._encoder = mooncake.ChecksumResponseEncoder(
-        worker._encoder, base, extended, send
-    )
+    worker._encoder = ChecksumResponseEncoder(worker._encoder, base, extended, send)
     worker._xfer_resp_decoder = msgspec.msgpack.Decoder(extended)
     worker._kv_checksum_received = mooncake.ReceivedChecksums(max_bytes)
     worker._kv_checksum_send = send
