@@ -101,24 +101,19 @@ def transfer_config(mode: str, cpu_gib: int, tier: str = "simple-hits") -> dict:
         children = config["kv_connector_extra_config"]["connectors"]
         children[1]["kv_connector_extra_config"] = host
         return config
-    extra: dict[str, Any] = dict(host)
+    # LMCache reads its settings from the environment (`tier_env`).
+    extra: dict[str, Any] = {} if tier == "lmcache" else dict(host)
     if on:
         extra["enable_kv_checksum"] = True
         if tier == "simple-hits":
             extra["kv_checksum_verify_prefix_hits"] = True
+        if tier == "lmcache":
+            extra["kv_checksum_verify_external_loads"] = True
         extra["kv_checksum_fail_closed"] = True
-    connector = "SimpleCPUOffloadConnector"
-    if tier == "offloading":
-        connector = "OffloadingConnector"
-    if tier == "lmcache":
-        connector = "LMCacheConnectorV1"
-        extra = {}  # LMCache reads its settings from the environment
-        if on:
-            extra = {
-                "enable_kv_checksum": True,
-                "kv_checksum_verify_external_loads": True,
-                "kv_checksum_fail_closed": True,
-            }
+    connector = {
+        "offloading": "OffloadingConnector",
+        "lmcache": "LMCacheConnectorV1",
+    }.get(tier, "SimpleCPUOffloadConnector")
     return {
         "kv_connector": connector,
         "kv_role": "kv_both",
