@@ -242,12 +242,12 @@ class Launch:
         # The launch script's ports (API, router, metrics, NIXL side channels,
         # one per TP rank from the base) moved by `port_shift` for a second pair.
         self.ports = {
-            "P_PORT": 8100 + port_shift,
-            "D_PORT": 8200 + port_shift,
+            "P_PORT": args.api_port + port_shift,
+            "D_PORT": args.api_port + 100 + port_shift,
             "ROUTER_PORT": args.router_port + port_shift,
             "PROM_PORT": args.prom_port + port_shift,
-            "P_SIDE": 5600 + 20 * port_shift,
-            "D_SIDE": 5700 + 20 * port_shift,
+            "P_SIDE": args.side_port + 20 * port_shift,
+            "D_SIDE": args.side_port + 100 + 20 * port_shift,
         }
 
     @property
@@ -903,6 +903,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=34816)
     parser.add_argument("--router-port", type=int, default=8000)
     parser.add_argument("--prom-port", type=int, default=29000)
+    parser.add_argument(
+        "--api-port", type=int, default=8100, help="producer API port; consumer +100"
+    )
+    parser.add_argument(
+        "--side-port",
+        type=int,
+        default=5600,
+        help="producer NIXL side channel; consumer +100",
+    )
     parser.add_argument("--startup-timeout", type=float, default=400)
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="extra `vllm serve` arg"

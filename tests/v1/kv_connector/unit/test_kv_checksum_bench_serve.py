@@ -145,7 +145,9 @@ def test_together_pairs_use_disjoint_ports() -> None:
     port of one (API, router, metrics, and the NIXL side channels of up to 8 TP
     ranks from each base) differs from every port of the other (bug caught: the
     on pair's producer side channel shifted onto the off pair's consumer's)."""
-    args = bench.argparse.Namespace(router_port=8000, prom_port=29000)
+    args = bench.argparse.Namespace(
+        router_port=8000, prom_port=29000, api_port=8100, side_port=5600
+    )
     off = bench.Launch(args, "off", Path("/nonexistent"))
     on = bench.Launch(args, "on", Path("/nonexistent"), port_shift=10)
 
@@ -177,7 +179,11 @@ def test_round_verdicts_are_counter_deltas(monkeypatch, tmp_path) -> None:
     up over them: a round's verdicts are the counts after minus before (bug
     caught: the second on round reporting the first round's loads again)."""
     args = bench.argparse.Namespace(
-        router_port=8000, prom_port=29000, bench_batch=False
+        router_port=8000,
+        prom_port=29000,
+        api_port=8100,
+        side_port=5600,
+        bench_batch=False,
     )
     launch = bench.Launch(args, "on", tmp_path, port_shift=10)
     pages = iter([{"verified": 10.0}, {"verified": 25.0, "mismatch": 1.0}])
@@ -251,7 +257,13 @@ def test_round_with_bench_batch_runs_one_process(monkeypatch, tmp_path) -> None:
     """--bench-batch: a round's workloads go to the batch runner once, in
     order, and no CLI run starts (bug caught: the flag ignored, so the round
     pays vLLM's import once per workload again)."""
-    args = bench.argparse.Namespace(router_port=8000, prom_port=29000, bench_batch=True)
+    args = bench.argparse.Namespace(
+        router_port=8000,
+        prom_port=29000,
+        api_port=8100,
+        side_port=5600,
+        bench_batch=True,
+    )
     launch = bench.Launch(args, "off", tmp_path)
     monkeypatch.setattr(launch, "consumer_verdicts", lambda: {})
     batches: list[list[str]] = []
@@ -270,6 +282,31 @@ def test_round_with_bench_batch_runs_one_process(monkeypatch, tmp_path) -> None:
     bench.run_round(args, launch, chosen, entry, tmp_path)
     assert batches == [[w.name for w in chosen]]
     assert list(entry["results"]) == [w.name for w in chosen]
+
+
+# The bench's port flags as offsets from one base; each pair takes its port and
+# the port 10 above it (the second pair's shift), the side channels 200 above.
+_PORT_OFFSETS = {"--api-port": 0, "--side-port": 300, "--router-port": 700}
+_PORT_OFFSETS["--prom-port"] = 800
+
+
+def _free_port_base() -> int:
+    """A base (20000-50000) whose every port the fake pairs use is free now,
+    tried from one that depends on this process, so two suites at once differ."""
+    import socket
+
+    offsets = [0, 100, 300, 400, 500, 600, 700, 800]
+    offsets += [offset + 10 for offset in offsets]
+    for attempt in range(30):
+        base = 20000 + ((os.getpid() % 300) * 100 + attempt * 1000) % 30000
+        try:
+            for offset in offsets:
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port base")
 
 
 def test_together_bench_batch_dry_run_on_fake_servers(tmp_path) -> None:
@@ -292,14 +329,10 @@ def test_together_bench_batch_dry_run_on_fake_servers(tmp_path) -> None:
         "--router-cmd",
         f"{python} {fake} router",
     ]
-    cmd += [
-        "--startup-timeout",
-        "120",
-        "--router-port",
-        "18500",
-        "--prom-port",
-        "39500",
-    ]
+    base = _free_port_base()
+    cmd += ["--startup-timeout", "120"]
+    for flag, offset in _PORT_OFFSETS.items():
+        cmd += [flag, str(base + offset)]
     subprocess.run(cmd, check=False, timeout=600, capture_output=True)
     record = json.loads((tmp_path / "out/summary.json").read_text())
     off, on = record["launches"]
@@ -453,7 +486,11 @@ def test_engine_times_put_the_ttft_difference_at_an_engine(
     cumulative counters (the on round would read 300/20 = 15 ms), the roles
     swapped, bucket lines summed into the sums, seconds left as seconds."""
     args = bench.argparse.Namespace(
-        router_port=8000, prom_port=29000, bench_batch=False
+        router_port=8000,
+        prom_port=29000,
+        api_port=8100,
+        side_port=5600,
+        bench_batch=False,
     )
     launch = bench.Launch(args, "on", tmp_path, port_shift=10)
     ports = {launch.ports["P_PORT"]: "producer", launch.ports["D_PORT"]: "consumer"}
@@ -537,7 +574,11 @@ def test_engine_counts_show_prefix_cache_reuse_per_round(monkeypatch, tmp_path) 
     `prompt_tokens_*` series matched as `prompt_tokens_total` (the
     by-source and bucket lines grow each round too)."""
     args = bench.argparse.Namespace(
-        router_port=8000, prom_port=29000, bench_batch=False
+        router_port=8000,
+        prom_port=29000,
+        api_port=8100,
+        side_port=5600,
+        bench_batch=False,
     )
     launch = bench.Launch(args, "on", tmp_path)
     labels = '{engine="0",model_name="model"}'
