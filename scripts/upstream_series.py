@@ -563,6 +563,9 @@ def check(args: argparse.Namespace) -> int:
     setup = (ut.install_deps(sdist_cache), ut.write_hf_configs(sdist_cache))
     native: list[str] = []
     native_ok = True
+    if args.upto == total and not args.keep_tree:
+        report, native_ok = subsystem_in_step(tree)
+        native.append(report)
     if args.project:
         for run in (run_project, run_demo):
             report, ok = run(python, setup[0], out)
@@ -603,6 +606,35 @@ def check(args: argparse.Namespace) -> int:
     (out / "summary.md").write_text(summary)
     print(summary)
     return 1 if unexplained or not native_ok else 0
+
+
+SUBSYSTEM = Path(*PLUGIN_PACKAGE.split("."))
+# The one subsystem file whose text may differ: the package docstring names the
+# plugin in the checkout and the config field in vLLM's tree.
+SUBSYSTEM_OWN_TEXT = ("__init__.py",)
+
+
+def subsystem_in_step(tree: Path) -> tuple[str, bool]:
+    """With the whole series applied, every file the series puts under
+    kv_checksum/ is this checkout's file byte for byte (the plugin and the
+    series share one subsystem; only the plugin's own files are absent from
+    the tree). Returns (report, in step)."""
+    listed = git(tree, "ls-files", "--", str(SUBSYSTEM)).split()
+    drifted = sorted(
+        str(Path(f).relative_to(SUBSYSTEM))
+        for f in listed
+        if str(Path(f).relative_to(SUBSYSTEM)) not in SUBSYSTEM_OWN_TEXT
+        and (
+            not (REPO / f).is_file()
+            or (REPO / f).read_bytes() != (tree / f).read_bytes()
+        )
+    )
+    head = (
+        f"the series' {len(listed)} files under {SUBSYSTEM}/ against this "
+        f"checkout's package: {len(drifted)} differ"
+    )
+    log(head)
+    return "\n".join([head, *(f"- DIFFERS {f}" for f in drifted)]), not drifted
 
 
 PROJECT_TESTS = "tests/v1/kv_connector/unit"
