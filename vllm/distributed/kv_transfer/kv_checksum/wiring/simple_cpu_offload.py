@@ -208,8 +208,9 @@ _block_key = attrgetter("_block_hash", "_block_hash_num_tokens")
 
 def block_keys(pool: Any, ids: Any) -> list[tuple[Any, Any]]:
     """The (cache key, covered tokens) of blocks `ids` of a vLLM BlockPool,
-    in order, without a Python loop per block (R142)."""
-    return list(map(_block_key, map(pool.blocks.__getitem__, ids)))
+    in order, without a Python loop per block (R142); read from the fields
+    (vLLM with the in-tree series reads the properties)."""
+    return simple_offload.block_keys(pool, ids, _block_key)
 
 
 def _simple_offload_scheduler_side(
