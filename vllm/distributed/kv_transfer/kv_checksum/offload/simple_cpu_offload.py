@@ -355,3 +355,47 @@ class SimpleOffloadWorkerSide:
             if count and offset < len(cpu_ids) and host:
                 self.injector.corrupt(req_id, int(cpu_ids[offset]), 0, 1, host)
             offset += count
+
+
+def scheduler_side_of(
+    manager: Any, entries_written: EntriesWrittenFn | None = None
+) -> SimpleOffloadSchedulerSide:
+    """The scheduler side over a SimpleCPUOffloadScheduler's public view (a
+    vLLM with KV checksums built in): each group's block size, the stored
+    GPU blocks' and the CPU blocks' cache keys, a request's pending load,
+    and the "drop copy" call."""
+    return SimpleOffloadSchedulerSide(
+        manager.group_block_sizes,
+        lambda ids: block_keys(manager.gpu_block_pool, ids),
+        lambda ids: block_keys(manager.cpu_block_pool, ids),
+        manager.get_load_cpu_block_ids,
+        manager.drop_cpu_block,
+        entries_written,
+    )
+
+
+def worker_side_of(
+    checksum_worker: Any, handler: Any, vllm_config: Any
+) -> SimpleOffloadWorkerSide:
+    """The worker side of a SimpleCPUOffloadWorker with CPU tensors (its
+    `cpu_kv_caches`: [CPU blocks, block bytes] pinned tensors per region),
+    with its host fault injector (R131) when configured."""
+    from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
+        create_host_fault_injector,
+    )
+
+    topology = checksum_worker.topology
+    injector = create_host_fault_injector(
+        vllm_config, topology.tp_rank, topology.pp_rank
+    )
+
+    def host_tensors() -> list[torch.Tensor]:
+        return list((handler.cpu_kv_caches or {}).values())
+
+    return SimpleOffloadWorkerSide(
+        checksum_worker,
+        handler.kv_cache_config.prefix_cacheable_group_ids,
+        handler.num_cpu_blocks,
+        injector,
+        host_tensors,
+    )
