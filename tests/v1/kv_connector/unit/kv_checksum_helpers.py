@@ -180,6 +180,12 @@ def native_capability(capability: str) -> bool:
         )
 
         return "get_kv_checksum_sources" in OffloadingConnector.__dict__
+    if capability == "simple_cpu_offload":  # SimpleCPUOffloadConnector (CPU)
+        from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E501
+            SimpleCPUOffloadConnector,
+        )
+
+        return "get_kv_checksum_sources" in SimpleCPUOffloadConnector.__dict__
     if capability == "mooncake":  # MooncakeConnector (P2P)
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (  # noqa: E501
             MooncakeConnector,

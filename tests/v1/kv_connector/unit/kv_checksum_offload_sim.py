@@ -191,6 +191,9 @@ class _OffloadSimBase(SimEngine):
             return None
         bare = object.__new__(type(self.offload))
         bare.connector_worker = bare.worker_handler = CallRecorder([], "vllm")
+        # vLLM with the series: the connector asks its worker whether the
+        # copy hand-offs are held (never, in the sim's vLLM worker).
+        bare.worker_handler.hand_offs_held = False
         bare._vllm_config = self.offload._vllm_config
         setattr(bare, attr, side)
         return bare
@@ -394,9 +397,6 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         held: bool = False,
         delay_stores: bool = False,
     ) -> None:
-        from vllm.distributed.kv_transfer.kv_checksum.offload.held_calls import (
-            HeldCalls,
-        )
         from vllm.distributed.kv_transfer.kv_checksum.offload.simple_cpu_offload import (  # noqa: E501
             SimpleOffloadWorkerSide,
         )
@@ -444,7 +444,13 @@ class SimpleOffloadSimEngine(_OffloadSimBase):
         # pass, as the ActiveKVConnector hooks arm and release them (the
         # sim's copies are made where vLLM would hand them off: what the
         # hold changes here is where the entry moves are made).
-        self.held = [HeldCalls(_no_copy) for _ in self.bare] if held else []
+        self.held: list[Any] = []
+        if held:  # the plugin's hold (vLLM with the series: the connector's)
+            from vllm.distributed.kv_transfer.kv_checksum.offload.held_calls import (
+                HeldCalls,
+            )
+
+            self.held = [HeldCalls(_no_copy) for _ in self.bare]
         for bare, calls in zip(self.bare, self.held):
             calls.arm()
             if bare is not None:

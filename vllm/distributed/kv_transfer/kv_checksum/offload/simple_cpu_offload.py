@@ -37,7 +37,7 @@ Nothing here knows vLLM's wiring; wiring.py calls in with plain callables.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,20 @@ LoadBlocksFn = Callable[[str], Sequence[int] | None]
 _GROUP_BYTES = 4
 # A cache key less its group id: the block hash.
 _WITHOUT_GROUP = itemgetter(slice(None, -_GROUP_BYTES))
+
+# (cache key, prefix tokens covered) of a vLLM KVCacheBlock, through its
+# `block_hash` and `block_hash_num_tokens` properties.
+block_key = attrgetter("block_hash", "block_hash_num_tokens")
+
+
+def block_keys(
+    pool: Any, ids: Sequence[int], key: Callable[[Any], BlockKey] = block_key
+) -> list[BlockKey]:
+    """The (cache key, covered tokens) of blocks `ids` of a vLLM BlockPool,
+    in order, without a Python loop per block (R142). `key` reads one
+    block's."""
+    return list(map(key, map(pool.blocks.__getitem__, ids)))
+
 
 # From this many stored blocks on NumPy reads the keys faster than a plain
 # pass: its fixed cost lost below about 80 blocks (2026-12-02h: 0.86 of the
@@ -341,3 +355,47 @@ class SimpleOffloadWorkerSide:
             if count and offset < len(cpu_ids) and host:
                 self.injector.corrupt(req_id, int(cpu_ids[offset]), 0, 1, host)
             offset += count
+
+
+def scheduler_side_of(
+    manager: Any, entries_written: EntriesWrittenFn | None = None
+) -> SimpleOffloadSchedulerSide:
+    """The scheduler side over a SimpleCPUOffloadScheduler's public view (a
+    vLLM with KV checksums built in): each group's block size, the stored
+    GPU blocks' and the CPU blocks' cache keys, a request's pending load,
+    and the "drop copy" call."""
+    return SimpleOffloadSchedulerSide(
+        manager.group_block_sizes,
+        lambda ids: block_keys(manager.gpu_block_pool, ids),
+        lambda ids: block_keys(manager.cpu_block_pool, ids),
+        manager.get_load_cpu_block_ids,
+        manager.drop_cpu_block,
+        entries_written,
+    )
+
+
+def worker_side_of(
+    checksum_worker: Any, handler: Any, vllm_config: Any
+) -> SimpleOffloadWorkerSide:
+    """The worker side of a SimpleCPUOffloadWorker with CPU tensors (its
+    `cpu_kv_caches`: [CPU blocks, block bytes] pinned tensors per region),
+    with its host fault injector (R131) when configured."""
+    from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
+        create_host_fault_injector,
+    )
+
+    topology = checksum_worker.topology
+    injector = create_host_fault_injector(
+        vllm_config, topology.tp_rank, topology.pp_rank
+    )
+
+    def host_tensors() -> list[torch.Tensor]:
+        return list((handler.cpu_kv_caches or {}).values())
+
+    return SimpleOffloadWorkerSide(
+        checksum_worker,
+        handler.kv_cache_config.prefix_cacheable_group_ids,
+        handler.num_cpu_blocks,
+        injector,
+        host_tensors,
+    )

@@ -50,9 +50,6 @@ from vllm.distributed.kv_transfer.kv_checksum.offload import (
     simple_cpu_offload as simple_offload,
 )
 from vllm.distributed.kv_transfer.kv_checksum.offload.held_calls import HeldCalls
-from vllm.distributed.kv_transfer.kv_checksum.offload.host_faults import (
-    create_host_fault_injector,
-)
 from vllm.distributed.kv_transfer.kv_checksum.offload.offloading import EntriesWrittenFn
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _guard,
@@ -208,8 +205,9 @@ _block_key = attrgetter("_block_hash", "_block_hash_num_tokens")
 
 def block_keys(pool: Any, ids: Any) -> list[tuple[Any, Any]]:
     """The (cache key, covered tokens) of blocks `ids` of a vLLM BlockPool,
-    in order, without a Python loop per block (R142)."""
-    return list(map(_block_key, map(pool.blocks.__getitem__, ids)))
+    in order, without a Python loop per block (R142); read from the fields
+    (vLLM with the in-tree series reads the properties)."""
+    return simple_offload.block_keys(pool, ids, _block_key)
 
 
 def _simple_offload_scheduler_side(
@@ -254,23 +252,9 @@ def _attach_simple_offload_worker(connector: Any, worker: Any) -> None:
     handler = connector.worker_handler
     if handler is None or not handler.cpu_kv_caches:
         return
-    topology = worker.topology
-    injector = create_host_fault_injector(
-        connector._vllm_config, topology.tp_rank, topology.pp_rank
-    )
-
-    def host_tensors() -> list[Any]:
-        # vLLM 0.33.0: [num_cpu_blocks, block bytes] pinned tensors per region.
-        return list((handler.cpu_kv_caches or {}).values())
-
-    connector._kv_checksum_simple_offload_worker = (
-        simple_offload.SimpleOffloadWorkerSide(
-            worker,
-            handler.kv_cache_config.prefix_cacheable_group_ids,
-            handler.num_cpu_blocks,
-            injector,
-            host_tensors,
-        )
+    # As vLLM with the in-tree series builds it (register_kv_checksum_worker).
+    connector._kv_checksum_simple_offload_worker = simple_offload.worker_side_of(
+        worker, handler, connector._vllm_config
     )
     _hold_copy_hand_offs(connector, handler)
 
