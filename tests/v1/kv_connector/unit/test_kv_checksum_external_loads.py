@@ -21,7 +21,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    make_request,
+    prefix_hit_verifier,
+)
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     DEFAULT_EXTERNAL_ENTRY_LIMIT,
@@ -493,6 +496,6 @@ def test_error_turns_verification_off_without_a_verdict(
     computed_then_loaded(engine, prompt(13))
     assert engine.verdicts == []
     assert engine.scheduler.__dict__["_kv_checksum_external_loads"] is None
-    assert engine.scheduler.__dict__["_kv_checksum_prefix_hits"] is None
+    assert prefix_hit_verifier(engine.scheduler) is None
     assert engine.scheduled_tokens("b") == LENGTH - PREFIX
     assert engine.final["b"].finish_reason is not None

@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    make_request,
+    prefix_hit_verifier,
+)
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     FAULT_INJECTION_KEY,
@@ -95,7 +98,7 @@ def flip_byte(engine: SimEngine, block_id: int, stage: int | None = None) -> Non
 
 
 def hits_state(engine: SimEngine) -> Any:
-    return engine.scheduler.__dict__["_kv_checksum_prefix_hits"].hits
+    return prefix_hit_verifier(engine.scheduler).hits
 
 
 def test_flag_is_boolean() -> None:
@@ -397,7 +400,7 @@ def test_entry_hook_errors_never_reach_vllm(model_dir: str) -> None:
     prefixes = [prompt(40 + i, PREFIX) for i in range(3)]
     for i in range(12):  # churn through the small pool: evictions happen
         run(engine, f"e{i}", prefixes[i % 3] + prompt(140 + i, BS + 1))
-    assert engine.scheduler.__dict__.get("_kv_checksum_prefix_hits") is None
+    assert prefix_hit_verifier(engine.scheduler) is None
 
 
 def faulted_engine(model_dir: str, name: str, rate: float, tp: int = 1) -> SimEngine:

@@ -283,6 +283,14 @@ def is_external(load: Any) -> TypeGuard[PendingExternalLoad]:
     return isinstance(load, PendingExternalLoad)
 
 
+def judge_external(
+    kcs: Any, req_id: str, load: Any, verdict: KVChecksumVerdict
+) -> list[tuple[int, int]] | None:
+    """R147: `judge` for an external load's check; None for another check
+    (a local prefix hit's). Prefix-hit verification's `judge_external`."""
+    return judge(kcs, req_id, load, verdict) if is_external(load) else None
+
+
 def judge(
     kcs: Any, req_id: str, load: PendingExternalLoad, verdict: KVChecksumVerdict
 ) -> list[tuple[int, int]]:

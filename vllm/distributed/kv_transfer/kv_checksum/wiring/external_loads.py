@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.external_loads import (
     DEVICE_BYTES_PER_ENTRY,
     HOST_BYTES_PER_ENTRY,
     KVChecksumExternalLoads,
+    judge_external,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wiring import prefix_cache
 from vllm.logger import init_logger
@@ -82,10 +83,11 @@ def attach(scheduler: Any, kcs: Any) -> None:
     attached with the flag off or when the prefix-hit side is off."""
     try:
         flags = read_flags(scheduler.vllm_config.kv_transfer_config)
-        hits_state = prefix_cache.attached_state(scheduler)
-        if not flags.verify_external_loads or hits_state is None:
+        verifier = kcs.prefix_hits
+        if not flags.verify_external_loads or verifier is None:
             return
-        hits = hits_state.hits
+        verifier.judge_external = judge_external
+        hits = verifier.hits
         limit = flags.external_entry_limit
         loads = KVChecksumExternalLoads(
             limit, hits.group_id, hits.block_size, hits.hash_block_size
