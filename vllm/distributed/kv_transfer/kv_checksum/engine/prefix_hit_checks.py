@@ -50,7 +50,6 @@ class InvalidBlockRecovery(Protocol):
 
     requests: Mapping[str, Any]
     recompute_kv_load_failures: bool
-    kv_cache_manager: Any
 
     def recover_invalid_blocks(
         self,
@@ -311,12 +310,16 @@ class PrefixHitVerifier:
                     kcs.on_failed_load(req_id, verdict, load.blocks)
                 invalid.update(block_id for _, block_id in bad)
             else:
-                invalid |= self._recover_preempted(recovery, request, bad)
+                invalid |= self._recover_preempted(recovery, request, load, bad)
         if invalid:
             self._recover_holders(recovery, invalid, kv_output)
 
     def _recover_preempted(
-        self, recovery: InvalidBlockRecovery, request: Any, bad: list[tuple[int, int]]
+        self,
+        recovery: InvalidBlockRecovery,
+        request: Any,
+        load: Any,
+        bad: list[tuple[int, int]],
     ) -> set[int]:
         """A bad hit of a request preempted since its check's step (by vLLM,
         or restarted for another request's check): the output of that step is
@@ -328,25 +331,8 @@ class PrefixHitVerifier:
         request's now."""
         if request.num_stale_output_tokens:
             request.drop_stale_output = True
-        first = bad[0][0]
-        from vllm.v1.core.kv_cache_utils import (
-            make_block_hash_with_group_id,
-            resolve_block_hashes,
-        )
-
-        hits = self.hits
-        hashes = resolve_block_hashes(
-            request.block_hashes, hits.hash_block_size, hits.block_size
-        )
-        blocks = recovery.kv_cache_manager.block_pool.blocks
-        still_bad = {
-            block_id
-            for position, block_id in bad
-            if position < len(hashes)
-            and blocks[block_id].block_hash
-            == make_block_hash_with_group_id(hashes[position], hits.group_id)
-        }
-        recovery.evict_cached_blocks_from(request, first, hits.group_id)
+        still_bad = self.hits.still_cached(load, bad)
+        recovery.evict_cached_blocks_from(request, bad[0][0], self.hits.group_id)
         return still_bad
 
     def _recover_holders(

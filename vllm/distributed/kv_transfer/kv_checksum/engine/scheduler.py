@@ -288,6 +288,17 @@ class KVChecksumScheduler:
         self.prefix_hits = verifier
         self.tracked_sources.append(verifier.request_ids)  # R141
 
+    @property
+    def prefix_entries_written(
+        self,
+    ) -> "Callable[[np.ndarray, np.ndarray], np.ndarray] | None":
+        """For an offload tier's stores (issue 30): the mask of the GPU blocks
+        whose entries prefix-hit verification already had the workers write
+        (their copies carry that entry instead of a new checksum); None
+        without prefix-hit verification."""
+        verifier = self.prefix_hits
+        return None if verifier is None else verifier.entries_written
+
     def note_local_hit(self, request: Any, num_tokens: int) -> None:
         """After vLLM's prefix-cache lookup (`get_computed_blocks`): the
         request's local hit, checked in the step it first runs on it."""
