@@ -192,6 +192,11 @@ def native_capability(capability: str) -> bool:
         )
 
         return "attach_prefix_cache" in KVChecksumScheduler.__dict__
+    if capability == "external_loads":  # loads from external caches (R147)
+        import importlib.util
+
+        module = "vllm.distributed.kv_transfer.kv_checksum.engine.external_loads"
+        return importlib.util.find_spec(module) is not None
     return False  # the series has no commit for it yet
 
 

@@ -85,6 +85,8 @@ class PrefixHitVerifier:
         # (kcs, request id, check, verdict) -> the bad (position, block id)
         # pairs, or None for a check of a local hit.
         self.judge_external: ExternalJudge | None = None
+        # External-load verification's part of each step (R147), if on.
+        self.external: Any = None
         # Called once verification stopped (the plugin's external loads).
         self.on_release: list[Callable[[], None]] = []
         self.listener = PrefixHitEntryListener(hits, self.live, self.turn_off)
@@ -119,7 +121,17 @@ class PrefixHitVerifier:
             getattr(pool, "hash_block_size", None),
             kcs.num_workers,
         )
-        return cls(hits, kcs, flags.verify_prefix_hits)
+        verifier = cls(hits, kcs, flags.verify_prefix_hits)
+        if flags.verify_external_loads:  # R147: loads checked like hits
+            from vllm.distributed.kv_transfer.kv_checksum.engine import (
+                external_loads,
+            )
+
+            verifier.external = external_loads.ExternalLoadChecks.create(
+                kcs, hits, flags.external_entry_limit
+            )
+            verifier.judge_external = external_loads.judge_external
+        return verifier
 
     # ------------------------------------------------------------------
     # State
@@ -159,6 +171,8 @@ class PrefixHitVerifier:
         self.noted.clear()
         self.step_keys.clear()
         self.restarted.clear()
+        if self.external is not None:
+            self.external.release()
         for callback in self.on_release:
             callback()
 
@@ -220,6 +234,11 @@ class PrefixHitVerifier:
         self, output: Any, requests: Mapping[str, Any], kv_cache_manager: Any
     ) -> None:
         hits = self.hits
+        external = self.external
+        restore = None
+        if external is not None:  # R147: before the step's hit checks
+            external.note_loads(self.kcs.last_started_loads, output, kv_cache_manager)
+            restore = external.add_checks(hits, output, requests, kv_cache_manager)
         noted, self.noted = self.noted, {}
         scheduled = output.num_scheduled_tokens
         for req_id, num_tokens in noted.items():
@@ -234,17 +253,18 @@ class PrefixHitVerifier:
         step = hits.take_step()
         if step.keys:
             self.step_keys[id(output)] = step.keys
-        if not (step.saves or step.checks):
-            return
-        meta = output.kv_checksum_scheduled or KVChecksumScheduled()
-        meta.blocks_to_save.extend(step.saves)
-        meta.reqs_to_check.update(step.checks)
-        output.kv_checksum_scheduled = meta
+        if step.saves or step.checks:
+            meta = output.kv_checksum_scheduled or KVChecksumScheduled()
+            meta.blocks_to_save.extend(step.saves)
+            meta.reqs_to_check.update(step.checks)
+            output.kv_checksum_scheduled = meta
+        if external is not None:  # R147: the step's new entries get slots
+            external.keep_entries(output, restore)
 
     def _verify(
         self, output: Any, model_output: Any, recovery: InvalidBlockRecovery
     ) -> None:
-        requests = recovery.requests
+        requests: Any = recovery.requests
         if self.restarted:  # R141: nothing kept for requests vLLM dropped
             self.restarted.intersection_update(requests)
         keys = self.step_keys.pop(id(output), None)

@@ -344,4 +344,6 @@ def create_kv_checksum_worker(
     flags = read_flags(vllm_config.kv_transfer_config)  # type: ignore[attr-defined]
     if flags.verify_prefix_hits or flags.verify_external_loads:
         worker.enable_prefix_entries()  # R140: entries of cached blocks
+    if flags.verify_external_loads:  # R147: their slots, by block hash
+        worker.enable_external_entries(flags.external_entry_limit)
     return worker
