@@ -192,7 +192,26 @@ def native_capability(capability: str) -> bool:
         )
 
         return "kv_checksum_carrier" in MooncakeConnector.__dict__
+    if capability == "prefix_hits":  # local prefix-cache hits (R140)
+        from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
+            KVChecksumScheduler,
+        )
+
+        return "attach_prefix_cache" in KVChecksumScheduler.__dict__
+    if capability == "external_loads":  # loads from external caches (R147)
+        import importlib.util
+
+        module = "vllm.distributed.kv_transfer.kv_checksum.engine.external_loads"
+        return importlib.util.find_spec(module) is not None
     return False  # the series has no commit for it yet
+
+
+def prefix_hit_verifier(scheduler: Any) -> Any:
+    """The scheduler's prefix-hit verifier (`PrefixHitVerifier`, on its
+    checksum scheduler) while verification runs; None once it is off."""
+    kcs = scheduler.kv_checksum_scheduler
+    verifier = None if kcs is None else kcs.prefix_hits
+    return None if verifier is None or verifier.released else verifier
 
 
 def capability_skip_reason(capability: str) -> str:

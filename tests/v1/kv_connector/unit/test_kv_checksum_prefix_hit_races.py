@@ -24,6 +24,7 @@ import torch
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     consumer_kv_transfer_params,
     make_request,
+    prefix_hit_verifier,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
 from vllm.distributed.kv_transfer.kv_checksum.config import VERIFY_PREFIX_HITS_KEY
@@ -38,7 +39,6 @@ pytestmark = [
 
 BS = 16
 PREFIX = 4 * BS
-STATE_ATTR = "_kv_checksum_prefix_hits"
 Step = tuple[Any, Any]
 
 
@@ -361,7 +361,7 @@ def test_no_state_kept_once_checksums_stop(model_dir: str, how: str) -> None:
     )
 
     engine = async_engine(model_dir, f"stopped-{how}")
-    state = engine.scheduler.__dict__[STATE_ATTR]
+    state = prefix_hit_verifier(engine.scheduler)
     hits = state.hits
     cache_prefix(engine, prompt(45, PREFIX + 5))
     assert hits.num_entries == PREFIX // BS
@@ -377,7 +377,7 @@ def test_no_state_kept_once_checksums_stop(model_dir: str, how: str) -> None:
     for i in range(4):
         req = add(engine, f"r{i}", prompt(50 + i, 3 * BS + 2), max_tokens=2)
         engine.run_pipelined(req.request_id)
-    assert engine.scheduler.__dict__[STATE_ATTR] is None
+    assert prefix_hit_verifier(engine.scheduler) is None and state.released
     assert not hits._step.saves and not hits._step.keys and not state.noted
     assert hits.num_entries == 0 and not hits.has_entry.any()
     assert not hits.pending

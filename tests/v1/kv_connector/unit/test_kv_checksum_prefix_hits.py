@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.v1.kv_connector.unit.kv_checksum_helpers import make_request
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    make_request,
+    prefix_hit_verifier,
+)
 from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     FAULT_INJECTION_KEY,
@@ -95,7 +98,7 @@ def flip_byte(engine: SimEngine, block_id: int, stage: int | None = None) -> Non
 
 
 def hits_state(engine: SimEngine) -> Any:
-    return engine.scheduler.__dict__["_kv_checksum_prefix_hits"].hits
+    return prefix_hit_verifier(engine.scheduler).hits
 
 
 def test_flag_is_boolean() -> None:
@@ -261,6 +264,35 @@ def test_entries_of_split_position_runs() -> None:
         assert hits.has_entry[ids].all()
 
 
+def test_still_cached_tells_a_checked_block_from_its_reuse() -> None:
+    """R140: a check's bad block is still the block that was checked until it
+    leaves or re-enters the prefix cache (evicted, cached again by another
+    computation, reset); only then are its holders not recovered for it.
+    Bugs caught (tried): every bad block taken as gone (holders of a bad
+    block still cached keep running on it); every bad block taken as still
+    there (a block evicted and cached again recovers innocent holders)."""
+    hits = KVChecksumPrefixHits(16, 0, BS, None, 1)
+
+    class Request:
+        request_id = "r"
+        block_hashes = [bytes([i]) * 32 for i in range(4)]
+
+    ids = np.asarray([3, 5, 7])
+    hits.on_cached(Request(), np.arange(3), ids, ["k0", "k1", "k2"])
+    hits.take_step()
+    hits.add_hits(Request(), ids, 0)
+    (key,) = hits.take_step().keys
+    load = hits.pending[key]
+    bad = [(0, 3), (1, 5), (2, 7)]
+    assert hits.still_cached(load, bad) == {3, 5, 7}
+    hits.on_evicted([5])
+    assert hits.still_cached(load, bad) == {3, 7}
+    hits.on_cached(Request(), np.asarray([1]), np.asarray([5]), ["k1"])
+    assert hits.still_cached(load, bad) == {3, 7}
+    hits.clear()
+    assert hits.still_cached(load, bad) == set()
+
+
 def test_reused_block_with_surviving_hash_caught(model_dir: str) -> None:
     """R140 (c): a freed block reused by another request while its old hash
     stays in the prefix cache (kvcached #362: eviction that leaves the key)
@@ -334,6 +366,7 @@ def test_entries_dropped_per_call_of_vllms_eviction(model_dir: str) -> None:
     assert kept and kept <= cached
 
 
+@pytest.mark.kv_checksum_capability("plugin")  # the plugin's block-pool hook
 def test_cached_blocks_read_without_a_loop_per_block() -> None:
     """R140, R142: the cache_full_blocks hook hands the listener exactly the
     blocks vLLM gave a hash in this call (vLLM's KVCacheBlock: not the null
@@ -397,7 +430,7 @@ def test_entry_hook_errors_never_reach_vllm(model_dir: str) -> None:
     prefixes = [prompt(40 + i, PREFIX) for i in range(3)]
     for i in range(12):  # churn through the small pool: evictions happen
         run(engine, f"e{i}", prefixes[i % 3] + prompt(140 + i, BS + 1))
-    assert engine.scheduler.__dict__.get("_kv_checksum_prefix_hits") is None
+    assert prefix_hit_verifier(engine.scheduler) is None
 
 
 def faulted_engine(model_dir: str, name: str, rate: float, tp: int = 1) -> SimEngine:

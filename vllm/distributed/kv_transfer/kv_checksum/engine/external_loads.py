@@ -283,6 +283,14 @@ def is_external(load: Any) -> TypeGuard[PendingExternalLoad]:
     return isinstance(load, PendingExternalLoad)
 
 
+def judge_external(
+    kcs: Any, req_id: str, load: Any, verdict: KVChecksumVerdict
+) -> list[tuple[int, int]] | None:
+    """R147: `judge` for an external load's check; None for another check
+    (a local prefix hit's). Prefix-hit verification's `judge_external`."""
+    return judge(kcs, req_id, load, verdict) if is_external(load) else None
+
+
 def judge(
     kcs: Any, req_id: str, load: PendingExternalLoad, verdict: KVChecksumVerdict
 ) -> list[tuple[int, int]]:
@@ -309,3 +317,131 @@ def judge(
             [block_id for _, block_id in bad],
         )
     return bad
+
+
+class ExternalLoadChecks:
+    """One scheduler's external-load verification (R147), a part of its
+    prefix-hit verification (`PrefixHitVerifier.external`), whose entries,
+    checks and recovery it shares: in each step it notes the loads that no
+    P/D receive or offload load registered, turns those whose requests run
+    now into checks whose entries come back from their slots first, and
+    gives the step's new entries slots."""
+
+    def __init__(self, loads: KVChecksumExternalLoads, kcs: Any) -> None:
+        self.loads = loads
+        self.kcs = kcs
+        self.entries_sent: int | None = None
+        # Block ids of the loads checked this step.
+        self.checked: list[np.ndarray] = []
+
+    @classmethod
+    def create(cls, kcs: Any, hits: Any, limit: int) -> "ExternalLoadChecks":
+        loads = KVChecksumExternalLoads(
+            limit, hits.group_id, hits.block_size, hits.hash_block_size
+        )
+        kcs.tracked_sources.append(loads.request_ids)  # R141
+        logger.info(
+            "KV checksums verify external-cache loads against up to %d entries "
+            "(%.1f MiB on each worker's device, about %.0f MiB here).",
+            limit,
+            limit * DEVICE_BYTES_PER_ENTRY / 2**20,
+            limit * HOST_BYTES_PER_ENTRY / 2**20,
+        )
+        return cls(loads, kcs)
+
+    def release(self) -> None:
+        self.loads.release()
+        self.checked.clear()
+
+    def note_loads(self, starting: list, output: Any, kv_cache_manager: Any) -> None:
+        """The loads this step's `schedule_step` registered that no P/D
+        receive or offload load checks (R119): each is an external load,
+        checked when its request runs on it."""
+        consumer = self.kcs.consumer
+        scheduled = output.num_scheduled_tokens
+        for request, _, num_external in starting:
+            req_id = request.request_id
+            if consumer.pending(req_id) is not None:
+                continue  # a P/D receive or an offload load checks it (R119)
+            local = (
+                request.num_computed_tokens - scheduled.get(req_id, 0) - num_external
+            )
+            block_ids = kv_cache_manager.get_block_ids(req_id)[self.loads.group_id]
+            self.loads.note(request, block_ids, local, num_external)
+
+    def add_checks(
+        self,
+        hits: Any,
+        output: Any,
+        requests: Any,
+        kv_cache_manager: Any,
+    ) -> EntryMoves | None:
+        """Checks of the loads whose requests run this step; returns the
+        (block ids, slots) whose entries come back before the checks read
+        them."""
+        from vllm.v1.request import RequestStatus
+
+        loads = self.loads
+        if not loads.loads:
+            return None
+        restores: list[EntryMoves] = []
+        for req_id, load in list(loads.loads.items()):
+            request = load.request
+            if requests.get(req_id) is not request or request.is_finished():
+                del loads.loads[req_id]  # R141: freed or aborted before its check
+                continue
+            if request.status != RequestStatus.RUNNING:
+                continue  # still loading, or not scheduled yet
+            del loads.loads[req_id]
+            ids = np.asarray(
+                kv_cache_manager.get_block_ids(req_id)[loads.group_id], np.int64
+            )
+            scheduled = output.num_scheduled_tokens.get(req_id, 0)
+            computed = request.num_computed_tokens - scheduled
+            checked = loads.check(load, ids[load.start :], computed)
+            if checked is None:
+                logger.debug(
+                    "KV checksums: external load of request %s not checked: "
+                    "the request no longer holds the loaded blocks.",
+                    req_id,
+                )
+                continue
+            pending, restore = checked
+            self.checked.append(load.block_ids)
+            hits.add_check(pending, check=bool(restore[0].size))
+            if restore[0].size:
+                hits.skip_saves(restore[0])
+                restores.append(restore)
+        if not restores:
+            return None
+        return (
+            np.concatenate([ids for ids, _ in restores]),
+            np.concatenate([slots for _, slots in restores]),
+        )
+
+    def keep_entries(self, output: Any, restore: EntryMoves | None) -> None:
+        """The step's entry writes of computed blocks get slots, copied after
+        the writes; the restores join the step's checksum metadata; the entry
+        count is reported when it changed."""
+        from vllm.distributed.kv_transfer.kv_checksum.definition.checksum import (
+            KVChecksumScheduled,
+        )
+
+        meta = output.kv_checksum_scheduled
+        saves = [] if meta is None else meta.blocks_to_save
+        checked, self.checked = self.checked, []
+        if not saves and restore is None:
+            return  # most steps (R142)
+        # Blocks of loads, checked this step or not yet: their entries were
+        # taken from loaded KV, not computed here.
+        loaded = np.concatenate([self.loads.loaded_ids(), *checked])
+        ids, slots = self.loads.keep(saves, loaded)
+        if restore is not None or ids.size:
+            if meta is None:
+                meta = output.kv_checksum_scheduled = KVChecksumScheduled()
+            meta.entries_to_restore = restore
+            meta.entries_to_keep = (ids, slots) if ids.size else None
+        count = self.loads.table.count
+        if count != self.entries_sent:
+            self.kcs.stats.external_entries = count
+            self.entries_sent = count

@@ -16,15 +16,19 @@ logger = init_logger(__name__)
 def disable_after_error(owner: Any, attr: str, where: str) -> None:
     """Log one error with the traceback and set `owner.attr` (a scheduler's
     `kv_checksum_scheduler`, an ActiveKVConnector's `kv_checksum_worker`) to
-    None, so the calls pass that object by from now on. Call from an
-    `except` block."""
+    None, so the calls pass that object by from now on, and `close()` it
+    if it has one. Call from an `except` block."""
     logger.exception(
         "KV checksums disabled for this engine after an error in %s; vLLM "
         "goes on without them.",
         where,
     )
     with contextlib.suppress(Exception):
+        disabled = getattr(owner, attr, None)
         setattr(owner, attr, None)
+        close = getattr(disabled, "close", None)
+        if close is not None:
+            close()  # the state kept beside it stops too
 
 
 class KVChecksumGuard:

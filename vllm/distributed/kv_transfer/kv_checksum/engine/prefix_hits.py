@@ -82,6 +82,8 @@ class PendingPrefixHit(PendingOffloadLoad):
 
     unchecked: int = 0
     attempt: int = 0
+    # Each checked block's generation at the check (`still_cached`).
+    generations: np.ndarray | None = None
 
     def judge(self, verdict: KVChecksumVerdict) -> KVChecksumVerdict:
         """The check's verdict from the comparison of its checked blocks: a
@@ -126,6 +128,10 @@ class KVChecksumPrefixHits:
         self._step = PrefixHitStep()
         # Tags of hit blocks: a shared prefix is hashed once, not per hit.
         self.tags = BlockTagCache(num_blocks)
+        # Per block, bumped whenever it enters or leaves the prefix cache: a
+        # checked block whose generation is unchanged is still the block
+        # that was checked.
+        self.generation = np.zeros(num_blocks, dtype=np.int64)
 
     @property
     def num_entries(self) -> int:
@@ -143,6 +149,7 @@ class KVChecksumPrefixHits:
         if positions.size == 0:
             return
         self.entry_handed[block_ids] = False  # written again from this step
+        self.generation[block_ids] += 1
         for pos, ids in _position_runs(positions, block_ids):
             hashes = position_hashes(
                 request.block_hashes,
@@ -168,12 +175,14 @@ class KVChecksumPrefixHits:
         index = np.array(block_ids, dtype=np.intp)  # converted once for both
         self.has_entry[index] = False
         self.entry_handed[index] = False
+        self.generation[index] += 1
 
     def clear(self) -> None:
         """The prefix cache was reset: every entry is gone."""
         self.entry_keys.clear()
         self.has_entry[:] = False
         self.entry_handed[:] = False
+        self.generation += 1
 
     def release(self) -> None:
         """Verification stopped: every entry, pending check and the step's
@@ -199,7 +208,11 @@ class KVChecksumPrefixHits:
             count * self.block_size, {self.group_id: (0, block_ids[:count])}
         )
         load = PendingPrefixHit(
-            blocks, request, unchecked=int(block_ids.size) - count, attempt=attempt
+            blocks,
+            request,
+            unchecked=int(block_ids.size) - count,
+            attempt=attempt,
+            generations=self.generation[block_ids[:count]],
         )
         self._num_checks += 1
         key = hit_key(request.request_id, self._num_checks)
@@ -215,6 +228,9 @@ class KVChecksumPrefixHits:
         key = hit_key(load.request.request_id, self._num_checks)
         self.pending[key] = load
         self._step.keys.append(key)
+        group = load.blocks.groups.get(self.group_id)
+        if group is not None:
+            load.generations = self.generation[np.asarray(group[1], dtype=np.int64)]
         if check:
             self._step.checks[key] = load.blocks
         return key
@@ -286,6 +302,22 @@ class KVChecksumPrefixHits:
         )
         block_ids = np.asarray(ids)[positions - start]
         return list(zip(positions.tolist(), block_ids.tolist()))
+
+    def still_cached(
+        self, load: PendingOffloadLoad, bad: list[tuple[int, int]]
+    ) -> set[int]:
+        """Those of a check's bad (position, block id) whose block has not left
+        or re-entered the prefix cache since the check: still the block
+        that was checked (a block freed since may be another request's)."""
+        generations = getattr(load, "generations", None)
+        if generations is None:
+            return {block_id for _, block_id in bad}
+        start, _ = load.blocks.groups[self.group_id]
+        return {
+            block_id
+            for position, block_id in bad
+            if self.generation[block_id] == generations[position - start]
+        }
 
     def request_ids(self) -> list[str]:
         """The requests whose checks wait for their step's reports (R141)."""

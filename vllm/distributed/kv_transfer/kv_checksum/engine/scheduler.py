@@ -13,7 +13,7 @@ log and count their verdicts through one :mod:`.verdict_log`.
 """
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -68,6 +68,12 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     WorkerKey,
 )
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hit_checks import (
+        InvalidBlockRecovery,
+        PrefixHitVerifier,
+    )
 
 logger = init_logger(__name__)
 
@@ -137,6 +143,10 @@ class KVChecksumScheduler:
         # and those the last `schedule_step` registered (for R147's checks).
         self.starting_loads: list[tuple[Any, Any, int]] = []
         self.last_started_loads: list[tuple[Any, Any, int]] = []
+        # Prefix-hit verification (R140), set up by `attach_prefix_cache`.
+        self.prefix_hits: PrefixHitVerifier | None = None
+        # Checksums turned off for this engine by the scheduler's guard.
+        self.closed = False
 
     @property
     def on_failed_load(self) -> FailedLoadFn | None:
@@ -241,6 +251,79 @@ class KVChecksumScheduler:
         )
         if failing:
             kv_output.failed_recving = failed | failing
+
+    def close(self) -> None:
+        """The scheduler's guard turned checksums off for this engine: the
+        state kept beside this object (prefix-hit entries) stops too (R141)."""
+        self.closed = True
+        if self.prefix_hits is not None:
+            self.prefix_hits.release()
+
+    # Prefix-hit verification (R140): vLLM's Scheduler calls these (the
+    # plugin's hooks on vLLM 0.33.0 make the same calls); each is a no-op
+    # unless `attach_prefix_cache` set a verifier up.
+
+    def attach_prefix_cache(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        kv_cache_manager: Any,
+        set_listener: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Set prefix-hit verification up (with its flag, or external-load
+        verification's, on): its listener follows the block pool's cached
+        blocks (`BlockPool.set_listener`, or the plugin's `set_listener`)."""
+        from vllm.distributed.kv_transfer.kv_checksum.engine.prefix_hit_checks import (
+            PrefixHitVerifier,
+        )
+
+        verifier = PrefixHitVerifier.create(
+            self, vllm_config, kv_cache_config, kv_cache_manager
+        )
+        if verifier is None:
+            return
+        if set_listener is None:
+            set_listener = kv_cache_manager.block_pool.set_listener
+        set_listener(verifier.listener)
+        self.prefix_hits = verifier
+        self.tracked_sources.append(verifier.request_ids)  # R141
+
+    @property
+    def prefix_entries_written(
+        self,
+    ) -> "Callable[[np.ndarray, np.ndarray], np.ndarray] | None":
+        """For an offload tier's stores (issue 30): the mask of the GPU blocks
+        whose entries prefix-hit verification already had the workers write
+        (their copies carry that entry instead of a new checksum); None
+        without prefix-hit verification."""
+        verifier = self.prefix_hits
+        return None if verifier is None else verifier.entries_written
+
+    def note_local_hit(self, request: Any, num_tokens: int) -> None:
+        """After vLLM's prefix-cache lookup (`get_computed_blocks`): the
+        request's local hit, checked in the step it first runs on it."""
+        if self.prefix_hits is not None:
+            self.prefix_hits.note_local_hit(request, num_tokens)
+
+    def schedule_prefix_hits(
+        self, output: Any, requests: Mapping[str, Any], kv_cache_manager: Any
+    ) -> None:
+        """After `schedule_step`: the step's entry saves and hit checks join
+        `output.kv_checksum_scheduled`."""
+        if self.prefix_hits is not None:
+            self.prefix_hits.schedule(output, requests, kv_cache_manager)
+
+    def verify_prefix_hits(
+        self,
+        scheduler_output: Any,
+        model_output: Any,
+        recovery: "InvalidBlockRecovery",
+    ) -> None:
+        """After `verify_step`, before vLLM handles invalid blocks: judge the
+        step's hit checks; the holders of bad blocks recover through
+        `recovery` (the Scheduler's invalid-block recovery)."""
+        if self.prefix_hits is not None:
+            self.prefix_hits.verify(scheduler_output, model_output, recovery)
 
     def finish_request(
         self,

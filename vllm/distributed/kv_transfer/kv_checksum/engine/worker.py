@@ -320,7 +320,10 @@ def create_kv_checksum_worker(
     pp_rank: int,
 ) -> KVChecksumWorker | None:
     """The checksum worker of one model runner, None when checksums are off."""
-    from vllm.distributed.kv_transfer.kv_checksum.config import kv_checksum_enabled
+    from vllm.distributed.kv_transfer.kv_checksum.config import (
+        kv_checksum_enabled,
+        read_flags,
+    )
 
     if not kv_checksum_enabled(vllm_config):
         return None
@@ -338,4 +341,9 @@ def create_kv_checksum_worker(
         kv_cache_config, kv_caches, topology, drafter_layer_names(vllm_config)
     )
     worker.warm_up()
+    flags = read_flags(vllm_config.kv_transfer_config)  # type: ignore[attr-defined]
+    if flags.verify_prefix_hits or flags.verify_external_loads:
+        worker.enable_prefix_entries()  # R140: entries of cached blocks
+    if flags.verify_external_loads:  # R147: their slots, by block hash
+        worker.enable_external_entries(flags.external_entry_limit)
     return worker

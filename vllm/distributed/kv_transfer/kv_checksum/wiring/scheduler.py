@@ -52,7 +52,6 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _enabled,
     _guard,
     _wrap,
-    external_loads,
     prefix_cache,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wiring.containment import (
@@ -134,8 +133,7 @@ def install_scheduler_hooks() -> None:
             _attach_offload_schedulers(self.connector, entries_written)
             _attach_simple_offload_schedulers(self.connector, entries_written)
             _attach_containment(self, kcs)
-            prefix_cache.attach(self, kcs)  # R140
-            external_loads.attach(self, kcs)  # R147
+            prefix_cache.attach(self, kcs)  # R140, R147
             kcs.tracked_sources.append(lambda: _outbox_request_ids(self.connector))
             _note_starting_loads(self)
             self.kv_checksum_scheduler = kcs
@@ -174,8 +172,7 @@ def install_scheduler_hooks() -> None:
             output.kv_checksum_scheduled = kcs.schedule_step(
                 output.num_scheduled_tokens, self.requests, self.kv_cache_manager
             )
-            external_loads.note_loads(self, kcs.last_started_loads, output)  # R147
-            external_loads.schedule(self, output)  # R147, and R140's step
+            prefix_cache.schedule(self, output)  # R140's step, and R147's
 
     @_wrap(Scheduler, "update_from_output")
     def update_from_output(
