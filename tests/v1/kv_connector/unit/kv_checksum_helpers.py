@@ -186,6 +186,10 @@ def native_capability(capability: str) -> bool:
         )
 
         return "kv_checksum_carrier" in MooncakeConnector.__dict__
+    if capability == "metrics":  # verdict counts in SchedulerStats, Prometheus
+        from vllm.v1.metrics.stats import SchedulerStats
+
+        return "kv_checksum_stats" in SchedulerStats.__dataclass_fields__
     return False  # the series has no commit for it yet
 
 
