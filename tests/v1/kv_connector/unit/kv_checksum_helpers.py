@@ -203,6 +203,10 @@ def native_capability(capability: str) -> bool:
 
         module = "vllm.distributed.kv_transfer.kv_checksum.engine.external_loads"
         return importlib.util.find_spec(module) is not None
+    if capability == "metrics":  # verdict counts in SchedulerStats, Prometheus
+        from vllm.v1.metrics.stats import SchedulerStats
+
+        return "kv_checksum_stats" in SchedulerStats.__dataclass_fields__
     return False  # the series has no commit for it yet
 
 

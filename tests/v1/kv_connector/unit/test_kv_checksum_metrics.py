@@ -8,6 +8,11 @@ A simulated P/D pair (real vLLM schedulers with the plugin's hooks,
 real `PrometheusStatLogger` / `LoggingStatLogger` exactly as the API server
 does, and the counters are read back from `prometheus_client.REGISTRY`.
 Every test starts and ends with vLLM's collectors unregistered.
+
+On a vLLM with the in-tree series the same tests run against vLLM's own
+calls: the counts travel in `SchedulerStats.kv_checksum_stats` instead of
+under `STATS_KEY` in `kv_connector_stats` (`checksum_data` reads either);
+the tests of the plugin's key stripping are plugin-only.
 """
 
 import logging
@@ -16,6 +21,10 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from tests.v1.kv_connector.unit.kv_checksum_helpers import (
+    native_capability,
+    native_kv_checksums,
+)
 from tests.v1.kv_connector.unit.kv_checksum_pd import (
     Fault,
     SideConfig,
@@ -78,11 +87,21 @@ def run_three_loads(producer: SimEngine, consumer: SimEngine) -> None:
     consume(consumer, producer, "c-none", prompt(2), none)
 
 
+def checksum_data(stats: Any) -> Any:
+    """The checksum counts one SchedulerStats carries (None: none): its
+    `kv_checksum_stats` field on a vLLM with the series, the plugin's
+    `STATS_KEY` entry of `kv_connector_stats` on vLLM 0.33.0."""
+    if native_kv_checksums():
+        assert STATS_KEY not in (stats.kv_connector_stats or {})
+        return stats.kv_checksum_stats
+    return (stats.kv_connector_stats or {}).get(STATS_KEY)
+
+
 def checksum_counts(engine: SimEngine) -> KVChecksumStats:
     """The sum of the checksum counts in every SchedulerStats the engine returned."""
     total = KVChecksumStats()
     for stats in engine.scheduler_stats:
-        data = (stats.kv_connector_stats or {}).get(STATS_KEY)
+        data = checksum_data(stats)
         if data is not None:
             part = KVChecksumStats.from_dict(data)
             total.loads.update(part.loads)
@@ -166,22 +185,24 @@ def test_split_stats_never_mutates():
 
 def test_make_stats_carries_counts_once(pd_pair):
     """R130: with log_stats, each step's SchedulerStats carries the counts
-    taken since the previous one under "kv_checksum" in kv_connector_stats;
-    the total over all steps is exact (nothing counted twice or lost) and a
-    later make_stats() without new verdicts adds no key. Catches counts that
-    never leave the scheduler or are re-sent every step."""
+    taken since the previous one (in kv_checksum_stats; with the plugin,
+    under "kv_checksum" in kv_connector_stats); the total over all steps is
+    exact (nothing counted twice or lost) and a later make_stats() without
+    new verdicts carries none. Catches counts that never leave the scheduler
+    or are re-sent every step."""
     producer, consumer = pd_pair
     run_three_loads(producer, consumer)
     loads = checksum_counts(consumer)
     assert dict(loads.loads) == {"verified": 1, "mismatch": 1, "unverified": 1}
     assert dict(loads.unverified_reasons) == {UnverifiedReason.NO_CHECKSUMS.value: 1}
     assert loads.mismatched_positions == 1
-    assert loads.quarantined_blocks == 3  # R138: loaded positions 0-2
+    if native_capability("containment"):
+        assert loads.quarantined_blocks == 3  # R138: loaded positions 0-2
     assert checksum_counts(producer).sent == 3
     for engine in pd_pair:
         later = engine.scheduler.make_stats()
         assert later is not None
-        assert STATS_KEY not in (later.kv_connector_stats or {})
+        assert checksum_data(later) is None
 
 
 def test_make_stats_without_log_stats_keeps_counts(model_dir):
@@ -253,9 +274,11 @@ def test_prometheus_per_engine_labels(model_dir):
 
 def test_connector_parser_never_sees_checksum_key(pd_pair):
     """R130: the connector's own Prometheus parser gets kv_connector_stats
-    without "kv_checksum", is skipped when nothing else is left, and gets
-    untouched data when checksums added nothing. Catches connector parsers
-    (NIXL's) crashing on an unknown key."""
+    without "kv_checksum" while the checksum counts are recorded; with the
+    plugin it is also skipped when nothing else is left and gets untouched
+    data when checksums added nothing. Catches connector parsers (NIXL's)
+    crashing on an unknown key, and (in-tree) counts recorded only when the
+    connector reported stats of its own."""
     producer, consumer = pd_pair
     run_three_loads(producer, consumer)
     logger = PrometheusStatLogger(consumer.vllm_config)
@@ -267,12 +290,27 @@ def test_connector_parser_never_sees_checksum_key(pd_pair):
 
     prom = logger.kv_connector_prom
     prom.prom_metrics = ConnectorMetrics()  # type: ignore[assignment]
-    stats = next(s for s in consumer.scheduler_stats if s.kv_connector_stats)
+    stats = next(
+        s for s in consumer.scheduler_stats if (checksum_data(s) or {}).get("loads")
+    )
+    loads = checksum_data(stats)["loads"]
+
+    def recorded() -> dict[str, Any]:
+        name = "vllm:kv_checksum_loads_total"
+        return {v: sample(name, logger, verdict=v) for v in VERDICT_LABELS}
+
     theirs = {"num_successful_transfers": 2}
-    stats.kv_connector_stats = {**stats.kv_connector_stats, "Nixl": theirs}
+    stats.kv_connector_stats = {**(stats.kv_connector_stats or {}), "Nixl": theirs}
     shared = stats.kv_connector_stats
     logger.record(scheduler_stats=stats, iteration_stats=None)
     assert seen == [{"Nixl": theirs}]
+    assert recorded() == {v: loads.get(v, 0) for v in VERDICT_LABELS}
+    if native_kv_checksums():
+        stats.kv_connector_stats = None  # the connector reported nothing
+        logger.record(scheduler_stats=stats, iteration_stats=None)
+        assert len(seen) == 1
+        assert recorded() == {v: 2 * loads.get(v, 0) for v in VERDICT_LABELS}
+        return
     assert STATS_KEY in shared  # not mutated: other loggers still see it
     only_ours = {STATS_KEY: {"sent": 1}}
     prom.observe(only_ours, 0)
@@ -302,6 +340,8 @@ def test_logging_stat_logger_strips_checksum_key(pd_pair, monkeypatch, caplog):
         record_all(logger, consumer)
         logger.log()
     assert built == []
+    if native_kv_checksums():
+        return  # in-tree the key is never in kv_connector_stats: nothing to strip
     logger.kv_connector_logging.observe({STATS_KEY: {"sent": 1}, "Nixl": {"a": 1}})
     assert built == [{"Nixl": {"a": 1}}]
 
@@ -317,6 +357,7 @@ def test_disabled_checksums_register_no_metrics(model_dir):
     assert not any(name.startswith("vllm:kv_checksum") for name in names)
 
 
+@pytest.mark.kv_checksum_capability("containment")
 def test_prometheus_counts_quarantined_blocks(model_dir):
     """R138, R130: a fail-open mismatch at the first of three loaded positions
     quarantines all three loaded blocks; the count travels in SchedulerStats
@@ -328,9 +369,7 @@ def test_prometheus_counts_quarantined_blocks(model_dir):
     consume(consumer, producer, "c-bad", prompt(1), bad, fault=Fault("bit_flip"))
     assert consumer.checksums.stats.quarantined_blocks == 0  # taken by make_stats
     total = sum(
-        KVChecksumStats.from_dict(
-            (s.kv_connector_stats or {}).get(STATS_KEY)
-        ).quarantined_blocks
+        KVChecksumStats.from_dict(checksum_data(s)).quarantined_blocks
         for s in consumer.scheduler_stats
     )
     assert total == 3
@@ -375,8 +414,7 @@ def tracked_series(engine: SimEngine) -> list[int]:
     """The tracked-requests values the engine's SchedulerStats carried, in order."""
     values = []
     for stats in engine.scheduler_stats:
-        data = (stats.kv_connector_stats or {}).get(STATS_KEY)
-        value = KVChecksumStats.from_dict(data).tracked_requests
+        value = KVChecksumStats.from_dict(checksum_data(stats)).tracked_requests
         if value is not None:
             values.append(value)
     return values
@@ -397,7 +435,7 @@ def test_tracked_requests_gauge(pd_pair):
     engine_stats = consumer.scheduler_stats
     for stats in engine_stats:
         logger.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
-        data = (stats.kv_connector_stats or {}).get(STATS_KEY) or {}
+        data = checksum_data(stats) or {}
         if data.get("tracked_requests") == 1:
             assert sample("vllm:kv_checksum_tracked_requests", logger) == 1.0
     assert sample("vllm:kv_checksum_tracked_requests", logger) == 0.0

@@ -3,10 +3,13 @@
 """Counters of checksum verdicts, sends and quarantined blocks (R130, R138),
 and the number of requests holding checksum state (R141, a gauge).
 
-The counts are plain integers here; the wiring exposes them through vLLM's own
-KV connector stats and Prometheus path: `Scheduler.make_stats` puts
-`KVChecksumStats.take().to_dict()` under `STATS_KEY` into
-`SchedulerStats.kv_connector_stats`, and :mod:`.prom_metrics` records it.
+The counts are plain integers here. vLLM's `Scheduler.make_stats` sends
+`KVChecksumScheduler.make_stats()` (`KVChecksumStats.take().to_dict()`) to
+the API server in `SchedulerStats.kv_checksum_stats`, and
+:mod:`.prom_metrics` records it. vLLM 0.33.0's SchedulerStats has no such
+field: there the plugin puts the dict under `STATS_KEY` into
+`SchedulerStats.kv_connector_stats` and takes it out again (`split_stats`)
+before the connector's stats parsers see it.
 """
 
 from collections import Counter
@@ -19,7 +22,8 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     KVChecksumVerdict,
 )
 
-# The key of the checksum counts in SchedulerStats.kv_connector_stats (R130).
+# The key of the checksum counts in SchedulerStats.kv_connector_stats, with the
+# plugin on vLLM 0.33.0 (R130).
 STATS_KEY = "kv_checksum"
 
 # Busy steps between two recounts of the requests holding checksum state (R141):

@@ -2,12 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Prometheus counters of checksum verdicts, sends and quarantines (R130).
 
-The scheduler's counts reach the API server inside vLLM's own
-`SchedulerStats.kv_connector_stats` (under `metrics.STATS_KEY`), and
-`KVConnectorProm` (hooked in :mod:`.wiring`) hands them to
-`KVChecksumPromMetrics`, built with the metric classes vLLM chose (plain
-prometheus_client or Ray wrappers) and vLLM's per-engine labels. No second HTTP
-server: the counters appear on vLLM's `/metrics` endpoint.
+The scheduler's counts (`KVChecksumScheduler.make_stats`) reach the API
+server in vLLM's `SchedulerStats`: its `kv_checksum_stats` field on a vLLM
+with the subsystem built in, under `metrics.STATS_KEY` in
+`kv_connector_stats` with the plugin (vLLM 0.33.0). `KVConnectorProm` builds
+`KVChecksumPromMetrics` next to the connector's own metrics
+(`create_kv_checksum_metrics`), with the metric classes vLLM chose (plain
+prometheus_client or Ray wrappers) and vLLM's per-engine labels, and hands
+it the counts. No second HTTP server: the counters appear on vLLM's
+`/metrics` endpoint.
 
 - `vllm:kv_checksum_loads{verdict}`: loads by verdict (verified, mismatch,
   unverified);
@@ -56,6 +59,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 VERDICT_LABELS = tuple(status.value for status in KVChecksumStatus)
 
@@ -291,3 +297,22 @@ class KVChecksumPromMetrics(KVConnectorPromMetrics):
             self.external_loads.inc(engine_idx, verdict, n)
         if stats.external_entries is not None:
             self.external_entries[engine_idx].set(stats.external_entries)
+
+
+def create_kv_checksum_metrics(
+    prom: Any,
+    vllm_config: Any,
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> KVChecksumPromMetrics | None:
+    """The checksum counters of `KVConnectorProm` `prom` (built in its
+    `__init__`, after the connector's), None when checksums are off for this
+    config. Never raises: an error is logged once and leaves the counters
+    out, as vLLM's own metrics must come up regardless."""
+    try:
+        return KVChecksumPromMetrics.for_connector_prom(
+            prom, vllm_config, labelnames, per_engine_labelvalues
+        )
+    except Exception:
+        logger.exception("KV checksum metrics could not be created; left out.")
+        return None

@@ -137,8 +137,10 @@ class KVChecksumScheduler:
         self.disabled_workers: set[WorkerKey] = set()
         # Request ids of per-request state kept next to this one (R141).
         self.tracked_sources: list[Callable[[], Iterable[str]]] = []
-        # When the R141 gauge recounts `tracked_request_ids` (R142).
+        # When the R141 gauge recounts `tracked_request_ids` (R142), and the
+        # count last sent (the gauge travels only when it changes).
         self.tracked_recount = TrackedRecount()
+        self._tracked_sent: int | None = None
         # Loads started in this schedule(): (request, blocks, external tokens),
         # and those the last `schedule_step` registered (for R147's checks).
         self.starting_loads: list[tuple[Any, Any, int]] = []
@@ -340,6 +342,23 @@ class KVChecksumScheduler:
         if data is not None:
             send(request, data)
         return params
+
+    def make_stats(self, engine_empty: bool) -> dict[str, Any] | None:
+        """When vLLM makes a step's SchedulerStats (`make_stats`, log_stats
+        on): the counts since the last call as a plain dict
+        (`KVChecksumStats.to_dict`, for `SchedulerStats.kv_checksum_stats`),
+        None when there is nothing new (R130). The number of requests holding
+        checksum state goes with them when it changed since it was last sent
+        (R141), recounted when `tracked_recount` says (R142);
+        `engine_empty`: the engine holds no request after the step."""
+        if self.tracked_recount.due(engine_empty):
+            tracked = len(self.tracked_request_ids())
+            if tracked != self._tracked_sent:
+                self.stats.tracked_requests = tracked
+                self._tracked_sent = tracked
+        if self.stats.is_empty():
+            return None
+        return self.stats.take().to_dict()
 
     # ------------------------------------------------------------------
     # Registration

@@ -5,14 +5,21 @@
 
 Hooks (target; why; how; the upstream change that lets it go):
 
+The hooks make the calls vLLM's own code makes with the subsystem built in
+(`KVChecksumScheduler.make_stats`, `create_kv_checksum_metrics`,
+`KVChecksumPromMetrics.observe` under `KVChecksumGuard`); only the transport
+differs: vLLM 0.33.0's SchedulerStats has no checksum field, so the counts
+ride in kv_connector_stats under `STATS_KEY` and are taken out again.
+
 Scheduler.make_stats
     Why: verdict counts reach the API server's stat loggers
     How: after the original, under "kv_checksum" in kv_connector_stats
-    Upstream: a checksum stats field
+    Upstream: SchedulerStats.kv_checksum_stats, filled by the Scheduler
 KVConnectorProm.__init__, observe
     Why: checksum counters on /metrics; the connector's parser never sees the key
     How: build the counters; record and strip the key
-    Upstream: a separate SchedulerStats field
+    Upstream: the counters built in KVConnectorProm.__init__ and recorded
+    from the separate SchedulerStats field (observe_kv_checksums)
 KVConnectorLogging.observe
     Why: as above
     How: strip the key
@@ -27,15 +34,12 @@ from vllm.distributed.kv_transfer.kv_checksum.engine.metrics import (
     split_stats,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.prom_metrics import (
-    KVChecksumPromMetrics,
+    create_kv_checksum_metrics,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _guard,
     _wrap,
 )
-from vllm.logger import init_logger
-
-logger = init_logger(__name__)
 
 
 def install_metrics_hooks() -> None:
@@ -51,30 +55,21 @@ def install_metrics_hooks() -> None:
     @_wrap(Scheduler, "make_stats")
     def make_stats(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
         """Target: Scheduler.make_stats. Why: the verdict counts must reach the
-        API server's stat loggers. How: when vLLM returns SchedulerStats, move
-        the counts as a plain dict under "kv_checksum" into a copy of its
-        kv_connector_stats dict; an error disables checksums for the engine
-        (R134). The number of requests holding checksum state goes with
-        them when it changed since it was last sent (R141, a gauge), recounted
-        when `TrackedRecount` says (the engine starting or draining, and every
-        `TRACKED_RECOUNT_STEPS` busy steps: a recount walks every tracked
-        request, R142).
-        Upstream: a checksum stats field."""
+        API server's stat loggers. How: when vLLM returns SchedulerStats, put
+        `KVChecksumScheduler.make_stats()` (the counts since the last call and
+        the tracked-requests gauge when it changed, R141, R142) as a plain dict
+        under "kv_checksum" into a copy of its kv_connector_stats dict; an
+        error disables checksums for the engine (R134).
+        Upstream: SchedulerStats.kv_checksum_stats, filled by the Scheduler
+        with the same call."""
         stats = original(self, *args, **kwargs)
         kcs = getattr(self, "kv_checksum_scheduler", None)
         if stats is None or kcs is None:
             return stats
         with _guard(self, "kv_checksum_scheduler", "make_stats"):
-            if kcs.tracked_recount.due(not self.requests):
-                tracked = len(kcs.tracked_request_ids())
-                if tracked != self.__dict__.get("_kv_checksum_tracked_sent"):
-                    kcs.stats.tracked_requests = tracked
-                    self._kv_checksum_tracked_sent = tracked
-            if not kcs.stats.is_empty():
-                merged = {
-                    **(stats.kv_connector_stats or {}),
-                    STATS_KEY: kcs.stats.take().to_dict(),
-                }
+            data = kcs.make_stats(not self.requests)
+            if data is not None:
+                merged = {**(stats.kv_connector_stats or {}), STATS_KEY: data}
                 stats.kv_connector_stats = merged
         return stats
 
@@ -93,13 +88,9 @@ def install_metrics_hooks() -> None:
         logged once and leaves the counters out.
         Upstream: the same, next to the connector's build_prom_metrics."""
         original(self, vllm_config, labelnames, per_engine_labelvalues)
-        try:
-            metrics = KVChecksumPromMetrics.for_connector_prom(
-                self, vllm_config, labelnames, per_engine_labelvalues
-            )
-        except Exception:
-            logger.exception("KV checksum metrics could not be created; left out.")
-            return
+        metrics = create_kv_checksum_metrics(
+            self, vllm_config, labelnames, per_engine_labelvalues
+        )
         if metrics is not None:
             self.kv_checksum_metrics = metrics
 
@@ -111,7 +102,8 @@ def install_metrics_hooks() -> None:
         must never see the "kv_checksum" key. How: record it, pass the rest on
         only if non-empty; an error while recording drops the checksum
         counters of this logger with one error log. Without the key (checksums
-        off) an exact pass-through. Upstream: a separate SchedulerStats field."""
+        off) an exact pass-through. Upstream: a separate SchedulerStats field,
+        recorded by KVConnectorProm.observe_kv_checksums with the same call."""
         ours, rest = split_stats(data)
         if rest is None:
             return original(self, data, engine_idx)
