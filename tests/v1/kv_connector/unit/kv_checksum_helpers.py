@@ -186,6 +186,15 @@ def native_capability(capability: str) -> bool:
         )
 
         return "kv_checksum_carrier" in MooncakeConnector.__dict__
+    if capability == "containment":  # failed loads kept out of caches, tiers
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (  # noqa: E501
+            OffloadingConnectorScheduler,
+        )
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        return hasattr(KVCacheManager, "stop_caching") and hasattr(
+            OffloadingConnectorScheduler, "get_stored_keys"
+        )
     return False  # the series has no commit for it yet
 
 

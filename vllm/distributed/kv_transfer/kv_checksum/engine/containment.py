@@ -84,7 +84,7 @@ __all__ = [
 def first_bad_positions(
     verdict: KVChecksumVerdict, blocks: KVChecksumBlocks, fail_closed: bool
 ) -> dict[int, int]:
-    """group id -> first bad block position of a load's verdict.
+    """Group id -> first bad block position of a load's verdict.
 
     A mismatch: each mismatching group's first reported position. An
     unverified load under fail-closed: each loaded group's first position (the
@@ -104,7 +104,7 @@ def quarantine_start(
     state_groups: Collection[int] = (),
     loaded_starts: Mapping[int, int] | None = None,
 ) -> dict[int, int]:
-    """group id -> first quarantined block position, for every group: the
+    """Group id -> first quarantined block position, for every group: the
     block holding `quarantine_token` and every later one. Empty if nothing is
     bad (or no bad group has a known block size)."""
     token = quarantine_token(first_bad, block_sizes, state_groups, loaded_starts)
@@ -112,7 +112,7 @@ def quarantine_start(
 
 
 def starts_of(token: int, block_sizes: Mapping[int, int]) -> dict[int, int]:
-    """group id -> position of the block holding `token`."""
+    """Group id -> position of the block holding `token`."""
     return {g: token // size for g, size in block_sizes.items()}
 
 
@@ -225,9 +225,7 @@ class KVChecksumContainment:
         quarantined position (empty: nothing to contain)."""
         first_bad = first_bad_positions(verdict, blocks, self.fail_closed)
         loaded = {g: int(first) for g, (first, _) in blocks.groups.items()}
-        token = quarantine_token(
-            first_bad, self.block_sizes, self.state_groups, loaded
-        )
+        token = quarantine_token(first_bad, self.block_sizes, self.state_groups, loaded)
         if token is None:
             return {}
         limit = self._stop_caching(req_id, token)
@@ -252,7 +250,7 @@ class KVChecksumContainment:
         return start
 
     def start(self, req_id: str) -> dict[int, int] | None:
-        """group -> first quarantined position of a request, or None."""
+        """Group -> first quarantined position of a request, or None."""
         limit = self._limit_of(req_id)
         return None if limit is None else starts_of(limit, self.block_sizes)
 
