@@ -990,7 +990,11 @@ def test_hybrid_containment_knows_the_state_groups_r138(
     blocks = KVChecksumBlocks(num_tokens=5 * side.block_size, groups=groups)
     mamba = next(iter(side.mamba_groups.values()))
     verdict = KVChecksumVerdict(KVChecksumStatus.MISMATCH, {mamba: [0]})
-    start = containment.on_failed_load("x", verdict, blocks)
+    # The same rule on marks kept apart ("x" is no request of the engine).
+    apart = type(containment)(
+        containment.block_sizes, False, state_groups=containment.state_groups
+    )
+    start = apart.on_failed_load("x", verdict, blocks)
     assert start[attention] == 2
 
 

@@ -215,6 +215,10 @@ class KVChecksumContainment:
         self._limits[req_id] = limit
         return limit
 
+    def __bool__(self) -> bool:
+        """Whether marks are kept here (never when vLLM holds them)."""
+        return bool(self._limits)
+
     def __contains__(self, req_id: object) -> bool:
         return isinstance(req_id, str) and self._limit_of(req_id) is not None
 
