@@ -207,6 +207,15 @@ def native_capability(capability: str) -> bool:
         from vllm.v1.metrics.stats import SchedulerStats
 
         return "kv_checksum_stats" in SchedulerStats.__dataclass_fields__
+    if capability == "containment":  # failed loads kept out of caches, tiers
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (  # noqa: E501
+            OffloadingConnectorScheduler,
+        )
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        return hasattr(KVCacheManager, "stop_caching") and hasattr(
+            OffloadingConnectorScheduler, "get_stored_keys"
+        )
     return False  # the series has no commit for it yet
 
 

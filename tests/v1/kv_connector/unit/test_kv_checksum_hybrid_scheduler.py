@@ -990,7 +990,11 @@ def test_hybrid_containment_knows_the_state_groups_r138(
     blocks = KVChecksumBlocks(num_tokens=5 * side.block_size, groups=groups)
     mamba = next(iter(side.mamba_groups.values()))
     verdict = KVChecksumVerdict(KVChecksumStatus.MISMATCH, {mamba: [0]})
-    start = containment.on_failed_load("x", verdict, blocks)
+    # The same rule on marks kept apart ("x" is no request of the engine).
+    apart = type(containment)(
+        containment.block_sizes, False, state_groups=containment.state_groups
+    )
+    start = apart.on_failed_load("x", verdict, blocks)
     assert start[attention] == 2
 
 
@@ -1039,18 +1043,14 @@ def test_hybrid_failed_load_after_a_local_hit_keeps_the_hit_r138(
     lose their hashes (the third request hits nothing)."""
     model = write_nemotron_h(str(tmp_path), 1)
     side = build_side(model, 1, 1, "hit-then-load", distributed, monkeypatch)
-    containment = side.scheduler.kv_checksum_containment
     bs = side.block_size
     prompt = prompt_of(3 * bs + 9)
     assert run_local(side, "local", prompt[: 2 * bs + 5]) == 0
     starts: list[dict[int, int]] = []
-    original = containment.on_failed_load
-
-    def on_failed_load(*args: Any) -> dict[int, int]:
-        starts.append(original(*args))
-        return starts[-1]
-
-    monkeypatch.setattr(containment, "on_failed_load", on_failed_load)
+    # Told each containment's first quarantined positions (plugin and vLLM).
+    side.scheduler.kv_checksum_scheduler.contained_listeners.append(
+        lambda req_id, start: starts.append(dict(start))
+    )
     params = consumer_kv_transfer_params("r", remote_block_ids=[[1, 2, 3]] * 3)
     side.scheduler.add_request(
         make_request(

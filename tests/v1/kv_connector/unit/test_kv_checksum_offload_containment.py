@@ -137,17 +137,18 @@ def a_stores(engine: Any) -> int:
     return count
 
 
+# SimpleCPUOffloadConnector's cases need that connector's capability too.
+_SIMPLE = pytest.mark.kv_checksum_capability("simple_cpu_offload")
 CASES = [
-    ("offload", False, False),
-    ("offload", True, False),
-    ("simple", False, False),
-    ("simple", False, True),
-    ("simple", True, False),
+    pytest.param("offload", False, False, id="offload"),
+    pytest.param("offload", True, False, id="multi-offload"),
+    pytest.param("simple", False, False, id="simple-eager", marks=_SIMPLE),
+    pytest.param("simple", False, True, id="simple-lazy", marks=_SIMPLE),
+    pytest.param("simple", True, False, id="multi-simple", marks=_SIMPLE),
 ]
-IDS = ["offload", "multi-offload", "simple-eager", "simple-lazy", "multi-simple"]
 
 
-@pytest.mark.parametrize(("connector", "multi", "lazy"), CASES, ids=IDS)
+@pytest.mark.parametrize(("connector", "multi", "lazy"), CASES)
 def test_R138_bad_derived_suffix_never_served_from_host(
     model_dir: str, connector: str, multi: bool, lazy: bool
 ) -> None:

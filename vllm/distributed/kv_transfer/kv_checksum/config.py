@@ -168,8 +168,18 @@ def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
     """The flags of a KVTransferConfig; non-boolean values are an error (R8)."""
     if kv_transfer_config is None:
         return KVChecksumFlags()
+    extra = kv_transfer_config.kv_connector_extra_config or {}
     if has_native_fields(kv_transfer_config):
-        native_extra = kv_transfer_config.kv_connector_extra_config or {}
+        # Fields since the external-loads commit of the series; before it,
+        # only the extra config spells them.
+        if hasattr(kv_transfer_config, VERIFY_EXTERNAL_LOADS_KEY):
+            verify_external = getattr(kv_transfer_config, VERIFY_EXTERNAL_LOADS_KEY)
+            entry_limit = getattr(kv_transfer_config, EXTERNAL_ENTRY_LIMIT_KEY)
+        else:
+            verify_external = _bool_flag(extra, VERIFY_EXTERNAL_LOADS_KEY)
+            entry_limit = _positive_int(
+                extra, EXTERNAL_ENTRY_LIMIT_KEY, DEFAULT_EXTERNAL_ENTRY_LIMIT
+            )
         return KVChecksumFlags(
             enabled=kv_transfer_config.enable_kv_checksum,
             fail_closed=kv_transfer_config.kv_checksum_fail_closed,
@@ -179,13 +189,9 @@ def read_flags(kv_transfer_config: Any) -> KVChecksumFlags:
                 kv_transfer_config, HOST_FAULT_KEY, HOST_FAULT_KINDS
             ),
             verify_prefix_hits=kv_transfer_config.kv_checksum_verify_prefix_hits,
-            # Not fields yet (their series commit comes later): extra config.
-            verify_external_loads=_bool_flag(native_extra, VERIFY_EXTERNAL_LOADS_KEY),
-            external_entry_limit=_positive_int(
-                native_extra, EXTERNAL_ENTRY_LIMIT_KEY, DEFAULT_EXTERNAL_ENTRY_LIMIT
-            ),
+            verify_external_loads=verify_external,
+            external_entry_limit=entry_limit,
         )
-    extra = kv_transfer_config.kv_connector_extra_config or {}
     max_bytes = extra.get(MAX_PAYLOAD_BYTES_KEY, DEFAULT_MAX_PAYLOAD_BYTES)
     if max_bytes is not None and (
         isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0

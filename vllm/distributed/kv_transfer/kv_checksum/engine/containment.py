@@ -22,14 +22,22 @@ later blocks in it are computed over the bad KV of the other group, and vLLM
 may hold several blocks with one hash, so a lookup that found clean copies of
 the bad group's blocks elsewhere could otherwise continue into them.
 
-This module is plain bookkeeping: group ids, block positions and sizes. The
-wiring (`wiring._attach_containment`) applies it to vLLM's KV cache
-manager: it evicts the hashes of quarantined blocks through vLLM's own
-`BlockPool.evict_blocks` right after vLLM caches them, before any other request
-can look them up, and releases the request when vLLM frees its blocks.
+The quarantine is vLLM's own mark, `KVCacheManager.stop_caching(request,
+first bad token)` (`Request.max_cacheable_tokens`): no block holding a token
+at or after it enters the prefix cache or an offload tier, those already
+cached lose their hashes at once, and vLLM drops the mark when it frees the
+request's blocks unfinished (a recomputed or resumed request computes its KV
+anew). This module computes the position and sets the mark
+(`attach_containment`, called by vLLM's Scheduler, and by the plugin's
+wiring with its emulation of the mark on vLLM 0.33.0); the request holds
+the mark, so nothing here outlives it. Tiers that already hold copies of the
+request's blocks (the CPU offload tier) are told through the checksum
+scheduler's `contained_listeners`.
 """
 
-from collections.abc import Collection, Mapping, Sequence
+import os
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +53,27 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# Test deployments only: "1" keeps checksums (and fault injection) on but turns
+# containment off, so a driver can show what a bad load does without it.
+NO_CONTAINMENT_ENV = "KV_CHECKSUM_TEST_NO_CONTAINMENT"
+
+# vLLM's mark on a request (`KVCacheManager.stop_caching`): at most this many
+# leading tokens of its KV may be cached or offloaded.
+MARK_ATTR = "max_cacheable_tokens"
+
+# stop_caching(request id, first token not to cache) -> the request's limit
+# now (the lowest of its marks), or None when vLLM does not hold the request.
+StopCachingFn = Callable[[str, int], "int | None"]
+# limit_of(request id) -> the request's limit, or None.
+LimitFn = Callable[[str], "int | None"]
+# contained(request id, group -> first quarantined block position): a tier
+# holding copies of the request's blocks drops those from the position on.
+ContainedFn = Callable[[str, Mapping[int, int]], None]
+
 __all__ = [
     "KVChecksumContainment",
+    "attach_containment",
+    "quarantine_token",
     "first_bad_positions",
     "quarantine_start",
     "quarantined_block_ids",
@@ -57,7 +84,7 @@ __all__ = [
 def first_bad_positions(
     verdict: KVChecksumVerdict, blocks: KVChecksumBlocks, fail_closed: bool
 ) -> dict[int, int]:
-    """group id -> first bad block position of a load's verdict.
+    """Group id -> first bad block position of a load's verdict.
 
     A mismatch: each mismatching group's first reported position. An
     unverified load under fail-closed: each loaded group's first position (the
@@ -77,11 +104,26 @@ def quarantine_start(
     state_groups: Collection[int] = (),
     loaded_starts: Mapping[int, int] | None = None,
 ) -> dict[int, int]:
-    """group id -> first quarantined block position, for every group.
+    """Group id -> first quarantined block position, for every group: the
+    block holding `quarantine_token` and every later one. Empty if nothing is
+    bad (or no bad group has a known block size)."""
+    token = quarantine_token(first_bad, block_sizes, state_groups, loaded_starts)
+    return {} if token is None else starts_of(token, block_sizes)
 
-    The first bad token is the earliest token of any group's first bad block;
-    every group is quarantined from the block holding that token on. Empty if
-    nothing is bad (or no bad group has a known block size).
+
+def starts_of(token: int, block_sizes: Mapping[int, int]) -> dict[int, int]:
+    """Group id -> position of the block holding `token`."""
+    return {g: token // size for g, size in block_sizes.items()}
+
+
+def quarantine_token(
+    first_bad: Mapping[int, int],
+    block_sizes: Mapping[int, int],
+    state_groups: Collection[int] = (),
+    loaded_starts: Mapping[int, int] | None = None,
+) -> int | None:
+    """The first bad token: the earliest token of any group's first bad
+    block; None if nothing is bad (or no bad group has a known block size).
 
     `state_groups` (Mamba) hold one running-state block per request, recorded
     at position 0 whatever the load's range: they set the start only when no
@@ -102,10 +144,7 @@ def quarantine_start(
         tokens = tokens_of(loaded_starts or {})
     if not tokens:
         tokens = [p * block_sizes[g] for g, p in first_bad.items() if g in block_sizes]
-    if not tokens:
-        return {}
-    token = min(tokens)
-    return {g: token // size for g, size in block_sizes.items()}
+    return min(tokens) if tokens else None
 
 
 def count_quarantined(blocks: KVChecksumBlocks, start: Mapping[int, int]) -> int:
@@ -143,13 +182,13 @@ def _describe(start: Mapping[int, int]) -> str:
 
 
 class KVChecksumContainment:
-    """Which requests' blocks are quarantined, and from which positions (R138).
+    """Sets vLLM's "do not cache" mark on the requests whose loads failed
+    (R138), and answers from which positions a request is quarantined.
 
     `on_failed_load` is the checksum scheduler's callback for every load that
-    did not verify; `start` answers the wiring's question after vLLM caches a
-    request's blocks; `release` forgets a request once vLLM freed its blocks
-    (a recomputed or resumed request computes its KV anew and is cached as
-    usual).
+    did not verify. `stop_caching` / `limit_of` set and read the mark on the
+    request vLLM holds; without them (no vLLM, e.g. unit tests) the marks are
+    kept here and `release` forgets one.
     """
 
     def __init__(
@@ -158,18 +197,30 @@ class KVChecksumContainment:
         fail_closed: bool,
         stats: KVChecksumStats | None = None,
         state_groups: Collection[int] = (),
+        stop_caching: StopCachingFn | None = None,
+        limit_of: LimitFn | None = None,
+        listeners: list[ContainedFn] | None = None,
     ) -> None:
         self.block_sizes = dict(block_sizes)
         self.state_groups = frozenset(state_groups)
         self.fail_closed = fail_closed
         self.stats = stats if stats is not None else KVChecksumStats()
-        self._quarantined: dict[str, dict[int, int]] = {}
+        self.listeners = listeners if listeners is not None else []
+        self._limits: dict[str, int] = {}
+        self._stop_caching = stop_caching or self._stop_caching_here
+        self._limit_of = limit_of or self._limits.get
+
+    def _stop_caching_here(self, req_id: str, token: int) -> int:
+        limit = min(token, self._limits.get(req_id, token))
+        self._limits[req_id] = limit
+        return limit
 
     def __bool__(self) -> bool:
-        return bool(self._quarantined)
+        """Whether marks are kept here (never when vLLM holds them)."""
+        return bool(self._limits)
 
     def __contains__(self, req_id: object) -> bool:
-        return req_id in self._quarantined
+        return isinstance(req_id, str) and self._limit_of(req_id) is not None
 
     def on_failed_load(
         self, req_id: str, verdict: KVChecksumVerdict, blocks: KVChecksumBlocks
@@ -178,13 +229,13 @@ class KVChecksumContainment:
         quarantined position (empty: nothing to contain)."""
         first_bad = first_bad_positions(verdict, blocks, self.fail_closed)
         loaded = {g: int(first) for g, (first, _) in blocks.groups.items()}
-        start = quarantine_start(first_bad, self.block_sizes, self.state_groups, loaded)
-        if not start:
+        token = quarantine_token(first_bad, self.block_sizes, self.state_groups, loaded)
+        if token is None:
             return {}
-        previous = self._quarantined.get(req_id)
-        if previous is not None:  # keep the earlier start of each group
-            start = {g: min(p, previous.get(g, p)) for g, p in start.items()}
-        self._quarantined[req_id] = start
+        limit = self._stop_caching(req_id, token)
+        if limit is None:
+            return {}  # vLLM no longer holds the request
+        start = starts_of(limit, self.block_sizes)
         count = count_quarantined(blocks, start)
         self.stats.record_quarantined(count)
         # The mismatch itself is the error (R96); this says what became of it.
@@ -198,16 +249,76 @@ class KVChecksumContainment:
             req_id,
             _describe(start),
         )
-        return dict(start)
+        for contained in self.listeners:
+            contained(req_id, start)
+        return start
 
     def start(self, req_id: str) -> dict[int, int] | None:
-        """group -> first quarantined position of a request, or None."""
-        return self._quarantined.get(req_id)
+        """Group -> first quarantined position of a request, or None."""
+        limit = self._limit_of(req_id)
+        return None if limit is None else starts_of(limit, self.block_sizes)
 
     def release(self, req_id: str) -> None:
-        """Forget a request whose blocks vLLM freed."""
-        self._quarantined.pop(req_id, None)
+        """Forget a request's mark kept here (vLLM drops its own)."""
+        self._limits.pop(req_id, None)
 
     def request_ids(self) -> list[str]:
-        """The quarantined requests (R141: state released when vLLM frees them)."""
-        return list(self._quarantined)
+        """The requests whose marks are kept here (R141)."""
+        return list(self._limits)
+
+
+def attach_containment(
+    kcs: Any,
+    kv_cache_config: Any,
+    requests: Mapping[str, Any],
+    stop_caching: Callable[[Any, int], None],
+) -> KVChecksumContainment | None:
+    """Contain the failed loads of a checksum scheduler (R138): build the
+    containment over the engine's KV cache groups and hand it every load that
+    did not verify. `requests`: the Scheduler's requests by id;
+    `stop_caching(request, num_tokens)`: `KVCacheManager.stop_caching`.
+    Errors inside are logged and never reach vLLM."""
+    if os.environ.get(NO_CONTAINMENT_ENV) == "1":
+        logger.warning(
+            "KV checksum containment is OFF (%s=1): blocks of failed loads "
+            "stay in the prefix cache. Test deployments only.",
+            NO_CONTAINMENT_ENV,
+        )
+        return None
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    def mark(req_id: str, num_tokens: int) -> int | None:
+        request = requests.get(req_id)
+        if request is None:
+            return None
+        stop_caching(request, num_tokens)
+        return getattr(request, MARK_ATTR, None)
+
+    def limit_of(req_id: str) -> int | None:
+        return getattr(requests.get(req_id), MARK_ATTR, None)
+
+    groups = kv_cache_config.kv_cache_groups
+    containment = KVChecksumContainment(
+        {g: group.kv_cache_spec.block_size for g, group in enumerate(groups)},
+        kcs.fail_closed,
+        kcs.stats,
+        state_groups=[
+            g
+            for g, group in enumerate(groups)
+            if isinstance(group.kv_cache_spec, MambaSpec)
+        ],
+        stop_caching=mark,
+        limit_of=limit_of,
+        listeners=kcs.contained_listeners,
+    )
+
+    def on_failed_load(
+        req_id: str, verdict: KVChecksumVerdict, blocks: KVChecksumBlocks
+    ) -> None:
+        try:
+            containment.on_failed_load(req_id, verdict, blocks)
+        except Exception:
+            logger.exception("KV checksum containment failed for request %s", req_id)
+
+    kcs.on_failed_load = on_failed_load
+    return containment

@@ -68,6 +68,9 @@ HOST_SOURCE = "host"
 # it; None: no such copy (any more). Supplied by the wiring, which knows the
 # offloading manager's internals.
 TryRemoveFn = Callable[[Any], bool | None]
+# stored_keys(request id) -> (chunk end token, key) of the chunks the request
+# stored itself (R138: dropped when it is contained).
+StoredKeysFn = Callable[[str], Iterable[tuple[int | None, Any]]]
 
 
 @dataclass(frozen=True)
@@ -357,6 +360,7 @@ class OffloadSchedulerSide:
         try_remove: TryRemoveFn,
         group_of_key: Callable[[Any], int],
         entries_written: EntriesWrittenFn | None = None,
+        stored_keys: StoredKeysFn | None = None,
     ) -> None:
         self.groups = offload_groups(group_configs)
         self.block_sizes = {g.group_id: g.block_size for g in self.groups}
@@ -366,8 +370,11 @@ class OffloadSchedulerSide:
         self.group_of_key = group_of_key
         self.dropper = HostCopyDropper()
         # request id -> group -> first quarantined position (R138); set by
-        # the wiring once containment is built.
+        # the plugin's wiring once containment is built (vLLM's connector
+        # reads the request's own mark instead).
         self.quarantine: Callable[[str], Mapping[int, int] | None] = lambda _: None
+        # request id -> (chunk end token, key) of the chunks it stored itself.
+        self.stored_keys = stored_keys
         # Which GPU blocks' entries the workers already hold (prefix-hit
         # verification, R140); None with that flag off.
         self.entries_written = entries_written
@@ -397,6 +404,12 @@ class OffloadSchedulerSide:
         if bad:
             self.dropper.add(bad)
             self.dropper.drop_ready(self.try_remove)
+
+    def on_contained(self, req_id: str, start: Mapping[int, int]) -> None:
+        """A request was contained (R138): the copies it stored itself from
+        its quarantine start on leave the tier."""
+        if self.stored_keys is not None:
+            self.on_quarantine(self.stored_keys(req_id), start)
 
     def attach_runs(self, metadata: Any, requests: Mapping[str, Any]) -> None:
         """Put each store job's runs on the metadata for the workers (R118),

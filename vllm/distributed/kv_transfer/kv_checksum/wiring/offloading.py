@@ -27,9 +27,10 @@ OffloadingConnector.start_load_kv
     How: before the original
     Upstream: as above
 CPU manager prepare_store, lookup (instance)
-    Why: no store from a quarantine start on (R138); bad keys pending removal MISS
+    Why: no store from a request's mark on (R138); bad keys pending removal MISS
     How: instance wrappers, checksums on only
-    Upstream: a "do not offload" mark; a "remove key" call
+    Upstream: the mark read by _calc_num_offloadable_tokens (series 0009); a
+      "remove key" call (0007)
 """
 
 import weakref
@@ -282,10 +283,12 @@ def _lookup_hider(manager: Any, hides: Callable[[Any], bool]) -> Callable[[bool]
 def _filter_offload_stores(manager: Any, side: Any) -> None:
     """R138: an instance wrapper of the CPU manager's `prepare_store`, the one
     call through which OffloadingConnectorScheduler decides every store (full
-    chunks, partial tails, aligned boundaries): a quarantined request's keys
-    from its quarantine start on are left out, so vLLM never copies them to
-    host memory and moves on past them. Other requests pass through as is.
-    Upstream: a "do not offload" mark on a request's blocks from a position on.
+    chunks, partial tails, aligned boundaries): a marked request's keys from
+    the block holding its mark on (`max_cacheable_tokens`, read by
+    `side.quarantine`) are left out, so vLLM never copies them to host memory
+    and moves on past them. Other requests pass through as is.
+    Upstream: `_calc_num_offloadable_tokens` capped at the request's mark
+    (series 0009).
     """
     original = manager.prepare_store
 
@@ -304,7 +307,8 @@ def _filter_offload_stores(manager: Any, side: Any) -> None:
 
 def _offload_stored_keys(sched: Any, req_id: str) -> list[tuple[Any, Any]]:
     """(chunk end token, key) of the chunks a request offloaded itself (vLLM
-    0.33.0's `_req_status`: past its hit chunks, before its store cursor)."""
+    0.33.0's `_req_status`: past its hit chunks, before its store cursor).
+    Upstream: `OffloadingConnectorScheduler.get_stored_keys` (series 0010)."""
     status = sched._req_status.get(req_id)
     if status is None:
         return []
@@ -316,19 +320,6 @@ def _offload_stored_keys(sched: Any, req_id: str) -> list[tuple[Any, Any]]:
             state.num_hit_chunks : state.next_stored_chunk_idx
         ]
     ]
-
-
-def _quarantine_offload_copies(
-    connector: Any, req_id: str, start: dict[int, int]
-) -> None:
-    """R138: host copies a newly quarantined request already stored, from its
-    quarantine start on, leave the CPU tier (OffloadingConnector; the simple
-    connector stores only blocks with a GPU hash, which containment evicts)."""
-    for child in _offload_children(connector):
-        side = child.__dict__.get("_kv_checksum_offload")
-        if side is not None:
-            stored = _offload_stored_keys(child.connector_scheduler, req_id)
-            side.on_quarantine(stored, start)
 
 
 def _offload_scheduler_side(
@@ -353,6 +344,9 @@ def _offload_scheduler_side(
     def try_remove(key: Any) -> bool | None:
         return _remove_host_chunk(sched.manager, key)
 
+    def stored_keys(req_id: str) -> list[tuple[Any, Any]]:
+        return _offload_stored_keys(sched, req_id)
+
     return offload_connectors.OffloadSchedulerSide(
         sched.config.kv_group_configs,
         requests,
@@ -360,6 +354,7 @@ def _offload_scheduler_side(
         try_remove,
         get_offload_group_idx,
         entries_written,
+        stored_keys=stored_keys,
     )
 
 
