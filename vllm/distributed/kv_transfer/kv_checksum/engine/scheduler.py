@@ -137,9 +137,7 @@ class KVChecksumScheduler:
         self.disabled_workers: set[WorkerKey] = set()
         # Told (request id, group -> first quarantined position) when a failed
         # load's request is contained: tiers holding copies drop them (R138).
-        self.contained_listeners: list[
-            Callable[[str, Mapping[int, int]], None]
-        ] = []
+        self.contained_listeners: list[Callable[[str, Mapping[int, int]], None]] = []
         # Request ids of per-request state kept next to this one (R141).
         self.tracked_sources: list[Callable[[], Iterable[str]]] = []
         # When the R141 gauge recounts `tracked_request_ids` (R142), and the
