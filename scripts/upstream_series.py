@@ -487,7 +487,9 @@ def check_each(args: argparse.Namespace, tree: Path, cache: Path, out: Path) -> 
     commit touches fail nowhere the unpatched archive passes."""
     setup = (ut.install_deps(args.sdist_cache), ut.write_hf_configs(args.sdist_cache))
     commits = apply_series(tree, args.upto)
-    files = {c: commit_test_files(tree, c) for c in commits}
+    first = args.each_from
+    commits_checked = commits[first - 1 :]
+    files = {c: commit_test_files(tree, c) for c in commits_checked}
     union = sorted({f for fs in files.values() for f in fs})
     sdist = ut.fetch_sdist(args.sdist_cache)
     unpatched, _ = baseline(
@@ -497,6 +499,8 @@ def check_each(args: argparse.Namespace, tree: Path, cache: Path, out: Path) -> 
     failed = 0
     lines = []
     for k, patch in enumerate(patches()[: args.upto], start=1):
+        if k < first:
+            continue
         start = time.monotonic()
         apply_series(tree, k)
         overlay = build_overlay(tree, cache)
@@ -771,6 +775,13 @@ def main() -> int:
     parser.add_argument("--upto", type=int, help="apply the first N patches only")
     parser.add_argument(
         "--each", action="store_true", help="check every prefix up to --upto"
+    )
+    parser.add_argument(
+        "--from",
+        dest="each_from",
+        type=int,
+        default=1,
+        help="with --each: start at this commit (the earlier ones still apply)",
     )
     parser.add_argument(
         "--tests",
