@@ -207,7 +207,9 @@ print("[gpu_runs] the series' vLLM is installed; no plugin:", eps)
 PY
     ;;
 install-wheels)
-    for dir in gpu_nixl gpu_serve gpu_mooncake/slim; do
+    # gpu_bundle/whl: the bundle's dependency wheels, when the whole bundle
+    # did not fit in install-bundle's call.
+    for dir in gpu_bundle/whl gpu_nixl gpu_serve gpu_mooncake/slim; do
         if compgen -G "$repo/$dir/*.whl" >/dev/null; then
             python3 -m pip install -q --no-index --no-deps --no-compile \
                 --target "$site" "$repo/$dir"/*.whl 2>&1 | grep -v WARNING
