@@ -400,8 +400,11 @@ def baseline(
     ).hexdigest()[:16]
     folder = cache / "baseline" / key
     junit = folder / "junit-unpatched.xml"
-    if junit.is_file() and not args.rebaseline:
-        seconds = (folder / "seconds-unpatched.txt").read_text().strip()
+    # The seconds file is written last: a run killed before it left junit
+    # but no seconds, and is run again.
+    done = folder / "seconds-unpatched.txt"
+    if junit.is_file() and done.is_file() and not args.rebaseline:
+        seconds = done.read_text().strip()
         return ut.read_junit(junit), f"unpatched {seconds} s (cached in {folder})"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
