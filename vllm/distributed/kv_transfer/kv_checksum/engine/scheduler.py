@@ -305,7 +305,8 @@ class KVChecksumScheduler:
         return None if verifier is None else verifier.entries_written
 
     def note_local_hit(self, request: Any, num_tokens: int) -> None:
-        """After vLLM's prefix-cache lookup (`get_computed_blocks`): the
+        """At the request's admission, next to vLLM's
+        `record_prefix_cache_stats` (after every adjustment of the hit): the
         request's local hit, checked in the step it first runs on it."""
         if self.prefix_hits is not None:
             self.prefix_hits.note_local_hit(request, num_tokens)
