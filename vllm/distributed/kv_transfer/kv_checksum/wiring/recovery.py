@@ -30,6 +30,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from vllm.v1.request import RequestStatus
 
 
@@ -96,8 +98,9 @@ class SchedulerRecovery:
             scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
             return True
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            request.num_computed_tokens = 0
-            scheduler.failed_recving_kv_req_ids.add(request.request_id)
+            # vLLM's own failed-load recovery (it restarts the request only
+            # under "recompute", the one policy that restarts).
+            scheduler._handle_failed_recving({request.request_id})
             return True
         return False
 
@@ -117,14 +120,13 @@ class SchedulerRecovery:
             for request in scheduler.kv_holding_waiting
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         ]
+        invalid = np.fromiter(invalid_block_ids, dtype=np.int64)
         holders: list[tuple[Any, int]] = []
         for request in [*scheduler.running, *waiting]:
             block_ids = manager.get_block_ids(request.request_id)[kv_cache_group_id]
-            first = next(
-                (i for i, b in enumerate(block_ids) if b in invalid_block_ids), None
-            )
-            if first is not None:
-                holders.append((request, first))
+            bad = np.flatnonzero(np.isin(np.asarray(block_ids, np.int64), invalid))
+            if bad.size:
+                holders.append((request, int(bad[0])))
         for request, first in holders:
             self.evict_cached_blocks_from(request, first, kv_cache_group_id)
         if restart:
