@@ -24,10 +24,9 @@ import torch
 from tests.v1.kv_connector.unit.kv_checksum_helpers import (
     make_request,
     native_capability,
-    native_kv_checksums,
     prefix_hit_verifier,
 )
-from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine
+from tests.v1.kv_connector.unit.kv_checksum_pd import SideConfig, SimEngine, SimWorker
 from vllm.distributed.kv_transfer.kv_checksum.config import (
     DEFAULT_EXTERNAL_ENTRY_LIMIT,
     EXTERNAL_ENTRY_LIMIT_KEY,
@@ -37,6 +36,10 @@ from vllm.distributed.kv_transfer.kv_checksum.config import (
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.external_loads import (
     ExternalEntryTable,
+)
+from vllm.distributed.kv_transfer.kv_checksum.engine.worker import (
+    KVChecksumWorker,
+    create_kv_checksum_worker,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
     UnverifiedReason,
@@ -351,6 +354,36 @@ def test_partial_entries_still_catch_corruption(model_dir: str, tmp_path: Path) 
     assert engine.verdicts[0].mismatches == {0: [3]}
 
 
+def made_worker(engine: SimEngine, worker: SimWorker) -> KVChecksumWorker | None:
+    """The checksum worker the ActiveKVConnector creates over `worker`'s caches
+    (`create_kv_checksum_worker`, which the plugin's hook and the series call
+    alike); the simulated engines build theirs directly."""
+    return create_kv_checksum_worker(
+        engine.vllm_config,
+        engine.scheduler.kv_cache_config,
+        worker.caches,
+        torch.device("cpu"),
+        tp_rank=worker.tp_rank,
+        pp_rank=worker.pp_rank,
+    )
+
+
+def test_worker_factory_keeps_slots_with_the_flag(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """R147, R140: with the flag, the checksum worker a real engine creates
+    records entries of cached blocks and keeps exactly the configured number
+    of slots (bugs: slots not allocated by the factory, so every external
+    load has no entry and is unverified; the limit ignored, so the table and
+    the slots disagree on positions)."""
+    engine = engine_for(model_dir, tmp_path, "factory", limit=7)
+    for worker in engine.workers:
+        made = made_worker(engine, worker)
+        assert made is not None and made.external_entries is not None
+        assert tuple(made.external_entries.shape) == (7,)
+        assert made.block_table.prefix_groups
+
+
 def test_flag_off_attaches_nothing(model_dir: str, tmp_path: Path) -> None:
     """R147, R1: without the flag checksums stay off for ExampleConnector (it
     declares no carrier) and a carrier connector's engine keeps no entry
@@ -368,15 +401,9 @@ def test_flag_off_attaches_nothing(model_dir: str, tmp_path: Path) -> None:
     assert carrier.checksums is not None
     assert prefix_hit_verifier(carrier.scheduler).external is None
     for worker in carrier.workers:
-        if not native_kv_checksums():  # the ActiveKVConnector hook's calls
-            from vllm.distributed.kv_transfer.kv_checksum.wiring import (
-                external_loads,
-                prefix_cache,
-            )
-
-            prefix_cache.enable_worker(worker.checksum, carrier.vllm_config)
-            external_loads.enable_worker(worker.checksum, carrier.vllm_config)
-        assert worker.checksum.external_entries is None
+        made = made_worker(carrier, worker)
+        assert made is not None and made.external_entries is None
+        assert made.block_table.prefix_groups  # entries for prefix hits
     run(carrier, "a", prompt(12))
     metas = [o.kv_checksum_scheduled for o in carrier.history]
     assert any(m is not None and m.blocks_to_save for m in metas)

@@ -7,7 +7,9 @@ One module per vLLM part hooked, each starting with the list of its hooks
 worker (model runner, ActiveKVConnector, aggregator, V1 refusal),
 connector_api (records, carrier API, MultiConnector), nixl_push, mooncake,
 offloading, simple_cpu_offload, containment (KV cache coordinator), metrics,
-mamba_layers, prefix_cache and external_loads (which wraps nothing itself).
+mamba_layers, prefix_cache, and recovery (the series' Scheduler recovery
+methods over 0.33.0's internals). External-cache loads (R147) need no module
+of their own: the scheduler hooks make their calls.
 This module holds what they share: `install()`, the `_wrap` helper and the
 last-resort guard. On any other vLLM none of them is
 installed, only version_guard (R144), which the plugin installs itself.

@@ -9,7 +9,7 @@ series' Scheduler makes at the same places).
 With checksums off, or both `kv_checksum_verify_prefix_hits` and
 `kv_checksum_verify_external_loads` off, nothing is attached and vLLM runs
 unchanged; with the external flag alone entries are recorded (for
-wiring/external_loads.py) but hits are not looked up or checked. Called from
+engine/external_loads.py) but hits are not looked up or checked. Called from
 the package's scheduler and worker hooks (wiring/scheduler.py,
 wiring/worker.py; one line each), so no vLLM method is wrapped twice.
 Verification stops, and drops its state, with the engine's checksums (the
@@ -68,7 +68,7 @@ logger = init_logger(__name__)
 
 def _records_entries(vllm_config: Any) -> bool:
     """Entries of cached blocks are recorded for prefix hits (R140) or for
-    external loads (R147, wiring/external_loads.py)."""
+    external loads (R147, engine/external_loads.py)."""
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
     flags = read_flags(kv_transfer_config)
     return flags.verify_prefix_hits or flags.verify_external_loads
@@ -133,17 +133,6 @@ def entries_written_of(scheduler: Any) -> EntriesWrittenFn | None:
         return verifier.entries_written(groups, block_ids)
 
     return entries_written
-
-
-def enable_worker(worker: Any, vllm_config: Any) -> None:
-    """R140. Called by the ActiveKVConnector.__init__ hook with the checksum
-    worker it created: the worker saves entries and checks hits (the series'
-    `create_kv_checksum_worker` does it; again here is harmless)."""
-    try:
-        if _records_entries(vllm_config):
-            worker.enable_prefix_entries()
-    except Exception:
-        logger.exception("KV checksums: prefix-hit verification is off.")
 
 
 def live_state(scheduler: Any) -> PrefixHitVerifier | None:

@@ -56,9 +56,7 @@ from vllm.distributed.kv_transfer.kv_checksum.wiring import (
     _guard,
     _kv_cache_config,
     _wrap,
-    external_loads,
     offloading,
-    prefix_cache,
     simple_cpu_offload,
 )
 from vllm.logger import init_logger
@@ -130,8 +128,6 @@ def install_worker_hooks() -> None:
                 copies.arm()
             self.kv_checksum_fault_injector = injector
             self.kv_checksum_worker = worker
-            prefix_cache.enable_worker(worker, vllm_config)  # R140
-            external_loads.enable_worker(worker, vllm_config)  # R147
 
     @_wrap(active, "pre_forward")
     def pre_forward(
