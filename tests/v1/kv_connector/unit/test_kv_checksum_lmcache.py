@@ -51,6 +51,7 @@ from tests.v1.kv_connector.unit.kv_checksum_helpers import (  # noqa: E402
     make_request,
     make_scheduler,
     make_vllm_config,
+    prefix_hit_verifier,
 )
 from tests.v1.kv_connector.unit.kv_checksum_pd import (  # noqa: E402
     SideConfig,
@@ -58,12 +59,10 @@ from tests.v1.kv_connector.unit.kv_checksum_pd import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_checksum.config import (  # noqa: E402
     VERIFY_EXTERNAL_LOADS_KEY,
+    read_flags,
 )
 from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (  # noqa: E402
     UnverifiedReason,
-)
-from vllm.distributed.kv_transfer.kv_checksum.wiring import (  # noqa: E402
-    external_loads,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
@@ -175,8 +174,10 @@ class LMCacheEngine(SimEngine):
         )
         try:
             self.connector.register_kv_caches(self.kv_caches)
-            # As the ActiveKVConnector hook does on a real worker.
-            external_loads.enable_worker(worker.checksum, self.vllm_config)
+            # As create_kv_checksum_worker does on a real worker (the
+            # simulated engine builds its worker directly).
+            flags = read_flags(self.vllm_config.kv_transfer_config)
+            worker.checksum.enable_external_entries(flags.external_entry_limit)
         except BaseException:
             self.stop()  # else the storage manager's thread keeps pytest alive
             raise
@@ -315,19 +316,19 @@ def test_external_loads_flag_attaches_checksums(
     update_state_after_alloc); with `enable_kv_checksum` alone it stays off
     and LMCache runs unwrapped.
 
-    Catches: the external flag ignored, either by `attach` in
-    wiring/external_loads.py (no external-load state: every load goes
-    unchecked) or by the carrier check in config.py (the package stays off
-    for LMCache); `connector_declares_carrier` (config.py) answering True for
-    a connector that overrides neither `kv_checksum_carrier` nor
+    Catches: the external flag ignored, either by the checksum scheduler's
+    set-up (no external-load state: every load goes unchecked) or by the
+    carrier check in config.py (the package stays off for LMCache);
+    `connector_declares_carrier` (config.py) answering True for a connector
+    that overrides neither `kv_checksum_carrier` nor
     `get_kv_checksum_sources` (the flag-less scheduler would attach and claim
     loads it cannot verify)."""
     scheduler = lmcache_engine.scheduler
     assert scheduler.kv_checksum_scheduler is not None
-    assert scheduler.__dict__.get("_kv_checksum_external_loads") is not None
+    verifier = prefix_hit_verifier(scheduler)
+    assert verifier is not None and verifier.external is not None
     assert scheduler.connector is not None
     assert "update_state_after_alloc" in vars(scheduler.connector)
-    assert lmcache_engine.workers[0].checksum.external_entries is not None
 
     # A second scheduler (LMCache's scheduler side only) without the flag.
     config = make_vllm_config(
