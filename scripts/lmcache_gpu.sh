@@ -3,6 +3,7 @@
 # offline GPU host, after `scripts/gpu_runs.sh install-bundle` on the same warm
 # machine. Build first, on the CPU machine:
 #   bash scripts/lmcache_bundle.sh gpu_lmcache   # about 21 MB (lmcache + deps)
+#   bash scripts/lmcache_cuda_ops.sh             # gpu_lmcache/ops: its CUDA ops
 # then, after `bash scripts/gpu_runs.sh install-bundle` (carry gpu_bundle/so,
 # its tarball and install scripts), one call carrying gpu_bundle/whl and
 # gpu_lmcache (lmcache, its small deps and the `vllm serve` wheels):
@@ -26,16 +27,23 @@ for dir in gpu_bundle/whl gpu_lmcache; do
         echo "[lmcache_gpu] installed $dir"
     fi
 done
+# LMCache's CUDA ops rebuilt for the host's torch (scripts/lmcache_cuda_ops.sh),
+# over the wheel's, which do not load there.
+if compgen -G "$repo/gpu_lmcache/ops/cuda_ops.*.so" >/dev/null; then
+    cp "$repo"/gpu_lmcache/ops/cuda_ops.*.so "$site/lmcache/"
+    echo "[lmcache_gpu] installed the rebuilt lmcache.cuda_ops"
+    export KV_CHECKSUM_LMCACHE_OPS_REQUIRED=1
+fi
 (cd "$repo" && find vllm/distributed/kv_transfer/kv_checksum -name '*.py' \
     -not -path '*/__pycache__/*' -exec cp --parents {} "$site/" \;)
 
-# LMCache's CUDA ops link libtorch's unstable C++ ABI: they load only under
-# the torch they were built for (not under this project's torch 2.14, nor the
-# GPU host's torch 2.11: undefined c10 symbols). Without them LMCache runs its
-# torch baseline copies, which refuse HND layouts; the driver reports which
-# ran. The other imports are required (the vLLM adapter needs cryptography).
+# LMCache's CUDA ops link libtorch's unstable C++ ABI: the published wheel's
+# do not load under the GPU host's torch 2.11 (undefined c10 symbols), and
+# LMCache then runs its torch fallback copies. With the rebuilt ops installed
+# their import is required; without, it may fail. The other imports are
+# required (the vLLM adapter needs cryptography).
 python3 - >"$out/preflight.log" 2>&1 <<'PY'
-import importlib, sys, torch
+import importlib, os, sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__,
       "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
 ok = True
@@ -45,7 +53,8 @@ for name in ("lmcache", "lmcache.lmcache_native", "lmcache.cuda_ops",
         importlib.import_module(name)
         print("import", name, "ok")
     except Exception as e:
-        ok = ok and name == "lmcache.cuda_ops"
+        ok = ok and name == "lmcache.cuda_ops" and not os.environ.get(
+            "KV_CHECKSUM_LMCACHE_OPS_REQUIRED")
         print("import", name, "FAILED:", repr(e)[:400])
 sys.exit(0 if ok else 3)
 PY
