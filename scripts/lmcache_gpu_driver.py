@@ -34,10 +34,18 @@ from kv_checksum_serve_pd import SERVE, VOCAB, build_model, log  # noqa: E402
 HIT = re.compile(r"LMCache hit tokens: (\d+), need to load: (\d+)")
 METRIC = re.compile(r"^(vllm:kv_checksum_\S+|vllm:\S*prefix_cache\S*)\s+(\S+)$")
 MODES = ("off", "on", "fault", "corrupt")
+CONNECTORS = ("LMCacheConnectorV1", "ExampleConnector")
+EXTERNAL = re.compile(r'^vllm:kv_checksum_external_loads_total\{.*verdict="(\w+)"')
 
 
-def kv_transfer_config(mode: str) -> dict[str, Any]:
+def kv_transfer_config(mode: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The engine's KV transfer config; None for mode "plain" (no connector:
+    the reference outputs, every prefix computed by vLLM itself)."""
+    if mode == "plain":
+        return None
     extra: dict[str, Any] = {}
+    if args.connector == "ExampleConnector":  # vLLM's own file store
+        extra["shared_storage_path"] = os.path.join(args.out, f"storage-{mode}")
     if mode != "off":
         extra = {"enable_kv_checksum": True, "kv_checksum_verify_external_loads": True}
     if mode == "fault":
@@ -47,7 +55,7 @@ def kv_transfer_config(mode: str) -> dict[str, Any]:
             "seed": 0,
         }
     return {
-        "kv_connector": "LMCacheConnectorV1",
+        "kv_connector": args.connector,
         "kv_role": "kv_both",
         # A load that fails verification is recomputed, not failed (vLLM's
         # default "fail" would turn every caught corruption into an error).
@@ -86,7 +94,9 @@ def start(mode: str, args: argparse.Namespace, port: int) -> Any:
     cmd += ["--dtype", "bfloat16"]
     cmd += ["--num-gpu-blocks-override", str(args.gpu_blocks), "--enforce-eager"]
     cmd += ["--gpu-memory-utilization", "0.3", "--max-num-seqs", "4"]
-    cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(mode))]
+    config = kv_transfer_config(mode, args)
+    if config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(config)]
     path = os.path.join(args.out, f"{mode}.log")
     out = open(path, "wb")  # noqa: SIM115 - the server's lifetime
     out.write((" ".join(cmd) + "\n").encode())
@@ -175,6 +185,11 @@ def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     result.update(
         outputs=outputs,
         metrics={ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines},
+        external_verdicts={
+            m.group(1): float(ln.rsplit(" ", 1)[1])
+            for ln in lines
+            if (m := EXTERNAL.match(ln))
+        },
         lmcache_loads=sum(1 for _, need in hits if need > 0),
         lmcache_loaded_tokens=sum(need for _, need in hits),
         degraded="degraded mode" in server_log,
@@ -192,7 +207,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="/tmp/kv-checksum-serve-tiny")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {MODES} and plain")
+    p.add_argument("--connector", choices=CONNECTORS, default=CONNECTORS[0])
     # vLLM refuses to start unless the GPU blocks hold one max-length request.
     p.add_argument("--gpu-blocks", type=int, default=96)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -210,15 +226,23 @@ def main() -> int:
     summary: dict[str, Any] = {"modes": results}
     for i, mode in enumerate(args.modes.split(",")):
         results[mode] = run_mode(mode, args, 8300 + i)
-        if "off" in results and "on" in results:
-            summary["on_equals_off"] = results["on"].get("outputs") == results[
-                "off"
+        for other in ("off", "plain"):
+            if other in results and "on" in results:
+                summary[f"on_equals_{other}"] = results["on"].get("outputs") == results[
+                    other
+                ].get("outputs")
+        if "off" in results and "plain" in results:
+            summary["off_equals_plain"] = results["off"].get("outputs") == results[
+                "plain"
             ].get("outputs")
         # After every mode: a call cut by its time limit keeps what ran.
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
     on = results.get("on", {})
-    ok = bool(summary.get("on_equals_off")) and on.get("lmcache_loads", 0) > 0
+    loads = on.get("lmcache_loads", 0) + on.get("external_verdicts", {}).get(
+        "verified", 0
+    )
+    ok = bool(summary.get("on_equals_off")) and loads > 0
     ok = ok and not any(r.get("degraded") for r in results.values())
     log(f"on_equals_off={summary.get('on_equals_off')} ok={ok}")
     return 0 if ok else 1
