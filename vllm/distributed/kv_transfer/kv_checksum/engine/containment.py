@@ -35,7 +35,6 @@ request's blocks (the CPU offload tier) are told through the checksum
 scheduler's `contained_listeners`.
 """
 
-import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -52,10 +51,6 @@ from vllm.distributed.kv_transfer.kv_checksum.wire.verification import (
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-# Test deployments only: "1" keeps checksums (and fault injection) on but turns
-# containment off, so a driver can show what a bad load does without it.
-NO_CONTAINMENT_ENV = "KV_CHECKSUM_TEST_NO_CONTAINMENT"
 
 # vLLM's mark on a request (`KVCacheManager.stop_caching`): at most this many
 # leading tokens of its KV may be cached or offloaded.
@@ -278,13 +273,6 @@ def attach_containment(
     did not verify. `requests`: the Scheduler's requests by id;
     `stop_caching(request, num_tokens)`: `KVCacheManager.stop_caching`.
     Errors inside are logged and never reach vLLM."""
-    if os.environ.get(NO_CONTAINMENT_ENV) == "1":
-        logger.warning(
-            "KV checksum containment is OFF (%s=1): blocks of failed loads "
-            "stay in the prefix cache. Test deployments only.",
-            NO_CONTAINMENT_ENV,
-        )
-        return None
     from vllm.v1.kv_cache_interface import MambaSpec
 
     def mark(req_id: str, num_tokens: int) -> int | None:

@@ -14,11 +14,11 @@ KV cache coordinator cache_blocks, free, pop_blocks_for_free (instance, set up w
       `attach_containment` from vLLM's Scheduler (series 0010)
 """
 
+import os
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_checksum.engine.containment import (
     MARK_ATTR,
-    NO_CONTAINMENT_ENV,
     attach_containment,
 )
 from vllm.distributed.kv_transfer.kv_checksum.engine.scheduler import (
@@ -32,6 +32,11 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 __all__ = ["NO_CONTAINMENT_ENV"]
+
+# Test deployments of the plugin only: "1" keeps checksums (and fault
+# injection) on but leaves containment unattached, so a driver can show what a
+# bad load does without it. vLLM with the series has no such switch.
+NO_CONTAINMENT_ENV = "KV_CHECKSUM_TEST_NO_CONTAINMENT"
 
 
 def _attach_containment(scheduler: Any, kcs: KVChecksumScheduler) -> None:
@@ -61,6 +66,13 @@ def _attach_containment(scheduler: Any, kcs: KVChecksumScheduler) -> None:
     wrapped. Errors are logged and never reach vLLM.
     Upstream: series 0009 (`KVCacheManager.stop_caching`) and 0010.
     """
+    if os.environ.get(NO_CONTAINMENT_ENV) == "1":
+        logger.warning(
+            "KV checksum containment is OFF (%s=1): blocks of failed loads "
+            "stay in the prefix cache. Test deployments only.",
+            NO_CONTAINMENT_ENV,
+        )
+        return
     try:
         _contain_failed_loads(scheduler, kcs)
     except Exception:
