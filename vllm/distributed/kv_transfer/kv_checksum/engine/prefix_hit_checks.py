@@ -209,12 +209,7 @@ class PrefixHitVerifier:
         """After the step's checksum metadata is built: hits of this step's
         scheduled requests become checks; the step's entries to save and
         checks join `output.kv_checksum_scheduled`."""
-        if not self.live():
-            return
-        try:
-            self._schedule(output, requests, kv_cache_manager)
-        except Exception:
-            self.turn_off("scheduling")
+        self._guarded("scheduling", self._schedule, output, requests, kv_cache_manager)
 
     def verify(
         self, scheduler_output: Any, model_output: Any, recovery: InvalidBlockRecovery
@@ -223,12 +218,19 @@ class PrefixHitVerifier:
         with policy "recompute" the requests on mismatched blocks restart,
         with "fail" the blocks join `invalid_block_ids` and vLLM fails those
         requests; every block computed over a bad one leaves the cache."""
+        self._guarded(
+            "verification", self._verify, scheduler_output, model_output, recovery
+        )
+
+    def _guarded(self, where: str, call: Callable[..., None], *args: Any) -> None:
+        """One of the engine's calls, unless verification stopped; an error in
+        it turns only prefix-hit verification off (R134)."""
         if not self.live():
             return
         try:
-            self._verify(scheduler_output, model_output, recovery)
+            call(*args)
         except Exception:
-            self.turn_off("verification")
+            self.turn_off(where)
 
     def _schedule(
         self, output: Any, requests: Mapping[str, Any], kv_cache_manager: Any
