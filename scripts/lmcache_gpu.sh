@@ -8,6 +8,9 @@
 # its tarball and install scripts), one call carrying gpu_bundle/whl and
 # gpu_lmcache (lmcache, its small deps and the `vllm serve` wheels):
 #   bash scripts/lmcache_gpu.sh [DRIVER ARGS...]
+#   bash scripts/lmcache_gpu.sh install         # the install and preflight alone
+#   OUT=DIR bash scripts/lmcache_gpu.sh run [DRIVER ARGS...]   # the driver alone
+# (two drivers at once after one install: `run --port 8400 --connector ...`).
 # Steps: install the wheels into $SITE, refresh this tree's package there, check
 # that LMCache and its CUDA ops import (under the host's torch), then run
 # scripts/lmcache_gpu_driver.py (modes off, on, fault, corrupt). Everything
@@ -20,6 +23,12 @@ out=${OUT:-/tmp/lmcache_gpu}
 mkdir -p "$out"
 export PYTHONPATH=$site VLLM_USE_FLASHINFER_SAMPLER=0 LMCACHE_TRACK_USAGE=false
 
+step=all
+case "${1:-}" in
+install | run) step=$1 && shift ;;
+esac
+
+install() {
 for dir in gpu_bundle/whl gpu_lmcache; do
     if compgen -G "$repo/$dir/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -61,13 +70,19 @@ PY
 rc=$?
 cat "$out/preflight.log"
 [ $rc -eq 0 ] || { echo "[lmcache_gpu] preflight failed"; exit $rc; }
+}
+
+[ $step = run ] || install
+[ $step = install ] && exit 0
 
 (cd "$repo" && timeout --kill-after=20 "${KV_CHECKSUM_RUN_LIMIT:-540}" python3 \
     scripts/lmcache_gpu_driver.py --out "$out/lmcache" "$@") >"$out/lmcache.log" 2>&1
 rc=$?
-pkill -9 -f "EngineCore|vllm.entrypoints" 2>/dev/null
+# Leftover servers; KV_CHECKSUM_PAIRED=1: another run shares the machine, and
+# the caller ends them when both are done.
+[ -n "${KV_CHECKSUM_PAIRED:-}" ] || pkill -9 -f "EngineCore|vllm.entrypoints" 2>/dev/null
 [ -f "$out/lmcache/summary.json" ] && cp "$out/lmcache/summary.json" "$out/summary.json"
-tar -czf "$out/lmcache.tar.gz" -C "$out" lmcache && rm -rf "${out:?}/lmcache"
+tar -czf "$out/lmcache.tar.gz" --exclude="storage-*" -C "$out" lmcache && rm -rf "${out:?}/lmcache"
 tail -n 30 "$out/lmcache.log"
 echo "[lmcache_gpu] exit $rc"
 exit $rc

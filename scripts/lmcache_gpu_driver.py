@@ -47,7 +47,7 @@ def kv_transfer_config(mode: str, args: argparse.Namespace) -> dict[str, Any] | 
     if args.connector == "ExampleConnector":  # vLLM's own file store
         extra["shared_storage_path"] = os.path.join(args.out, f"storage-{mode}")
     if mode != "off":
-        extra = {"enable_kv_checksum": True, "kv_checksum_verify_external_loads": True}
+        extra.update(enable_kv_checksum=True, kv_checksum_verify_external_loads=True)
     if mode == "fault":
         extra["kv_checksum_fault_injection"] = {
             "rate": 0.5,
@@ -64,7 +64,7 @@ def kv_transfer_config(mode: str, args: argparse.Namespace) -> dict[str, Any] | 
     }
 
 
-def server_env(mode: str) -> dict[str, str]:
+def server_env(mode: str, connector: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         VLLM_USE_FLASHINFER_SAMPLER="0",
@@ -78,7 +78,7 @@ def server_env(mode: str) -> dict[str, str]:
         LMCACHE_TRACK_USAGE="false",
         LMCACHE_DISABLE_BANNER="1",
     )
-    if mode == "corrupt":
+    if mode == "corrupt" and connector == "LMCacheConnectorV1":
         corrupt = os.path.join(REPO, "scripts", "lmcache_corrupt")
         env["PYTHONPATH"] = corrupt + os.pathsep + env.get("PYTHONPATH", "")
         env["KVC_LMCACHE_CORRUPT"] = "1"
@@ -103,7 +103,7 @@ def start(mode: str, args: argparse.Namespace, port: int) -> Any:
     out.flush()
     proc = subprocess.Popen(
         cmd,
-        env=server_env(mode),
+        env=server_env(mode, args.connector),
         stdout=out,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -133,19 +133,48 @@ def stop(proc: Any) -> None:
 
 def workload(args: argparse.Namespace) -> list[str]:
     """The shared prefix with a new suffix, fillers that evict it from the
-    GPU prefix cache, and the prefix again, `rounds` times."""
+    GPU prefix cache, and the prefix again, `rounds` times. ExampleConnector
+    finds only whole prompts it stored, so its suffix stays the same."""
     rng = random.Random(0)
 
     def words(n: int) -> str:
         return " ".join(f"t{rng.randrange(4, VOCAB)}" for _ in range(n))
 
     prefix = words(args.prefix_len)
+    same = args.connector == "ExampleConnector"
+    suffix = words(8)
     prompts = []
     for _ in range(args.rounds):
-        prompts.append(prefix + " " + words(8))
+        prompts.append(prefix + " " + (suffix if same else words(8)))
         prompts += [words(args.filler_len) for _ in range(args.fillers)]
-    prompts.append(prefix + " " + words(8))
+    prompts.append(prefix + " " + (suffix if same else words(8)))
     return prompts
+
+
+def corrupt_stored_files(storage: str, flipped: dict[str, int]) -> int:
+    """Mode corrupt of ExampleConnector: flip one byte of tensor data near the
+    end of every file it stored since the last call (a fault on its disk, made
+    outside the package); `flipped` keeps each file's mtime after its flip, so
+    a file is flipped once per write. Returns the number of files changed."""
+    changed = 0
+    for root, _, names in os.walk(storage):
+        for name in names:
+            if not name.endswith(".safetensors"):
+                continue
+            path = os.path.join(root, name)
+            if flipped.get(path) == os.stat(path).st_mtime_ns:
+                continue
+            with open(path, "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size < 256:
+                    continue
+                f.seek(size - 64)
+                byte = f.read(1)
+                f.seek(size - 64)
+                f.write(bytes([byte[0] ^ 0x40]))
+            flipped[path] = os.stat(path).st_mtime_ns
+            changed += 1
+    return changed
 
 
 def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
@@ -155,6 +184,9 @@ def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     if proc is None:
         return result
     outputs = []
+    flipped: dict[str, int] = {}
+    flips = 0
+    storage = os.path.join(args.out, f"storage-{mode}")
     try:
         for i, prompt in enumerate(workload(args)):
             body: dict[str, Any] = {
@@ -173,6 +205,8 @@ def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
             outputs.append(
                 r.json()["choices"][0]["text"] if r.ok else f"HTTP {r.status_code}"
             )
+            if mode == "corrupt" and args.connector == "ExampleConnector":
+                flips += corrupt_stored_files(storage, flipped)
         text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     finally:
         stop(proc)
@@ -195,7 +229,7 @@ def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
         degraded="degraded mode" in server_log,
         torch_baseline_ops="stays on the torch baseline" in server_log,
         failed_verification=server_log.count("failed verification"),
-        corruptions=server_log.count("KVC corrupt:"),
+        corruptions=server_log.count("KVC corrupt:") + flips,
         injected=server_log.count("KV checksum fault injection:"),
     )
     brief = {k: v for k, v in result.items() if k != "outputs"}
@@ -217,6 +251,8 @@ def main() -> int:
     p.add_argument("--fillers", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--start-timeout", type=float, default=240)
+    # Two drivers at once on one GPU (LMCache and ExampleConnector): ports apart.
+    p.add_argument("--port", type=int, default=8300, help="first mode's port")
     args = p.parse_args()
     if args.gpu_blocks * 16 < args.max_model_len:
         p.error("--gpu-blocks x 16 tokens must hold --max-model-len")
@@ -225,7 +261,7 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     summary: dict[str, Any] = {"modes": results}
     for i, mode in enumerate(args.modes.split(",")):
-        results[mode] = run_mode(mode, args, 8300 + i)
+        results[mode] = run_mode(mode, args, args.port + i)
         for other in ("off", "plain"):
             if other in results and "on" in results:
                 summary[f"on_equals_{other}"] = results["on"].get("outputs") == results[
