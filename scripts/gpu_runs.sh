@@ -194,6 +194,11 @@ install-series)
     # "Failed to load plugin kv_checksum").
     grep -l "kv_checksum.plugin" "$site"/*.dist-info/entry_points.txt \
         "$site"/*.egg-info/entry_points.txt 2>/dev/null | xargs -r -n1 dirname | xargs -r rm -rf
+    # install-bundle's pip build leaves vllm_kv_checksum.egg-info in this
+    # checkout, and every process started here (cwd on sys.path) read the
+    # plugin's entry point from it (2026-12-07: "Failed to load plugin
+    # kv_checksum" in each engine of the series' runs).
+    rm -rf "$repo"/*.egg-info
     cp -r "$repo/gpu_series/vllm/." "$site/vllm/"
     python3 - <<'PY' || exit 1
 import importlib.metadata as m

@@ -48,6 +48,7 @@ def kv_transfer_config(mode: str, args: argparse.Namespace) -> dict[str, Any] | 
         extra["shared_storage_path"] = os.path.join(args.out, f"storage-{mode}")
     if mode != "off":
         extra.update(enable_kv_checksum=True, kv_checksum_verify_external_loads=True)
+    extra.update(json.loads(args.extra_config))
     if mode == "fault":
         extra["kv_checksum_fault_injection"] = {
             "rate": 0.5,
@@ -253,6 +254,9 @@ def main() -> int:
     p.add_argument("--start-timeout", type=float, default=240)
     # Two drivers at once on one GPU (LMCache and ExampleConnector): ports apart.
     p.add_argument("--port", type=int, default=8300, help="first mode's port")
+    # More of the connector's settings, in every mode with a connector (e.g.
+    # '{"use_native": true}': vLLM's own copy of LMCache's adapter).
+    p.add_argument("--extra-config", default="{}", help="JSON object")
     args = p.parse_args()
     if args.gpu_blocks * 16 < args.max_model_len:
         p.error("--gpu-blocks x 16 tokens must hold --max-model-len")
